@@ -1,0 +1,40 @@
+# One virtual environment per clone, created on first use. On hosts without an NVIDIA GPU the
+# CPU build of torch is installed before the project, so pip never pulls the multi-GB CUDA
+# build; set TORCH_INDEX_URL to a CPU wheel index if your pip has no local CPU wheel.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# GPUs when there are any, else 4 CPU processes over gloo.
+NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ $$n -gt 0 ] && echo $$n || echo 4)
+
+.PHONY: setup test test-fast train bench describe clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install --quiet "torch==2.13.0" $${TORCH_INDEX_URL:+--index-url $$TORCH_INDEX_URL}; \
+	fi
+	$(PY) -m pip install --quiet -e ".[dev,peer]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+train: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config train_configs/llama3.toml $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run --out bench_results/bench.json
+
+describe: $(STAMP)
+	$(PY) -m parallel_dims --world-size 4096 --dp-shard -1 --cp 2 --tp 8 --pp 4 --ep 64 --rank 17 --gpus-per-node 8
+
+clean:
+	rm -rf $(VENV) outputs bench_results .pytest_cache .hypothesis

@@ -1,0 +1,15 @@
+from models.deepseek_v3.args import DeepSeekV3Args, deepseek_v3_flavors
+from models.deepseek_v3.model import Attention, DeepSeekV3, TransformerBlock
+from models.deepseek_v3.moe import GroupedExperts, MoE, TokenChoiceRouter, moe_layers
+
+__all__ = [
+    "Attention",
+    "DeepSeekV3",
+    "DeepSeekV3Args",
+    "GroupedExperts",
+    "MoE",
+    "TokenChoiceRouter",
+    "TransformerBlock",
+    "deepseek_v3_flavors",
+    "moe_layers",
+]

@@ -1,0 +1,124 @@
+"""Llama 3 configuration and the published flavors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Llama3Args.{name} must be a positive int, got {value!r}.")
+
+
+def _positive_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"Llama3Args.{name} must be a positive number, got {value!r}.")
+
+
+@dataclass
+class Llama3Args:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    # None means multi-head attention (as many KV heads as query heads).
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 long-context frequency rescaling (factor 8, low 1, high 4, original 8192).
+    use_rope_scaling: bool = True
+    max_seq_len: int = 8192
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """Llama sizing: 2/3 of 4*dim (keeps SwiGLU's three matrices at the cost of a 4*dim
+        MLP), times the optional multiplier, rounded up to ``multiple_of`` for matmul-friendly
+        shapes."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            _positive_int(name, getattr(self, name))
+        if self.n_kv_heads is not None:
+            _positive_int("n_kv_heads", self.n_kv_heads)
+        if self.dim % self.n_heads != 0:
+            raise ValueError(
+                f"Llama3Args.dim={self.dim} is not divisible by n_heads={self.n_heads}; pick "
+                "n_heads dividing dim so every head has the same width."
+            )
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(
+                f"Llama3Args.n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
+                "grouped-query attention needs an equal number of query heads per KV head."
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"Llama3Args head_dim = dim / n_heads = {self.head_dim} is odd; RoPE rotates "
+                "channel pairs, so choose dim and n_heads giving an even head_dim."
+            )
+        if self.ffn_dim_multiplier is not None:
+            _positive_float("ffn_dim_multiplier", self.ffn_dim_multiplier)
+        _positive_float("norm_eps", self.norm_eps)
+        _positive_float("rope_theta", self.rope_theta)
+        if not isinstance(self.use_rope_scaling, bool):
+            raise ValueError(
+                f"Llama3Args.use_rope_scaling must be a bool, got {self.use_rope_scaling!r}."
+            )
+
+
+llama3_flavors: dict[str, Llama3Args] = {
+    "debugmodel": Llama3Args(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=2048,
+        multiple_of=256,
+        rope_theta=500000.0,
+        use_rope_scaling=True,
+        max_seq_len=2048,
+    ),
+    "8B": Llama3Args(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000.0,
+    ),
+    "70B": Llama3Args(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000.0,
+    ),
+    "405B": Llama3Args(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000.0,
+    ),
+}

@@ -1,0 +1,469 @@
+"""ParallelDims: degrees -> one world DeviceMesh -> named dense and sparse meshes.
+
+The names, ``get_mesh`` / ``get_optional_mesh`` and the ``*_enabled`` properties follow
+torchtitan's ParallelDims, and every name both define gets the same rank groups. What differs is
+how the meshes come to be:
+
+* Every named axis is a view of ONE world mesh ``("world",)``. Its layout comes from the pure
+  :class:`~parallel_dims.layout.RankLayout`, so the groups are known before any process group
+  exists and are checked against it after building.
+* One process group per distinct rank set. pp and dp_replicate are the same groups in the dense
+  and sparse views, etp is the tp group when ``etp == tp``, a derived mesh equal to an axis (e.g.
+  ``fsdp`` when cp == 1 equals ``dp_shard``) reuses that axis' group, and an axis that spans the
+  whole world reuses the default group. Each rank only creates the groups it belongs to
+  (``use_local_synchronization``), so building is O(axes) per rank, not O(world).
+* A size-1 axis gets a placeholder group on the ``fake`` backend: no communicator, no memory.
+* One name registry. Our meshes are registered in the root mesh's flatten namespace, so a later
+  ``_flatten`` that reuses a name with other ranks fails loudly instead of shadowing a group,
+  and :meth:`ParallelDims.flatten` refuses clashes with a clear error.
+
+Requires torch >= 2.13 (DeviceMesh layouts, ``_concatenate`` and the root flatten namespace).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .layout import (
+    ALL_NAMES,
+    COMPOSITE_MESHES,
+    DERIVED_AXES,
+    ONE_D_AXES,
+    Degrees,
+    RankLayout,
+    validate_degrees,
+)
+
+__all__ = ["ParallelDims", "default_device_type", "default_backend"]
+
+
+def default_device_type() -> str:
+    """``cuda`` when a GPU is present, else ``cpu``: the device never comes from model code."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_backend(device_type: str | None = None) -> str:
+    return "nccl" if (device_type or default_device_type()) == "cuda" else "gloo"
+
+
+def _register_fake_backend() -> None:
+    # The "fake" backend's factory lives in torch's testing package; importing it registers the
+    # backend. We use it only for placeholder groups of size-1 axes and for dry runs.
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
+def _new_group(ranks: list[int], backend: str | None, desc: str):
+    if backend == "fake":
+        _register_fake_backend()
+    return dist.new_group(
+        ranks, backend=backend, use_local_synchronization=True, group_desc=f"mesh_{desc}"
+    )
+
+
+@dataclass
+class ParallelDims:
+    """Parallelism degrees and, once built, the meshes for each role.
+
+    ``dp_shard=-1`` infers the degree from the world size. Validation happens on construction,
+    before any process group exists.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    world_size: int
+
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        degrees = validate_degrees(
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            cp=self.cp,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            etp=self.etp,
+            world_size=self.world_size,
+        )
+        for name, value in degrees.as_dict().items():
+            setattr(self, name, value)
+        self.degrees: Degrees = degrees
+        self.layout = RankLayout(degrees)
+        self._group_by_rank_set: dict[tuple[int, ...], str] = {}
+        self._flat_names: dict[str, tuple[str, ...]] = {}
+        self.groups_created = 0  # real communicators this object created on this rank
+        self.placeholder_groups_created = 0  # size-1 axes: fake-backend groups, no communicator
+
+    # ------------------------------------------------------------------ building
+    def build_mesh(
+        self,
+        device_type: str | None = None,
+        backend_override: dict[str, str] | None = None,
+    ) -> DeviceMesh:
+        """Build the world mesh and every named mesh; return the world mesh.
+
+        ``backend_override`` maps axis names to a backend for their groups (e.g. ``"fake"`` for
+        a dry run of one axis). Needs an initialized default process group of ``world_size``.
+        """
+        if self._world_mesh is not None:
+            return self._world_mesh
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ParallelDims.build_mesh needs torch.distributed to be initialized: launch with "
+                "torchrun (or call torch.distributed.init_process_group) first"
+            )
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims was configured for world_size={self.world_size} but the process "
+                f"group has {dist.get_world_size()} ranks; launch with "
+                f"--nproc_per_node/--nnodes that multiply to {self.world_size}"
+            )
+        overrides = dict(backend_override or {})
+        unknown = set(overrides) - set(ONE_D_AXES)
+        if unknown:
+            raise ValueError(
+                f"backend_override names unknown axes {sorted(unknown)}; valid: {ONE_D_AXES}"
+            )
+        device_type = device_type or default_device_type()
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        self._world_mesh = world
+        self._meshes["world"] = world
+        rank = dist.get_rank()
+        for name in ONE_D_AXES[1:]:
+            ranks = tuple(self.layout.group(name, rank))
+            group_name = self._group_for(ranks, overrides.get(name), name)
+            self._meshes[name] = self._one_d_mesh(name, group_name)
+        self._verify()
+        return world
+
+    def _group_for(self, ranks: tuple[int, ...], backend: str | None, name: str) -> str:
+        """The process group name for a rank set, creating it only the first time it is seen."""
+        key = ranks if len(ranks) > 1 else ("singleton",) + ranks
+        existing = self._group_by_rank_set.get(key)
+        if existing is not None:
+            return existing
+        if len(ranks) == self.world_size and backend is None:
+            group = dist.group.WORLD
+        elif len(ranks) == 1:
+            group = _new_group(list(ranks), "fake", name)
+            self.placeholder_groups_created += 1
+        else:
+            group = _new_group(list(ranks), backend, name)
+            self.groups_created += 1
+        self._group_by_rank_set[key] = group.group_name
+        return group.group_name
+
+    def _one_d_mesh(self, name: str, group_name: str, modes=None) -> DeviceMesh:
+        from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        world = self._world_mesh
+        modes = modes or self.layout.modes(name)
+        layout = _MeshLayout([_FlatLayout(tuple(s for s, _ in modes), tuple(st for _, st in modes))])
+        mesh = DeviceMesh(
+            world.device_type,
+            _layout=layout,
+            _rank_map=world._rank_map,
+            mesh_dim_names=(name,),
+            _root_mesh=world,
+            _init_backend=False,
+        )
+        mesh._dim_group_names = [group_name]
+        world._pg_registry.setdefault(group_name, _resolve_process_group(group_name))
+        world._flatten_mapping[name] = mesh  # one namespace with torch's own flattens
+        return mesh
+
+    def _verify(self) -> None:
+        """Every built group must have exactly the ranks the layout layer says."""
+        rank = dist.get_rank()
+        for name in ONE_D_AXES:
+            got = self._meshes[name].mesh.tolist()
+            want = self.layout.group(name, rank)
+            if got != want:
+                raise AssertionError(f"mesh {name!r} on rank {rank} has ranks {got}, layout says {want}")
+        for name in COMPOSITE_MESHES:
+            got = self._mesh_nd(COMPOSITE_MESHES[name]).mesh
+            want = torch.as_tensor(self.layout.mesh_of(name, rank), dtype=got.dtype)
+            if not torch.equal(got, want):
+                raise AssertionError(f"mesh {name!r} on rank {rank} disagrees with the layout")
+
+    def _mesh_nd(self, names: tuple[str, ...]) -> DeviceMesh:
+        key = "/".join(names)
+        mesh = self._meshes.get(key)
+        if mesh is None:
+            self.layout.check_composable(names)
+            mesh = DeviceMesh._concatenate([self._meshes[n] for n in names])
+            self._meshes[key] = mesh
+        return mesh
+
+    def flatten(self, names: Iterable[str], new_name: str) -> DeviceMesh:
+        """A 1-D mesh over the product of ``names`` (e.g. a user's ``dp_cp``), registered under
+        ``new_name``. Reuses the group of an existing axis with the same ranks. Refuses a name
+        that already means something else."""
+        names = tuple(names)
+        self._require_built()
+        if new_name in ALL_NAMES or new_name in self._meshes:
+            if self._flat_names.get(new_name) == names:
+                return self._meshes[new_name]
+            raise ValueError(
+                f"cannot name a flattened mesh {new_name!r}: that name already denotes another "
+                f"mesh; names in use: {sorted(set(ALL_NAMES) | set(self._flat_names))}"
+            )
+        self.layout.check_composable(names)
+        axes = self.layout.expand(names)
+        modes = [m for n in axes for m in self.layout.modes(n)]
+        ranks = tuple(self._flat_group(modes, dist.get_rank()))
+        group_name = self._group_for(ranks, None, new_name)
+        mesh = self._one_d_mesh(new_name, group_name, modes)
+        self._meshes[new_name] = mesh
+        self._flat_names[new_name] = names
+        return mesh
+
+    @staticmethod
+    def _flat_group(modes, rank: int) -> list[int]:
+        base = rank - sum(((rank // st) % s) * st for s, st in modes)
+        offsets = [0]
+        for size, stride in modes:
+            offsets = [o + i * stride for o in offsets for i in range(size)]
+        return [base + o for o in offsets]
+
+    # ------------------------------------------------------------------ lookup
+    def _require_built(self) -> None:
+        if self._world_mesh is None:
+            self.build_mesh()
+
+    def _exists(self, name: str) -> bool:
+        if name in ("world",) or name in COMPOSITE_MESHES:
+            return True
+        if name == "efsdp":
+            # As in torchtitan: efsdp is the experts' FSDP axis only when EP is on, and then
+            # even at size 1 (experts are always FSDP-wrapped for mixed precision). Without
+            # EP, experts are ordinary parameters on the dense fsdp mesh.
+            return self.ep > 1
+        if name in self._flat_names:
+            return self._meshes[name].size() > 1
+        return self.layout.size(name) > 1
+
+    def get_optional_mesh(self, dims: str | list[str] | tuple[str, ...]) -> DeviceMesh | None:
+        """The mesh over ``dims`` (one name or several, outer to inner), or None when any of
+        them is disabled (size 1)."""
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        valid = set(ALL_NAMES) | set(self._flat_names)
+        for n in names:
+            if n not in valid:
+                raise ValueError(f"Invalid mesh dim: {n!r}. Valid names are: {sorted(valid)}")
+        self._require_built()
+        if not all(self._exists(n) for n in names):
+            return None
+        if len(names) == 1 and names[0] not in COMPOSITE_MESHES:
+            return self._meshes[names[0]]
+        axes = tuple(a for n in names for a in (COMPOSITE_MESHES.get(n, (n,))))
+        return self._mesh_nd(axes)
+
+    def get_mesh(self, dims: str | list[str] | tuple[str, ...]) -> DeviceMesh:
+        """Like :meth:`get_optional_mesh`, but a disabled axis is an error."""
+        mesh = self.get_optional_mesh(dims)
+        if mesh is None:
+            names = [dims] if isinstance(dims, str) else list(dims)
+            off = [f"{n} (size {self.layout.size(n)})" for n in names if not self._exists(n)]
+            raise ValueError(
+                f"Mesh {dims!r} is not available: {', '.join(off)} disabled. Enable the axis "
+                f"(degree > 1) or use get_optional_mesh, which returns None for it."
+            )
+        return mesh
+
+    def get_all_one_dimensional_meshes(self) -> dict[str, DeviceMesh]:
+        """Enabled (size > 1) 1-D meshes by name, world excluded."""
+        self._require_built()
+        return {
+            n: self._meshes[n]
+            for n in ONE_D_AXES[1:]
+            if self.layout.size(n) > 1
+        }
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        self._require_built()
+        return self._world_mesh
+
+    @property
+    def dense_mesh(self) -> DeviceMesh:
+        return self.get_mesh("dense")
+
+    @property
+    def sparse_mesh(self) -> DeviceMesh:
+        return self.get_mesh("sparse")
+
+    def __getattr__(self, item: str):
+        # fsdp_mesh, loss_mesh, tp_mesh, ...: the mesh of that role, or None when disabled.
+        if item.endswith("_mesh") and item[: -len("_mesh")] in ONE_D_AXES:
+            return self.get_optional_mesh(item[: -len("_mesh")])
+        raise AttributeError(item)
+
+    def process_group_count(self) -> dict[str, int]:
+        """Groups this rank holds: real communicators created, placeholders, and the total of
+        distinct real rank sets (the default group included when an axis spans the world)."""
+        return {
+            "created": self.groups_created,
+            "placeholder": self.placeholder_groups_created,
+            "distinct_real_rank_sets": self.layout.rank_sets_per_rank(),
+        }
+
+    # ------------------------------------------------------------------ degrees
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate > 1 or self.dp_shard > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp_enabled(self) -> bool:
+        return self.dp_enabled or self.cp_enabled
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard_enabled or self.cp_enabled
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        return self.etp > 1
+
+    @property
+    def efsdp(self) -> int:
+        return self.degrees.efsdp
+
+    @property
+    def fsdp_gradient_divide_factor(self) -> int:
+        """Data-parallel ranks contributing to a gradient: experts are sharded on a smaller mesh
+        than dense params but must be divided like them."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.cp * self.tp * self.pp
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """Sequence parallel needs seq_len % tp == 0; load-balanced CP needs seq_len % 2cp."""
+        return self.tp * (self.cp * 2)
+
+    # ------------------------------------------------------------------ model rules
+    def check_model(
+        self,
+        *,
+        n_heads: int | None = None,
+        n_kv_heads: int | None = None,
+        n_experts: int | None = None,
+        seq_len: int | None = None,
+        n_layers: int | None = None,
+        pp_stages: int | None = None,
+        global_batch_size: int | None = None,
+        local_batch_size: int | None = None,
+    ) -> None:
+        """Model-dependent layout rules, each with a ValueError that says what to change."""
+        check_model_layout(
+            self.degrees,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            n_experts=n_experts,
+            seq_len=seq_len,
+            n_layers=n_layers,
+            pp_stages=pp_stages,
+            global_batch_size=global_batch_size,
+            local_batch_size=local_batch_size,
+        )
+
+
+def _divisors_of(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_model_layout(
+    d: Degrees,
+    *,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    n_experts: int | None = None,
+    seq_len: int | None = None,
+    n_layers: int | None = None,
+    pp_stages: int | None = None,
+    global_batch_size: int | None = None,
+    local_batch_size: int | None = None,
+) -> None:
+    """Rules that need the model or the batch: see :meth:`ParallelDims.check_model`."""
+    if n_heads is not None and n_heads % d.tp:
+        raise ValueError(
+            f"tp={d.tp} does not divide n_heads={n_heads}: tensor parallelism splits attention "
+            f"heads; legal tp values for this model: {_divisors_of(n_heads)}"
+        )
+    if n_kv_heads is not None and n_kv_heads % d.tp:
+        raise ValueError(
+            f"tp={d.tp} does not divide n_kv_heads={n_kv_heads}: each tp rank needs whole "
+            f"key/value heads (GQA); legal tp values: {_divisors_of(n_kv_heads)}"
+        )
+    if n_experts is not None and n_experts % d.ep:
+        raise ValueError(
+            f"ep={d.ep} does not divide n_routed_experts={n_experts}: each ep rank owns an "
+            f"equal share of the experts; legal ep values: {_divisors_of(n_experts)}"
+        )
+    divisor = d.tp * 2 * d.cp if d.cp > 1 else d.tp
+    if seq_len is not None and seq_len % divisor:
+        why = "2*cp*tp (load-balanced context parallel chunks, split again by sequence parallel)"
+        if d.cp == 1:
+            why = "tp (sequence parallel splits the sequence across tp ranks)"
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by {divisor} = {why}; use a multiple of {divisor}"
+        )
+    stages = pp_stages if pp_stages is not None else d.pp
+    if n_layers is not None and n_layers < stages:
+        raise ValueError(
+            f"n_layers={n_layers} is fewer than the {stages} pipeline stages (pp={d.pp}); every "
+            f"stage needs at least one layer: use pp <= {n_layers}"
+        )
+    if global_batch_size is not None:
+        batch = d.dp_replicate * d.dp_shard
+        if global_batch_size % batch:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by the batch degree "
+                f"dp_replicate*dp_shard = {batch}; use a multiple of {batch}"
+            )
+        if local_batch_size is not None and (global_batch_size // batch) % local_batch_size:
+            per_rank = global_batch_size // batch
+            raise ValueError(
+                f"local_batch_size={local_batch_size} does not divide the {per_rank} samples each "
+                f"batch rank gets (global_batch_size={global_batch_size} / batch degree {batch}); "
+                f"legal local_batch_size values: {_divisors_of(per_rank)}"
+            )

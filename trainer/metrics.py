@@ -1,0 +1,192 @@
+"""Per-step training metrics: console line, TensorBoard scalars and ``metrics.jsonl``.
+
+Only rank 0 writes (the trainer reduces loss/grad-norm across ranks before logging), so
+N ranks do not produce N copies. The JSONL file is flushed after every line: when a run
+crashes or is killed, the file still holds every step logged so far and stays parseable.
+
+Throughput is reported per device (global tokens / world size / seconds), the number that
+is comparable across cluster sizes; MFU = achieved model FLOP/s per device / peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+
+from trainer.config import JobConfig, Metrics as MetricsConfig
+
+# Dense peak FLOP/s per device (no sparsity). float32 matmuls run as TF32 on these parts.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bfloat16": 989e12, "float32": 494.5e12},
+    "H100 PCIe": {"bfloat16": 756e12, "float32": 378e12},
+    "H100": {"bfloat16": 989e12, "float32": 494.5e12},  # SXM; checked after "H100 PCIe"
+    "A100": {"bfloat16": 312e12, "float32": 156e12},
+    "L40S": {"bfloat16": 362e12, "float32": 183e12},
+    "B200": {"bfloat16": 2250e12, "float32": 1125e12},
+}
+
+
+def peak_flops(device_name: str, dtype: str = "bfloat16") -> float | None:
+    """Peak FLOP/s for a CUDA device name (e.g. ``torch.cuda.get_device_name()``), or None
+    when unknown - MFU is then omitted rather than computed against a guess."""
+    for key, table in PEAK_FLOPS.items():
+        if key.lower() in device_name.lower():
+            return table.get(dtype)
+    return None
+
+
+def model_flops_per_token(
+    num_params: int, num_layers: int, attention_dim: int, seq_len: int, num_embedding_params: int = 0
+) -> float:
+    """Training FLOPs per token: 6 * (non-embedding params) for forward + backward matmuls,
+    plus 12 * layers * attention_dim * seq_len for the attention score/value products
+    (PaLM appendix B convention: causal masking is not discounted).
+
+    For MoE pass the *active* parameters per token (shared + routed top-k experts);
+    ``attention_dim`` is n_heads * head_dim (the q/k dim for MLA).
+    """
+    return 6.0 * (num_params - num_embedding_params) + 12.0 * num_layers * attention_dim * seq_len
+
+
+def memory_gib(device: torch.device | str | None = None) -> tuple[str, float]:
+    """('cuda_max_alloc', GiB) since the last reset on GPU, else ('cpu_rss', GiB) now."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        value = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        return "cuda_max_alloc", value
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return "cpu_rss", pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError):  # non-Linux: peak RSS (KiB on Linux, bytes on macOS)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return "cpu_rss", rss / (2**30 if os.uname().sysname == "Darwin" else 2**20)
+
+
+class MetricsLogger:
+    """Call ``log`` on every rank at the steps ``should_log`` selects; non-zero ranks only
+    reset their timer, so the interval timing stays aligned across ranks."""
+
+    def __init__(
+        self,
+        run_folder: str,
+        rank: int,
+        cfg: JobConfig | MetricsConfig,
+        *,
+        world_size: int = 1,
+        flops_per_token: float | None = None,
+        device: torch.device | str | None = None,
+        peak_flops_per_device: float | None = None,
+    ):
+        mcfg = cfg.metrics if isinstance(cfg, JobConfig) else cfg
+        self.cfg, self.rank, self.world_size = mcfg, rank, world_size
+        self.run_folder = run_folder
+        self.flops_per_token = flops_per_token
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if peak_flops_per_device is None and self.device.type == "cuda" and torch.cuda.is_available():
+            dtype = cfg.parallelism.mixed_precision_param if isinstance(cfg, JobConfig) else "bfloat16"
+            peak_flops_per_device = peak_flops(torch.cuda.get_device_name(self.device), dtype)
+        # MFU on CPU is meaningless (no meaningful peak), so it is only shown for GPUs.
+        self.peak_flops = peak_flops_per_device if self.device.type == "cuda" else None
+        self._tb = None
+        self._jsonl = None
+        self._last_time = time.perf_counter()
+        if rank != 0:
+            return
+        os.makedirs(run_folder, exist_ok=True)
+        if mcfg.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb_dir = mcfg.save_tb_folder
+            self._tb = SummaryWriter(log_dir=tb_dir if os.path.isabs(tb_dir) else os.path.join(run_folder, tb_dir))
+        if mcfg.enable_jsonl:
+            self._jsonl = open(os.path.join(run_folder, "metrics.jsonl"), "a", buffering=1)
+
+    @property
+    def jsonl_path(self) -> str:
+        return os.path.join(self.run_folder, "metrics.jsonl")
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.log_freq == 0
+
+    def reset_timer(self) -> None:
+        """Exclude non-training time (checkpoint saves, evaluation) from throughput."""
+        self._last_time = time.perf_counter()
+
+    def log(
+        self,
+        step: int,
+        *,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        num_tokens: int,
+        extra: dict[str, float] | None = None,
+    ) -> dict[str, Any] | None:
+        """``num_tokens``: global tokens trained since the previous ``log`` call (all ranks,
+        e.g. steps_since_last_log * global_batch_size * seq_len). Returns the record on rank 0."""
+        now = time.perf_counter()
+        elapsed = max(now - self._last_time, 1e-9)
+        self._last_time = now
+        if self.rank != 0:
+            return None
+        tps = num_tokens / self.world_size / elapsed
+        mem_name, mem = memory_gib(self.device)
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "tps": tps,
+            "elapsed_s": elapsed,
+            mem_name + "_gib": mem,
+            "time": time.time(),
+        }
+        if self.flops_per_token is not None:
+            record["tflops"] = self.flops_per_token * tps / 1e12
+            if self.peak_flops:
+                record["mfu_pct"] = 100.0 * self.flops_per_token * tps / self.peak_flops
+        if extra:
+            record.update({k: float(v) for k, v in extra.items()})
+
+        line = (
+            f"step {step:6d}  loss {record['loss']:8.4f}  grad_norm {record['grad_norm']:8.4f}  "
+            f"lr {record['lr']:.3e}  tps {tps:10,.0f}  {mem_name} {mem:6.2f}GiB"
+        )
+        if "tflops" in record:
+            line += f"  tflops {record['tflops']:7.2f}"
+        if "mfu_pct" in record:
+            line += f"  mfu {record['mfu_pct']:5.2f}%"
+        print(line, flush=True)
+
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                          for k, v in record.items()}) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k not in ("step", "time") and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        return record
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

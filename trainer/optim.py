@@ -1,0 +1,206 @@
+"""AdamW over (possibly several, pipeline-stage) model parts, and the LR schedule.
+
+One ``torch.optim.AdamW`` per model part rather than one over all parts: the DCP
+state-dict helpers (``get/set_optimizer_state_dict``) map parameters to FQNs through a
+single module, and each pipeline stage is its own module with the original model's FQNs.
+``Optimizers`` and ``LRSchedulers`` make the list behave like one optimizer/scheduler.
+
+Weight decay applies to parameters with >= 2 dims (linear weights, embeddings, the
+output projection, expert weights); 1-D parameters (norm scales, biases) are not decayed,
+because shrinking a norm scale towards 0 fights the normalisation it implements. Embeddings
+are decayed like other matrices, as in the Llama recipes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainer.config import JobConfig, LRScheduler as LRSchedulerConfig, Optimizer as OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _layout_key(p: torch.Tensor) -> Any:
+    """Parameters AdamW's foreach path can batch together share this key."""
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        return ("dtensor", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+    return ("tensor",)
+
+
+def foreach_supported(params: Iterable[torch.Tensor]) -> bool:
+    """False when params mix plain tensors and DTensors, or DTensors on different meshes
+    (e.g. expert weights on an EP mesh next to dense weights on the FSDP mesh): the
+    foreach kernels dispatch one DTensor op over the whole list and fail on such mixes."""
+    return len({_layout_key(p) for p in params}) <= 1
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class Optimizers:
+    """One AdamW per model part, driven as one optimizer."""
+
+    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig):
+        if cfg.name != "AdamW":
+            raise ValueError(f"optimizer.name '{cfg.name}' is not supported; use 'AdamW'")
+        self.model_parts = list(model_parts)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for part in self.model_parts:
+            params = [p for p in part.parameters() if p.requires_grad]
+            if not params:
+                raise ValueError(f"model part {type(part).__name__} has no trainable parameters")
+            mixed = not foreach_supported(params)
+            if mixed:
+                logger.info("AdamW foreach disabled for a model part mixing tensor layouts")
+            self.optimizers.append(
+                torch.optim.AdamW(
+                    param_groups(part, cfg.weight_decay),
+                    lr=cfg.lr,
+                    betas=tuple(cfg.betas),
+                    eps=cfg.eps,
+                    weight_decay=cfg.weight_decay,
+                    foreach=False if mixed else None,  # None: torch picks foreach on GPU
+                    fused=False,
+                )
+            )
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Flat FQN-keyed state (``state.<fqn>.exp_avg``...), mergeable across parts and
+        reshardable by DCP to a different layout."""
+        merged: dict[str, Any] = {}
+        for part, opt in zip(self.model_parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
+
+
+def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig | OptimizerConfig) -> Optimizers:
+    if isinstance(model_parts, nn.Module):
+        raise TypeError("build_optimizer expects a list of model parts, e.g. [model]")
+    return Optimizers(model_parts, cfg.optimizer if isinstance(cfg, JobConfig) else cfg)
+
+
+# ---------------------------------------------------------------------- LR schedule
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, decay_style: str, min_lr_ratio: float) -> float:
+    """Factor on the peak lr for the optimizer step that follows ``step`` completed steps.
+
+    Warmup: steps 1..W (step index 0..W-1) ramp linearly to the peak, reached at the last
+    warmup step. Decay: from the peak at index max(W-1, 0) to min_lr_ratio at the final
+    step (index total_steps-1), so the schedule ends exactly at the floor.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_style == "constant":
+        return 1.0
+    start = max(warmup_steps - 1, 0)
+    span = total_steps - 1 - start
+    progress = min(max((step - start) / span, 0.0), 1.0) if span > 0 else 0.0
+    if decay_style == "linear":
+        shape = 1.0 - progress
+    elif decay_style == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"lr_scheduler.decay_style must be cosine, linear or constant, got {decay_style!r}")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+class LRSchedulers:
+    """One LambdaLR per optimizer, stepped together; they always hold the same position, so
+    the checkpoint stores one position and restores it into all (also when the number of
+    model parts differs after a layout change)."""
+
+    def __init__(self, optimizers: Optimizers, fn: Callable[[int], float]):
+        self.fn = fn
+        self.schedulers = [LambdaLR(opt, fn) for opt in optimizers.optimizers]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    @property
+    def last_step(self) -> int:
+        return self.schedulers[0].last_epoch
+
+    def get_last_lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        # base lrs and the schedule shape come from the current config on resume, so a
+        # run can be resumed with a changed lr/schedule; only the position is state.
+        return {"last_epoch": self.schedulers[0].last_epoch, "_step_count": self.schedulers[0]._step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for s in self.schedulers:
+            s.last_epoch = int(state["last_epoch"])
+            s._step_count = int(state["_step_count"])
+            lrs = [base * self.fn(s.last_epoch) for base in s.base_lrs]
+            for group, lr in zip(s.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            s._last_lr = lrs
+
+
+def build_lr_scheduler(
+    optimizer: Optimizers, cfg: JobConfig | LRSchedulerConfig, total_steps: int | None = None
+) -> LRSchedulers:
+    """``total_steps`` defaults to training.steps when a JobConfig is given."""
+    sched = cfg.lr_scheduler if isinstance(cfg, JobConfig) else cfg
+    if total_steps is None:
+        if not isinstance(cfg, JobConfig):
+            raise TypeError("build_lr_scheduler needs total_steps when given an LRScheduler section")
+        total_steps = cfg.training.steps
+    if total_steps <= 0:
+        raise ValueError(f"total_steps must be > 0, got {total_steps}")
+    warmup = sched.warmup_steps
+    if warmup > total_steps:
+        logger.warning(
+            "lr_scheduler.warmup_steps (%d) > training steps (%d); warming up over all %d steps",
+            warmup, total_steps, total_steps,
+        )
+        warmup = total_steps
+    fn = functools.partial(
+        lr_multiplier,
+        warmup_steps=warmup,
+        total_steps=total_steps,
+        decay_style=sched.decay_style,
+        min_lr_ratio=sched.min_lr_ratio,
+    )
+    return LRSchedulers(optimizer, fn)
