@@ -292,6 +292,46 @@ class ParallelDims:
             if self.layout.size(n) > 1
         }
 
+    # -- meshes by role (DESIGN.md section 4): each consumer asks for its mesh, never ranks --
+    @property
+    def dense_fsdp_mesh(self) -> DeviceMesh | None:
+        """FSDP2 mesh for dense params: ``[dp_replicate, fsdp]`` (HSDP; also DDP-like when
+        fsdp is 1), ``fsdp``, or None without data parallelism."""
+        return self._dp_mesh("fsdp")
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """FSDP2 mesh for routed-expert params: ``[dp_replicate, efsdp]`` or ``efsdp``. efsdp
+        folds tp in when etp == 1, so expert grads are summed over every rank that holds the
+        same expert shard."""
+        return self._dp_mesh("efsdp")
+
+    def _dp_mesh(self, shard_axis: str) -> DeviceMesh | None:
+        self._require_built()
+        if self.dp_replicate > 1:
+            return self._mesh_nd(("dp_replicate", shard_axis))
+        if self.layout.size(shard_axis) > 1 or (shard_axis == "efsdp" and self.ep > 1):
+            # experts under EP are FSDP-wrapped even on a size-1 efsdp (as in torchtitan):
+            # their parameters must not fall into the dense wrapping of their block
+            return self._meshes[shard_axis]
+        return None
+
+    @property
+    def expert_parallel_meshes(self) -> tuple[DeviceMesh, DeviceMesh | None]:
+        """(ep mesh, etp mesh or None) for token dispatch; the ep mesh may have size 1 when
+        only expert TP is on."""
+        self._require_built()
+        return self._meshes["ep"], (self._meshes["etp"] if self.etp > 1 else None)
+
+    def coordinate(self, name: str, rank: int | None = None) -> int:
+        """This rank's index on the 1-D mesh ``name`` (e.g. ``batch``: which slice of the
+        global batch it reads; ``cp``: which sequence chunks it holds)."""
+        return self.layout.coordinate(name, dist.get_rank() if rank is None else rank)
+
+    def size(self, name: str) -> int:
+        """Degree of the 1-D mesh ``name`` (1 when disabled)."""
+        return self.layout.size(name)
+
     @property
     def world_mesh(self) -> DeviceMesh:
         self._require_built()

@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -132,6 +133,16 @@ def checkpoint_keys(path: str) -> set[str]:
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys())
 
 
+def _dcp(fn, state: dict[str, Any], **kwargs) -> Any:
+    """dcp.save/load; single-process use (seed checkpoints, offline export) is intended
+    here, so DCP's "assuming single process" warning is noise."""
+    if _distributed():
+        return fn(state, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(state, no_dist=True, **kwargs)
+
+
 def _is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
@@ -174,7 +185,7 @@ def load_checkpoint(
         state["optimizer"] = optimizer.state_dict()  # also materialises empty Adam state
     if "train_state" in stored:
         state["train_state"] = b""
-    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not _distributed())
+    _dcp(dcp.load, state, checkpoint_id=path, process_group=process_group)
 
     _load_model_parts(model_parts, state["model"])
     if load_optimizer:
@@ -237,6 +248,22 @@ class CheckpointManager:
         dataloader=None,
         extra: dict[str, Any] | None = None,
     ) -> str:
+        state: dict[str, Any] = {"model": model_state_dict(model_parts)}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        if _rank(self.process_group) == 0:  # identical on all ranks, or rank 0's by definition
+            state["train_state"] = _to_blob(
+                {
+                    "extra": {"step": step, **(extra or {})},
+                    "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                    "dataloader": dataloader.state_dict() if dataloader is not None else None,
+                    "rng": _rng_state(),
+                }
+            )
+        return self.save_state(step, state)
+
+    def save_state(self, step: int, state: dict[str, Any]) -> str:
+        """Write an arbitrary DCP state dict as step-N with the tmp-then-rename protocol."""
         pg = self.process_group
         final = self.step_dir(step)
         tmp = final + ".tmp"
@@ -246,20 +273,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp)  # left over from a crashed save of this step
             os.makedirs(tmp)
         _barrier(pg)
-
-        state: dict[str, Any] = {"model": model_state_dict(model_parts)}
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-        if rank == 0:  # identical on all ranks (or rank 0's by definition): write once
-            state["train_state"] = _to_blob(
-                {
-                    "extra": {"step": step, **(extra or {})},
-                    "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-                    "dataloader": dataloader.state_dict() if dataloader is not None else None,
-                    "rng": _rng_state(),
-                }
-            )
-        dcp.save(state, checkpoint_id=tmp, process_group=pg, no_dist=not _distributed())
+        _dcp(dcp.save, state, checkpoint_id=tmp, process_group=pg)
         _barrier(pg)  # every rank's shards are on disk before the rename publishes them
 
         if rank == 0:
@@ -322,7 +336,7 @@ def save_seed_checkpoint(model: nn.Module, folder: str) -> str:
             "create the seed checkpoint with one process (e.g. torchrun --nproc_per_node=1 ... "
             "--checkpoint.create_seed_checkpoint --parallelism.dp_shard 1)"
         )
-    return CheckpointManager(folder).save(0, [model])
+    return CheckpointManager(folder).save_state(0, {"model": model_state_dict([model])})
 
 
 # ------------------------------------------------------------------------- export
@@ -359,7 +373,9 @@ def export_checkpoint(checkpoint_dir: str, path: str, dtype: str = "float32") ->
     }
     if not state:
         raise KeyError(f"{checkpoint_dir} holds no model weights")
-    dcp.load(state, checkpoint_id=checkpoint_dir, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=checkpoint_dir, no_dist=True)
     return _write_consolidated({k[len("model.") :]: v for k, v in state.items()}, path, dtype)
 
 

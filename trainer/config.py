@@ -342,12 +342,16 @@ def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, b
     unit = batch_degree * local_batch_size
     if g <= 0 or g % unit != 0:
         legal = ", ".join(str(unit * k) for k in range(1, 5))
-        raise ConfigError(
+        msg = (
             f"training.global_batch_size ({g}) must be a positive multiple of batch degree "
             f"({batch_degree}) x training.local_batch_size ({local_batch_size}) = {unit}; "
-            f"legal values: {legal}, ... (or change local_batch_size to a divisor of "
-            f"{g // batch_degree if g % batch_degree == 0 else 'G / batch degree'})"
+            f"legal values: {legal}, ..."
         )
+        if g > 0 and g % batch_degree == 0:
+            per_rank = g // batch_degree
+            divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+            msg += f"; or keep it and set training.local_batch_size to one of {divisors}"
+        raise ConfigError(msg)
     return g // unit
 
 
@@ -546,27 +550,35 @@ def _all_keys() -> list[str]:
     ]
 
 
-def _resolve_key(section: str, key: str, prefix: str = "") -> tuple[str, str]:
+def _leaf_hint(name: str, prefix: str = "") -> str:
+    """Suggest section.key for a key given without its section."""
+    keys = _all_keys()
+    close = difflib.get_close_matches(name, [k.split(".", 1)[1] for k in keys], n=1, cutoff=0.6)
+    full = [k for k in keys if close and k.endswith("." + close[0])]
+    return f"; did you mean '{prefix}{full[0]}'?" if full else ""
+
+
+def _resolve_key(section: str, key: str) -> tuple[str, str]:
     """Map (section, key or alias) to the canonical pair, or raise with a suggestion."""
     if section not in SECTIONS:
         close = difflib.get_close_matches(section, list(SECTIONS), n=1, cutoff=0.6)
-        hint = f"did you mean '{prefix}{close[0]}.{key}'?" if close else f"valid sections: {', '.join(SECTIONS)}"
-        raise ConfigError(f"unknown section '{prefix}{section}'; {hint}")
+        hint = f"did you mean '{close[0]}.{key}'?" if close else f"valid sections: {', '.join(SECTIONS)}"
+        raise ConfigError(f"unknown section '{section}'; {hint}")
     key = ALIASES.get(section, {}).get(key, key)
     names = [f.name for f in dataclasses.fields(SECTIONS[section])]
     if key not in names:
         candidates = names + list(ALIASES.get(section, {}))
         close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
         if close:
-            hint = f"did you mean '{prefix}{section}.{close[0]}'?"
+            hint = f"did you mean '{section}.{close[0]}'?"
         else:
             hint = f"valid keys in [{section}]: {', '.join(names)}"
-        raise ConfigError(f"unknown key '{prefix}{section}.{key}'; {hint}")
+        raise ConfigError(f"unknown key '{section}.{key}'; {hint}")
     return section, key
 
 
-def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, prefix: str = "") -> None:
-    section, key = _resolve_key(section, key, prefix)
+def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool) -> None:
+    section, key = _resolve_key(section, key)
     tp = _field_types(SECTIONS[section])[key]
     setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", tp, value, from_cli))
 
@@ -574,11 +586,7 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, pre
 def _apply_mapping(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
     for section, values in data.items():
         if not isinstance(values, dict):
-            close = difflib.get_close_matches(section, _all_keys(), n=1, cutoff=0.6)
-            hint = f"; did you mean '[{close[0].split('.')[0]}] {close[0].split('.')[1]} = ...'?" if close else ""
-            raise ConfigError(
-                f"{source}: top-level key '{section}' must be a [section] table{hint}"
-            )
+            raise ConfigError(f"{source}: top-level key '{section}' must be inside a [section] table{_leaf_hint(section)}")
         for key, value in values.items():
             _set(cfg, section, key, value, from_cli=False)
 
@@ -640,10 +648,8 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
             config_path = value
             continue
         if "." not in name:
-            close = difflib.get_close_matches(name, [k.split(".", 1)[1] for k in _all_keys()], n=1, cutoff=0.6)
-            full = [k for k in _all_keys() if close and k.endswith("." + close[0])]
-            hint = f"did you mean '--{full[0]}'?" if full else "options look like --section.key value"
-            raise ConfigError(f"unknown option '--{name}'; {hint}")
+            hint = _leaf_hint(name, prefix="--") or "; options look like --section.key value"
+            raise ConfigError(f"unknown option '--{name}'{hint}")
         overrides.append((arg, name, value))
 
     cfg = JobConfig()

@@ -38,8 +38,7 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def _layout_key(p: torch.Tensor) -> Any:
     """Parameters AdamW's foreach path can batch together share this key."""
     if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        return ("dtensor", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+        return ("dtensor", p.device_mesh)  # DeviceMesh equality is what DTensor ops check
     return ("tensor",)
 
 

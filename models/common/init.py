@@ -88,7 +88,9 @@ def _truncated_normal_(out: torch.Tensor, std: float, gen: torch.Generator) -> t
     return out
 
 
-def full_init_tensor(spec: ParamInit, shape: torch.Size | tuple[int, ...], seed: int, fqn: str) -> torch.Tensor:
+def full_init_tensor(
+    spec: ParamInit, shape: torch.Size | tuple[int, ...], seed: int, fqn: str
+) -> torch.Tensor:
     """The full float32 CPU tensor for parameter ``fqn``."""
     out = torch.empty(tuple(shape), dtype=torch.float32, device="cpu")
     if spec.kind == "constant":
@@ -107,14 +109,20 @@ def write_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     broadcasting from rank 0, which is valid because every rank drew the same full tensor."""
     if isinstance(param, DTensor):
         if tuple(full.shape) != tuple(param.shape):
-            raise ValueError(f"Full init tensor {tuple(full.shape)} does not match DTensor {tuple(param.shape)}.")
+            raise ValueError(
+                f"Full init tensor {tuple(full.shape)} does not match the DTensor's global "
+                f"shape {tuple(param.shape)}."
+            )
         local = distribute_tensor(
             full.to(dtype=param.dtype), param.device_mesh, param.placements, src_data_rank=None
         ).to_local()
         param.to_local().copy_(local)
     else:
         if tuple(full.shape) != tuple(param.shape):
-            raise ValueError(f"Full init tensor {tuple(full.shape)} does not match parameter {tuple(param.shape)}.")
+            raise ValueError(
+                f"Full init tensor {tuple(full.shape)} does not match parameter "
+                f"{tuple(param.shape)}."
+            )
         param.copy_(full)
 
 

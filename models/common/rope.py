@@ -36,7 +36,9 @@ class Llama3RopeScaling:
 
     def __post_init__(self) -> None:
         if self.scale_factor <= 0:
-            raise ValueError(f"Llama3RopeScaling.scale_factor must be > 0, got {self.scale_factor}.")
+            raise ValueError(
+                f"Llama3RopeScaling.scale_factor must be > 0, got {self.scale_factor}."
+            )
         if not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 "Llama3RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
@@ -189,9 +191,8 @@ class RotaryEmbedding(nn.Module):
                 "RoPE table is on the meta device; call model.to_empty(device=...) before "
                 "init_weights so the table has real storage."
             )
-        self.table = compute_rope_table(self.rope_dim, self.max_seq_len, self.theta, self.scaling).to(
-            device
-        )
+        table = compute_rope_table(self.rope_dim, self.max_seq_len, self.theta, self.scaling)
+        self.table = table.to(device)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dtype not in (torch.int64, torch.int32):
@@ -211,7 +212,9 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     The rotation is done in float32 and cast back: bf16 loses the small sin terms at low
     frequencies."""
     if x.dim() != 4:
-        raise ValueError(f"apply_rotary_emb expects x of shape [bs, s, heads, d], got {tuple(x.shape)}.")
+        raise ValueError(
+            f"apply_rotary_emb expects x of shape [bs, s, heads, d], got {tuple(x.shape)}."
+        )
     s, d = x.shape[1], x.shape[-1]
     if rope.shape != (s, d // 2, 2):
         raise ValueError(

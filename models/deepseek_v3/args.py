@@ -126,9 +126,14 @@ class DeepSeekV3Args:
         _positive_float("rope_theta", self.rope_theta)
         if self.rope_theta <= 1:
             raise ValueError(f"DeepSeekV3Args.rope_theta must be > 1, got {self.rope_theta}.")
-        if isinstance(self.rope_factor, bool) or not isinstance(self.rope_factor, (int, float)) or self.rope_factor < 1:
+        if (
+            isinstance(self.rope_factor, bool)
+            or not isinstance(self.rope_factor, (int, float))
+            or self.rope_factor < 1
+        ):
             raise ValueError(
-                f"DeepSeekV3Args.rope_factor must be >= 1 (1 means no YaRN stretch), got {self.rope_factor!r}."
+                "DeepSeekV3Args.rope_factor must be >= 1 (1 means no YaRN stretch), got "
+                f"{self.rope_factor!r}."
             )
         _positive_float("beta_fast", self.beta_fast)
         _positive_float("beta_slow", self.beta_slow)

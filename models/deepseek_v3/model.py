@@ -7,6 +7,8 @@ pipeline deletion of ``layers`` entries and None ``tok_embeddings``/``norm``/``o
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -32,6 +34,10 @@ def _yarn(args: DeepSeekV3Args) -> YarnRopeScaling:
         beta_fast=args.beta_fast,
         beta_slow=args.beta_slow,
     )
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class Attention(nn.Module):
@@ -67,6 +73,9 @@ class Attention(nn.Module):
             self.qk_head_dim, _yarn(args), args.mscale, args.max_seq_len
         )
         self.core = CausalAttentionCore()
+        # The decoupled rope key is computed by replicated weights but read by this rank's
+        # heads only; tensor parallelism sets this to an all-reduce of its gradient.
+        self.k_pe_grad_sync: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, s, _ = x.shape
@@ -78,7 +87,7 @@ class Attention(nn.Module):
         kv, k_pe = torch.split(
             self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
-        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), rope)  # [bs, s, 1, rope]
+        k_pe = self.k_pe_grad_sync(apply_rotary_emb(k_pe.unsqueeze(2), rope))  # [bs, s, 1, rope]
         kv = self.wkv_b(self.kv_norm(kv)).view(bs, s, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         local_heads = k_nope.shape[2]
@@ -89,7 +98,9 @@ class Attention(nn.Module):
             )
         k = torch.cat([k_nope, k_pe.expand(-1, -1, local_heads, -1)], dim=-1)
 
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.softmax_scale)
+        out = self.core(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.softmax_scale
+        )
         out = out.transpose(1, 2).reshape(bs, s, -1)
         return self.wo(out)
 
@@ -137,7 +148,9 @@ class DeepSeekV3(nn.Module):
 
     def local_positions(self, seqlen_local: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's tokens (identity without context parallelism)."""
-        return local_positions(seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device)
+        return local_positions(
+            seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without
@@ -147,7 +160,8 @@ class DeepSeekV3(nn.Module):
             if tokens.dim() != 2 or tokens.is_floating_point():
                 raise ValueError(
                     f"Expected integer token ids of shape [bs, s], got {tuple(tokens.shape)} "
-                    f"{tokens.dtype}. (Only pipeline stages without tok_embeddings take hidden states.)"
+                    f"{tokens.dtype}. (Only pipeline stages without tok_embeddings take "
+                    "hidden states.)"
                 )
             h = self.tok_embeddings(tokens)
         else:

@@ -302,10 +302,9 @@ class MoE(nn.Module):
         all-reducing over the CP group, summing the per-rank losses over that group gives
         exactly the whole-sequence loss."""
         e, k = self.num_experts, self.top_k
+        picks = selected.reshape(bs, s * k)
         counts = torch.zeros(bs, e, dtype=torch.float32, device=scores.device)
-        counts.scatter_add_(
-            1, selected.reshape(bs, s * k), torch.ones(bs, s * k, dtype=torch.float32, device=scores.device)
-        )
+        counts.scatter_add_(1, picks, torch.ones_like(picks, dtype=torch.float32))
         counts = self.reduce_aux_counts(counts)
         tokens = counts.sum(dim=-1, keepdim=True) / k
         f = counts * (e / k) / tokens

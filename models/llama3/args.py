@@ -61,7 +61,8 @@ class Llama3Args:
             )
         if self.n_heads % self.kv_heads != 0:
             raise ValueError(
-                f"Llama3Args.n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
+                f"Llama3Args.n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.kv_heads}; "
                 "grouped-query attention needs an equal number of query heads per KV head."
             )
         if self.head_dim % 2 != 0:

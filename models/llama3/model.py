@@ -100,7 +100,9 @@ class Llama3(nn.Module):
 
     def local_positions(self, seqlen_local: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's tokens (identity without context parallelism)."""
-        return local_positions(seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device)
+        return local_positions(
+            seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without

@@ -211,7 +211,7 @@ class _ExpertParallelDispatcher:
                 f"experts forward must return a plain tensor under expert parallelism, got "
                 f"{type(out).__name__}"
             )
-        out = out.index_select(0, plan.unsort_index.flip(0))
+        out = out.index_select(0, plan.unsort_index)
         if self.etp > 1:
             # Reduce-scatter of the partial (hidden-sliced) outputs back to the peer that owns
             # each row; accumulate in fp32 so low-precision partials lose nothing extra.

@@ -169,14 +169,18 @@ def test_init_distributions():
         assert abs(p.std().item() / (0.986 * expected) - 1) < 0.05, key
         assert p.abs().max().item() <= 3 * expected + 1e-7, key
     assert torch.equal(model.layers["1"].ffn_norm.weight, torch.ones(256))
+    # Same shape, different names -> independent draws.
+    attn0, attn1 = model.layers["0"].attention, model.layers["1"].attention
+    assert not torch.equal(attn0.wq.weight, attn1.wq.weight)
+    assert not torch.equal(attn0.wk.weight, attn0.wv.weight)
     ds = _built("deepseek_v3", n_layers=2)
     assert abs(ds.layers["1"].moe.experts.w2.std().item() / (0.986 * 0.01) - 1) < 0.05
     assert torch.equal(ds.layers["1"].moe.expert_bias, torch.zeros(8))
 
 
 def test_init_fqn_seed_is_stable_and_ignores_wrappers():
-    # Fixed value: must not change between processes or versions (no Python hash()).
-    assert param_seed(0, "layers.0.attention.wq.weight") == param_seed(0, "layers.0.attention.wq.weight")
+    # Pinned value: must not change between processes, ranks or versions (no Python hash()).
+    assert param_seed(0, "layers.0.attention.wq.weight") == 5392389204723877286
     assert param_seed(0, "a") != param_seed(1, "a") != param_seed(0, "b")
 
     class Wrapper(nn.Module):
@@ -278,7 +282,9 @@ def test_rope_tables_match_reference_formulas(kind):
             else [1.0 / theta ** (i / dim) for i in range(0, dim, 2)]
         )
     table = compute_rope_table(dim, max_len, theta, scaling)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64))
+    angles = torch.outer(
+        torch.arange(max_len, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64)
+    )
     torch.testing.assert_close(table[..., 0], angles.cos().float(), rtol=0, atol=1e-6)
     torch.testing.assert_close(table[..., 1], angles.sin().float(), rtol=0, atol=1e-6)
     if kind in ("llama3", "yarn"):  # the scaling actually changed something
@@ -291,9 +297,11 @@ def test_rope_matches_complex_rotation_and_positions_index_rows():
     x = torch.randn(2, 10, 3, 16)
     positions = torch.tensor([5, 6, 7, 8, 9, 50, 51, 52, 53, 54])
     rotated = apply_rotary_emb(x, rope(positions))
-    angles = torch.outer(positions.double(), 1.0 / 10000.0 ** (torch.arange(0, 16, 2).double() / 16))
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).double() / 16)
+    angles = torch.outer(positions.double(), inv_freq)
     cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-    ref = torch.view_as_real(torch.view_as_complex(x.view(2, 10, 3, 8, 2)) * cis[None, :, None]).flatten(-2)
+    ref = torch.view_as_complex(x.view(2, 10, 3, 8, 2)) * cis[None, :, None]
+    ref = torch.view_as_real(ref).flatten(-2)
     torch.testing.assert_close(rotated, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="RoPE rows"):
         apply_rotary_emb(x, rope(positions[:4]))
@@ -330,8 +338,9 @@ def test_context_parallel_positions_give_same_rotated_qk_as_full_model(name):
         for rank in range(2):
             model.cp_rank = rank
             model(load_balanced_shard(tokens, 1, rank, 2))
-            torch.testing.assert_close(core.q, load_balanced_shard(full_q, 2, rank, 2), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(core.k, load_balanced_shard(full_k, 2, rank, 2), rtol=1e-5, atol=1e-5)
+            for got, full in ((core.q, full_q), (core.k, full_k)):
+                expected = load_balanced_shard(full, 2, rank, 2)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     model.cp_rank = 2
     with pytest.raises(ValueError, match="cp_rank"):
         model(tokens)
@@ -455,7 +464,13 @@ def test_moe_dispatch_matches_per_token_loop(use_grouped_mm, score_func):
     x = torch.randn(2, 6, 32, requires_grad=True)
     out = moe(x)
     grad = torch.randn_like(out)
-    params = [moe.router.gate.weight, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.shared_experts.w1.weight]
+    params = [
+        moe.router.gate.weight,
+        moe.experts.w1,
+        moe.experts.w2,
+        moe.experts.w3,
+        moe.shared_experts.w1.weight,
+    ]
     got = torch.autograd.grad(out, [x, *params], grad)
     ref_out = _naive_moe(moe, x)
     ref = torch.autograd.grad(ref_out, [x, *params], grad)
@@ -479,14 +494,15 @@ def test_grouped_experts_grouped_mm_equals_loop_with_empty_experts_and_padding(d
         out.sum().backward()  # stride-0 gradient: grouped_mm's backward needs _DenseGrad
         results.append((out.detach(), xg.grad, experts.w1.grad, experts.w2.grad))
         experts.zero_grad(set_to_none=True)
-    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), **tol)
     out = results[1][0]
     assert torch.equal(out[8:], torch.zeros(2, 16, dtype=dtype))
     # Expert 1 got no tokens: zero (not missing) gradient.
     assert torch.equal(results[1][2][1], torch.zeros(8, 16, dtype=dtype))
-    ref0 = (F.silu(x[:3].float() @ experts.w1[0].float().T) * (x[:3].float() @ experts.w3[0].float().T)) @ experts.w2[0].float().T
+    x0, w1, w2, w3 = (t.float() for t in (x[:3], experts.w1[0], experts.w2[0], experts.w3[0]))
+    ref0 = (F.silu(x0 @ w1.T) * (x0 @ w3.T)) @ w2.T
     torch.testing.assert_close(out[:3].float(), ref0, **tol)
     with pytest.raises(ValueError, match="local expert"):
         experts(x, torch.tensor([1, 2, 3]))
@@ -505,7 +521,7 @@ def test_grouped_experts_with_no_tokens_still_gives_weight_grads():
 
 def test_router_bias_changes_selection_not_weights():
     torch.manual_seed(0)
-    router = TokenChoiceRouter(16, 8, top_k=2, num_groups=1, num_limited_groups=1, route_norm=True, route_scale=1.5)
+    router = TokenChoiceRouter(16, 8, top_k=2, route_norm=True, route_scale=1.5)
     x = torch.randn(20, 16)
     w0, sel0, scores = router(x)
     bias = torch.zeros(8)
@@ -525,7 +541,9 @@ def test_router_bias_changes_selection_not_weights():
 @pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
 def test_grouped_routing_keeps_only_the_best_groups(score_func):
     torch.manual_seed(0)
-    router = TokenChoiceRouter(16, 8, top_k=2, num_groups=4, num_limited_groups=1, score_func=score_func)
+    router = TokenChoiceRouter(
+        16, 8, top_k=2, num_groups=4, num_limited_groups=1, score_func=score_func
+    )
     x = torch.randn(50, 16)
     _, selected, scores = router(x)
     groups = selected // 2
@@ -556,8 +574,8 @@ def test_update_expert_bias_moves_toward_balance():
     torch.manual_seed(0)
     moe = MoE(_moe_args(load_balance_coeff=0.02, n_expert_groups=1, n_limited_groups=1))
     with torch.no_grad():
-        moe.router.gate.weight[0] += 0.5
-    x = torch.randn(1, 256, 32)
+        moe.router.gate.weight[0] += 0.2
+    x = torch.randn(1, 256, 32) + 1.0  # positive inputs: expert 0's logit is consistently high
 
     def imbalance() -> float:
         with torch.no_grad():
@@ -567,9 +585,9 @@ def test_update_expert_bias_moves_toward_balance():
         return (load.max() / load.mean()).item()
 
     before = imbalance()
-    for _ in range(60):
+    for _ in range(30):
         after = imbalance()
-    assert before > 2.0 and after < 0.6 * before, (before, after)
+    assert before > 3.0 and after < 1.5, (before, after)
 
 
 def _reference_aux_loss(scores, selected, coeff, e, k):

@@ -1,0 +1,81 @@
+"""Activation checkpointing per transformer block, without renaming parameters.
+
+The block's ``forward`` is replaced on the instance, so FQNs (and with them seeded init, state
+dicts and checkpoints) are the same with and without checkpointing.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+__all__ = ["apply_activation_checkpointing"]
+
+# Outputs of these ops are expensive to recompute and comparatively small: keep them.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+# Collectives are never recomputed (recomputing would re-communicate).
+for _name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "all_to_all_single"):
+    _op = getattr(torch.ops._c10d_functional, _name, None)
+    if _op is not None:
+        _SAVE_OPS.add(_op.default)
+
+
+def _op_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_op_policy)
+
+
+def _checkpoint_block(block: nn.Module, context_fn=None) -> None:
+    inner = block.forward
+    kwargs = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+
+    def forward(*args, **kw):
+        return checkpoint(inner, *args, **kw, **kwargs)
+
+    block.forward = forward
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option: str = "op") -> None:
+    """``mode``: none | full | selective. ``selective_option``: ``op`` (save matmul and
+    attention outputs, recompute the rest) or an integer N (fully checkpoint every N-th block)."""
+    if mode == "none":
+        return
+    blocks = list(model.layers.values())
+    if mode == "full":
+        for block in blocks:
+            _checkpoint_block(block)
+        return
+    if mode != "selective":
+        raise ValueError(f"activation_checkpoint.mode={mode!r}; legal values: none, full, selective")
+    option = str(selective_option)
+    if option == "op":
+        for block in blocks:
+            _checkpoint_block(block, _selective_context)
+        return
+    if not option.isdigit() or int(option) < 1:
+        raise ValueError(
+            f"activation_checkpoint.selective_ac_option={selective_option!r}; legal values: "
+            f"'op' or a positive integer N (checkpoint every N-th block)"
+        )
+    every = int(option)
+    for i, block in enumerate(blocks):
+        if i % every == 0:
+            _checkpoint_block(block)

@@ -1,0 +1,77 @@
+"""FSDP2 for dense and expert parameters.
+
+Gradients are SUMMED across data-parallel ranks, never averaged: the trainer's loss on each rank
+is its tokens' loss summed and divided by the *global* token count, so the sum over ranks is the
+exact global-batch gradient whatever the layout (dp, cp, micro-batches, expert meshes alike).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = ["apply_fsdp", "reshard_policy"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def reshard_policy(policy: str, pp_enabled: bool) -> bool:
+    """``default`` frees unsharded params after forward unless pipelining (where every
+    micro-batch would re-gather them); ``always`` / ``never`` force it."""
+    if policy == "default":
+        return not pp_enabled
+    if policy in ("always", "never"):
+        return policy == "always"
+    raise ValueError(f"fsdp_reshard_after_forward={policy!r}; legal values: default, always, never")
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"mixed precision dtype {name!r}; legal values: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dense_mesh: DeviceMesh | None,
+    expert_mesh: DeviceMesh | None,
+    *,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
+    reshard_after_forward: str = "default",
+    pp_enabled: bool = False,
+    separate_experts: bool = False,
+) -> None:
+    """Wrap each block (and, when ``separate_experts``, each block's routed experts on
+    ``expert_mesh``), then the embeddings, the norm+output head and the root, in place."""
+    mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype), reduce_dtype=_dtype(reduce_dtype))
+    reshard = reshard_policy(reshard_after_forward, pp_enabled)
+    wrapped: list[FSDPModule] = []
+
+    def wrap(module: nn.Module, mesh: DeviceMesh, reshard_flag: bool) -> None:
+        wrapped.append(fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_flag))
+
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        moe = getattr(block, "moe", None)
+        if moe is not None and separate_experts and expert_mesh is not None:
+            wrap(moe.experts, expert_mesh, reshard)
+        if dense_mesh is not None:
+            # the last block's params are needed right away in backward: keep them gathered
+            wrap(block, dense_mesh, reshard and i < len(blocks) - 1)
+    if dense_mesh is not None:
+        if model.tok_embeddings is not None:
+            wrap(model.tok_embeddings, dense_mesh, reshard)
+        if model.output is not None:
+            head = [m for m in (model.norm, model.output) if m is not None]
+            # norm + output form one FSDP group (one all-gather); the returned handle is the list
+            fully_shard(head, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
+            wrapped.append(head[0])
+        wrap(model, dense_mesh, reshard)
+    for module in wrapped:
+        # exact sums across ranks (see module docstring); SUM is also the one op every backend
+        # supports (gloo has no PREMUL_SUM)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)

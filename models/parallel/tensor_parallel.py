@@ -1,0 +1,211 @@
+"""Tensor, sequence and loss parallelism on the ``tp`` mesh, for both models.
+
+Layout between blocks (sequence parallel): activations are sharded along the sequence
+(``Shard(1)``), so norms and residual adds run on ``s / tp`` tokens per rank. Each attention and
+feed-forward input is all-gathered to the full sequence, projected column-wise (heads / hidden
+units split over tp), and the row-wise output projection reduce-scatters back to ``Shard(1)``.
+The output projection keeps the vocabulary sharded (``Shard(-1)``) so cross entropy runs under
+``loss_parallel`` without gathering the logits.
+
+Gradient bookkeeping that plain DTensor styles do not cover is made explicit here:
+
+* MLA's decoupled rope key ``k_pe`` is computed by replicated weights but consumed by this rank's
+  heads only, so its gradient is partial; the model calls ``attention.k_pe_grad_sync`` on it,
+  which this module sets to an all-reduce in backward.
+* MoE layers route this rank's own tokens (sequence parallel gives every tp rank different
+  tokens). The router gate is a replicated DTensor fed token-sharded inputs, so its gradient
+  comes out partial and is summed over tp. Shared experts are an ordinary TP feed-forward over
+  the flattened tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+__all__ = ["apply_tensor_parallel", "loss_parallel_context", "AllReduceBackward"]
+
+
+class AllReduceBackward(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over ``group`` in backward.
+
+    Marks a tensor computed identically on every tp rank whose consumers are split over tp:
+    each rank's gradient is a partial sum and the true gradient is their sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReplicatedOnTokenShards(ParallelStyle):
+    """Replicated weights applied to token-sharded local inputs (the MoE router gate).
+
+    Inputs/outputs stay local tensors; inside, the input is a ``Shard(0)`` DTensor so the
+    weight gradient is a partial sum that DTensor (or FSDP) reduces over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor_input(mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (Shard(0),), run_check=False)
+            return (x, *inputs[1:])
+
+        def to_local_output(mod, outputs, mesh):
+            return outputs.to_local()
+
+        def replicate_params(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                dist_param = nn.Parameter(distribute_tensor(param, mesh, [Replicate()], src_data_rank=None))
+                mod.register_parameter(pname, dist_param)
+
+        return distribute_module(
+            module, device_mesh, replicate_params, input_fn=to_dtensor_input, output_fn=to_local_output
+        )
+
+
+def _attention_plan(attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        # x -> full sequence, replicated, local tensor: every projection below sees all tokens.
+        "": PrepareModuleInput(
+            input_layouts=(seq, None),
+            desired_input_layouts=(Replicate(), None),
+            use_local_output=True,
+        ),
+        "wo": RowwiseParallel(output_layouts=seq),
+    }
+    if hasattr(attention, "wkv_b"):  # DeepSeek MLA: low-rank parts replicated, heads split
+        plan["wkv_b"] = ColwiseParallel()
+        if getattr(attention, "q_lora_rank", 0) == 0:
+            plan["wq"] = ColwiseParallel()
+        else:
+            plan["wq_b"] = ColwiseParallel()
+    else:  # Llama GQA
+        plan.update({"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel()})
+    return plan
+
+
+def _feed_forward_plan(token_dim: int, sp: bool) -> dict[str, ParallelStyle]:
+    seq = Shard(token_dim) if sp else Replicate()
+    return {
+        "": PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "w1": ColwiseParallel(),
+        "w3": ColwiseParallel(),
+        "w2": RowwiseParallel(output_layouts=seq),
+    }
+
+
+def _prefixed(prefix: str, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    return {(f"{prefix}.{k}" if k else prefix): v for k, v in plan.items()}
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+) -> None:
+    """Shard ``model`` (a Llama3 or DeepSeekV3, possibly one pipeline stage) over ``tp_mesh``
+    in place."""
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    top: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sp:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if model.output is None and sp:
+        # A middle pipeline stage must hand over full-sequence activations; the last block's
+        # output is sequence-sharded, so gather it (the next stage re-shards on entry).
+        _gather_stage_output(model, tp_mesh)
+    if model.tok_embeddings is None and sp:
+        _shard_stage_input(model, tp_mesh)
+
+    tp_group = tp_mesh.get_group()
+    for block in model.layers.values():
+        plan: dict[str, ParallelStyle] = {}
+        if sp:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        plan.update(_prefixed("attention", _attention_plan(block.attention, sp)))
+        if hasattr(block.attention, "k_pe_grad_sync"):
+            block.attention.k_pe_grad_sync = lambda t, g=tp_group: AllReduceBackward.apply(t, g)
+        moe = getattr(block, "moe", None)
+        if moe is None:
+            plan.update(_prefixed("feed_forward", _feed_forward_plan(1, sp)))
+        else:
+            if not sp:
+                raise ValueError(
+                    "DeepSeek-V3 with tp > 1 needs sequence parallel (every tp rank routes its "
+                    "own tokens); set parallelism.enable_sequence_parallel = true"
+                )
+            # the MoE routes the local tokens of this rank: take its input as a local tensor
+            plan["moe"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
+            plan["moe.router.gate"] = _ReplicatedOnTokenShards()
+            if moe.shared_experts is not None:
+                # MoE flattens tokens to [bs * s_local, dim] before the shared experts.
+                plan.update(_prefixed("moe.shared_experts", _feed_forward_plan(0, sp)))
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _gather_stage_output(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    def hook(module, inputs, output):
+        return DTensor.from_local(output, tp_mesh, (Shard(1),), run_check=False).redistribute(
+            tp_mesh, (Replicate(),)
+        ).to_local()
+
+    model.register_forward_hook(hook)
+
+
+def _shard_stage_input(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    # Hook the first block, not the model: the model derives RoPE positions from the full
+    # sequence length of its input.
+    first_block = next(iter(model.layers.values()))
+
+    def hook(module, args):
+        (h, *rest) = args
+        local = DTensor.from_local(h, tp_mesh, (Replicate(),), run_check=False).redistribute(
+            tp_mesh, (Shard(1),)
+        ).to_local()
+        return (local, *rest)
+
+    first_block.register_forward_pre_hook(hook)
+
+
+def loss_parallel_context(enabled: bool):
+    """Context for computing (and back-propagating) cross entropy on vocab-sharded logits."""
+    return loss_parallel() if enabled else contextlib.nullcontext()

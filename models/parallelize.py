@@ -1,0 +1,94 @@
+"""One parallelize plan for both models: each applier gets the mesh ParallelDims hands it.
+
+Order matters: TP and EP turn parameters into DTensors on their meshes, CP swaps the attention
+cores, activation checkpointing and compile wrap block forwards, and FSDP goes last so it
+shards whatever the others produced over the data-parallel meshes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from models.parallel.activation_checkpoint import apply_activation_checkpointing
+from models.parallel.context_parallel import apply_context_parallel
+from models.parallel.expert_parallel import apply_expert_parallel
+from models.parallel.fsdp import apply_fsdp
+from models.parallel.tensor_parallel import apply_tensor_parallel
+from parallel_dims import ParallelDims
+
+__all__ = ["ParallelizeOptions", "parallelize_model", "check_model_fits_layout"]
+
+
+@dataclass
+class ParallelizeOptions:
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    reshard_after_forward: str = "default"
+    ac_mode: str = "none"
+    ac_selective_option: str = "op"
+    compile: bool = False
+
+
+def _moe_layers(model: nn.Module) -> list[nn.Module]:
+    return [b.moe for b in model.layers.values() if getattr(b, "moe", None) is not None]
+
+
+def check_model_fits_layout(
+    args, parallel_dims: ParallelDims, seq_len: int | None = None, sequence_parallel: bool = True
+) -> None:
+    """Model-dependent layout rules, checked before any weight exists."""
+    n_kv = getattr(args, "n_kv_heads", None)
+    parallel_dims.check_model(
+        n_heads=args.n_heads,
+        n_kv_heads=n_kv,
+        n_experts=getattr(args, "n_routed_experts", None),
+        seq_len=seq_len,
+        n_layers=args.n_layers,
+    )
+    if parallel_dims.tp > 1 and getattr(args, "n_routed_experts", None) and not sequence_parallel:
+        raise ValueError(
+            f"tp={parallel_dims.tp} with a MoE model needs sequence parallel (each tp rank "
+            f"routes its own tokens); set parallelism.enable_sequence_parallel = true"
+        )
+
+
+def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
+    """Apply every enabled parallelism to ``model`` (a whole model or one pipeline stage) in
+    place and return it. Works on meta-device models: initialize weights afterwards."""
+    pd = parallel_dims
+    if pd.tp > 1:
+        apply_tensor_parallel(
+            model,
+            pd.get_mesh("tp"),
+            sequence_parallel=opts.sequence_parallel,
+            loss_parallel=opts.loss_parallel,
+        )
+    moes = _moe_layers(model)
+    if moes and (pd.ep > 1 or pd.etp > 1):
+        ep_mesh, etp_mesh = pd.expert_parallel_meshes
+        for moe in moes:
+            apply_expert_parallel(moe.experts, ep_mesh, etp_mesh)
+    if pd.cp > 1:
+        apply_context_parallel(model, pd.get_mesh("cp"))
+    apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option)
+    if opts.compile:
+        for block in model.layers.values():
+            block.compile()
+    # Experts get their own FSDP wrapping whenever their rank sets differ from the dense
+    # params': as DTensors over ep/etp, or replicated over tp ranks that see different tokens.
+    separate = bool(moes) and (pd.ep > 1 or pd.etp > 1 or pd.tp > 1)
+    apply_fsdp(
+        model,
+        pd.dense_fsdp_mesh,
+        pd.expert_fsdp_mesh if separate else None,
+        param_dtype=opts.param_dtype,
+        reduce_dtype=opts.reduce_dtype,
+        reshard_after_forward=opts.reshard_after_forward,
+        pp_enabled=pd.pp > 1,
+        separate_experts=separate,
+    )
+    return model

@@ -1,0 +1,66 @@
+import glob
+import json
+import os
+
+import pytest
+
+from trainer.config import load_config
+from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops
+
+
+def cfg(*args):
+    return load_config(["--config", "llama3.toml", *args])
+
+
+def test_rank0_writes_jsonl_tensorboard_and_console(tmp_path, capsys):
+    with MetricsLogger(str(tmp_path), 0, cfg(), world_size=2, flops_per_token=1e6) as m:
+        for step in (1, 2, 3):
+            rec = m.log(step, loss=4.0 / step, grad_norm=1.5, lr=1e-3, num_tokens=2048)
+            # jsonl is flushed per line: readable while the logger is still open
+            lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+            assert len(lines) == step and json.loads(lines[-1])["step"] == step
+        m.log(4, loss=float("nan"), grad_norm=0.0, lr=0.0, num_tokens=1)
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] == 4.0 and first["grad_norm"] == 1.5 and first["lr"] == 1e-3
+    assert first["tps"] > 0 and first["cpu_rss_gib"] > 0 and "tflops" in first
+    assert "mfu_pct" not in first  # no MFU on CPU
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["loss"] is None
+    assert rec["tflops"] == pytest.approx(1e6 * rec["tps"] / 1e12)
+    out = capsys.readouterr().out
+    assert "step      1  loss   4.0000  grad_norm   1.5000  lr 1.000e-03" in out
+    assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+
+
+def test_tensorboard_scalars_are_readable(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(str(tmp_path), 0, cfg()) as m:
+        m.log(1, loss=3.0, grad_norm=1.0, lr=1e-4, num_tokens=10)
+        m.log(2, loss=2.0, grad_norm=1.0, lr=1e-4, num_tokens=10)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == [3.0, 2.0]
+
+
+def test_other_ranks_and_disabled_outputs_write_nothing(tmp_path, capsys):
+    with MetricsLogger(str(tmp_path / "r1"), 1, cfg()) as m:
+        assert m.log(1, loss=1.0, grad_norm=1.0, lr=1.0, num_tokens=1) is None
+    assert not os.path.exists(tmp_path / "r1") and capsys.readouterr().out == ""
+    off = cfg("--metrics.enable_tensorboard", "false", "--metrics.enable_jsonl", "false")
+    with MetricsLogger(str(tmp_path / "r0"), 0, off) as m:
+        m.log(1, loss=1.0, grad_norm=1.0, lr=1.0, num_tokens=1)
+    assert os.listdir(tmp_path / "r0") == []
+
+
+def test_should_log():
+    m = MetricsLogger("/unused", 1, cfg("--metrics.log_freq", "10"))
+    assert [s for s in range(1, 31) if m.should_log(s)] == [1, 10, 20, 30]
+
+
+def test_flops_and_peak_table():
+    # 6N for the matmuls (embedding excluded) + 12 * L * d * T attention
+    assert model_flops_per_token(1000, 2, 8, 16, num_embedding_params=100) == 6 * 900 + 12 * 2 * 8 * 16
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("Some CPU") is None
