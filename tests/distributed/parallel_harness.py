@@ -1,10 +1,26 @@
 """One training step under a layout vs a single-process reference on the same weights/batch.
 
-Used by the model-parallelism proof tests. Each rank also computes the reference itself (the
-debug models are tiny), so no tensors travel between processes for the comparison.
+Used by the model-parallelism proof tests. Rank 0 computes the reference itself (the debug models
+are tiny, and the reference is cached per process), so only small summaries travel back to the
+test process: float errors, and per-rank fingerprints that prove every rank ends the step with
+bit-identical full weights.
+
+What is compared, and why each catches something different:
+
+* initial weights: every layout must start from the same weights (seeded init after sharding);
+* loss: reduced over ``loss`` and divided by the global token count;
+* grads, before clipping: a missing or doubled reduction (over dp, cp, tp or the expert meshes)
+  shows up as a factor of 2 or a partial sum in some parameter;
+* grad norm: the cross-mesh norm of :mod:`trainer.grad_clip`;
+* updated weights after clipping and AdamW: the optimizer sees the right shards and grads;
+* MoE routing counts summed over all ranks: every token is routed exactly once, to the same
+  experts as in the reference.
 """
 
 from __future__ import annotations
+
+import functools
+import hashlib
 
 import torch
 import torch.nn.functional as F
@@ -12,18 +28,32 @@ import torch.nn.functional as F
 from models.common.sequence import load_balanced_shard
 from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
 from models.parallel.tensor_parallel import loss_parallel_context
-from models.registry import build_model, get_model_spec
+from models.registry import build_model
 from parallel_dims import ParallelDims
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 
 SEED = 1234
 LR = 1e-3
+DEGREE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
 
 
 def small_overrides(model_name: str) -> dict:
     if model_name == "llama3":
         return dict(n_layers=2, vocab_size=512, max_seq_len=64)
     return dict(n_layers=3, vocab_size=512, max_seq_len=64)
+
+
+def full_degrees(**degrees: int) -> dict:
+    """All seven degrees, the unnamed ones 1 (never -1: the world size must be explicit)."""
+    unknown = set(degrees) - set(DEGREE_NAMES)
+    if unknown:
+        raise ValueError(f"unknown degrees {sorted(unknown)}; valid: {DEGREE_NAMES}")
+    return {n: degrees.get(n, 1) for n in DEGREE_NAMES}
+
+
+def world_size_of(degrees: dict) -> int:
+    d = full_degrees(**degrees)
+    return d["dp_replicate"] * d["dp_shard"] * d["cp"] * d["tp"] * d["pp"]
 
 
 def make_batch(global_bs: int, seq_len: int, vocab: int):
@@ -36,10 +66,28 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
 
 
-def reference_step(model_name: str, global_bs: int, seq_len: int, max_norm: float):
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _routing_counts(model) -> dict[str, torch.Tensor]:
+    return {
+        name: block.moe.tokens_per_expert.detach().clone()
+        for name, block in model.layers.items()
+        if getattr(block, "moe", None) is not None
+    }
+
+
+@functools.lru_cache(maxsize=4)
+def reference_step(model_name: str, global_bs: int, seq_len: int, max_norm: float) -> dict:
+    """The unsharded model on one process. Cached: several layouts of one launch share it
+    (callers only read the result)."""
     torch.manual_seed(0)
     model = build_model(model_name, "debugmodel", device="cpu", **small_overrides(model_name))
     model.init_weights(SEED)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     inputs, labels = make_batch(global_bs, seq_len, model.args.vocab_size)
     logits = model(inputs)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / labels.numel()
@@ -51,21 +99,34 @@ def reference_step(model_name: str, global_bs: int, seq_len: int, max_norm: floa
     for p in model.parameters():
         p.grad.mul_(scale)
     _optimizer(model.parameters()).step()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return loss.item(), norm.item(), grads, weights
+    return {
+        "loss": loss.item(),
+        "norm": norm.item(),
+        "initial": initial,
+        "grads": grads,
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "routing": _routing_counts(model),
+    }
 
 
-def parallel_step(rank, world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm):
+def run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm) -> dict:
+    """One step under ``degrees`` on this rank (all ranks must call it). Returns the global loss
+    and grad norm and this rank's view of the FULL initial weights, grads (before clipping),
+    updated weights, and world-summed MoE routing counts: the same keys as
+    :func:`reference_step`."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
     torch.manual_seed(0)
     pd = ParallelDims(world_size=world_size, **degrees)
     pd.build_mesh("cpu")
     opts = ParallelizeOptions(**opts_kwargs)
-    spec_args = get_model_spec(model_name, "debugmodel").args
     model = build_model(model_name, "debugmodel", device="meta", **small_overrides(model_name))
     check_model_fits_layout(model.args, pd, seq_len=seq_len, sequence_parallel=opts.sequence_parallel)
     parallelize_model(model, pd, opts)
     model.to_empty(device="cpu")
     model.init_weights(SEED)
+    initial = {n: _full(p) for n, p in model.named_parameters()}
 
     inputs, labels = make_batch(global_bs, seq_len, model.args.vocab_size)
     per_rank = global_bs // pd.size("batch")
@@ -80,32 +141,93 @@ def parallel_step(rank, world_size, model_name, degrees, opts_kwargs, global_bs,
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / n_tokens
         loss.backward()
-    from torch.distributed.tensor import DTensor
-    import torch.distributed as dist
-
     local_loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
     total = local_loss.detach().clone()
     loss_mesh = pd.get_optional_mesh("loss")
     if loss_mesh is not None:
         dist.all_reduce(total, group=loss_mesh.get_group())
     finalize_grads(model.parameters())
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
     norm = clip_grad_norm_(list(model.parameters()), max_norm, pd.get_optional_mesh("pp"))
     _optimizer(model.parameters()).step()
-    weights = {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in model.named_parameters()
+    routing = _routing_counts(model)
+    for counts in routing.values():
+        # each token is routed on exactly one rank (its batch, cp and sequence-parallel slice)
+        dist.all_reduce(counts)
+    return {
+        "loss": total.item(),
+        "norm": norm.item(),
+        "initial": initial,
+        "grads": grads,
+        "weights": {n: _full(p) for n, p in model.named_parameters()},
+        "routing": routing,
     }
-    if rank != 0:
-        return None
-    ref_loss, ref_norm, ref_grads, ref_weights = reference_step(model_name, global_bs, seq_len, max_norm)
-    report = {"loss": (total.item(), ref_loss), "norm": (norm.item(), ref_norm)}
-    grad_err = {n: ((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item() for n in ref_grads}
-    weight_err = {n: (weights[n] - ref_weights[n]).abs().max().item() for n in ref_weights}
-    report["grad_rel_err"] = grad_err
-    report["weight_abs_err"] = weight_err
-    report["names"] = sorted(grads) == sorted(ref_grads)
+
+
+def fingerprint(result: dict) -> str:
+    """Digest of the loss, norm, full grads and full updated weights, bit for bit: ranks of one
+    layout must agree exactly (replicas that drifted apart would differ here)."""
+    h = hashlib.sha256()
+    h.update(torch.tensor([result["loss"], result["norm"]], dtype=torch.float64).numpy().tobytes())
+    for key in ("grads", "weights"):
+        for name in sorted(result[key]):
+            h.update(name.encode())
+            h.update(result[key][name].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def compare(result: dict, ref: dict) -> dict:
+    """Errors of one layout's step against the reference: plain floats, cheap to send."""
+
+    def rel(a: float, b: float) -> float:
+        return abs(a - b) / abs(b)
+
+    names = sorted(result["grads"]) == sorted(ref["grads"])
+    report = {
+        "loss": (result["loss"], ref["loss"]),
+        "norm": (result["norm"], ref["norm"]),
+        "loss_rel_err": rel(result["loss"], ref["loss"]),
+        "norm_rel_err": rel(result["norm"], ref["norm"]),
+        "names": names,
+    }
+    if not names:
+        return report
+    report["initial_abs_err"] = max(
+        (result["initial"][n] - w).abs().max().item() for n, w in ref["initial"].items()
+    )
+    # relative to the tensor's largest entry: elementwise relative errors blow up on entries
+    # that are zero up to round-off
+    report["grad_rel_err"] = {
+        n: ((result["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+        for n, g in ref["grads"].items()
+    }
+    report["weight_abs_err"] = {
+        n: (result["weights"][n] - w).abs().max().item() for n, w in ref["weights"].items()
+    }
+    report["routing_equal"] = sorted(result["routing"]) == sorted(ref["routing"]) and all(
+        torch.equal(result["routing"][k], c) for k, c in ref["routing"].items()
+    )
     return report
+
+
+def parallel_step(rank, world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm):
+    """Launcher entry point for one layout. Every rank returns ``{"fingerprint": ...}``; rank 0's
+    dict also holds the :func:`compare` report against the reference."""
+    result = run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm)
+    out = {"fingerprint": fingerprint(result)}
+    if rank == 0:
+        out.update(compare(result, reference_step(model_name, global_bs, seq_len, max_norm)))
+    return out
+
+
+def parallel_steps(rank, world_size, cases):
+    """Several layouts in one launch (the ranks' imports dominate a launch's cost). ``cases``:
+    ``(model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm)`` tuples; returns one
+    :func:`parallel_step` dict per case."""
+    out = []
+    for case in cases:
+        try:
+            out.append(parallel_step(rank, world_size, *case))
+        except Exception as exc:
+            raise RuntimeError(f"layout failed: {case}") from exc
+    return out

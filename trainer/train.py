@@ -1,0 +1,395 @@
+"""The training loop: config -> ParallelDims -> parallelized model -> steps, metrics, checkpoints.
+
+Launch through ``train.py`` at the repository root (``torchrun ... train.py --config X``). The
+loop keeps the invariants that make loss curves comparable across layouts (DESIGN.md section 5):
+FQN-seeded initial weights (or a seed checkpoint), the same global batch every step whatever the
+layout, and a loss equal to the sum of token losses divided by the global token count, with all
+reductions summed over the ``loss`` mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.common.sequence import load_balanced_shard
+from models.parallel.tensor_parallel import loss_parallel_context
+from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
+from models.registry import build_model, get_model_spec
+from parallel_dims import ParallelDims, default_backend, default_device_type
+from trainer.checkpoint import CheckpointManager, export_consolidated, load_checkpoint, save_seed_checkpoint
+from trainer.config import ConfigError, JobConfig, load_config
+from trainer.data import build_dataloader
+from trainer.grad_clip import clip_grad_norm_, finalize_grads
+from trainer.metrics import MetricsLogger, model_flops_per_token
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.tokenizer import load_tokenizer
+
+__all__ = ["Trainer", "main", "TrainingDiverged"]
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm: stopping beats silently training on garbage."""
+
+
+def _log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def init_distributed(cfg: JobConfig) -> torch.device:
+    """Join the torchrun job (or make a 1-process group for ``python train.py``)."""
+    device_type = default_device_type()
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+        if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend=default_backend(device_type), timeout=timeout)
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parallel_dims_from_config(cfg: JobConfig, world_size: int) -> ParallelDims:
+    p = cfg.parallelism
+    return ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+        etp=p.expert_tensor_parallel_degree,
+        world_size=world_size,
+    )
+
+
+def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict:
+    """Fit the model to the tokenizer and sequence length from the config."""
+    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
+    vocab = cfg.model.vocab_size or spec.args.vocab_size
+    if vocab < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab} tokens); set --model.vocab_size {tokenizer_vocab} or larger"
+        )
+    return {"vocab_size": vocab, "max_seq_len": max(spec.args.max_seq_len, cfg.training.seq_len)}
+
+
+def _parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
+    p = cfg.parallelism
+    return ParallelizeOptions(
+        sequence_parallel=p.enable_sequence_parallel,
+        loss_parallel=p.enable_loss_parallel,
+        param_dtype=p.mixed_precision_param,
+        reduce_dtype=p.mixed_precision_reduce,
+        reshard_after_forward=p.fsdp_reshard_after_forward,
+        ac_mode=cfg.activation_checkpoint.mode,
+        ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
+        compile=cfg.compile.enable and "model" in cfg.compile.components,
+    )
+
+
+def _moe_layers(model_parts: list[nn.Module]) -> list[nn.Module]:
+    return [
+        b.moe for part in model_parts for b in part.layers.values() if getattr(b, "moe", None) is not None
+    ]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+class Trainer:
+    """Holds everything built from the config; ``train()`` runs the loop."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.device = init_distributed(cfg)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.manual_seed(cfg.training.seed)
+
+        self.pd = parallel_dims_from_config(cfg, self.world_size)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+        overrides = model_overrides(cfg, self.tokenizer.vocab_size)
+        self.model_args = get_model_spec(cfg.model.name, cfg.model.flavor).args
+        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **overrides)
+        self.model_args = model.args
+        opts = _parallelize_options(cfg)
+        check_model_fits_layout(model.args, self.pd, cfg.training.seq_len, opts.sequence_parallel)
+        self.pd.check_model(
+            global_batch_size=cfg.training.global_batch_size,
+            local_batch_size=cfg.training.local_batch_size,
+        )
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_token = self._flops_per_token(model)
+
+        self.pd.build_mesh(self.device.type)
+        _log(
+            f"mesh: world={self.world_size} pp={self.pd.pp} dp_replicate={self.pd.dp_replicate} "
+            f"dp_shard={self.pd.dp_shard} cp={self.pd.cp} tp={self.pd.tp} ep={self.pd.ep} "
+            f"etp={self.pd.etp}; process groups per rank: {self.pd.process_group_count()}"
+        )
+        parallelize_model(model, self.pd, opts)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(cfg.training.seed)
+        self.model_parts = [model]
+        self.loss_parallel = self.pd.tp > 1 and opts.loss_parallel
+
+        self.data = build_dataloader(
+            cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch_degree=self.pd.size("batch")
+        )
+        self.optimizer = build_optimizer(self.model_parts, cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.checkpoint = CheckpointManager.from_config(cfg)
+        self.step = 0
+        self.loss_fn = self._cross_entropy
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(self._cross_entropy)
+
+    # ---------------------------------------------------------------- setup helpers
+    def _flops_per_token(self, model: nn.Module) -> float:
+        args = model.args
+        embedding = model.tok_embeddings.weight.numel()
+        active = self.num_params
+        if hasattr(args, "n_routed_experts"):
+            # only top-k routed experts run per token
+            expert_params = sum(
+                p.numel() for n, p in model.named_parameters() if ".moe.experts." in n
+            )
+            active = self.num_params - expert_params * (1 - args.n_activated_experts / args.n_routed_experts)
+            attn_dim = args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim)
+        else:
+            attn_dim = args.dim
+        return model_flops_per_token(int(active), args.n_layers, attn_dim, self.cfg.training.seq_len, embedding)
+
+    def resume(self) -> None:
+        cfg = self.cfg
+        extra = None
+        if cfg.checkpoint.enable:
+            extra = self.checkpoint.load(
+                self.model_parts,
+                self.optimizer,
+                self.lr_scheduler,
+                self.data,
+                step=cfg.checkpoint.load_step,
+                exclude=cfg.checkpoint.exclude_from_loading,
+            )
+        if extra:
+            self.step = int(extra["step"])
+            _log(f"resumed from {self.checkpoint.folder} at step {self.step}")
+        elif cfg.checkpoint.initial_load_path:
+            path = cfg.checkpoint.initial_load_path
+            if cfg.checkpoint.initial_load_model_only:
+                load_checkpoint(path, self.model_parts)
+            else:
+                extra = load_checkpoint(path, self.model_parts, self.optimizer, self.lr_scheduler, self.data)
+                self.step = int(extra.get("step", 0))
+            _log(f"loaded initial weights from {path}")
+
+    # ---------------------------------------------------------------- one step
+    @staticmethod
+    def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+    def _shard_for_cp(self, t: torch.Tensor) -> torch.Tensor:
+        return load_balanced_shard(t, 1, self.pd.coordinate("cp"), self.pd.size("cp"))
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        model = self.model_parts[0]
+        global_tokens = self.data.tokens_per_step
+        global_sequences = self.data.global_batch_size
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        moes = _moe_layers(self.model_parts)
+        n = len(microbatches)
+        for i, (inputs, labels) in enumerate(microbatches):
+            sync = i == n - 1
+            if hasattr(model, "set_requires_gradient_sync"):
+                # reduce-scatter gradients once per step, not once per micro-batch
+                model.set_requires_gradient_sync(sync)
+            inputs = self._shard_for_cp(inputs).to(self.device, non_blocking=True)
+            labels = self._shard_for_cp(labels).to(self.device, non_blocking=True)
+            with loss_parallel_context(self.loss_parallel):
+                logits = model(inputs)
+                loss = self.loss_fn(logits, labels) / global_tokens
+                for moe in moes:
+                    if moe.aux_loss_sum is not None:
+                        loss = loss + moe.aux_loss_sum / global_sequences
+                loss.backward()
+            loss_sum += _local(loss.detach()).float()
+        params = [p for part in self.model_parts for p in part.parameters()]
+        finalize_grads(params)
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, self.pd.get_optional_mesh("pp"))
+        loss_total = self._reduce_loss(loss_sum)
+        if not (math.isfinite(loss_total) and math.isfinite(grad_norm.item())):
+            raise TrainingDiverged(
+                f"non-finite {'loss' if not math.isfinite(loss_total) else 'gradient norm'} at step "
+                f"{self.step + 1} (loss={loss_total}, grad_norm={grad_norm.item()}); the run is "
+                f"stopped before the optimizer applies it. Lower optimizer.lr, raise "
+                f"lr_scheduler.warmup_steps or check the data, then resume from the last checkpoint."
+            )
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if moes:
+            self._update_expert_bias(moes)
+        return StepResult(loss_total, grad_norm.item(), self.lr_scheduler.get_last_lr())
+
+    def _reduce_loss(self, loss_sum: torch.Tensor) -> float:
+        """Sum of the per-rank partial losses over every rank that holds different tokens."""
+        total = loss_sum.clone()
+        loss_mesh = self.pd.get_optional_mesh("loss")
+        if loss_mesh is not None:
+            dist.all_reduce(total, group=loss_mesh.get_group())
+        return total.item()
+
+    def _update_expert_bias(self, moes: list[nn.Module]) -> None:
+        """Load statistics are summed over the ranks that route different tokens: the loss
+        mesh, and tp (sequence parallel gives each tp rank its own tokens)."""
+        counts = torch.stack([m.tokens_per_expert for m in moes])
+        for name in ("loss", "tp"):
+            mesh = self.pd.get_optional_mesh(name)
+            if mesh is not None:
+                dist.all_reduce(counts, group=mesh.get_group())
+        for moe, c in zip(moes, counts):
+            moe.update_expert_bias(c)
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> None:
+        cfg = self.cfg
+        self.resume()
+        run_folder = cfg.job.dump_folder
+        if self.rank == 0:
+            os.makedirs(run_folder, exist_ok=True)
+            with open(os.path.join(run_folder, "config.toml"), "w") as f:
+                f.write(cfg.to_toml())
+        metrics = MetricsLogger(
+            run_folder,
+            self.rank,
+            cfg,
+            world_size=self.world_size,
+            # TFLOPs/MFU only mean something on accelerators
+            flops_per_token=self.flops_per_token if self.device.type == "cuda" else None,
+            device=self.device,
+        )
+        _log(
+            f"training {cfg.model.name}/{cfg.model.flavor} ({self.num_params / 1e6:.1f}M params) for "
+            f"{cfg.training.steps} steps; global batch {self.data.global_batch_size} x "
+            f"{cfg.training.seq_len} tokens, {self.data.grad_accum_steps} micro-batch(es) of "
+            f"{cfg.training.local_batch_size} per rank"
+        )
+        steps_since_log = 0
+        with metrics:
+            while self.step < cfg.training.steps:
+                microbatches = self.data.next_step()
+                result = self.train_step(microbatches)
+                self.step += 1
+                steps_since_log += 1
+                if metrics.should_log(self.step) or self.step == cfg.training.steps:
+                    metrics.log(
+                        self.step,
+                        loss=result.loss,
+                        grad_norm=result.grad_norm,
+                        lr=result.lr,
+                        num_tokens=steps_since_log * self.data.tokens_per_step,
+                    )
+                    steps_since_log = 0
+                last = self.step == cfg.training.steps
+                if cfg.checkpoint.enable and self.checkpoint.should_save(self.step, last):
+                    self._save(last)
+                    metrics.reset_timer()
+
+    def _save(self, last: bool) -> None:
+        cfg = self.cfg
+        if last and cfg.checkpoint.last_save_model_only:
+            path = cfg.resolve_path(os.path.join(cfg.checkpoint.folder, f"model-step-{self.step}.pt"))
+            export_consolidated(self.model_parts, path, cfg.checkpoint.export_dtype)
+            _log(f"exported consolidated weights to {path}")
+            return
+        path = self.checkpoint.save(
+            self.step, self.model_parts, self.optimizer, self.lr_scheduler, self.data, extra={"step": self.step}
+        )
+        _log(f"saved checkpoint {path}")
+
+
+def create_seed_checkpoint(cfg: JobConfig) -> str:
+    """Initial weights from the seed, written once by one process; every layout loads them."""
+    device = init_distributed(cfg)
+    if dist.get_world_size() != 1:
+        raise ConfigError(
+            "--checkpoint.create_seed_checkpoint runs on one process: use "
+            "torchrun --nproc_per_node=1 (or plain python train.py)"
+        )
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    model = build_model(cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size))
+    with torch.no_grad():
+        model.init_weights(cfg.training.seed)
+    folder = cfg.resolve_path(cfg.checkpoint.folder)
+    path = save_seed_checkpoint(model.to(device), folder)
+    _log(f"wrote seed checkpoint {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if cfg.checkpoint.create_seed_checkpoint:
+            create_seed_checkpoint(cfg)
+            return 0
+        trainer = Trainer(cfg)
+        if trainer.rank == 0:
+            print("resolved config:\n" + cfg.to_toml(), flush=True)
+        trainer.train()
+        return 0
+    except (ValueError, TrainingDiverged) as exc:
+        # bad input (config, degrees vs world size, model vs layout) or divergence: a clear
+        # message from every rank that hit it, no traceback
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0 or not isinstance(exc, ValueError):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ValueError) else 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
