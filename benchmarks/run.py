@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-SECTIONS = ["mesh_build"]
+SECTIONS = ["mesh_build", "pipeline", "memory"]
 
 
 def main(argv=None) -> int:

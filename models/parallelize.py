@@ -48,7 +48,13 @@ def check_model_fits_layout(
         n_experts=getattr(args, "n_routed_experts", None),
         seq_len=seq_len,
         n_layers=args.n_layers,
+        sequence_parallel=sequence_parallel,
     )
+    if not getattr(args, "n_routed_experts", None) and (parallel_dims.ep > 1 or parallel_dims.etp > 1):
+        raise ValueError(
+            f"ep={parallel_dims.ep}, etp={parallel_dims.etp} but this model has no experts: expert "
+            f"parallelism applies to MoE models only; use ep=1 and etp=1"
+        )
     if parallel_dims.tp > 1 and getattr(args, "n_routed_experts", None) and not sequence_parallel:
         raise ValueError(
             f"tp={parallel_dims.tp} with a MoE model needs sequence parallel (each tp rank "

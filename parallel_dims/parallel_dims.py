@@ -432,10 +432,12 @@ class ParallelDims:
         pp_stages: int | None = None,
         global_batch_size: int | None = None,
         local_batch_size: int | None = None,
+        sequence_parallel: bool = True,
     ) -> None:
         """Model-dependent layout rules, each with a ValueError that says what to change."""
         check_model_layout(
             self.degrees,
+            sequence_parallel=sequence_parallel,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             n_experts=n_experts,
@@ -462,6 +464,7 @@ def check_model_layout(
     pp_stages: int | None = None,
     global_batch_size: int | None = None,
     local_batch_size: int | None = None,
+    sequence_parallel: bool = True,
 ) -> None:
     """Rules that need the model or the batch: see :meth:`ParallelDims.check_model`."""
     if n_heads is not None and n_heads % d.tp:
@@ -479,13 +482,18 @@ def check_model_layout(
             f"ep={d.ep} does not divide n_routed_experts={n_experts}: each ep rank owns an "
             f"equal share of the experts; legal ep values: {_divisors_of(n_experts)}"
         )
-    divisor = d.tp * 2 * d.cp if d.cp > 1 else d.tp
+    sp_factor = d.tp if sequence_parallel else 1
+    divisor = sp_factor * (2 * d.cp if d.cp > 1 else 1)
     if seq_len is not None and seq_len % divisor:
-        why = "2*cp*tp (load-balanced context parallel chunks, split again by sequence parallel)"
-        if d.cp == 1:
-            why = "tp (sequence parallel splits the sequence across tp ranks)"
+        parts = []
+        if d.cp > 1:
+            parts.append("2*cp (load-balanced context-parallel chunks)")
+        if sp_factor > 1:
+            parts.append("tp (sequence parallel splits the sequence across tp ranks)")
+        formula = "2*cp*tp" if d.cp > 1 and sp_factor > 1 else ("2*cp" if d.cp > 1 else "tp")
         raise ValueError(
-            f"seq_len={seq_len} is not divisible by {divisor} = {why}; use a multiple of {divisor}"
+            f"seq_len={seq_len} is not divisible by {divisor} = {formula}: "
+            f"{' times '.join(parts)}; use a multiple of {divisor}"
         )
     stages = pp_stages if pp_stages is not None else d.pp
     if n_layers is not None and n_layers < stages:

@@ -25,6 +25,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.sequence import load_balanced_shard
+from models.parallel.pipeline import (
+    build_pipeline_schedule,
+    pipeline_step,
+    split_model,
+    stage_activation_dtype,
+    sum_loss_over_pp,
+)
 from models.parallel.tensor_parallel import loss_parallel_context
 from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
 from models.registry import build_model, get_model_spec
@@ -155,7 +162,7 @@ class Trainer:
         opts = _parallelize_options(cfg)
         check_model_fits_layout(model.args, self.pd, cfg.training.seq_len, opts.sequence_parallel)
         self.pd.check_model(
-            global_batch_size=cfg.training.global_batch_size,
+            global_batch_size=cfg.training.resolve_global_batch_size(self.pd.size("batch")),
             local_batch_size=cfg.training.local_batch_size,
         )
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -167,12 +174,42 @@ class Trainer:
             f"dp_shard={self.pd.dp_shard} cp={self.pd.cp} tp={self.pd.tp} ep={self.pd.ep} "
             f"etp={self.pd.etp}; process groups per rank: {self.pd.process_group_count()}"
         )
-        parallelize_model(model, self.pd, opts)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(cfg.training.seed)
-        self.model_parts = [model]
         self.loss_parallel = self.pd.tp > 1 and opts.loss_parallel
+        self.loss_fn = self._cross_entropy
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(self._cross_entropy)
+        self.pipeline = None
+        if self.pd.pp > 1:
+            p = cfg.parallelism
+            split = split_model(
+                model,
+                self.pd,
+                model.args.n_layers,
+                p.pipeline_parallel_split_points or None,
+                p.pipeline_parallel_schedule,
+                layers_per_stage=p.pipeline_parallel_layers_per_stage,
+            )
+            self.model_parts = list(split.modules)
+        else:
+            self.model_parts = [model]
+        for part in self.model_parts:
+            parallelize_model(part, self.pd, opts)
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                part.init_weights(cfg.training.seed)  # FQN-seeded: stages match the full model
+        if self.pd.pp > 1:
+            self.pipeline = build_pipeline_schedule(
+                self.model_parts,
+                split.stage_indices,
+                self.pd,
+                cfg.parallelism.pipeline_parallel_schedule,
+                cfg.parallelism.pipeline_microbatches(),
+                self.loss_fn,
+                local_batch_size=cfg.training.local_batch_size,
+                seq_len=cfg.training.seq_len,
+                activation_dtype=stage_activation_dtype(self.pd, opts.param_dtype),
+                loss_parallel=self.loss_parallel,
+            )
 
         self.data = build_dataloader(
             cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch_degree=self.pd.size("batch")
@@ -181,9 +218,6 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.checkpoint = CheckpointManager.from_config(cfg)
         self.step = 0
-        self.loss_fn = self._cross_entropy
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(self._cross_entropy)
 
     # ---------------------------------------------------------------- setup helpers
     def _flops_per_token(self, model: nn.Module) -> float:
@@ -241,6 +275,15 @@ class Trainer:
         moes = _moe_layers(self.model_parts)
         n = len(microbatches)
         for i, (inputs, labels) in enumerate(microbatches):
+            if self.pipeline is not None:
+                # the schedule splits the local batch into pipeline micro-batches and syncs
+                # FSDP gradients on its last backward
+                inputs = self._shard_for_cp(inputs).to(self.device, non_blocking=True)
+                labels = self._shard_for_cp(labels).to(self.device, non_blocking=True)
+                part = pipeline_step(self.pipeline, inputs, labels, global_tokens)
+                if part is not None:
+                    loss_sum += _local(part.detach()).float()
+                continue
             sync = i == n - 1
             if hasattr(model, "set_requires_gradient_sync"):
                 # reduce-scatter gradients once per step, not once per micro-batch
@@ -257,7 +300,10 @@ class Trainer:
             loss_sum += _local(loss.detach()).float()
         params = [p for part in self.model_parts for p in part.parameters()]
         finalize_grads(params)
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, self.pd.get_optional_mesh("pp"))
+        pp_mesh = self.pd.get_optional_mesh("pp")
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
+        if self.pipeline is not None:
+            loss_sum = sum_loss_over_pp(loss_sum, pp_mesh, self.device)  # only last stage has it
         loss_total = self._reduce_loss(loss_sum)
         if not (math.isfinite(loss_total) and math.isfinite(grad_norm.item())):
             raise TrainingDiverged(

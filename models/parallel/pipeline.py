@@ -29,7 +29,7 @@ memory (``torch.empty``), which a MoE layer would route and count into its load-
 statistics, and costs an extra forward/backward. Our stages exchange one plain hidden-state
 tensor ``[microbatch, local seq, dim]`` (with sequence parallelism the TP plan gathers the
 sequence at stage boundaries, so it is a plain tensor there too), so we give the metadata
-statically and check each stage's output against it (:class:`_BoundaryCheck`).
+statically and check each stage's output against it (:class:`_CheckedStage`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ __all__ = [
     "ScheduleInfo",
     "StageSplit",
     "Pipeline",
+    "PipelineBoundaryError",
     "stage_layer_ranges",
     "stage_indices_for_rank",
     "split_model",
@@ -71,6 +72,7 @@ __all__ = [
     "pipeline_step",
     "sum_loss_over_pp",
     "bubble_fraction",
+    "stage_activation_dtype",
 ]
 
 
@@ -118,6 +120,12 @@ def _schedule_info(name: str) -> tuple[str, ScheduleInfo]:
 
 
 # ----------------------------------------------------------------------------- splitting
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def _split_point_index(point: int | str) -> int:
     """Split points are layer indices; the config spells them as FQNs (``layers.4``)."""
     if isinstance(point, bool):
@@ -144,8 +152,7 @@ def stage_layer_ranges(
     Llama 3 8B the output matmul alone is ~2.4 layers' worth of FLOPs) and the first stage the
     embedding lookup (almost free).
     """
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-        raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+    _positive_int("n_layers", n_layers)
     if split_points:
         points = [_split_point_index(p) for p in split_points]
         if len(points) + 1 != num_stages:
@@ -209,15 +216,13 @@ def _resolve_num_stages(
 ) -> int:
     """Total stage count from whichever of split points / layers per stage / stages per rank
     is given, checked against what the schedule can run."""
-    given = [n for n, v in (("split_points", split_points), ("layers_per_stage", layers_per_stage)) if v]
-    if len(given) > 1:
+    if split_points and layers_per_stage is not None:
         raise ValueError("give either pipeline split_points or layers_per_stage, not both")
     if split_points:
         num_stages = len(split_points) + 1
         source = f"{len(split_points)} split points"
     elif layers_per_stage is not None:
-        if isinstance(layers_per_stage, bool) or not isinstance(layers_per_stage, int) or layers_per_stage < 1:
-            raise ValueError(f"layers_per_stage must be a positive int, got {layers_per_stage!r}")
+        _positive_int("layers_per_stage", layers_per_stage)
         if n_layers % layers_per_stage:
             raise ValueError(
                 f"layers_per_stage={layers_per_stage} does not divide n_layers={n_layers}; "
@@ -228,8 +233,7 @@ def _resolve_num_stages(
     else:
         if stages_per_rank is None:
             stages_per_rank = info.stages_per_rank or DEFAULT_STAGES_PER_RANK
-        if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-            raise ValueError(f"stages_per_rank must be a positive int, got {stages_per_rank!r}")
+        _positive_int("stages_per_rank", stages_per_rank)
         num_stages = pp * stages_per_rank
         source = f"stages_per_rank={stages_per_rank}"
     if split_points or layers_per_stage is not None:
@@ -246,7 +250,6 @@ def _resolve_num_stages(
     per_rank = num_stages // pp
     if info.stages_per_rank is not None and per_rank != info.stages_per_rank:
         multi = [n for n, i in SCHEDULES.items() if i.stages_per_rank != 1]
-        single = [n for n, i in SCHEDULES.items() if i.stages_per_rank == 1]
         hint = (
             f"use one of {', '.join(multi)} for several stages per rank"
             if info.stages_per_rank == 1
@@ -291,7 +294,9 @@ def _check_pipelinable(model: nn.Module) -> None:
         )
 
 
-def _carve_stage(model: nn.Module, layer_range: tuple[int, int], is_first: bool, is_last: bool) -> nn.Module:
+def _carve_stage(
+    model: nn.Module, layer_range: tuple[int, int], is_first: bool, is_last: bool
+) -> nn.Module:
     start, end = layer_range
     for key in list(model.layers.keys()):
         if not start <= int(key) < end:
@@ -336,7 +341,7 @@ def split_model(
     indices = stage_indices_for_rank(pd.coordinate("pp"), pd.pp, num_stages, info.style)
     modules = []
     for stage in indices:
-        full = model() if callable(model) and not isinstance(model, nn.Module) else copy.deepcopy(model)
+        full = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
         _check_pipelinable(full)
         if len(full.layers) != n_layers:
             raise ValueError(
@@ -348,27 +353,40 @@ def split_model(
 
 
 # ----------------------------------------------------------------------------- schedule
-class _BoundaryCheck:
-    """Forward hook on a stage that sends activations: the tensor must match the metadata the
-    receiving stage allocated its buffer from, or gloo/NCCL would fail obscurely (or hang)."""
+class PipelineBoundaryError(ValueError):
+    """A stage's output does not match the metadata its pipeline was built with."""
 
-    def __init__(self, stage_index: int, expected: torch.Tensor) -> None:
-        self.stage_index = stage_index
-        self.shape = tuple(expected.shape)
-        self.dtype = expected.dtype
 
-    def __call__(self, module: nn.Module, inputs, output) -> None:
+class _CheckedStage(PipelineStage):
+    """A ``PipelineStage`` that checks what it sends: the tensor must match the metadata the
+    receiving stage allocated its buffer from, or gloo/NCCL would fail obscurely (or hang).
+    The check lives on the stage, not as a hook on the module, so one module can serve
+    several pipelines (e.g. different micro-batch counts)."""
+
+    def __init__(self, *args, boundary: torch.Tensor, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._boundary_shape = tuple(boundary.shape)
+        self._boundary_dtype = boundary.dtype
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        output = super().forward_maybe_with_nosync(*args, **kwargs)
+        if not self.is_last:
+            self._check(output)
+        return output
+
+    def _check(self, output) -> None:
         if isinstance(output, DTensor) or not isinstance(output, torch.Tensor):
-            raise ValueError(
+            raise PipelineBoundaryError(
                 f"pipeline stage {self.stage_index} must hand a plain tensor to the next stage, "
                 f"got {type(output).__name__}"
             )
-        if tuple(output.shape) != self.shape or output.dtype != self.dtype:
-            raise ValueError(
+        if tuple(output.shape) != self._boundary_shape or output.dtype != self._boundary_dtype:
+            raise PipelineBoundaryError(
                 f"pipeline stage {self.stage_index} produced activations {tuple(output.shape)} "
-                f"{output.dtype}, but the pipeline was built for {self.shape} {self.dtype}; pass "
-                "build_pipeline_schedule the activation_dtype the stages compute in (the FSDP "
-                "mixed-precision param_dtype when FSDP is on), the local batch size and seq_len"
+                f"{output.dtype}, but the pipeline was built for {self._boundary_shape} "
+                f"{self._boundary_dtype}; pass build_pipeline_schedule the activation_dtype the "
+                "stages compute in (the FSDP mixed-precision param_dtype when FSDP is on), the "
+                "local batch size and seq_len"
             )
 
 
@@ -399,8 +417,23 @@ class _GlobalTokenLoss:
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.loss_fn = loss_fn
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor, *, global_token_count) -> torch.Tensor:
+    def __call__(
+        self, output: torch.Tensor, target: torch.Tensor, *, global_token_count
+    ) -> torch.Tensor:
         return self.loss_fn(output, target) / global_token_count
+
+
+def stage_activation_dtype(pd: ParallelDims, param_dtype: str) -> torch.dtype:
+    """The dtype hidden states cross stage boundaries in, for ``build_pipeline_schedule``.
+
+    FSDP2's mixed precision casts a wrapped stage's inputs to ``param_dtype`` and computes in
+    it, and ``apply_fsdp`` wraps the dense blocks exactly when there is a dense FSDP mesh (any
+    data parallelism); without one the stages compute in float32 whatever ``param_dtype`` says.
+    """
+    dtype = getattr(torch, str(param_dtype), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"param_dtype={param_dtype!r} is not a floating-point torch dtype name")
+    return dtype if pd.dense_fsdp_mesh is not None else torch.float32
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -415,12 +448,6 @@ def _module_device(module: nn.Module) -> torch.device:
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev
     raise ValueError("a pipeline stage has no parameters")
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def build_pipeline_schedule(
@@ -502,7 +529,9 @@ def build_pipeline_schedule(
     pipeline_stages = []
     for module, index in zip(stages, stage_indices):
         dim = module.args.dim
-        hidden = torch.empty(mb, seq_local, dim, dtype=activation_dtype, device="meta", requires_grad=True)
+        hidden = torch.empty(
+            mb, seq_local, dim, dtype=activation_dtype, device="meta", requires_grad=True
+        )
         first, last = index == 0, index == num_stages - 1
         inputs = torch.empty(mb, seq_local, dtype=torch.long, device="meta") if first else hidden
         # The last stage's output goes only to the loss, never over the wire, so torch reads no
@@ -512,10 +541,8 @@ def build_pipeline_schedule(
             if last
             else hidden
         )
-        if not last:
-            module.register_forward_hook(_BoundaryCheck(index, hidden))
         pipeline_stages.append(
-            PipelineStage(
+            _CheckedStage(
                 module,
                 index,
                 num_stages,
@@ -523,6 +550,7 @@ def build_pipeline_schedule(
                 input_args=(inputs,),
                 output_args=(outputs,),
                 group=group,
+                boundary=hidden,
             )
         )
     cls = info.cls
@@ -577,11 +605,11 @@ def pipeline_step(
     if bad:
         raise ValueError(f"global_token_count must be a positive number, got {global_token_count!r}")
     want = (pipe.local_batch_size, pipe.seq_len_local)
-    for name, t, needed in (("inputs", inputs, pipe.has_first_stage), ("labels", labels, pipe.has_last_stage)):
-        if not needed:
+    for name, t, end in (("inputs", inputs, "first"), ("labels", labels, "last")):
+        if not (pipe.has_first_stage if end == "first" else pipe.has_last_stage):
             continue
         if t is None:
-            raise ValueError(f"this rank holds the {'first' if name == 'inputs' else 'last'} pipeline stage; pass {name}")
+            raise ValueError(f"this rank holds the {end} pipeline stage; pass {name}")
         if tuple(t.shape) != want:
             raise ValueError(
                 f"pipeline {name} have shape {tuple(t.shape)}, but the pipeline was built for "
@@ -590,17 +618,24 @@ def pipeline_step(
     args = (inputs,) if pipe.has_first_stage else ()
     target = labels if pipe.has_last_stage else None
     losses: list[torch.Tensor] | None = [] if pipe.has_last_stage else None
-    with loss_parallel_context(pipe.loss_parallel):
-        pipe.schedule.step(
-            *args,
-            target=target,
-            losses=losses,
-            return_outputs=False,
-            loss_kwargs={"global_token_count": global_token_count},
-        )
+    try:
+        with loss_parallel_context(pipe.loss_parallel):
+            pipe.schedule.step(
+                *args,
+                target=target,
+                losses=losses,
+                return_outputs=False,
+                loss_kwargs={"global_token_count": global_token_count},
+            )
+    except RuntimeError as exc:
+        # torch wraps errors raised in a stage's forward in a RuntimeError; surface ours as the
+        # ValueError it is (the trainer reports ValueErrors as user errors, without traceback)
+        if isinstance(exc.__cause__, PipelineBoundaryError):
+            raise exc.__cause__ from None
+        raise
     if not pipe.has_last_stage:
         return None
-    return torch.stack([_local_scalar(l) for l in losses]).sum()
+    return torch.stack([_local_scalar(loss) for loss in losses]).sum()
 
 
 def sum_loss_over_pp(

@@ -20,7 +20,18 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
+        # everything a rank imports anyway: paid once in the server instead of once per rank
+        _CTX.set_forkserver_preload(
+            [
+                "torch",
+                "torch.distributed",
+                "torch.distributed.tensor",
+                "torch.distributed.pipelining",
+                "models.registry",
+                "models.parallelize",
+                "trainer.grad_clip",
+            ]
+        )
     return _CTX
 
 

@@ -34,6 +34,17 @@ from trainer.grad_clip import clip_grad_norm_, finalize_grads
 
 SEED = 1234
 LR = 1e-3
+
+# fp32 tolerances of a layout's step against the reference. Only summation order differs, so
+# the errors are round-off (measured maxima in tests/distributed/test_parallelize_equivalence.py
+# are 3x (weights) to 14x (loss) below these); a missing or doubled reduction is O(1e-1) or worse.
+LOSS_RTOL = NORM_RTOL = 1e-6
+GRAD_RTOL = 5e-6  # per tensor: max abs error / max |reference grad|
+# AdamW's first step moves a weight by about lr * g / (|g| + eps): for an entry whose grad is
+# within a few eps (1e-8) of zero, round-off that is tiny relative to the tensor's largest grad
+# still changes the step by a percent of lr (1e-3). 5e-5 = 5% of lr, far below the 2 * lr of a
+# wrong-signed or missing gradient.
+WEIGHT_ATOL = 5e-5
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
 
 
@@ -80,6 +91,19 @@ def _routing_counts(model) -> dict[str, torch.Tensor]:
     }
 
 
+def _call_counter(modules) -> dict[str, int]:
+    """Counts forward calls of ``modules``. For attention: n_layers per step, plus one per
+    block that activation checkpointing recomputes in backward (its forward runs again)."""
+    calls = {"n": 0}
+
+    def hook(*_):
+        calls["n"] += 1
+
+    for module in modules:
+        module.register_forward_pre_hook(hook)
+    return calls
+
+
 @functools.lru_cache(maxsize=4)
 def reference_step(model_name: str, global_bs: int, seq_len: int, max_norm: float) -> dict:
     """The unsharded model on one process. Cached: several layouts of one launch share it
@@ -112,8 +136,8 @@ def reference_step(model_name: str, global_bs: int, seq_len: int, max_norm: floa
 def run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm) -> dict:
     """One step under ``degrees`` on this rank (all ranks must call it). Returns the global loss
     and grad norm and this rank's view of the FULL initial weights, grads (before clipping),
-    updated weights, and world-summed MoE routing counts: the same keys as
-    :func:`reference_step`."""
+    updated weights, and world-summed MoE routing counts (the keys of :func:`reference_step`),
+    plus ``attention_calls``."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -137,6 +161,7 @@ def run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len,
     labels = load_balanced_shard(labels, 1, cp_rank, cp)
     n_tokens = global_bs * seq_len
 
+    attention_calls = _call_counter([block.attention for block in model.layers.values()])
     with loss_parallel_context(pd.tp > 1 and opts.loss_parallel):
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / n_tokens
@@ -161,6 +186,7 @@ def run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len,
         "grads": grads,
         "weights": {n: _full(p) for n, p in model.named_parameters()},
         "routing": routing,
+        "attention_calls": attention_calls["n"],
     }
 
 
@@ -208,6 +234,36 @@ def compare(result: dict, ref: dict) -> dict:
         torch.equal(result["routing"][k], c) for k, c in ref["routing"].items()
     )
     return report
+
+
+def _worst(errors: dict[str, float], n: int = 3) -> str:
+    top = sorted(errors.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{name}={err:.2e}" for name, err in top)
+
+
+def fp32_failures(per_rank: list[dict]) -> list[str]:
+    """Every fp32 check of one layout's per-rank :func:`parallel_step` results, as messages
+    (empty when all pass). All checks run, so a failure shows the whole picture: a wrong
+    reduction may move the grads a lot but the loss or the norm only slightly, and vice versa."""
+    report = per_rank[0]
+    if not report["names"]:
+        return ["parameter names differ from the unsharded model's"]
+    failures = []
+    if report["initial_abs_err"] != 0.0:
+        failures.append(f"initial weights differ by {report['initial_abs_err']:.2e}")
+    if report["loss_rel_err"] > LOSS_RTOL:
+        failures.append(f"loss rel err {report['loss_rel_err']:.2e}; (parallel, ref) = {report['loss']}")
+    if report["norm_rel_err"] > NORM_RTOL:
+        failures.append(f"grad norm rel err {report['norm_rel_err']:.2e}; (parallel, ref) = {report['norm']}")
+    if max(report["grad_rel_err"].values()) > GRAD_RTOL:
+        failures.append(f"grad rel errs: {_worst(report['grad_rel_err'])}")
+    if max(report["weight_abs_err"].values()) > WEIGHT_ATOL:
+        failures.append(f"updated-weight abs errs: {_worst(report['weight_abs_err'])}")
+    if not report["routing_equal"]:
+        failures.append("MoE routing counts differ from the reference")
+    if len({r["fingerprint"] for r in per_rank}) != 1:
+        failures.append("ranks disagree on loss, norm, full grads or updated weights")
+    return failures
 
 
 def parallel_step(rank, world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm):

@@ -69,6 +69,23 @@ def test_resume_under_a_different_layout(tmp_path):
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
 
 
+@pytest.mark.parametrize("save_pp, load_pp", [(2, 1), (1, 2)])
+def test_pipeline_checkpoint_loads_without_pipeline_and_back(tmp_path, save_pp, load_pp):
+    common = [*LLAMA, "--training.steps", "6", "--checkpoint.enable", "true",
+              "--checkpoint.interval", "3", "--lr_scheduler.warmup_steps", "2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    res = run_train(2, *common, "--job.dump_folder", str(ref), "--parallelism.pp", str(load_pp))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_until(2, "saved checkpoint", *common, "--job.dump_folder", str(run), "--parallelism.pp", str(save_pp))
+    res = run_train(2, *common, "--job.dump_folder", str(run), "--parallelism.pp", str(load_pp))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    a, b = read_metrics(ref), read_metrics(run)
+    for step in range(4, 7):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+        assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
+
+
 @pytest.mark.parametrize(
     "nproc, args, message",
     [
@@ -76,7 +93,7 @@ def test_resume_under_a_different_layout(tmp_path):
         (1, ["--training.steps", "ten"], "training.steps expects an int, got 'ten'"),
         (1, ["--parallelism.tp", "2"], "tp=2 does not divide world_size=1; legal tp values: 1"),
         (2, ["--parallelism.tp", "2", "--training.seq_len", "63"], "seq_len=63 is not divisible by 2"),
-        (2, ["--parallelism.cp", "2", "--training.seq_len", "66"], "seq_len=66 is not divisible by 4 = 2*cp*tp"),
+        (2, ["--parallelism.cp", "2", "--training.seq_len", "66"], "seq_len=66 is not divisible by 4 = 2*cp: 2*cp (load-balanced context-parallel chunks)"),
         (1, ["--model.flavor", "debugmodle"], "debugmodle"),
     ],
 )

@@ -1,0 +1,155 @@
+"""Dump every parameter's gradient at one training step, to find where two layouts diverge.
+
+    torchrun --nproc_per_node=N scripts/grad_dump.py --out grads.json [--grads grads.pt] \\
+        [--step K] -- --config train_configs/llama3.toml --parallelism.tp 2 ...
+
+Runs the real :class:`trainer.train.Trainer` from the same argv as ``train.py`` for ``K`` steps
+(``--training.steps`` is set to K) and, at step K, records each parameter's full gradient norm
+*after* gradient finalization and *before* clipping -- the gradient the layout's math produced,
+not the clipped update. Rank 0 writes ``{"step", "loss", "grad_norm", "params": {name: norm}}``
+to ``--out`` and, with ``--grads``, the full float32 gradients (``{name: tensor}``) for an exact
+``||g_a - g_b||`` comparison. ``compare_loss.py --diagnose`` runs this for the baseline and the
+diverging layout. Meant for debug-size models: every rank materializes each full gradient.
+
+How it hooks in without changing the trainer: ``Trainer.train_step`` calls the module-level
+``clip_grad_norm_`` of ``trainer.train`` right after ``finalize_grads`` on every rank; this
+script swaps that name for a recorder that reads the gradients and then clips as before. If
+the trainer stops calling it, the script fails instead of writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import trainer.train as train_module  # noqa: E402
+from models.common.init import canonical_fqn  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+
+
+class GradRecorder:
+    """Stands in for ``trainer.train.clip_grad_norm_``: on the chosen call it records the
+    gradients, then always delegates to the real function so training is unchanged."""
+
+    def __init__(self, names: dict[int, str], step: int, keep_grads: bool, pp_enabled: bool):
+        self.names, self.step, self.keep_grads, self.pp_enabled = names, step, keep_grads, pp_enabled
+        self.calls = 0
+        self.norms: dict[str, float] | None = None
+        self.grads: dict[str, torch.Tensor] = {}
+        self.original = train_module.clip_grad_norm_
+
+    def __call__(self, params, max_norm, pp_mesh=None):
+        params = list(params)
+        self.calls += 1
+        if self.calls == self.step:
+            self._record(params)
+        return self.original(params, max_norm, pp_mesh)
+
+    def _record(self, params) -> None:
+        # full_tensor() is a collective over the grad's mesh: every rank walks the same
+        # parameters in the same order, and every rank takes part even though rank 0 writes.
+        keep = self.keep_grads and dist.get_rank() == 0
+        norms: dict[str, float] = {}
+        for p in params:
+            if p.grad is None:
+                continue
+            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            name = self.names[id(p)]
+            # float64: torch's float32 CPU norm() of a 0.5M-element gradient is off by ~1e-4
+            # relative (measured on output.weight), as large as the differences we look for
+            norms[name] = full.double().norm().item()
+            if keep or (self.keep_grads and self.pp_enabled):
+                self.grads[name] = full.detach().float().cpu().clone()
+        if self.pp_enabled:
+            # each pipeline stage holds other parameters: merge every rank's view
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (norms, self.grads))
+            norms, grads = {}, {}
+            for n, g in gathered:
+                norms.update(n)
+                grads.update(g)
+            self.grads = grads if dist.get_rank() == 0 else {}
+        self.norms = norms
+
+
+class GradDumpTrainer(train_module.Trainer):
+    """Keeps the last step's reduced loss and grad norm for the dump."""
+
+    last_result = None
+
+    def train_step(self, microbatches):
+        self.last_result = super().train_step(microbatches)
+        return self.last_result
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        raise SystemExit("usage: grad_dump.py --out FILE.json [--grads FILE.pt] [--step K] -- <train.py arguments>")
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, train_argv = split_argv(list(sys.argv[1:] if argv is None else argv))
+    p = argparse.ArgumentParser(prog="grad_dump.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file for the per-parameter gradient norms")
+    p.add_argument("--grads", help="also save the full float32 gradients here (torch.save)")
+    p.add_argument("--step", type=int, default=1, help="step whose gradients are dumped (default 1)")
+    args = p.parse_args(own)
+    try:
+        cfg = load_config(train_argv + ["--training.steps", str(args.step)])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trainer = GradDumpTrainer(cfg)
+        names = {id(p): canonical_fqn(n) for part in trainer.model_parts for n, p in part.named_parameters()}
+        recorder = GradRecorder(names, args.step, args.grads is not None, trainer.pd.pp > 1)
+        train_module.clip_grad_norm_ = recorder
+        try:
+            trainer.train()
+        finally:
+            train_module.clip_grad_norm_ = recorder.original
+        if recorder.norms is None:
+            raise RuntimeError(
+                f"no gradients recorded at step {args.step}: trainer.train.clip_grad_norm_ was called "
+                f"{recorder.calls} time(s); the trainer no longer clips through that name"
+            )
+        if trainer.rank == 0:
+            result = trainer.last_result
+            dump = {
+                "step": args.step,
+                "loss": result.loss,
+                "grad_norm": result.grad_norm,
+                "world_size": trainer.world_size,
+                "degrees": trainer.pd.degrees.as_dict(),
+                "params": recorder.norms,
+            }
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(dump, f, indent=1)
+            if args.grads:
+                torch.save(recorder.grads, args.grads)
+            print(f"wrote {len(recorder.norms)} gradient norms at step {args.step} to {args.out}", flush=True)
+        return 0
+    except ValueError as exc:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

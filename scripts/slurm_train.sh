@@ -1,0 +1,28 @@
+#!/bin/bash
+# Multi-node training under Slurm: one torchrun agent per node, rendezvous over c10d.
+#
+#   sbatch --nodes=8 scripts/slurm_train.sh train_configs/llama3_70b.toml [--section.key value ...]
+#
+#SBATCH --job-name=meshtrain
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=96
+#SBATCH --exclusive
+#SBATCH --output=slurm-%j.out
+set -euo pipefail
+
+CONFIG=${1:?usage: sbatch --nodes=N scripts/slurm_train.sh CONFIG [overrides...]}
+shift
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+RDZV_PORT=${RDZV_PORT:-29500}
+
+# Each node runs one torchrun; they meet at the head node and torchrun assigns global ranks
+# node by node, so the tp groups (innermost in ParallelDims) stay inside a node.
+srun --kill-on-bad-exit=1 .venv/bin/torchrun \
+    --nnodes="$SLURM_NNODES" \
+    --nproc_per_node="$GPUS_PER_NODE" \
+    --rdzv_id="$SLURM_JOB_ID" \
+    --rdzv_backend=c10d \
+    --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" \
+    train.py --config "$CONFIG" "$@"
