@@ -77,7 +77,7 @@ def _env():
 
 def run() -> dict:
     results = {"bare_loop_tps": [], "train_py_tps": []}
-    for _ in range(2):  # alternate to spread machine noise over both
+    for _ in range(3):  # alternate to spread machine noise over both; best-of each
         code = f"from benchmarks.throughput import bare_loop; print(bare_loop({STEPS}, {WARMUP}))"
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
                              text=True, env=_env())

@@ -3,18 +3,17 @@
     torchrun --nproc_per_node=N scripts/grad_dump.py --out grads.json [--grads grads.pt] \\
         [--step K] -- --config train_configs/llama3.toml --parallelism.tp 2 ...
 
-Runs the real :class:`trainer.train.Trainer` from the same argv as ``train.py`` for ``K`` steps
-(``--training.steps`` is set to K) and, at step K, records each parameter's full gradient norm
+Runs the real :class:`trainer.train.Trainer` from the same argv as ``train.py`` -- including its
+``--training.steps N``, which shapes the LR schedule -- stops after step ``K <= N`` and, at step K,
+records each parameter's full gradient norm
 *after* gradient finalization and *before* clipping -- the gradient the layout's math produced,
 not the clipped update. Rank 0 writes ``{"step", "loss", "grad_norm", "params": {name: norm}}``
 to ``--out`` and, with ``--grads``, the full float32 gradients (``{name: tensor}``) for an exact
 ``||g_a - g_b||`` comparison. ``compare_loss.py --diagnose`` runs this for the baseline and the
 diverging layout. Meant for debug-size models: every rank materializes each full gradient.
 
-How it hooks in without changing the trainer: ``Trainer.train_step`` calls the module-level
-``clip_grad_norm_`` of ``trainer.train`` right after ``finalize_grads`` on every rank; this
-script swaps that name for a recorder that reads the gradients and then clips as before. If
-the trainer stops calling it, the script fails instead of writing nothing.
+It hooks in through ``Trainer.on_grads_ready``, which the trainer calls on every rank once a
+step's gradients are final, and ends the run with ``Trainer.train(stop_after=K)``.
 """
 
 from __future__ import annotations
@@ -37,59 +36,54 @@ from models.common.init import canonical_fqn  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 
-class GradRecorder:
-    """Stands in for ``trainer.train.clip_grad_norm_``: on the chosen call it records the
-    gradients, then always delegates to the real function so training is unchanged."""
-
-    def __init__(self, names: dict[int, str], step: int, keep_grads: bool, pp_enabled: bool):
-        self.names, self.step, self.keep_grads, self.pp_enabled = names, step, keep_grads, pp_enabled
-        self.calls = 0
-        self.norms: dict[str, float] | None = None
-        self.grads: dict[str, torch.Tensor] = {}
-        self.original = train_module.clip_grad_norm_
-
-    def __call__(self, params, max_norm, pp_mesh=None):
-        params = list(params)
-        self.calls += 1
-        if self.calls == self.step:
-            self._record(params)
-        return self.original(params, max_norm, pp_mesh)
-
-    def _record(self, params) -> None:
-        # full_tensor() is a collective over the grad's mesh: every rank walks the same
-        # parameters in the same order, and every rank takes part even though rank 0 writes.
-        keep = self.keep_grads and dist.get_rank() == 0
-        norms: dict[str, float] = {}
-        for p in params:
-            if p.grad is None:
-                continue
-            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            name = self.names[id(p)]
-            # float64: torch's float32 CPU norm() of a 0.5M-element gradient is off by ~1e-4
-            # relative (measured on output.weight), as large as the differences we look for
-            norms[name] = full.double().norm().item()
-            if keep or (self.keep_grads and self.pp_enabled):
-                self.grads[name] = full.detach().float().cpu().clone()
-        if self.pp_enabled:
-            # each pipeline stage holds other parameters: merge every rank's view
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (norms, self.grads))
-            norms, grads = {}, {}
-            for n, g in gathered:
-                norms.update(n)
-                grads.update(g)
-            self.grads = grads if dist.get_rank() == 0 else {}
-        self.norms = norms
-
-
 class GradDumpTrainer(train_module.Trainer):
-    """Keeps the last step's reduced loss and grad norm for the dump."""
+    """The real trainer; at step ``dump_step`` it records every parameter's gradient (reduced,
+    before clipping) through the trainer's ``on_grads_ready`` extension point, and keeps the
+    step's reduced loss and grad norm."""
 
+    dump_step = 1
+    keep_grads = False
+    norms: dict[str, float] | None = None
+    grads: dict[str, torch.Tensor] = {}
     last_result = None
+
+    def on_grads_ready(self, params) -> None:
+        if self.step + 1 == self.dump_step:  # self.step counts completed steps
+            self._record(params)
 
     def train_step(self, microbatches):
         self.last_result = super().train_step(microbatches)
         return self.last_result
+
+    def _record(self, params) -> None:
+        names = {id(p): canonical_fqn(n) for part in self.model_parts for n, p in part.named_parameters()}
+        pp_enabled = self.pd.pp > 1
+        # full_tensor() is a collective over the grad's mesh: every rank walks the same
+        # parameters in the same order, and every rank takes part even though rank 0 writes.
+        keep = self.keep_grads and (dist.get_rank() == 0 or pp_enabled)
+        norms: dict[str, float] = {}
+        grads: dict[str, torch.Tensor] = {}
+        for p in params:
+            if p.grad is None:
+                continue
+            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            name = names[id(p)]
+            # float64: torch's float32 CPU norm() of a 0.5M-element gradient is off by ~1e-4
+            # relative (measured on output.weight), as large as the differences we look for
+            norms[name] = full.double().norm().item()
+            if keep:
+                grads[name] = full.detach().float().cpu().clone()
+        if pp_enabled:
+            # each pipeline stage holds other parameters: merge every rank's view
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (norms, grads))
+            norms, grads = {}, {}
+            for n, g in gathered:
+                norms.update(n)
+                grads.update(g)
+            if dist.get_rank() != 0:
+                grads = {}
+        self.norms, self.grads = norms, grads
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -107,24 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=1, help="step whose gradients are dumped (default 1)")
     args = p.parse_args(own)
     try:
-        cfg = load_config(train_argv + ["--training.steps", str(args.step)])
+        cfg = load_config(train_argv)
+        if not 1 <= args.step <= cfg.training.steps:
+            raise ValueError(f"--step {args.step} must be between 1 and training.steps ({cfg.training.steps})")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         trainer = GradDumpTrainer(cfg)
-        names = {id(p): canonical_fqn(n) for part in trainer.model_parts for n, p in part.named_parameters()}
-        recorder = GradRecorder(names, args.step, args.grads is not None, trainer.pd.pp > 1)
-        train_module.clip_grad_norm_ = recorder
-        try:
-            trainer.train()
-        finally:
-            train_module.clip_grad_norm_ = recorder.original
-        if recorder.norms is None:
-            raise RuntimeError(
-                f"no gradients recorded at step {args.step}: trainer.train.clip_grad_norm_ was called "
-                f"{recorder.calls} time(s); the trainer no longer clips through that name"
-            )
+        trainer.dump_step, trainer.keep_grads = args.step, args.grads is not None
+        # The LR schedule keeps training.steps = N, as in the run being diagnosed, so steps
+        # 1..K retrace that run exactly; stop_after ends the loop at K.
+        trainer.train(stop_after=args.step)
+        if trainer.norms is None:
+            raise RuntimeError(f"no gradients recorded at step {args.step}")
         if trainer.rank == 0:
             result = trainer.last_result
             dump = {
@@ -133,14 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                 "grad_norm": result.grad_norm,
                 "world_size": trainer.world_size,
                 "degrees": trainer.pd.degrees.as_dict(),
-                "params": recorder.norms,
+                "params": trainer.norms,
             }
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(dump, f, indent=1)
             if args.grads:
-                torch.save(recorder.grads, args.grads)
-            print(f"wrote {len(recorder.norms)} gradient norms at step {args.step} to {args.out}", flush=True)
+                torch.save(trainer.grads, args.grads)
+            print(f"wrote {len(trainer.norms)} gradient norms at step {args.step} to {args.out}", flush=True)
         return 0
     except ValueError as exc:
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -300,6 +300,7 @@ class Trainer:
             loss_sum += _local(loss.detach()).float()
         params = [p for part in self.model_parts for p in part.parameters()]
         finalize_grads(params)
+        self.on_grads_ready(params)
         pp_mesh = self.pd.get_optional_mesh("pp")
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
         if self.pipeline is not None:
@@ -318,6 +319,10 @@ class Trainer:
         if moes:
             self._update_expert_bias(moes)
         return StepResult(loss_total, grad_norm.item(), self.lr_scheduler.get_last_lr())
+
+    def on_grads_ready(self, params: list[torch.Tensor]) -> None:
+        """Extension point, called on every rank once the step's gradients are final (reduced,
+        not yet clipped); tools such as scripts/grad_dump.py override it."""
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> float:
         """Sum of the per-rank partial losses over every rank that holds different tokens."""
@@ -339,8 +344,11 @@ class Trainer:
             moe.update_expert_bias(c)
 
     # ---------------------------------------------------------------- the loop
-    def train(self) -> None:
+    def train(self, stop_after: int | None = None) -> None:
+        """Run to ``training.steps`` (the LR schedule's length), or stop early after step
+        ``stop_after`` without changing the schedule (to retrace a run up to one step)."""
         cfg = self.cfg
+        last_step = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
         self.resume()
         run_folder = cfg.job.dump_folder
         if self.rank == 0:
@@ -364,7 +372,7 @@ class Trainer:
         )
         steps_since_log = 0
         with metrics:
-            while self.step < cfg.training.steps:
+            while self.step < last_step:
                 microbatches = self.data.next_step()
                 result = self.train_step(microbatches)
                 self.step += 1
