@@ -40,9 +40,9 @@ LONG_NAMES = {
     "etp": "expert_tensor_parallel_degree",
 }
 LLAMA3_LAYOUTS = ["single", "fsdp=4", "dp_replicate=2,fsdp=2", "tp=2,fsdp=2", "cp=2,fsdp=2", "cp=2,tp=2",
-                  "dp_replicate=4"]
+                  "dp_replicate=4", "pp=2,fsdp=2"]
 DEEPSEEK_LAYOUTS = ["fsdp=4", "fsdp=4,ep=2", "fsdp=2,cp=2,ep=4", "fsdp=2,tp=2,ep=2,etp=2",
-                    "dp_replicate=2,fsdp=2,ep=2"]
+                    "dp_replicate=2,fsdp=2,ep=2", "pp=2,fsdp=2,ep=2"]
 
 
 def _env() -> dict[str, str]:
