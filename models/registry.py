@@ -1,16 +1,18 @@
-"""Name -> (config, model class) lookup, so trainers and configs refer to models by string."""
+"""Name -> (config, model class, parallelize function) lookup, so trainers and configs refer to
+models by string."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from models.deepseek_v3 import DeepSeekV3, DeepSeekV3Args, deepseek_v3_flavors
 from models.llama3 import Llama3, Llama3Args, llama3_flavors
+from models.parallelize import parallelize_model
 
 _MODELS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
     "llama3": (Llama3, llama3_flavors),
@@ -24,6 +26,9 @@ class ModelSpec:
     flavor: str
     args: Llama3Args | DeepSeekV3Args
     model_cls: type[nn.Module]
+    # Both models share one plan (models/parallelize.py); the appliers key on module names
+    # that both follow.
+    parallelize_fn: Callable[..., nn.Module] = parallelize_model
 
 
 def model_names() -> list[str]:

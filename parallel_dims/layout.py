@@ -280,6 +280,12 @@ class RankLayout:
         names = self.expand(names)
         if len(set(names)) != len(names):
             raise ValueError(f"mesh names {list(names)} repeat an axis")
+        in_order = [st for n in names for s, st in self._modes[n] if s > 1]
+        if any(a < b for a, b in zip(in_order, in_order[1:])):
+            raise ValueError(
+                f"axes {list(names)} must be listed outer to inner (rank order: pp, "
+                f"dp_replicate, dp_shard/efsdp, cp/ep, tp/etp)"
+            )
         used = sorted((st, s) for n in names for s, st in self._modes[n] if s > 1)
         # Modes of one mixed-radix rank numbering are disjoint iff, ordered by stride, each
         # starts at or beyond the span of the previous one.

@@ -33,7 +33,7 @@ from models.parallel.pipeline import (
     sum_loss_over_pp,
 )
 from models.parallel.tensor_parallel import loss_parallel_context
-from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
+from models.parallelize import ParallelizeOptions, check_model_fits_layout
 from models.registry import build_model, get_model_spec
 from parallel_dims import ParallelDims, default_backend, default_device_type
 from trainer.checkpoint import CheckpointManager, export_consolidated, load_checkpoint, save_seed_checkpoint
@@ -156,9 +156,8 @@ class Trainer:
         self.pd = parallel_dims_from_config(cfg, self.world_size)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
         overrides = model_overrides(cfg, self.tokenizer.vocab_size)
-        self.model_args = get_model_spec(cfg.model.name, cfg.model.flavor).args
+        spec = get_model_spec(cfg.model.name, cfg.model.flavor)
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **overrides)
-        self.model_args = model.args
         opts = _parallelize_options(cfg)
         check_model_fits_layout(model.args, self.pd, cfg.training.seq_len, opts.sequence_parallel)
         self.pd.check_model(
@@ -193,7 +192,7 @@ class Trainer:
         else:
             self.model_parts = [model]
         for part in self.model_parts:
-            parallelize_model(part, self.pd, opts)
+            spec.parallelize_fn(part, self.pd, opts)
             part.to_empty(device=self.device)
             with torch.no_grad():
                 part.init_weights(cfg.training.seed)  # FQN-seeded: stages match the full model

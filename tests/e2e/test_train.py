@@ -112,3 +112,23 @@ def test_bad_model_layout_combination(tmp_path):
                     "--parallelism.enable_sequence_parallel", "false")
     assert res.returncode != 0
     assert "needs sequence parallel" in res.stderr, res.stderr[-2000:]
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
+    # an absurd learning rate without clipping blows the weights up within a few steps
+    res = run_train(1, *LLAMA, "--training.steps", "6", "--job.dump_folder", str(tmp_path),
+                    "--parallelism.dp_shard", "1", "--optimizer.lr", "1e12",
+                    "--lr_scheduler.warmup_steps", "1", "--training.max_norm", "0")
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "non-finite" in res.stderr and "at step " in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_pipeline_with_activation_checkpointing_is_bitwise_unchanged(tmp_path):
+    common = [*LLAMA, "--training.steps", "3", "--parallelism.pp", "2",
+              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    plain, ac = tmp_path / "plain", tmp_path / "ac"
+    for folder, extra in ((plain, []), (ac, ["--activation_checkpoint.mode", "full"])):
+        res = run_train(2, *common, "--job.dump_folder", str(folder), *extra)
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert _steps(read_metrics(ac), 1, 3) == _steps(read_metrics(plain), 1, 3)

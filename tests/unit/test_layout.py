@@ -194,6 +194,8 @@ def test_composability_check():
     layout.check_composable(("dp_replicate", "fsdp"))
     with pytest.raises(ValueError, match="overlap"):
         layout.check_composable(("fsdp", "cp"))
+    with pytest.raises(ValueError, match="must be listed outer to inner"):
+        layout.check_composable(("tp", "dp_shard"))
     with pytest.raises(ValueError, match="unknown mesh name 'bogus'"):
         layout.check_composable(("bogus",))
 
