@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.config import PARALLELISM_ALIASES
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11
@@ -30,15 +32,7 @@ SCRIPT = ROOT / "scripts" / "compare_loss.py"
 STEPS = 3
 TINY = ["--training.seq_len", "64", "--training.global_batch_size", "8", "--training.local_batch_size", "2",
         "--metrics.enable_tensorboard", "false"]
-LONG_NAMES = {
-    "dp_replicate": "data_parallel_replicate_degree",
-    "dp_shard": "data_parallel_shard_degree",
-    "cp": "context_parallel_degree",
-    "tp": "tensor_parallel_degree",
-    "pp": "pipeline_parallel_degree",
-    "ep": "expert_parallel_degree",
-    "etp": "expert_tensor_parallel_degree",
-}
+LONG_NAMES = PARALLELISM_ALIASES  # short layout key -> [parallelism] key
 LLAMA3_LAYOUTS = ["single", "fsdp=4", "dp_replicate=2,fsdp=2", "tp=2,fsdp=2", "cp=2,fsdp=2", "cp=2,tp=2",
                   "dp_replicate=4", "pp=2,fsdp=2"]
 DEEPSEEK_LAYOUTS = ["fsdp=4", "fsdp=4,ep=2", "fsdp=2,cp=2,ep=4", "fsdp=2,tp=2,ep=2,etp=2",
