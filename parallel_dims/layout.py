@@ -212,9 +212,6 @@ class RankLayout:
             return self.degrees.world_size
         return math.prod(s for s, _ in self.modes(name))
 
-    def sizes(self, names: tuple[str, ...] | list[str]) -> tuple[int, ...]:
-        return tuple(self.size(n) for n in names)
-
     def strides(self, name: str) -> tuple[int, ...]:
         """Rank strides of the axis' modes (one per mode, size-1 modes dropped)."""
         return tuple(st for s, st in self.modes(name) if s > 1) or (1,)

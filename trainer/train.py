@@ -129,7 +129,7 @@ def _moe_layers(model_parts: list[nn.Module]) -> list[nn.Module]:
     ]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -281,7 +281,7 @@ class Trainer:
                 labels = self._shard_for_cp(labels).to(self.device, non_blocking=True)
                 part = pipeline_step(self.pipeline, inputs, labels, global_tokens)
                 if part is not None:
-                    loss_sum += _local(part.detach()).float()
+                    loss_sum += _full(part.detach()).float()
                 continue
             sync = i == n - 1
             if hasattr(model, "set_requires_gradient_sync"):
@@ -296,7 +296,7 @@ class Trainer:
                     if moe.aux_loss_sum is not None:
                         loss = loss + moe.aux_loss_sum / global_sequences
                 loss.backward()
-            loss_sum += _local(loss.detach()).float()
+            loss_sum += _full(loss.detach()).float()
         params = [p for part in self.model_parts for p in part.parameters()]
         finalize_grads(params)
         self.on_grads_ready(params)

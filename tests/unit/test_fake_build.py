@@ -66,6 +66,8 @@ def test_group_count_dedupes_rank_sets():
 def test_optional_and_errors():
     pd = _build(0, dp_shard=4, ep=2, world_size=4)
     assert pd.get_optional_mesh("tp") is None
+    # torchtitan's helper: enabled 1-D meshes only (efsdp of size 1 and tp are not in it)
+    assert set(pd.get_all_one_dimensional_meshes()) == {"dp_shard", "fsdp", "batch", "loss", "efsdp", "ep"}
     assert pd.get_optional_mesh(["dp_replicate", "fsdp"]) is None
     assert pd.get_mesh("efsdp").size() == 2
     with pytest.raises(ValueError, match=r"Mesh 'tp' is not available: tp \(size 1\) disabled"):
