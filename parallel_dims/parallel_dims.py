@@ -306,6 +306,21 @@ class ParallelDims:
         same expert shard."""
         return self._dp_mesh("efsdp")
 
+    def fsdp_mesh(self, params: str = "dense", *, allow_trivial: bool = False) -> DeviceMesh | None:
+        """The FSDP2 mesh for ``params`` (``"dense"`` or ``"expert"``): what
+        :attr:`dense_fsdp_mesh` / :attr:`expert_fsdp_mesh` return, except that with
+        ``allow_trivial`` a layout without data parallelism for those params gets the size-1
+        shard mesh instead of None. On a size-1 mesh FSDP2 never communicates (its group is a
+        placeholder); it only casts parameters to the compute dtype and gradients back, which
+        is how mixed precision takes effect on layouts without FSDP (one GPU, pure TP, PP)."""
+        if params not in ("dense", "expert"):
+            raise ValueError(f"fsdp_mesh(params={params!r}); legal values: 'dense', 'expert'")
+        shard_axis = "fsdp" if params == "dense" else "efsdp"
+        mesh = self._dp_mesh(shard_axis)
+        if mesh is None and allow_trivial:
+            mesh = self._meshes[shard_axis]
+        return mesh
+
     def _dp_mesh(self, shard_axis: str) -> DeviceMesh | None:
         self._require_built()
         if self.dp_replicate > 1:
