@@ -87,10 +87,13 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
     # Experts get their own FSDP wrapping whenever their rank sets differ from the dense
     # params': as DTensors over ep/etp, or replicated over tp ranks that see different tokens.
     separate = bool(moes) and (pd.ep > 1 or pd.etp > 1 or pd.tp > 1)
+    # Mixed precision is FSDP2's on every layout: without data parallelism FSDP2 wraps on the
+    # size-1 shard mesh, where it only casts (see models/parallel/fsdp.py).
+    mixed = opts.param_dtype != "float32" or opts.reduce_dtype != "float32"
     apply_fsdp(
         model,
-        pd.dense_fsdp_mesh,
-        pd.expert_fsdp_mesh if separate else None,
+        pd.fsdp_mesh("dense", allow_trivial=mixed),
+        pd.fsdp_mesh("expert", allow_trivial=mixed) if separate else None,
         param_dtype=opts.param_dtype,
         reduce_dtype=opts.reduce_dtype,
         reshard_after_forward=opts.reshard_after_forward,

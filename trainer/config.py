@@ -100,6 +100,11 @@ class Model:
     vocab_size: Optional[int] = _opt(
         None, "Override the flavor's vocabulary size; must be >= the tokenizer's vocab size."
     )
+    n_layers: Optional[int] = _opt(
+        None,
+        "Override the flavor's number of transformer layers (e.g. a real-size model with a "
+        "few layers for benchmarks); none = the flavor's.",
+    )
 
 
 @dataclass
@@ -140,6 +145,13 @@ class Optimizer:
     betas: list[float] = _opt([0.9, 0.95], "Adam (beta1, beta2).")
     eps: float = _opt(1e-8, "Adam epsilon.")
     weight_decay: float = _opt(0.1, "Decoupled weight decay for matrices (>= 2-D parameters).")
+    implementation: str = _opt(
+        "auto",
+        "AdamW kernels: 'fused' (one kernel per parameter group; CUDA and CPU), 'foreach' "
+        "(multi-tensor), 'for-loop' (one parameter at a time), 'auto' = fused on GPU, "
+        "foreach on CPU.",
+        choices=("auto", "fused", "foreach", "for-loop"),
+    )
 
 
 @dataclass
@@ -253,6 +265,32 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = _opt(
+        False, "Record torch profiler traces (Chrome/Perfetto JSON, one file per rank)."
+    )
+    save_traces_folder: str = _opt(
+        "profile_traces", "Trace folder, relative to job.dump_folder: iteration_N/rankR_trace.json."
+    )
+    profile_freq: int = _opt(
+        10, "Profile (and snapshot memory) every N steps: steps N, 2N, ... are recorded."
+    )
+    profiler_warmup: int = _opt(
+        3, "Steps the profiler runs unrecorded before each recorded window."
+    )
+    profiler_active: int = _opt(1, "Steps recorded in each window (ending at a multiple of profile_freq).")
+    enable_memory_snapshot: bool = _opt(
+        False,
+        "Record CUDA allocator history and dump a snapshot (open it at pytorch.org/memory_viz) "
+        "every profile_freq steps and on out-of-memory; GPU only.",
+    )
+    save_memory_snapshot_folder: str = _opt(
+        "memory_snapshot",
+        "Snapshot folder, relative to job.dump_folder: iteration_N/rankR_memory_snapshot.pickle.",
+    )
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = _opt(300, "Process-group timeout until the first step.")
     train_timeout_seconds: int = _opt(100, "Collective timeout once training runs.")
@@ -269,6 +307,7 @@ SECTIONS: dict[str, type] = {
     "compile": Compile,
     "checkpoint": Checkpoint,
     "metrics": Metrics,
+    "profiling": Profiling,
     "comm": Comm,
 }
 
@@ -285,6 +324,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -370,6 +410,8 @@ def _validate_values(cfg: JobConfig) -> None:
         raise ConfigError(_choice_message("model.flavor", cfg.model.flavor, flavors, f" for model '{cfg.model.name}'"))
     need(cfg.model.vocab_size is None or cfg.model.vocab_size > 0,
          f"model.vocab_size must be > 0 (or none for the flavor default), got {cfg.model.vocab_size}")
+    need(cfg.model.n_layers is None or cfg.model.n_layers > 0,
+         f"model.n_layers must be > 0 (or none for the flavor's), got {cfg.model.n_layers}")
 
     need(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
     need(t.global_batch_size > 0 or t.global_batch_size == -1,
@@ -440,6 +482,14 @@ def _validate_values(cfg: JobConfig) -> None:
             raise ConfigError(_choice_message("checkpoint.exclude_from_loading entry", part, excludable))
 
     need(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
+    prof = cfg.profiling
+    need(prof.profiler_warmup >= 0 and prof.profiler_active >= 1,
+         f"profiling.profiler_warmup must be >= 0 and profiling.profiler_active >= 1, got "
+         f"{prof.profiler_warmup} and {prof.profiler_active}")
+    need(prof.profile_freq >= prof.profiler_warmup + prof.profiler_active,
+         f"profiling.profile_freq ({prof.profile_freq}) must be >= profiler_warmup + "
+         f"profiler_active ({prof.profiler_warmup} + {prof.profiler_active}): each recorded "
+         f"window fits inside one period; raise profile_freq or lower the other two")
     need(cfg.comm.init_timeout_seconds > 0 and cfg.comm.train_timeout_seconds > 0,
          "comm.init_timeout_seconds and comm.train_timeout_seconds must be > 0")
 

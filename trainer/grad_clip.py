@@ -10,7 +10,6 @@ single-process norm of the whole model's gradient.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Iterable
 
@@ -63,13 +62,20 @@ def clip_grad_norm_(
     params: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None
 ) -> torch.Tensor:
     """Scale grads so their global norm is at most ``max_norm`` (<= 0 disables clipping);
-    return the norm before clipping."""
+    return the norm before clipping.
+
+    No host sync: the scale is computed on the device, and a non-finite norm leaves the grads
+    unscaled (the trainer stops on it before the optimizer step)."""
     params = [p for p in params if p.grad is not None]
     norm = grad_norm(params, pp_mesh)
-    if max_norm > 0 and math.isfinite(norm.item()):
+    if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        scale = torch.where(torch.isfinite(norm), scale, torch.ones_like(scale))
+        by_device_dtype: dict = defaultdict(list)
         for p in params:
             g = p.grad
             local = g._local_tensor if isinstance(g, DTensor) else g
-            local.mul_(scale.to(local.device, local.dtype))
+            by_device_dtype[(local.device, local.dtype)].append(local)
+        for (device, dtype), grads in by_device_dtype.items():
+            torch._foreach_mul_(grads, scale.to(device, dtype))
     return norm

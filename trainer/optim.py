@@ -9,6 +9,10 @@ Weight decay applies to parameters with >= 2 dims (linear weights, embeddings, t
 output projection, expert weights); 1-D parameters (norm scales, biases) are not decayed,
 because shrinking a norm scale towards 0 fights the normalisation it implements. Embeddings
 are decayed like other matrices, as in the Llama recipes.
+
+Parameter groups are further split by tensor layout (plain tensors; DTensors per mesh and
+placements) so the multi-tensor kernels apply to every layout: ``optimizer.implementation``
+``auto`` runs the fused AdamW kernel on GPUs and the foreach kernels on CPU.
 """
 
 from __future__ import annotations
@@ -36,26 +40,37 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _layout_key(p: torch.Tensor) -> Any:
-    """Parameters AdamW's foreach path can batch together share this key."""
+    """Parameters that one multi-tensor (foreach or fused) kernel call can update together:
+    plain tensors per device and dtype, DTensors per mesh and placements. DTensor dispatches a
+    foreach/fused op over the whole list and rejects lists that mix plain tensors and DTensors
+    or DTensors of different meshes (e.g. expert weights on the EP mesh next to dense weights
+    on the FSDP mesh), as clipping does (trainer/grad_clip.py)."""
     if isinstance(p, DTensor):
-        return ("dtensor", p.device_mesh)  # DeviceMesh equality is what DTensor ops check
-    return ("tensor",)
-
-
-def foreach_supported(params: Iterable[torch.Tensor]) -> bool:
-    """False when params mix plain tensors and DTensors, or DTensors on different meshes
-    (e.g. expert weights on an EP mesh next to dense weights on the FSDP mesh): the
-    foreach kernels dispatch one DTensor op over the whole list and fail on such mixes."""
-    return len({_layout_key(p) for p in params}) <= 1
+        return ("dtensor", p.device_mesh, p.placements, p.dtype)  # mesh equality is what DTensor checks
+    return ("tensor", p.device, p.dtype)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    decay, no_decay = [], []
+    """AdamW parameter groups: matrices decayed, 1-D parameters not, and within each, one group
+    per tensor layout (see :func:`_layout_key`), so the foreach and fused kernels can batch
+    every group whatever mix of meshes the parallelisms produced. Groups keep module order."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+            groups.setdefault((p.ndim >= 2, _layout_key(p)), []).append(p)
+    ordered = sorted(groups.items(), key=lambda kv: not kv[0][0])  # decayed groups first (stable)
+    return [
+        {"params": params, "weight_decay": weight_decay if decay else 0.0}
+        for (decay, _), params in ordered
+    ]
+
+
+def resolve_implementation(implementation: str, params: Iterable[torch.Tensor]) -> str:
+    """``auto`` -> ``fused`` when every parameter is on a GPU (one kernel launch per group
+    instead of several per parameter), else ``foreach``."""
+    if implementation != "auto":
+        return implementation
+    return "fused" if all(p.device.type == "cuda" for p in params) else "foreach"
 
 
 class Optimizers:
@@ -67,12 +82,13 @@ class Optimizers:
         self.model_parts = list(model_parts)
         self.optimizers: list[torch.optim.Optimizer] = []
         for part in self.model_parts:
-            params = [p for p in part.parameters() if p.requires_grad]
-            if not params:
+            if not any(p.requires_grad for p in part.parameters()):
                 raise ValueError(f"model part {type(part).__name__} has no trainable parameters")
-            mixed = not foreach_supported(params)
-            if mixed:
-                logger.info("AdamW foreach disabled for a model part mixing tensor layouts")
+        impl = resolve_implementation(
+            cfg.implementation, [p for part in self.model_parts for p in part.parameters()]
+        )
+        self.implementation = impl
+        for part in self.model_parts:
             self.optimizers.append(
                 torch.optim.AdamW(
                     param_groups(part, cfg.weight_decay),
@@ -80,8 +96,8 @@ class Optimizers:
                     betas=tuple(cfg.betas),
                     eps=cfg.eps,
                     weight_decay=cfg.weight_decay,
-                    foreach=False if mixed else None,  # None: torch picks foreach on GPU
-                    fused=False,
+                    foreach=impl == "foreach",
+                    fused=impl == "fused",
                 )
             )
 

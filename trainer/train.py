@@ -42,6 +42,7 @@ from trainer.data import build_dataloader
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.metrics import MetricsLogger, model_flops_per_token
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.profiling import StepProfiler
 from trainer.tokenizer import load_tokenizer
 
 __all__ = ["Trainer", "main", "TrainingDiverged"]
@@ -106,7 +107,10 @@ def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict:
             f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
             f"({tokenizer_vocab} tokens); set --model.vocab_size {tokenizer_vocab} or larger"
         )
-    return {"vocab_size": vocab, "max_seq_len": max(spec.args.max_seq_len, cfg.training.seq_len)}
+    overrides = {"vocab_size": vocab, "max_seq_len": max(spec.args.max_seq_len, cfg.training.seq_len)}
+    if cfg.model.n_layers is not None:
+        overrides["n_layers"] = cfg.model.n_layers
+    return overrides
 
 
 def _parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
@@ -206,7 +210,7 @@ class Trainer:
                 self.loss_fn,
                 local_batch_size=cfg.training.local_batch_size,
                 seq_len=cfg.training.seq_len,
-                activation_dtype=stage_activation_dtype(self.pd, opts.param_dtype),
+                activation_dtype=stage_activation_dtype(opts.param_dtype),
                 loss_parallel=self.loss_parallel,
             )
 
@@ -305,10 +309,15 @@ class Trainer:
         if self.pipeline is not None:
             loss_sum = sum_loss_over_pp(loss_sum, pp_mesh, self.device)  # only last stage has it
         loss_total = self._reduce_loss(loss_sum)
-        if not (math.isfinite(loss_total) and math.isfinite(grad_norm.item())):
+        # The step's one host sync: everything above is queued on the device, and the loss
+        # and norm are needed on the host to stop a diverged run before the optimizer applies
+        # it. The optimizer's kernels are queued right after, and the next step's data is
+        # prepared on the host while they run.
+        loss_value, norm_value = torch.stack([loss_total, grad_norm.to(loss_total)]).tolist()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             raise TrainingDiverged(
-                f"non-finite {'loss' if not math.isfinite(loss_total) else 'gradient norm'} at step "
-                f"{self.step + 1} (loss={loss_total}, grad_norm={grad_norm.item()}); the run is "
+                f"non-finite {'loss' if not math.isfinite(loss_value) else 'gradient norm'} at step "
+                f"{self.step + 1} (loss={loss_value}, grad_norm={norm_value}); the run is "
                 f"stopped before the optimizer applies it. Lower optimizer.lr, raise "
                 f"lr_scheduler.warmup_steps or check the data, then resume from the last checkpoint."
             )
@@ -317,19 +326,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if moes:
             self._update_expert_bias(moes)
-        return StepResult(loss_total, grad_norm.item(), self.lr_scheduler.get_last_lr())
+        return StepResult(loss_value, norm_value, self.lr_scheduler.get_last_lr())
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
         not yet clipped); tools such as scripts/grad_dump.py override it."""
 
-    def _reduce_loss(self, loss_sum: torch.Tensor) -> float:
+    def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Sum of the per-rank partial losses over every rank that holds different tokens."""
         total = loss_sum.clone()
         loss_mesh = self.pd.get_optional_mesh("loss")
         if loss_mesh is not None:
             dist.all_reduce(total, group=loss_mesh.get_group())
-        return total.item()
+        return total
 
     def _update_expert_bias(self, moes: list[nn.Module]) -> None:
         """Load statistics are summed over the ranks that route different tokens: the loss
@@ -370,11 +379,15 @@ class Trainer:
             f"{cfg.training.local_batch_size} per rank"
         )
         steps_since_log = 0
-        with metrics:
+        profiler = StepProfiler(cfg.profiling, run_folder, self.rank, self.device, first_step=self.step)
+        with metrics, profiler:
+            for message in profiler.messages:
+                _log(message)
             while self.step < last_step:
                 microbatches = self.data.next_step()
                 result = self.train_step(microbatches)
                 self.step += 1
+                profiler.step(self.step)
                 steps_since_log += 1
                 if metrics.should_log(self.step) or self.step == cfg.training.steps:
                     metrics.log(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import CausalAttentionCore
@@ -97,11 +98,17 @@ class Attention(nn.Module):
                 "wq/wq_b and wkv_b must be sharded the same way under tensor parallelism."
             )
         k = torch.cat([k_nope, k_pe.expand(-1, -1, local_heads, -1)], dim=-1)
+        if self.v_head_dim < self.qk_head_dim:
+            # Fused attention kernels (FlashAttention on GPU, the flash kernel on CPU) need one
+            # head dim for q, k and v; with MLA's narrower values SDPA would fall back to the
+            # math path, which on CPU also upcasts bf16 to fp32. Zero columns of v give zero
+            # output columns and leave the others exact; they are sliced off below.
+            v = F.pad(v, (0, self.qk_head_dim - self.v_head_dim))
 
         out = self.core(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.softmax_scale
         )
-        out = out.transpose(1, 2).reshape(bs, s, -1)
+        out = out[..., : self.v_head_dim].transpose(1, 2).reshape(bs, s, -1)
         return self.wo(out)
 
 

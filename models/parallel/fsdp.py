@@ -1,8 +1,17 @@
-"""FSDP2 for dense and expert parameters.
+"""FSDP2 for dense and expert parameters, and the one mechanism for mixed precision.
 
 Gradients are SUMMED across data-parallel ranks, never averaged: the trainer's loss on each rank
 is its tokens' loss summed and divided by the *global* token count, so the sum over ranks is the
 exact global-batch gradient whatever the layout (dp, cp, micro-batches, expert meshes alike).
+
+Mixed precision comes from FSDP2's ``MixedPrecisionPolicy`` on EVERY layout: where a layout has
+no data parallelism (one GPU, pure TP, PP-only), the caller passes the size-1 shard mesh
+(:meth:`ParallelDims.fsdp_mesh` with ``allow_trivial``), on which FSDP2 never communicates and
+only casts parameters to ``param_dtype`` for compute and gradients back to the fp32 master
+weights. So a bf16 run computes the same way (bf16 parameters and activations, fp32 master
+weights, gradients and optimizer state) whatever the degrees, and bf16 loss curves stay
+comparable across layouts; ``torch.autocast`` instead would keep the residual stream in fp32 on
+some layouts and not on others.
 """
 
 from __future__ import annotations
@@ -17,11 +26,13 @@ __all__ = ["apply_fsdp", "reshard_policy"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def reshard_policy(policy: str, pp_enabled: bool) -> bool:
+def reshard_policy(policy: str, pp_enabled: bool, mesh_size: int) -> bool:
     """``default`` frees unsharded params after forward unless pipelining (where every
-    micro-batch would re-gather them); ``always`` / ``never`` force it."""
+    micro-batch would re-gather them) or the shard mesh has one rank (nothing to gather:
+    resharding would only drop the compute-dtype copy and cast it again in backward);
+    ``always`` / ``never`` force it."""
     if policy == "default":
-        return not pp_enabled
+        return not pp_enabled and mesh_size > 1
     if policy in ("always", "never"):
         return policy == "always"
     raise ValueError(f"fsdp_reshard_after_forward={policy!r}; legal values: default, always, never")
@@ -47,29 +58,29 @@ def apply_fsdp(
     """Wrap each block (and, when ``separate_experts``, each block's routed experts on
     ``expert_mesh``), then the embeddings, the norm+output head and the root, in place."""
     mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype), reduce_dtype=_dtype(reduce_dtype))
-    reshard = reshard_policy(reshard_after_forward, pp_enabled)
     wrapped: list[FSDPModule] = []
 
     def wrap(module: nn.Module, mesh: DeviceMesh, reshard_flag: bool) -> None:
+        reshard_flag = reshard_flag and reshard_policy(reshard_after_forward, pp_enabled, mesh.size())
         wrapped.append(fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_flag))
 
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         moe = getattr(block, "moe", None)
         if moe is not None and separate_experts and expert_mesh is not None:
-            wrap(moe.experts, expert_mesh, reshard)
+            wrap(moe.experts, expert_mesh, True)
         if dense_mesh is not None:
             # the last block's params are needed right away in backward: keep them gathered
-            wrap(block, dense_mesh, reshard and i < len(blocks) - 1)
+            wrap(block, dense_mesh, i < len(blocks) - 1)
     if dense_mesh is not None:
         if model.tok_embeddings is not None:
-            wrap(model.tok_embeddings, dense_mesh, reshard)
+            wrap(model.tok_embeddings, dense_mesh, True)
         if model.output is not None:
             head = [m for m in (model.norm, model.output) if m is not None]
             # norm + output form one FSDP group (one all-gather); the returned handle is the list
             fully_shard(head, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
             wrapped.append(head[0])
-        wrap(model, dense_mesh, reshard)
+        wrap(model, dense_mesh, True)
     for module in wrapped:
         # exact sums across ranks (see module docstring); SUM is also the one op every backend
         # supports (gloo has no PREMUL_SUM)

@@ -423,17 +423,18 @@ class _GlobalTokenLoss:
         return self.loss_fn(output, target) / global_token_count
 
 
-def stage_activation_dtype(pd: ParallelDims, param_dtype: str) -> torch.dtype:
+def stage_activation_dtype(param_dtype: str) -> torch.dtype:
     """The dtype hidden states cross stage boundaries in, for ``build_pipeline_schedule``.
 
     FSDP2's mixed precision casts a wrapped stage's inputs to ``param_dtype`` and computes in
-    it, and ``apply_fsdp`` wraps the dense blocks exactly when there is a dense FSDP mesh (any
-    data parallelism); without one the stages compute in float32 whatever ``param_dtype`` says.
+    it, and :func:`models.parallelize.parallelize_model` wraps every stage with FSDP2 whenever
+    there is data parallelism or ``param_dtype`` is not float32 (on the size-1 shard mesh
+    without data parallelism), so the stages always compute in ``param_dtype``.
     """
     dtype = getattr(torch, str(param_dtype), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"param_dtype={param_dtype!r} is not a floating-point torch dtype name")
-    return dtype if pd.dense_fsdp_mesh is not None else torch.float32
+    return dtype
 
 
 def _module_device(module: nn.Module) -> torch.device:

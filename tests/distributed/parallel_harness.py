@@ -233,6 +233,11 @@ def compare(result: dict, ref: dict) -> dict:
     report["routing_equal"] = sorted(result["routing"]) == sorted(ref["routing"]) and all(
         torch.equal(result["routing"][k], c) for k, c in ref["routing"].items()
     )
+    if ref["routing"] and sorted(result["routing"]) == sorted(ref["routing"]):
+        # tokens that picked another expert show up twice (one count lost, one gained)
+        report["routing_moved_tokens"] = int(
+            sum((result["routing"][k] - c).abs().sum().item() for k, c in ref["routing"].items()) // 2
+        )
     return report
 
 

@@ -46,6 +46,8 @@ AC_MODES = {
 BF16_LOSS_RTOL = 2e-3
 BF16_NORM_RTOL = 1e-2
 BF16_GRAD_RTOL = 5e-2
+# bf16 routing flips allowed against the fp32 reference (of 2 MoE layers x 256 tokens x top-2)
+BF16_MAX_ROUTING_FLIPS = 8
 # ...and must be visibly different from fp32, or the policy was not applied: grads are at least
 # 100x further from the reference than fp32 round-off allows (measured ~2000x).
 BF16_MIN_GRAD_ERR = 100 * GRAD_RTOL
@@ -114,23 +116,40 @@ def test_compile_matches_single_process():
     assert not failures, "compile=True:\n  " + "\n  ".join(failures)
 
 
+# FSDP does the bf16 casts on every layout: with data parallelism as part of sharding, on pure
+# TP on the size-1 shard mesh (before, TP-only layouts silently computed in fp32)
+BF16_LAYOUTS = {"fsdp=2": FSDP2, "tp=2": full_degrees(tp=2)}
+
+
 @pytest.fixture(scope="module")
 def bf16_results():
     opts = dict(param_dtype="bfloat16", reduce_dtype="float32")
-    cases = [(m, FSDP2, opts, GLOBAL_BS, SEQ_LEN, MAX_NORM) for m in MODELS]
+    keys = [(m, name) for m in MODELS for name in BF16_LAYOUTS]
+    cases = [(m, BF16_LAYOUTS[name], opts, GLOBAL_BS, SEQ_LEN, MAX_NORM) for m, name in keys]
     per_rank = run_distributed(parallel_steps, 2, cases)
-    return {m: [r[i] for r in per_rank] for i, m in enumerate(MODELS)}
+    return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
 
 
+@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
 @pytest.mark.parametrize("model", MODELS)
-def test_bf16_params_close_to_fp32(model, bf16_results):
-    per_rank = bf16_results[model]
+def test_bf16_params_close_to_fp32(model, layout, bf16_results):
+    per_rank = bf16_results[(model, layout)]
     report = per_rank[0]
     assert report["loss_rel_err"] <= BF16_LOSS_RTOL, f"loss (bf16, fp32) = {report['loss']}"
     assert report["norm_rel_err"] <= BF16_NORM_RTOL, f"grad norm (bf16, fp32) = {report['norm']}"
     worst = max(report["grad_rel_err"].values())
-    assert worst <= BF16_GRAD_RTOL, f"worst grad rel err {worst:.2e}"
     assert worst >= BF16_MIN_GRAD_ERR, f"grads match fp32 to {worst:.1e}: bf16 was not applied"
+    if report["routing_equal"]:
+        assert worst <= BF16_GRAD_RTOL, f"worst grad rel err {worst:.2e}"
+    else:
+        # A token whose two best experts score within bf16 noise of each other may pick the
+        # other one in bf16: then that expert's gradient (and, through the changed output, its
+        # layer's) differ from fp32 by O(1) and no gradient tolerance can tell a flip from a
+        # bug. Measured on deepseek_v3 tp=2 (TP's row-wise projections round their partial sums
+        # in bf16): 1 of the 2 x 512 routed token slots moved, expert grads 0.31 off. A
+        # broken router or dispatch would move far more, so bound the flips instead.
+        moved = report["routing_moved_tokens"]
+        assert 0 < moved <= BF16_MAX_ROUTING_FLIPS, f"{moved} routed tokens moved to another expert"
     # params, grads and optimizer state stay fp32 (only the unsharded compute copy is bf16),
     # so the ranks still agree bit for bit
     assert len({r["fingerprint"] for r in per_rank}) == 1, "ranks disagree after the bf16 step"

@@ -155,7 +155,7 @@ def _one_step(
         _cross_entropy_sum,
         local_batch_size=local_bs,
         seq_len=SEQ,
-        activation_dtype=stage_activation_dtype(pd, opts.param_dtype),
+        activation_dtype=stage_activation_dtype(opts.param_dtype),
         loss_parallel=pd.tp > 1 and opts.loss_parallel,
     )
     inputs, labels = make_batch(GLOBAL_BS, SEQ, meta.args.vocab_size)

@@ -132,3 +132,24 @@ def test_pipeline_with_activation_checkpointing_is_bitwise_unchanged(tmp_path):
         res = run_train(2, *common, "--job.dump_folder", str(folder), *extra)
         assert res.returncode == 0, res.stderr[-3000:]
     assert _steps(read_metrics(ac), 1, 3) == _steps(read_metrics(plain), 1, 3)
+
+
+def test_profiling_writes_traces_at_the_configured_steps(tmp_path):
+    """[profiling]: a Chrome trace per rank at every multiple of profile_freq, holding the
+    step's matmuls; memory snapshots are CUDA-only and the CPU run says so instead."""
+    import json
+
+    res = run_train(2, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(tmp_path),
+                    "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
+                    "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1",
+                    "--profiling.enable_memory_snapshot", "true")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    traces = tmp_path / "profile_traces"
+    assert sorted(p.name for p in traces.iterdir()) == ["iteration_2", "iteration_4"]
+    for folder in traces.iterdir():
+        assert sorted(p.name for p in folder.iterdir()) == ["rank0_trace.json", "rank1_trace.json"]
+        events = json.loads((folder / "rank0_trace.json").read_text())["traceEvents"]
+        names = {e.get("name") for e in events}
+        assert "aten::mm" in names and "Optimizer.step#AdamW.step" in names, sorted(names)[:50]
+    assert "memory snapshots record the CUDA caching allocator" in res.stdout
+    assert not (tmp_path / "memory_snapshot").exists()

@@ -127,6 +127,10 @@ def test_parallelism_aliases():
         (["positional"], "unexpected argument 'positional'"),
         (["--parallelism.pp", "4", "--training.local_batch_size", "2"],
          "training.local_batch_size (2) must be divisible by the pipeline microbatch count 4"),
+        (["--model.n_layers", "0"], "model.n_layers must be > 0 (or none for the flavor's), got 0"),
+        (["--optimizer.implementation", "fusd"], "did you mean 'fused'?"),
+        (["--profiling.profile_freq", "3"],
+         "profiling.profile_freq (3) must be >= profiler_warmup + profiler_active (3 + 1)"),
     ],
 )
 def test_cli_errors_name_the_key_and_the_fix(argv, message):
@@ -192,3 +196,15 @@ def test_help_exits(capsys):
         load_config(["--help"])
     assert e.value.code == 0
     assert "--training.steps" in capsys.readouterr().out
+
+
+def test_model_n_layers_override_reaches_the_model():
+    from models.registry import build_model
+    from trainer.train import model_overrides
+
+    cfg = load_config(["--config", "llama3.toml", "--model.flavor", "8B", "--model.n_layers", "2"])
+    overrides = model_overrides(cfg, tokenizer_vocab=2048)
+    assert overrides["n_layers"] == 2
+    model = build_model("llama3", "8B", device="meta", **overrides)
+    assert len(model.layers) == 2 and model.args.dim == 4096  # 8B shapes, two layers
+    assert "n_layers" not in model_overrides(load_config(["--config", "llama3.toml"]), 2048)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainer.config import load_config
-from trainer.optim import build_lr_scheduler, build_optimizer, foreach_supported, lr_multiplier
+from trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier, param_groups
 
 
 class Tiny(nn.Module):
@@ -43,7 +43,9 @@ def test_weight_decay_groups():
         0.05: ["output.weight", "proj.weight", "tok_embeddings.weight"],
         0.0: ["norm.bias", "norm.weight", "proj.bias"],
     }
-    assert adamw.defaults["fused"] is False and adamw.defaults["betas"] == (0.9, 0.95)
+    # CPU parameters: auto picks the foreach kernels
+    assert adamw.defaults["foreach"] is True and adamw.defaults["fused"] is False
+    assert adamw.defaults["betas"] == (0.9, 0.95)
 
 
 def test_one_optimizer_per_model_part_steps_all():
@@ -59,34 +61,78 @@ def test_one_optimizer_per_model_part_steps_all():
         build_optimizer(a, cfg())
 
 
-def test_foreach_detection(gloo):
+def _mixed_layout_module():
+    """Plain, dp-sharded, dp-replicated and ep-sharded parameters in one module: the mix FSDP,
+    TP and EP produce, which one foreach/fused call over all of them rejects."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     dp = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     ep = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    plain = nn.Parameter(torch.randn(4, 4))
-    on_dp = [nn.Parameter(distribute_tensor(torch.randn(4, 4), dp, [p])) for p in (Shard(0), Replicate())]
-    on_ep = nn.Parameter(distribute_tensor(torch.randn(4, 4), ep, [Shard(0)]))
-    assert foreach_supported([plain, torch.randn(2)])
-    assert foreach_supported(on_dp)
-    assert not foreach_supported([plain, on_dp[0]])
-    assert not foreach_supported([on_dp[0], on_ep])
+    m = nn.Module()
+    m.plain = nn.Parameter(torch.randn(4, 4))
+    m.bias = nn.Parameter(torch.randn(4))
+    m.dp_shard = nn.Parameter(distribute_tensor(torch.randn(4, 4), dp, [Shard(0)]))
+    m.dp_repl = nn.Parameter(distribute_tensor(torch.randn(4, 4), dp, [Replicate()]))
+    m.ep_shard = nn.Parameter(distribute_tensor(torch.randn(4, 4), ep, [Shard(0)]))
+    return m
 
-    class Mixed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.dense = plain
-            self.sharded = on_dp[0]
 
-    opt = build_optimizer([Mixed()], cfg())
-    assert opt.optimizers[0].defaults["foreach"] is False
-    for p in (plain, on_dp[0]):
-        p.grad = torch.ones_like(p)
-    opt.step()  # for-loop AdamW handles the mix that the foreach kernels reject
-    same = nn.Module()
-    same.a, same.b = on_dp
-    assert build_optimizer([same], cfg()).optimizers[0].defaults["foreach"] is None
+def test_param_groups_split_by_layout(gloo):
+    m = _mixed_layout_module()
+    groups = param_groups(m, 0.1)
+    names = {id(p): n for n, p in m.named_parameters()}
+    got = [(g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in groups]
+    # one group per (decay, layout); decayed first, module order inside
+    assert got == [(0.1, ["plain"]), (0.1, ["dp_shard"]), (0.1, ["dp_repl"]), (0.1, ["ep_shard"]), (0.0, ["bias"])]
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
+def test_every_implementation_steps_mixed_layouts_like_the_for_loop(gloo, implementation):
+    """The multi-tensor kernels run on the layout mix (one call per group) and give the same
+    update as the reference for-loop AdamW on plain copies of the same tensors."""
+    from torch.distributed.tensor import DTensor
+
+    m = _mixed_layout_module()
+    ref = {n: nn.Parameter(p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())
+           for n, p in m.named_parameters()}
+    opt = build_optimizer([m], cfg("--optimizer.implementation", implementation))
+    assert opt.implementation == implementation
+    (adamw,) = opt.optimizers
+    assert adamw.defaults["foreach"] is (implementation == "foreach")
+    assert adamw.defaults["fused"] is (implementation == "fused")
+    ref_opt = torch.optim.AdamW(
+        [{"params": [ref[n] for n in ("plain", "dp_shard", "dp_repl", "ep_shard")], "weight_decay": 0.1},
+         {"params": [ref["bias"]], "weight_decay": 0.0}],
+        lr=8e-4, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False,
+    )
+    for step in range(3):
+        for n, p in m.named_parameters():
+            g = torch.full(p.shape, 0.1 * (step + 1)) + torch.arange(p.numel()).view(p.shape) * 1e-3
+            ref[n].grad = g.clone()
+            p.grad = _like(p, g) if isinstance(p, DTensor) else g.clone()
+        opt.step()
+        ref_opt.step()
+    for n, p in m.named_parameters():
+        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        torch.testing.assert_close(got, ref[n].detach(), rtol=1e-6, atol=1e-7, msg=n)
+
+
+def _like(p, full):
+    """``full`` laid out like the DTensor parameter ``p``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, p.device_mesh, p.placements)
+
+
+def test_auto_implementation():
+    from trainer.optim import resolve_implementation
+
+    cpu = [torch.zeros(2)]
+    assert resolve_implementation("auto", cpu) == "foreach"
+    assert resolve_implementation("fused", cpu) == "fused"
+    meta = [torch.empty(2, device="meta")]
+    assert resolve_implementation("auto", meta) == "foreach"  # only all-GPU params get fused
 
 
 def _lrs(decay, steps=50, warmup=5, min_ratio=0.1):
