@@ -17,14 +17,23 @@ from torch.utils.checkpoint import (
 
 __all__ = ["apply_activation_checkpointing"]
 
-# Outputs of these ops are expensive to recompute and comparatively small: keep them.
+# Outputs of these ops are expensive to recompute and comparatively small: keep them. Every
+# attention kernel SDPA may pick (on H100 it can choose cuDNN's), and the MoE experts' grouped
+# GEMMs, which carry most of an MoE layer's FLOPs. Ops a torch lacks are skipped.
 _SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_grouped_mm",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    if hasattr(torch.ops.aten, name)
 }
 # Collectives are never recomputed (recomputing would re-communicate).
 for _name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "all_to_all_single"):
