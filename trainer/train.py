@@ -40,7 +40,7 @@ from trainer.checkpoint import CheckpointManager, export_consolidated, load_chec
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data import build_dataloader
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
-from trainer.metrics import MetricsLogger, model_flops_per_token
+from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.profiling import StepProfiler
 from trainer.tokenizer import load_tokenizer
@@ -169,7 +169,7 @@ class Trainer:
             local_batch_size=cfg.training.local_batch_size,
         )
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.flops_per_token = self._flops_per_token(model)
+        self.flops_per_token = training_flops_per_token(model, cfg.training.seq_len)
 
         self.pd.build_mesh(self.device.type)
         _log(
@@ -223,21 +223,6 @@ class Trainer:
         self.step = 0
 
     # ---------------------------------------------------------------- setup helpers
-    def _flops_per_token(self, model: nn.Module) -> float:
-        args = model.args
-        embedding = model.tok_embeddings.weight.numel()
-        active = self.num_params
-        if hasattr(args, "n_routed_experts"):
-            # only top-k routed experts run per token
-            expert_params = sum(
-                p.numel() for n, p in model.named_parameters() if ".moe.experts." in n
-            )
-            active = self.num_params - expert_params * (1 - args.n_activated_experts / args.n_routed_experts)
-            attn_dim = args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim)
-        else:
-            attn_dim = args.dim
-        return model_flops_per_token(int(active), args.n_layers, attn_dim, self.cfg.training.seq_len, embedding)
-
     def resume(self) -> None:
         cfg = self.cfg
         extra = None

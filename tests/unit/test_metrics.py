@@ -64,3 +64,17 @@ def test_flops_and_peak_table():
     assert peak_flops("NVIDIA H100 PCIe") == 756e12
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("Some CPU") is None
+
+
+def test_training_flops_per_token_of_real_flavors():
+    from models.registry import build_model
+    from trainer.metrics import training_flops_per_token
+
+    llama = build_model("llama3", "8B", device="meta")
+    non_embedding = sum(p.numel() for p in llama.parameters()) - llama.tok_embeddings.weight.numel()
+    assert training_flops_per_token(llama, 8192) == 6 * non_embedding + 12 * 32 * 4096 * 8192
+    # DeepSeek-V2-Lite-sized 16B: ~15.7B parameters of which ~2.4B are active per token
+    ds = build_model("deepseek_v3", "16B", device="meta")
+    attention = 12 * 27 * 16 * (128 + 64) * 4096
+    active = (training_flops_per_token(ds, 4096) - attention) / 6 + ds.tok_embeddings.weight.numel()
+    assert 2.2e9 < active < 2.9e9, active

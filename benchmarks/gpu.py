@@ -1,0 +1,361 @@
+"""`make bench-gpu`: our trainer against a bare bf16 loop of the same model, and our model code
+against torchtitan's, on one GPU, in one run.
+
+For each model (Llama 3 with 8B shapes and 8 layers, 1 x 8192 tokens; DeepSeek-V3 with 16B
+shapes and 6 layers, 2 x 4096 tokens, ep 1; selective per-op activation checkpointing, as in the
+GPU issue's measurements) and each mode (eager, compiled):
+
+* ``trainer``: ``train.py`` as a user launches it (bf16 mixed precision, synthetic data,
+  checkpointing off); tokens/s, MFU and peak memory from its own metrics.jsonl;
+* ``bare``: the same model code in a loop a user would write by hand: bf16 parameters, the same
+  activation checkpointing and per-block compile, cross entropy, clipping, fused AdamW, one
+  ``loss.item()`` per step; no FSDP, no ParallelDims, no data loader;
+* ``torchtitan``: torchtitan's model of the same shapes (``attn_type="sdpa"``, causal) in the
+  very same bare loop, when torchtitan is importable.
+
+Every measurement runs in a fresh process. Ratios: trainer / bare (framework overhead; goal
+>= 0.97) and bare / torchtitan (model code; goal >= 1.0). MFU uses the trainer's FLOPs per token
+(``trainer.metrics.training_flops_per_token``) for all three, so the ratios of MFU equal the
+ratios of tokens/s. JSON to ``bench_results/gpu.json``, a table to stdout.
+
+``--smoke`` runs the same code paths on tiny debug shapes (on the CPU when there is no GPU), so
+CI proves the benchmark itself works; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    flavor: str
+    n_layers: int
+    seq_len: int
+    local_batch_size: int
+    ac_mode: str = "selective"
+    compile: bool = False
+    device: str = "cuda"
+    vocab_size: int | None = None  # None: the flavor's
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.flavor} x{self.n_layers} layers, {'compiled' if self.compile else 'eager'}"
+
+
+GPU_CASES = [
+    Case("llama3", "8B", n_layers=8, seq_len=8192, local_batch_size=1),
+    Case("deepseek_v3", "16B", n_layers=6, seq_len=4096, local_batch_size=2),
+]
+SMOKE_CASES = [
+    Case("llama3", "debugmodel", n_layers=2, seq_len=64, local_batch_size=2, vocab_size=2048),
+    Case("deepseek_v3", "debugmodel", n_layers=3, seq_len=64, local_batch_size=2, vocab_size=2048),
+]
+
+
+# ------------------------------------------------------------------ the trainer (train.py)
+
+
+def trainer_args(case: Case, steps: int, folder: str) -> list[str]:
+    args = [
+        "--config", f"{case.model}.toml", "--model.flavor", case.flavor,
+        "--model.n_layers", str(case.n_layers),
+        "--training.seq_len", str(case.seq_len),
+        "--training.local_batch_size", str(case.local_batch_size),
+        "--training.global_batch_size", "-1", "--training.steps", str(steps),
+        "--training.dataset", "synthetic",
+        "--parallelism.dp_shard", "-1",
+        "--parallelism.mixed_precision_param", "bfloat16",
+        "--parallelism.mixed_precision_reduce", "float32",
+        "--activation_checkpoint.mode", case.ac_mode, "--activation_checkpoint.selective_ac_option", "op",
+        "--compile.enable", str(case.compile).lower(),
+        "--checkpoint.enable", "false", "--metrics.log_freq", "1",
+        "--metrics.enable_tensorboard", "false", "--job.dump_folder", folder,
+        "--lr_scheduler.warmup_steps", "2",
+    ]  # fmt: skip
+    if case.vocab_size is not None:
+        args += ["--model.vocab_size", str(case.vocab_size)]
+    return args
+
+
+def run_trainer(case: Case, steps: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        cmd = [sys.executable, "train.py", *trainer_args(case, steps, folder)]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+        if case.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        if res.returncode != 0:
+            return {"error": f"train.py exited {res.returncode}: {res.stderr[-2000:]}"}
+        records = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    timed = [r for r in records if r["step"] > warmup]
+    mem_key = next((k for k in records[0] if k.endswith("_gib")), None)
+    return {
+        "tokens_per_s": statistics.median(r["tps"] for r in timed),
+        "mfu_pct": statistics.median(r["mfu_pct"] for r in timed) if "mfu_pct" in timed[0] else None,
+        "peak_memory_gib": max(r[mem_key] for r in records) if mem_key == "cuda_max_alloc_gib" else None,
+        "steps_timed": len(timed),
+    }
+
+
+# ------------------------------------------------------------------ bare loops (a worker process)
+
+
+def _build_ours(case: Case, device):
+    from models.registry import build_model
+
+    overrides = {"n_layers": case.n_layers, "max_seq_len": case.seq_len}
+    if case.vocab_size is not None:
+        overrides["vocab_size"] = case.vocab_size
+    model = build_model(case.model, case.flavor, device="meta", **overrides)
+    model.to_empty(device=device)
+    import torch
+
+    with torch.no_grad():
+        model.init_weights(0)
+    return model, model.args.vocab_size
+
+
+def _build_torchtitan(case: Case, device):
+    import copy
+
+    import torch
+
+    if case.model == "llama3":
+        from torchtitan.models.llama3 import Transformer, llama3_args
+
+        args = copy.deepcopy(llama3_args[case.flavor])
+        cls = Transformer
+    else:
+        from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
+
+        args = copy.deepcopy(deepseekv3_args[case.flavor])
+        cls = DeepSeekV3Model
+    args.n_layers = case.n_layers
+    args.max_seq_len = case.seq_len
+    args.attn_type, args.attn_mask_type = "sdpa", "causal"
+    if case.model == "deepseek_v3":
+        args.moe_impl = "standard"  # set from the job config in torchtitan's own trainer
+    if case.vocab_size is not None:
+        args.vocab_size = case.vocab_size
+    with torch.device("meta"):
+        model = cls(args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device(device))
+    return model, args.vocab_size
+
+
+def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
+    """Fwd + bwd + clipping + fused AdamW on bf16 parameters, timed per step after warmup."""
+    import torch
+    import torch.nn.functional as F
+
+    from models.parallel.activation_checkpoint import apply_activation_checkpointing
+    from models.registry import build_model
+    from trainer.metrics import peak_flops, training_flops_per_token
+    from trainer.profiling import MatmulCensus
+
+    device = torch.device(case.device)
+    torch.manual_seed(0)
+    build = _build_ours if implementation == "ours" else _build_torchtitan
+    model, vocab = build(case, device)
+    model.to(torch.bfloat16)
+    apply_activation_checkpointing(model, case.ac_mode, "op")
+    if case.compile:
+        for block in model.layers.values():
+            block.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda", foreach=device.type != "cuda")
+    tokens = torch.randint(0, vocab, (steps + 1, case.local_batch_size, case.seq_len + 1), device=device)
+    n_tokens = case.local_batch_size * case.seq_len
+
+    def step(i: int) -> None:
+        inputs, labels = tokens[i, :, :-1], tokens[i, :, 1:]
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / n_tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times = []
+    for i in range(steps):
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        start = time.perf_counter()
+        step(i)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    tps = n_tokens / statistics.median(times)
+    out = {"tokens_per_s": tps, "steps_timed": len(times), "peak_memory_gib": None, "mfu_pct": None}
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        peak = peak_flops(torch.cuda.get_device_name(device), "bfloat16")
+        # the trainer's FLOPs per token for these shapes (the same for torchtitan's model)
+        reference = build_model(case.model, case.flavor, device="meta", n_layers=case.n_layers,
+                                max_seq_len=case.seq_len, **({"vocab_size": case.vocab_size} if case.vocab_size else {}))
+        if peak:
+            out["mfu_pct"] = 100 * training_flops_per_token(reference, case.seq_len) * tps / peak
+    if not case.compile:
+        # which dtypes the GEMMs really ran in (one more step, outside the timing)
+        with MatmulCensus() as census:
+            step(steps)
+        out["matmul_bf16_share"] = census.share(torch.bfloat16)
+    return out
+
+
+# ------------------------------------------------------------------ driver
+
+
+def _worker(argv: list[str]) -> int:
+    kind, case_json, steps, warmup = argv
+    case = Case(**json.loads(case_json))
+    print(json.dumps(bare_loop(case, kind, int(steps), int(warmup))))
+    return 0
+
+
+def run_bare(case: Case, kind: str, steps: int, warmup: int) -> dict:
+    env = dict(os.environ)
+    if case.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    res = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--worker", kind, json.dumps(asdict(case)), str(steps), str(warmup)],
+        cwd=ROOT, capture_output=True, text=True, env=env,
+    )
+    if res.returncode != 0:
+        return {"error": f"{kind} loop exited {res.returncode}: {res.stderr[-2000:]}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _torchtitan_available() -> bool:
+    try:
+        import torchtitan.models.deepseek_v3  # noqa: F401
+        import torchtitan.models.llama3  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+        return False
+    return True
+
+
+def _ratio(a: dict, b: dict) -> float | None:
+    if "error" in a or "error" in b or not b.get("tokens_per_s"):
+        return None
+    return a["tokens_per_s"] / b["tokens_per_s"]
+
+
+def measure(cases: list[Case], steps: int, warmup: int, with_torchtitan: bool) -> list[dict]:
+    rows = []
+    for case in cases:
+        print(f"== {case.name}", file=sys.stderr, flush=True)
+        row = {"case": asdict(case), "name": case.name}
+        row["trainer"] = run_trainer(case, steps, warmup)
+        row["bare"] = run_bare(case, "ours", steps, warmup)
+        row["trainer_over_bare"] = _ratio(row["trainer"], row["bare"])
+        if with_torchtitan and case.device == "cpu" and case.model == "deepseek_v3":
+            # its router counts tokens with torch.histc, which has no CPU kernel for integers
+            row["torchtitan_model"] = {"skipped": "torchtitan's MoE does not run on CPU"}
+        elif with_torchtitan:
+            row["torchtitan_model"] = run_bare(case, "torchtitan", steps, warmup)
+            row["bare_over_torchtitan_model"] = _ratio(row["bare"], row["torchtitan_model"])
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'case':<42}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
+              f"{'GiB':>7}{'tr/bare':>9}{'titan tok/s':>13}{'bare/titan':>11}{'bf16 GEMM':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        t, b, tt = r["trainer"], r["bare"], r.get("torchtitan_model", {})
+        print(
+            f"{r['name']:<42}{_fmt(t.get('tokens_per_s'), ',.0f'):>14}{_fmt(t.get('mfu_pct'), '.1f'):>7}"
+            f"{_fmt(t.get('peak_memory_gib'), '.1f'):>7}{_fmt(b.get('tokens_per_s'), ',.0f'):>12}"
+            f"{_fmt(b.get('mfu_pct'), '.1f'):>7}{_fmt(b.get('peak_memory_gib'), '.1f'):>7}"
+            f"{_fmt(r['trainer_over_bare'], '.3f'):>9}{_fmt(tt.get('tokens_per_s'), ',.0f'):>13}"
+            f"{_fmt(r.get('bare_over_torchtitan_model'), '.3f'):>11}{_fmt(b.get('matmul_bf16_share'), '.3f'):>10}"
+        )
+    for r in rows:
+        for kind in ("trainer", "bare", "torchtitan_model"):
+            if "error" in r.get(kind, {}):
+                print(f"\n{r['name']} / {kind} failed:\n{r[kind]['error']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_results/gpu.json")
+    p.add_argument("--models", nargs="*", choices=["llama3", "deepseek_v3"], default=["llama3", "deepseek_v3"])
+    p.add_argument("--modes", nargs="*", choices=["eager", "compiled"], default=["eager", "compiled"])
+    p.add_argument("--steps", type=int, default=15, help="steps per measurement (default 15)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny debug shapes, on the CPU when there is no GPU: checks the benchmark runs")
+    args = p.parse_args(argv)
+
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    if not has_gpu and not args.smoke:
+        print("error: make bench-gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
+              "run it on a GPU machine, or pass --smoke to check the benchmark on tiny CPU shapes",
+              file=sys.stderr)
+        return 2
+    if args.warmup >= args.steps:
+        print(f"error: --warmup {args.warmup} leaves no timed step of --steps {args.steps}", file=sys.stderr)
+        return 2
+    base = SMOKE_CASES if args.smoke else GPU_CASES
+    device = "cuda" if has_gpu else "cpu"
+    cases = [
+        replace(c, compile=mode == "compiled", device=device)
+        for c in base if c.model in args.models for mode in args.modes
+    ]
+    with_titan = _torchtitan_available()
+    if not with_titan:
+        print("torchtitan is not importable: the model comparison is skipped", file=sys.stderr)
+    rows = measure(cases, args.steps, args.warmup, with_titan)
+    result = {
+        "host": {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if has_gpu else "cpu",
+            "smoke": args.smoke,
+        },
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print_table(rows)
+    print(f"\nwrote {out}", file=sys.stderr)
+    failed = [r["name"] for r in rows if any("error" in r.get(k, {}) for k in ("trainer", "bare", "torchtitan_model"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
