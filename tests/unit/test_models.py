@@ -729,3 +729,32 @@ def test_registry():
     model = build_model("deepseek_v3", "debugmodel", vocab_size=100, max_seq_len=128)
     assert model.output.weight.shape == (100, 256) and model.output.weight.is_meta
     assert model.rope.table.shape == (128, 8, 2)
+
+
+def test_rope_launches_three_kernels_per_call():
+    """RoPE is pure memory traffic over every query and key; the complex form is one pass
+    (cast up, multiply, cast back). The written-out real form launched nine kernels forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"view", "view_as_complex", "view_as_real", "unsqueeze", "_conj", "detach", "_unsafe_view"}
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in views:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    rope = RotaryEmbedding(16, 64, 1e4)(torch.arange(8))
+    x = torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    with Kernels() as fwd:
+        y = apply_rotary_emb(x, rope)
+    grad = torch.randn_like(y)
+    with Kernels() as bwd:
+        y.backward(grad)
+    assert fwd.ops == ["_to_copy", "mul", "_to_copy"]
+    # + one clone of the [s, d/2] conjugated table, not of the activations
+    assert bwd.ops == ["_to_copy", "clone", "mul", "_to_copy"]
