@@ -30,8 +30,10 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
 import re
 import shutil
+import sys
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,6 +55,32 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 _STALE_RE = re.compile(r"^step-\d+\.(tmp|old)$")
 EXCLUDABLE = ("optimizer", "lr_scheduler", "dataloader", "rng")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the user pointed at (or the run folder holds) that cannot be used:
+    missing, incomplete, from another model, unreadable or corrupt. The message names the
+    path, the problem and the fix; the trainer prints it as one line and exits with code 2."""
+
+
+def _read_failure(exc: BaseException, reading: str) -> str | None:
+    """What an exception raised while reading ``reading`` (".metadata" or "shard file") of a
+    checkpoint says about the files, or None when it is not about the files (a bug, which
+    keeps its traceback)."""
+    if isinstance(exc, CheckpointException):  # DCP wraps each rank's failure
+        reasons = [_read_failure(inner, reading) for inner, _ in exc.failures.values()]
+        return next((r for r in reasons if r), None)
+    if isinstance(exc, PermissionError):
+        return f"permission denied reading {exc.filename or 'a file'}"
+    if isinstance(exc, FileNotFoundError):
+        return f"missing file {exc.filename}"
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc} ({exc.filename})"
+    if isinstance(exc, (pickle.UnpicklingError, EOFError)) or (
+        isinstance(exc, RuntimeError) and ("PytorchStreamReader" in str(exc) or "zip archive" in str(exc))
+    ):
+        return f"truncated or corrupt {reading}"
+    return None
 
 
 # ------------------------------------------------------------------ process helpers
@@ -166,14 +195,22 @@ def load_checkpoint(
     unknown = exclude - set(EXCLUDABLE)
     if unknown:
         raise ValueError(f"cannot exclude {sorted(unknown)} from loading; choose from {EXCLUDABLE}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
     if not _is_complete(path):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); pick another step")
-    stored = checkpoint_keys(path)
+        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
+    try:
+        stored = checkpoint_keys(path)
+    except Exception as exc:  # noqa: BLE001 - classified below; anything else re-raised
+        reason = _read_failure(exc, ".metadata")
+        if reason is None:
+            raise
+        raise CheckpointError(f"checkpoint {path} is unreadable ({reason})") from exc
 
     model_sd = model_state_dict(model_parts)
     missing = [k for k in model_sd if f"model.{k}" not in stored]
     if missing:
-        raise KeyError(
+        raise CheckpointError(
             f"checkpoint {path} lacks {len(missing)} model weights, e.g. {missing[:3]}; it was saved "
             f"from a different model/flavor (stored model keys look like "
             f"{sorted(k for k in stored if k.startswith('model.'))[:3]})"
@@ -185,7 +222,13 @@ def load_checkpoint(
         state["optimizer"] = optimizer.state_dict()  # also materialises empty Adam state
     if "train_state" in stored:
         state["train_state"] = b""
-    _dcp(dcp.load, state, checkpoint_id=path, process_group=process_group)
+    try:
+        _dcp(dcp.load, state, checkpoint_id=path, process_group=process_group)
+    except BaseException as exc:  # CheckpointException is a BaseException
+        reason = _read_failure(exc, "shard file")
+        if reason is None:
+            raise
+        raise CheckpointError(f"checkpoint {path} is unreadable ({reason})") from exc
 
     _load_model_parts(model_parts, state["model"])
     if load_optimizer:
@@ -225,8 +268,15 @@ class CheckpointManager:
         """Steps with a complete checkpoint, ascending."""
         if not os.path.isdir(self.folder):
             return []
+        try:
+            names = os.listdir(self.folder)
+        except PermissionError:
+            raise CheckpointError(
+                f"checkpoint folder {self.folder} is not readable (permission denied): fix its "
+                f"permissions, or set job.dump_folder (or checkpoint.folder) to another folder"
+            ) from None
         steps = []
-        for name in os.listdir(self.folder):
+        for name in names:
             m = _STEP_RE.match(name)
             if m and _is_complete(os.path.join(self.folder, name)):
                 steps.append(int(m.group(1)))
@@ -315,14 +365,23 @@ class CheckpointManager:
                 return None
             step = steps[-1]
         elif step not in steps:
-            raise FileNotFoundError(
+            raise CheckpointError(
                 f"no complete checkpoint for step {step} in {self.folder}; available steps: "
                 f"{steps or 'none'} (set checkpoint.load_step = -1 for the latest)"
             )
-        extra = load_checkpoint(
-            self.step_dir(step), model_parts, optimizer, lr_scheduler, dataloader,
-            exclude=exclude, process_group=self.process_group,
-        )
+        try:
+            extra = load_checkpoint(
+                self.step_dir(step), model_parts, optimizer, lr_scheduler, dataloader,
+                exclude=exclude, process_group=self.process_group,
+            )
+        except CheckpointError as exc:
+            others = [s for s in steps if s != step]
+            fix = (
+                f"delete it, or set checkpoint.load_step to one of {', '.join(map(str, others))}"
+                if others
+                else "delete it (or the whole folder) to start from scratch"
+            )
+            raise CheckpointError(f"{exc}: {fix}") from exc.__cause__
         extra.setdefault("step", step)
         logger.info("loaded checkpoint %s", self.step_dir(step))
         return extra
@@ -364,7 +423,7 @@ def _write_consolidated(state: dict[str, torch.Tensor], path: str, dtype: str) -
 def export_checkpoint(checkpoint_dir: str, path: str, dtype: str = "float32") -> str:
     """Single process: consolidate the model weights of a DCP checkpoint into one file."""
     if not _is_complete(checkpoint_dir):
-        raise FileNotFoundError(f"{checkpoint_dir} is not a complete checkpoint (no .metadata)")
+        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint (no .metadata)")
     meta = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
     state = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
@@ -372,7 +431,7 @@ def export_checkpoint(checkpoint_dir: str, path: str, dtype: str = "float32") ->
         if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
     if not state:
-        raise KeyError(f"{checkpoint_dir} holds no model weights")
+        raise CheckpointError(f"{checkpoint_dir} holds no model weights")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=checkpoint_dir, no_dist=True)
@@ -424,4 +483,8 @@ if __name__ == "__main__":
     parser.add_argument("output", help="output .pt or .safetensors path")
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     args = parser.parse_args()
-    print(export_checkpoint(args.checkpoint_dir, args.output, args.dtype))
+    try:
+        print(export_checkpoint(args.checkpoint_dir, args.output, args.dtype))
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -184,21 +184,30 @@ class FileSource:
         self.name, self.kind, self.path = kind, kind, path
         suffix = ".txt" if kind == "text" else ".jsonl"
         if not os.path.exists(path):
-            raise FileNotFoundError(
+            raise ConfigError(
                 f"training.dataset_path '{path}' does not exist; point it at a {suffix} file or a folder of them"
             )
+        def unreadable(err: OSError):
+            raise ConfigError(
+                f"training.dataset_path: cannot read '{err.filename}' ({err.strerror}); fix its "
+                f"permissions or point training.dataset_path elsewhere"
+            )
+
         if os.path.isdir(path):
             files = sorted(
                 os.path.join(root, f)
-                for root, _, names in os.walk(path)
+                for root, _, names in os.walk(path, onerror=unreadable)
                 for f in names
                 if f.endswith(suffix)
             )
         else:
             files = [path]
+        for f in files:
+            if not os.access(f, os.R_OK):
+                unreadable(PermissionError(13, "Permission denied", f))
         self.files = [f for f in files if os.path.getsize(f) > 0]
         if not self.files:
-            raise FileNotFoundError(
+            raise ConfigError(
                 f"training.dataset_path '{path}' has no non-empty {suffix} files for dataset '{kind}'"
             )
         self._fh = None

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Iterable, Protocol
 
+from trainer.config import ConfigError
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TOKENIZER_PATH = os.path.join(REPO_ROOT, "assets", "tokenizer", "tokenizer.json")
 
@@ -128,11 +130,11 @@ def load_tokenizer(path: str = "") -> HFTokenizer | ByteTokenizer:
         resolved = os.path.join(resolved, "tokenizer.json")
     if not os.path.isfile(resolved):
         if not path:
-            raise FileNotFoundError(
+            raise ConfigError(
                 f"shipped tokenizer {resolved} is missing; regenerate it with "
                 f"`python scripts/train_tokenizer.py`"
             )
-        raise FileNotFoundError(
+        raise ConfigError(
             f"model.tokenizer_path: no tokenizer at '{path}' (expected a tokenizer.json file or a "
             f"folder containing one); use '' for the shipped tokenizer or 'bytes' for the byte tokenizer"
         )

@@ -36,7 +36,13 @@ from models.parallel.tensor_parallel import loss_parallel_context
 from models.parallelize import ParallelizeOptions, check_model_fits_layout
 from models.registry import build_model, get_model_spec
 from parallel_dims import ParallelDims, default_backend, default_device_type
-from trainer.checkpoint import CheckpointManager, export_consolidated, load_checkpoint, save_seed_checkpoint
+from trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    export_consolidated,
+    load_checkpoint,
+    save_seed_checkpoint,
+)
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data import build_dataloader
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
@@ -82,6 +88,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def require_writable_folder(folder: str, option: str) -> None:
+    """Create ``folder`` if needed and check it can be written, before anything is built: a
+    run that cannot write its outputs must not train for hours first."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write_test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"{option} '{folder}' cannot be used ({exc.strerror or exc}: {exc.filename or folder}); "
+            f"choose a writable folder with --{option} PATH"
+        ) from None
 
 
 def parallel_dims_from_config(cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -156,6 +178,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.manual_seed(cfg.training.seed)
+        require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
 
         self.pd = parallel_dims_from_config(cfg, self.world_size)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
@@ -240,11 +263,17 @@ class Trainer:
             _log(f"resumed from {self.checkpoint.folder} at step {self.step}")
         elif cfg.checkpoint.initial_load_path:
             path = cfg.checkpoint.initial_load_path
-            if cfg.checkpoint.initial_load_model_only:
-                load_checkpoint(path, self.model_parts)
-            else:
-                extra = load_checkpoint(path, self.model_parts, self.optimizer, self.lr_scheduler, self.data)
-                self.step = int(extra.get("step", 0))
+            try:
+                if cfg.checkpoint.initial_load_model_only:
+                    load_checkpoint(path, self.model_parts)
+                else:
+                    extra = load_checkpoint(path, self.model_parts, self.optimizer, self.lr_scheduler, self.data)
+                    self.step = int(extra.get("step", 0))
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"checkpoint.initial_load_path: {exc}; point it at a complete checkpoint "
+                    f"folder (a step-N folder with a .metadata file), or unset it"
+                ) from exc.__cause__
             _log(f"loaded initial weights from {path}")
 
     # ---------------------------------------------------------------- one step
@@ -409,6 +438,7 @@ def create_seed_checkpoint(cfg: JobConfig) -> str:
             "--checkpoint.create_seed_checkpoint runs on one process: use "
             "torchrun --nproc_per_node=1 (or plain python train.py)"
         )
+    require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model = build_model(cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size))
     with torch.no_grad():

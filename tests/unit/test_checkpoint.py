@@ -153,7 +153,7 @@ def test_keep_latest_k_and_missing_steps(gloo, tmp_path):
     assert mgr.list_steps() == [15, 20]
     mgr.save(20, [model])  # re-saving a step replaces it
     assert mgr.list_steps() == [15, 20]
-    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint for step 5 .* available steps: \[15, 20\]"):
+    with pytest.raises(ckpt.CheckpointError, match=r"no complete checkpoint for step 5 .* available steps: \[15, 20\]"):
         mgr.load([model], step=5)
     assert mgr.load([model], step=15)["step"] == 15
 
@@ -195,7 +195,7 @@ def test_wrapper_prefixes_are_not_saved(gloo, tmp_path):
 def test_model_mismatch_is_a_clear_error(gloo, tmp_path):
     mgr = CheckpointManager(str(tmp_path))
     mgr.save(1, [Net(layers=(0,))])
-    with pytest.raises(KeyError, match=r"lacks 4 model weights, e.g. \['layers.1"):
+    with pytest.raises(ckpt.CheckpointError, match=r"lacks 4 model weights, e.g. \['layers.1"):
         mgr.load([Net(layers=(0, 1))])
 
 
@@ -242,3 +242,29 @@ def test_export_consolidated_and_from_checkpoint(gloo, tmp_path):
     assert set(from_dcp) == set(model.state_dict()) and from_dcp["output.weight"].dtype == torch.float32
     with pytest.raises(ValueError, match="export dtype must be one of"):
         export_consolidated([model], str(tmp_path / "x.pt"), dtype="int8")
+
+
+def test_unreadable_checkpoint_folder_is_a_clear_error(tmp_path, monkeypatch):
+    # (the tests run as root, for whom chmod 000 does not deny reads: simulate the OS error)
+    (tmp_path / "step-3").mkdir()
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(ckpt.os, "listdir", denied)
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint folder .* is not readable \(permission denied\): fix"):
+        CheckpointManager(str(tmp_path)).load([Net()])
+
+
+def test_read_failures_are_classified_and_bugs_are_not():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    assert ckpt._read_failure(PermissionError(13, "Permission denied", "/c/x"), "shard file") == (
+        "permission denied reading /c/x"
+    )
+    assert ckpt._read_failure(EOFError(), ".metadata") == "truncated or corrupt .metadata"
+    wrapped = CheckpointException("load", {1: (RuntimeError("PytorchStreamReader failed reading zip archive"), None)})
+    assert ckpt._read_failure(wrapped, "shard file") == "truncated or corrupt shard file"
+    # anything else is a bug: no reason, so the caller re-raises it with its traceback
+    assert ckpt._read_failure(RuntimeError("size mismatch for layers.0"), "shard file") is None
+    assert ckpt._read_failure(TypeError("bad"), ".metadata") is None

@@ -55,7 +55,7 @@ def test_byte_tokenizer_and_missing_path():
     bt = load_tokenizer("bytes")
     assert isinstance(bt, ByteTokenizer) and bt.vocab_size == 259
     assert bt.decode(bt.encode("héllo") + [bt.eos_id]) == "héllo<|eos|>"
-    with pytest.raises(FileNotFoundError, match="model.tokenizer_path: no tokenizer at '/nonexistent'"):
+    with pytest.raises(ConfigError, match="model.tokenizer_path: no tokenizer at '/nonexistent'"):
         load_tokenizer("/nonexistent")
 
 
@@ -196,9 +196,9 @@ def test_jsonl_packing_and_bad_lines(tmp_path):
 
 
 def test_missing_dataset_path_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         FileSource(str(tmp_path / "missing"), "jsonl")
-    with pytest.raises(FileNotFoundError, match="no non-empty .jsonl files"):
+    with pytest.raises(ConfigError, match="no non-empty .jsonl files"):
         FileSource(str(tmp_path), "jsonl")
 
 

@@ -1,0 +1,104 @@
+"""Every user-caused failure is one line on stderr naming the path, the problem and the fix,
+with exit code 2 and no traceback: missing or unreadable inputs, absent steps, corrupt or
+truncated checkpoints. (Bad config values and degrees: tests/e2e/test_train.py.)"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from .helpers import FAST, run_train
+
+LLAMA = ["--config", "llama3.toml", *FAST, "--parallelism.dp_shard", "1"]
+
+
+@pytest.fixture(scope="module")
+def run_with_two_checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpts") / "run"
+    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(folder),
+                    "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-1", "step-2"]
+    return folder
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _one_clean_line(res, *needles):
+    assert res.returncode == 2, f"exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, res.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def test_missing_dataset_path(tmp_path):
+    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(tmp_path),
+                    "--training.dataset", "jsonl", "--training.dataset_path", str(tmp_path / "nope"))
+    _one_clean_line(res, "training.dataset_path", str(tmp_path / "nope"), "does not exist", ".jsonl file")
+
+
+def test_missing_tokenizer_path(tmp_path):
+    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(tmp_path),
+                    "--model.tokenizer_path", str(tmp_path / "tok"))
+    _one_clean_line(res, "model.tokenizer_path", str(tmp_path / "tok"), "use '' for the shipped tokenizer")
+
+
+def test_unwritable_dump_folder(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(blocker / "run"))
+    _one_clean_line(res, "job.dump_folder", str(blocker / "run"), "choose a writable folder")
+
+
+def test_missing_initial_load_path(tmp_path):
+    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(tmp_path / "run"),
+                    "--checkpoint.initial_load_path", str(tmp_path / "seed"))
+    _one_clean_line(res, "checkpoint.initial_load_path", str(tmp_path / "seed"), "does not exist",
+                    "point it at a complete checkpoint folder")
+
+
+def test_absent_load_step(tmp_path, run_with_two_checkpoints):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run),
+                    "--checkpoint.enable", "true", "--checkpoint.load_step", "7")
+    _one_clean_line(res, "no complete checkpoint for step 7", "available steps: [1, 2]",
+                    "checkpoint.load_step = -1")
+
+
+def test_truncated_metadata(tmp_path, run_with_two_checkpoints):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    meta = run / "checkpoint" / "step-2" / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:100])
+    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run),
+                    "--checkpoint.enable", "true")
+    _one_clean_line(res, str(run / "checkpoint" / "step-2"), "truncated or corrupt .metadata",
+                    "delete it, or set checkpoint.load_step to one of 1")
+
+
+def test_truncated_shard_file(tmp_path, run_with_two_checkpoints):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    (shard,) = (run / "checkpoint" / "step-2").glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:1000])
+    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run),
+                    "--checkpoint.enable", "true")
+    _one_clean_line(res, str(run / "checkpoint" / "step-2"), "truncated or corrupt shard file",
+                    "delete it, or set checkpoint.load_step to one of 1")
+
+
+def test_the_named_fix_works(tmp_path, run_with_two_checkpoints):
+    """Following the message (load_step = 1) resumes."""
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    meta = run / "checkpoint" / "step-2" / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:100])
+    res = run_train(1, *LLAMA, "--training.steps", "3", "--job.dump_folder", str(run),
+                    "--checkpoint.enable", "true", "--checkpoint.load_step", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and "at step 1" in res.stdout
