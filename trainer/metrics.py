@@ -54,6 +54,16 @@ def model_flops_per_token(
     return 6.0 * (num_params - num_embedding_params) + 12.0 * num_layers * attention_dim * seq_len
 
 
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: what a person reads at a glance."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """:func:`model_flops_per_token` of one of our models (whole, unsharded; meta is fine):
     its active parameters (MoE: shared experts plus top-k of the routed ones) and the attention
@@ -101,9 +111,13 @@ class MetricsLogger:
         flops_per_token: float | None = None,
         device: torch.device | str | None = None,
         peak_flops_per_device: float | None = None,
+        total_steps: int | None = None,
     ):
         mcfg = cfg.metrics if isinstance(cfg, JobConfig) else cfg
         self.cfg, self.rank, self.world_size = mcfg, rank, world_size
+        self.total_steps = total_steps
+        # (step, time) of every log call since the logger started, for the time left
+        self._marks: list[tuple[int, float]] = []
         self.run_folder = run_folder
         self.flops_per_token = flops_per_token
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -137,6 +151,17 @@ class MetricsLogger:
         """Exclude non-training time (checkpoint saves, evaluation) from throughput."""
         self._last_time = time.perf_counter()
 
+    def eta_seconds(self, step: int, now: float) -> float | None:
+        """Time left to ``total_steps`` at the pace since the first logged step (which carries
+        start-up and compilation, so it is left out once there is a later one)."""
+        if self.total_steps is None or not self._marks:
+            return None
+        (first_step, first_time) = self._marks[0]
+        if step <= first_step:
+            return None
+        per_step = (now - first_time) / (step - first_step)
+        return max(self.total_steps - step, 0) * per_step
+
     def log(
         self,
         step: int,
@@ -152,6 +177,8 @@ class MetricsLogger:
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         self._last_time = now
+        eta = self.eta_seconds(step, now)
+        self._marks.append((step, now))
         if self.rank != 0:
             return None
         tps = num_tokens / self.world_size / elapsed
@@ -173,14 +200,23 @@ class MetricsLogger:
         if extra:
             record.update({k: float(v) for k, v in extra.items()})
 
+        if eta is not None:
+            record["eta_s"] = eta
+        if self.total_steps is not None:
+            width = len(str(self.total_steps))
+            where = f"step {step:{width}d}/{self.total_steps}"
+        else:
+            where = f"step {step:6d}"
         line = (
-            f"step {step:6d}  loss {record['loss']:8.4f}  grad_norm {record['grad_norm']:8.4f}  "
+            f"{where}  loss {record['loss']:8.4f}  grad_norm {record['grad_norm']:8.4f}  "
             f"lr {record['lr']:.3e}  tps {tps:10,.0f}  {mem_name} {mem:6.2f}GiB"
         )
         if "tflops" in record:
             line += f"  tflops {record['tflops']:7.2f}"
         if "mfu_pct" in record:
             line += f"  mfu {record['mfu_pct']:5.2f}%"
+        if eta is not None:
+            line += f"  eta {format_duration(eta)}"
         print(line, flush=True)
 
         if self._jsonl is not None:

@@ -373,6 +373,15 @@ class Trainer:
         last_step = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
         self.resume()
         run_folder = cfg.job.dump_folder
+        if self.step >= cfg.training.steps:
+            folder = cfg.resolve_path(cfg.checkpoint.folder)
+            _log(
+                f"nothing to train: the run in {run_folder} is already complete (step {self.step} "
+                f"of training.steps = {cfg.training.steps}, resumed from {folder}). To train on, "
+                f"pass a larger --training.steps (the learning-rate schedule is recomputed for the "
+                f"new length); to start over, delete {run_folder} or choose another --job.dump_folder"
+            )
+            return
         if self.rank == 0:
             os.makedirs(run_folder, exist_ok=True)
             with open(os.path.join(run_folder, "config.toml"), "w") as f:
@@ -385,6 +394,7 @@ class Trainer:
             # TFLOPs/MFU only mean something on accelerators
             flops_per_token=self.flops_per_token if self.device.type == "cuda" else None,
             device=self.device,
+            total_steps=cfg.training.steps,
         )
         _log(
             f"training {cfg.model.name}/{cfg.model.flavor} ({self.num_params / 1e6:.1f}M params) for "

@@ -1,6 +1,7 @@
 """Every user-caused failure is one line on stderr naming the path, the problem and the fix,
 with exit code 2 and no traceback: missing or unreadable inputs, absent steps, corrupt or
-truncated checkpoints. (Bad config values and degrees: tests/e2e/test_train.py.)"""
+truncated checkpoints. A run that is already complete says so and how to go on. (Bad config
+values and degrees: tests/e2e/test_train.py.)"""
 
 from __future__ import annotations
 
@@ -102,3 +103,13 @@ def test_the_named_fix_works(tmp_path, run_with_two_checkpoints):
                     "--checkpoint.enable", "true", "--checkpoint.load_step", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "at step 1" in res.stdout
+
+
+def test_a_complete_run_says_so_and_how_to_continue(tmp_path, run_with_two_checkpoints):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(run),
+                    "--checkpoint.enable", "true")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "already complete (step 2 of training.steps = 2" in res.stdout, res.stdout[-2000:]
+    assert "--training.steps" in res.stdout and f"delete {run}" in res.stdout
+    assert "step 1/2" not in res.stdout  # nothing was trained

@@ -78,3 +78,23 @@ def test_training_flops_per_token_of_real_flavors():
     attention = 12 * 27 * 16 * (128 + 64) * 4096
     active = (training_flops_per_token(ds, 4096) - attention) / 6 + ds.tok_embeddings.weight.numel()
     assert 2.2e9 < active < 2.9e9, active
+
+
+def test_step_of_total_and_time_left(tmp_path, capsys, monkeypatch):
+    from trainer import metrics as metrics_mod
+    from trainer.metrics import format_duration
+
+    clock = iter([0.0, 100.0, 110.0, 130.0, 150.0])  # __init__, then one reading per log
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))
+    with MetricsLogger(str(tmp_path), 0, cfg("--metrics.enable_tensorboard", "false"), total_steps=100) as m:
+        first = m.log(1, loss=1.0, grad_norm=1.0, lr=1e-3, num_tokens=10)  # t=100: start-up
+        second = m.log(11, loss=1.0, grad_norm=1.0, lr=1e-3, num_tokens=10)  # 10 steps in 10 s
+        third = m.log(21, loss=1.0, grad_norm=1.0, lr=1e-3, num_tokens=10)  # 20 steps in 30 s
+    assert "eta_s" not in first  # no pace known after the first (start-up) step
+    assert second["eta_s"] == 89 * 1.0
+    assert third["eta_s"] == 79 * 1.5
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step   1/100  loss")
+    assert out[1].startswith("step  11/100") and out[1].endswith("eta 1m29s")
+    assert out[2].endswith("eta 1m58s")
+    assert [format_duration(s) for s in (5, 65, 3600 + 7 * 60 + 20)] == ["5s", "1m05s", "1h07m"]
