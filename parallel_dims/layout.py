@@ -108,9 +108,59 @@ def validate_degrees(
 ) -> Degrees:
     """Check the degrees against every layout rule and resolve ``dp_shard=-1``.
 
-    Raises ``ValueError`` naming the degrees, the rule and the legal values. Runs before any
-    process group exists, so a bad config fails in milliseconds, not in a collective.
+    Raises ``ValueError`` naming the degrees, the rule and the legal values, and ending with a
+    change of degrees that makes the whole layout valid (``a valid choice: change tp 3 -> 2``).
+    Runs before any process group exists, so a bad config fails in milliseconds, not in a
+    collective.
     """
+    given = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp)
+    try:
+        return _validate_degrees(world_size=world_size, **given)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; {_repair_message(given, world_size)}") from None
+
+
+def _as_degree(value, allow_infer: bool = False) -> int | None:
+    """``value`` as a usable degree (an integer written as a string counts), or None."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    try:
+        value = _check_int("degree", value, allow_infer=allow_infer)
+    except ValueError:
+        return None
+    return value
+
+
+def _repair_message(given: dict, world_size) -> str:
+    """A small change of degrees that makes the layout valid for ``world_size``: each degree
+    becomes the largest legal value not above the one given (tp first, then cp, pp,
+    dp_replicate, each dividing what the previous left of the world; dp_shard takes the rest
+    unless inferred; etp 1 unless it equals tp; then ep). Unusable values count as 1."""
+    ws = _as_degree(world_size)
+    if ws is None:
+        return "world_size must be the number of processes launched (an integer >= 1)"
+    new = {n: _as_degree(v) or 1 for n, v in given.items() if n != "dp_shard"}
+    remaining = ws
+    for name in ("tp", "cp", "pp", "dp_replicate"):
+        new[name] = max(d for d in _divisors(remaining) if d <= new[name])
+        remaining //= new[name]
+    shard = _as_degree(given["dp_shard"], allow_infer=True)
+    new["dp_shard"] = -1 if shard == -1 else remaining
+    if new["etp"] not in (1, new["tp"]):
+        new["etp"] = 1
+    block = remaining * new["cp"] * new["tp"]
+    new["ep"] = max(d for d in _divisors(block) if d <= new["ep"] and block % (d * new["etp"]) == 0)
+    changes = [
+        f"{name} {given[name]!r} -> {new[name]}"
+        for name in _DEGREE_NAMES
+        if not (isinstance(given[name], int) and not isinstance(given[name], bool) and given[name] == new[name])
+    ]
+    return f"a valid choice for world_size={ws}: change {', '.join(changes)}"
+
+
+def _validate_degrees(
+    *, dp_replicate, dp_shard, cp, tp, pp, ep, etp, world_size
+) -> Degrees:
     world_size = _check_int("world_size", world_size)
     fixed = {
         "dp_replicate": _check_int("dp_replicate", dp_replicate),

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from parallel_dims import ParallelDims, check_model_layout, validate_degrees
 
@@ -130,3 +132,35 @@ def test_cli_json():
     assert info["meshes"]["ep"]["group"] == [1, 3, 5, 7]
     counts = info["process_groups_per_rank"]
     assert counts["distinct_real_rank_sets"] == 5  # world, dp_shard(=fsdp,batch,loss), tp(=etp), efsdp, ep
+
+
+_CHANGE = __import__("re").compile(r"(\w+) ('[^']*'|\S+?) -> (-?\d+)")
+
+
+@given(
+    degrees=st.fixed_dictionaries(
+        {
+            name: st.one_of(
+                st.integers(-3, 70),
+                st.sampled_from([0.5, 2.0, "2", "x", True, None]),
+                st.sampled_from([1, 2, 4, 8, 16, 32]),
+            )
+            for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
+        }
+    ),
+    world_size=st.sampled_from([1, 2, 3, 6, 8, 12, 64, 96, 4096]),
+)
+@settings(max_examples=1000, deadline=None)
+def test_every_degree_error_names_a_change_that_makes_the_layout_valid(degrees, world_size):
+    try:
+        validate_degrees(world_size=world_size, **degrees)
+        return
+    except ValueError as exc:
+        message = str(exc)
+    assert f"a valid choice for world_size={world_size}: change " in message, message
+    suggestion = message.split("a valid choice", 1)[1]
+    fixed = dict(degrees)
+    for name, _, value in _CHANGE.findall(suggestion):
+        fixed[name] = int(value)
+    assert fixed != degrees, message
+    validate_degrees(world_size=world_size, **fixed)  # the named change is enough
