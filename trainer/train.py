@@ -82,6 +82,27 @@ def init_distributed(cfg: JobConfig) -> torch.device:
     return device
 
 
+def apply_train_timeout(seconds: int) -> None:
+    """From the first completed step on, every collective of every process group must finish
+    within ``comm.train_timeout_seconds`` (start-up, the first step and compilation ran under
+    ``comm.init_timeout_seconds``): a dead or hung peer then ends the job in that time, not
+    after the long start-up timeout. Placeholder groups (size-1 axes) have no communicator."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()  # every rank finished its first step: nothing is in flight under the old timeout
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if dist.get_backend(group) != "fake":
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def _is_collective_timeout(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, dist.DistBackendError)) and (
+        "Timed out" in text or "timed out" in text or "Watchdog caught collective operation timeout" in text
+    )
+
+
 def _free_port() -> int:
     import socket
 
@@ -403,6 +424,7 @@ class Trainer:
             f"{cfg.training.local_batch_size} per rank"
         )
         steps_since_log = 0
+        timeout_applied = False
         profiler = StepProfiler(cfg.profiling, run_folder, self.rank, self.device, first_step=self.step)
         with metrics, profiler:
             for message in profiler.messages:
@@ -411,6 +433,9 @@ class Trainer:
                 microbatches = self.data.next_step()
                 result = self.train_step(microbatches)
                 self.step += 1
+                if not timeout_applied:
+                    apply_train_timeout(cfg.comm.train_timeout_seconds)
+                    timeout_applied = True
                 profiler.step(self.step)
                 steps_since_log += 1
                 if metrics.should_log(self.step) or self.step == cfg.training.steps:
@@ -481,6 +506,20 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 or not isinstance(exc, ValueError):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, ValueError) else 1
+    except Exception as exc:
+        if not _is_collective_timeout(exc):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(
+            f"error: rank {rank}: a collective did not finish within comm.train_timeout_seconds = "
+            f"{cfg.comm.train_timeout_seconds} s (comm.init_timeout_seconds = "
+            f"{cfg.comm.init_timeout_seconds} s until the first step): another rank is hung or "
+            f"dead, see its log; if steps legitimately take that long, raise the timeout. "
+            f"({str(exc).splitlines()[0][:200]})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
