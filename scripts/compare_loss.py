@@ -88,7 +88,7 @@ CONTROLLED_KEYS = {
     "checkpoint.create_seed_checkpoint": "compare_loss",
 }
 
-STEP_LINE = re.compile(r"\bstep\s+(\d+)\s+loss\s+(\S+)")
+STEP_LINE = re.compile(r"\bstep\s+(\d+)(?:/\d+)?\s+loss\s+(\S+)")
 
 
 class UsageError(ValueError):
@@ -768,14 +768,14 @@ def diagnose(plan: Plan, baseline: Layout, layouts: list[Layout], step: int, tim
         return
     with open(base_paths[0]) as f:
         base = json.load(f)
-    base_grads = torch.load(base_paths[1])
+    base_grads = torch.load(base_paths[1], weights_only=True)
     for i, layout in enumerate(layouts, 1):
         paths = run_grad_dump(plan, layout, os.path.join(root, f"{i:02d}-{slug(layout.name)}"), step, timeout)
         if paths is None:
             continue
         with open(paths[0]) as f:
             other = json.load(f)
-        rows = compare_grad_dumps(base, other, base_grads, torch.load(paths[1]))
+        rows = compare_grad_dumps(base, other, base_grads, torch.load(paths[1], weights_only=True))
         with open(os.path.join(root, f"{i:02d}-{slug(layout.name)}", "grad_diff.json"), "w") as f:
             json.dump(rows, f, indent=1)
         print(f"\n{layout.name} vs {baseline.name}: step {step} loss {other['loss']!r} vs {base['loss']!r}, "

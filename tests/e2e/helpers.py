@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,33 +41,261 @@ def run_train(nproc: int, *args: str, timeout: float = 600) -> subprocess.Comple
     )
 
 
-def run_until(nproc: int, marker: str, *args: str, timeout: float = 600) -> str:
-    """Start a run and SIGKILL its whole process group as soon as ``marker`` appears in its
-    output: a crash, not a clean exit."""
-    proc = subprocess.Popen(
-        train_cmd(nproc, *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=_env(), start_new_session=True,
-    )
-    seen = []
+# ------------------------------------------------------------------ processes via /proc
+#
+# torchrun starts every worker with start_new_session=True, so killing torchrun's process
+# group leaves the workers running (they even finish the run if their stdout pipe stays
+# open). A crash test must find the workers and kill them itself.
+
+
+def _stat(pid: int) -> dict | None:
+    """Fields of /proc/<pid>/stat, or None when there is no such process."""
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if marker in line:
-                os.killpg(proc.pid, signal.SIGKILL)
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    rest = text[text.rindex(")") + 2:].split()  # comm may hold spaces and parentheses
+    return {"state": rest[0], "ppid": int(rest[1]), "pgrp": int(rest[2]), "starttime": int(rest[19])}
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process on the machine."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                parents[int(name)] = st["ppid"]
+    return parents
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = _parents()
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier}
+        found += sorted(frontier)
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    """The RANK torchrun gave this process (None for anything that is not a worker)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def _is_dead(pid: int, starttime: int) -> bool:
+    """Exited: no /proc entry, the pid now names another process, or a zombie whose threads
+    have all exited (a zombie holds no memory, files or sockets; only its exit status)."""
+    st = _stat(pid)
+    if st is None or st["starttime"] != starttime:
+        return True
+    if st["state"] not in "ZX":
+        return False
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if text[text.rindex(")") + 2] not in "ZX":
+            return False
+    return True
+
+
+class Job:
+    """train.py started in the background (in its own session), its output drained by a
+    thread, and its worker processes visible, so that a test can crash it for real."""
+
+    def __init__(self, nproc: int, *args: str):
+        self.nproc = nproc
+        self.proc = subprocess.Popen(
+            train_cmd(nproc, *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=_env(), start_new_session=True,
+        )
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._eof = False
+        self._finished = False  # every process of the job is gone and the output read
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._eof = True
+            self._changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._changed:
+            return "".join(self._lines)
+
+    def wait_for_output(self, marker: str, timeout: float) -> bool:
+        """True as soon as a line holding ``marker`` was printed; False if the output ended
+        (the job exited) or ``timeout`` passed first."""
+        deadline = time.monotonic() + timeout
+        checked = 0
+        with self._changed:
+            while True:
+                if any(marker in line for line in self._lines[checked:]):
+                    return True
+                checked = len(self._lines)
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    return False
+                self._changed.wait(left)
+
+    def workers(self) -> dict[int, int]:
+        """rank -> pid of every live worker. With torchrun they are its children (each in a
+        session of its own); a 1-process run is its own worker. Asserts there are nproc."""
+        if self.nproc == 1:
+            candidates = [self.proc.pid]
+        else:
+            candidates = [p for p, pp in _parents().items() if pp == self.proc.pid]
+        found = {}
+        for pid in candidates:
+            st = _stat(pid)
+            rank = 0 if self.nproc == 1 else _rank_of(pid)
+            if st is not None and st["state"] not in "ZX" and rank is not None:
+                found[rank] = pid
+        assert sorted(found) == list(range(self.nproc)), (
+            f"expected {self.nproc} live workers (ranks 0..{self.nproc - 1}) under pid {self.proc.pid}, "
+            f"found {found}:\n{self.output[-3000:]}"
+        )
+        return found
+
+    def _tree(self) -> dict[int, int]:
+        """pid -> start time of the launcher and everything below it, to recognise them later
+        even if their pids are reused."""
+        tree = {}
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            st = _stat(pid)
+            if st is not None:
+                tree[pid] = st["starttime"]
+        return tree
+
+    def kill(self, ranks: list[int] | None = None, timeout: float = 120) -> list[int]:
+        """SIGKILL the workers of ``ranks`` (default: all), each with its own process group.
+        With every rank killed, torchrun is killed too; with some, torchrun is left to notice
+        and tear down the rest, as it would after a real crash. Returns the killed pids, once
+        every process of the job is gone (see ``_wait_gone``)."""
+        workers = self.workers()
+        tree = self._tree()
+        ranks = sorted(workers) if ranks is None else ranks
+        killed = []
+        for rank in ranks:
+            pid = workers[rank]
+            st = _stat(pid)
+            assert st is not None and st["state"] not in "ZX", f"rank {rank} (pid {pid}) already ended"
+            # a worker leads a process group of its own (its session): kill the group, so that
+            # anything the worker started dies with it. Raises if the process is already gone.
+            if st["pgrp"] == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        if len(ranks) == len(workers):
+            # torchrun polls its workers every 0.1 s: give it a moment to reap the dead ones
+            # (else they linger as zombies until init reaps them), then kill it too
+            deadline = time.monotonic() + 2
+            while any(_stat(pid) is not None for pid in killed) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._killpg_launcher()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise AssertionError(
+                f"the launcher did not exit within {timeout}s after ranks {ranks} were killed:\n"
+                f"{self.output[-3000:]}"
+            ) from None
+        self._wait_gone(tree, timeout)
+        return killed
+
+    def _killpg_launcher(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _wait_gone(self, tree: dict[int, int], timeout: float) -> None:
+        """Until every process of ``tree`` is gone from /proc. A zombie has exited and holds
+        nothing (no memory, files or sockets), so zombies are only waited for a while, for
+        init to reap them; a process still running after ``timeout`` fails the test."""
+        start = time.monotonic()
+        while True:
+            alive = [pid for pid, t in tree.items() if not _is_dead(pid, t)]
+            listed = [pid for pid, t in tree.items() if (_stat(pid) or {}).get("starttime") == t]
+            now = time.monotonic()
+            if not alive and (not listed or now - start > 10):
                 break
+            if now - start > timeout:
+                raise AssertionError(f"processes {alive} of the job still run {timeout}s after the kill")
+            time.sleep(0.01)
+        self._finish()
+
+    def _finish(self) -> None:
+        self._reader.join(timeout=10)  # every writer of the pipe is dead: the output is complete
+        self.proc.stdout.close()
+        self._finished = True
+
+    def close(self) -> None:
+        """Cleanup, without assertions: kill whatever is left of the job (workers first)."""
+        if self._finished:
+            return
+        if self.proc.poll() is None:  # not reaped yet, so its pid still names the launcher
+            tree = self._tree()
+            for pid in tree:
+                if pid != self.proc.pid:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            self._killpg_launcher()
+            self.proc.wait()
+            self._wait_gone(tree, 60)
+        else:  # it ended by itself; torchrun reaps its workers before it exits
+            self._finish()
+
+
+def run_until(nproc: int, marker: str, *args: str, timeout: float = 600) -> str:
+    """Start a run and, as soon as ``marker`` appears in its output, SIGKILL every one of its
+    nproc workers and then torchrun (a crash, not a clean exit); return once all of them are
+    gone, with the output so far."""
+    job = Job(nproc, *args)
+    try:
+        if job.wait_for_output(marker, timeout):
+            killed = job.kill()
+            assert len(killed) == nproc, f"killed {killed}, expected {nproc} workers"
     finally:
-        proc.wait(timeout=timeout)
-    out = "".join(seen)
+        job.close()
+    out = job.output
     assert marker in out, f"run ended before {marker!r}:\n{out[-3000:]}"
     return out
 
 
+def metric_records(folder: str | Path) -> list[dict]:
+    """Every record of metrics.jsonl in the order written (a resumed run appends to it)."""
+    with open(Path(folder) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def read_metrics(folder: str | Path) -> dict[int, dict]:
     """step -> last record written for it (a resumed run appends to the same file)."""
-    records = {}
-    with open(Path(folder) / "metrics.jsonl") as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                records[rec["step"]] = rec
-    return records
+    return {rec["step"]: rec for rec in metric_records(folder)}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
 
-from .helpers import FAST, read_metrics, run_train, run_until
+from .helpers import FAST, Job, metric_records, read_metrics, run_train, run_until
 
 LLAMA = ["--config", "llama3.toml", *FAST]
 
@@ -30,7 +32,7 @@ def test_short_run_learns_and_writes_outputs(tmp_path):
     assert (out / "config.toml").read_text().count("[parallelism]") == 1
     ckpts = sorted(p.name for p in (out / "checkpoint").iterdir())
     assert ckpts == ["step-40"], ckpts  # keep_latest_k=1 removed step-20
-    assert "resolved config:" in res.stdout and "step     40" in res.stdout
+    assert "resolved config:" in res.stdout and "step 40/40" in res.stdout
 
 
 def _steps(m, lo, hi):
@@ -43,13 +45,17 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
     ref, crash = tmp_path / "ref", tmp_path / "crash"
     res = run_train(2, *common, "--job.dump_folder", str(ref))
     assert res.returncode == 0, res.stderr[-3000:]
-    # SIGKILL the job right after the step-4 checkpoint is reported
+    # SIGKILL both workers (then torchrun) right after the step-4 checkpoint is reported;
+    # run_until returns once they are all gone, so nothing of this run overlaps the resume
     run_until(2, "saved checkpoint", *common, "--job.dump_folder", str(crash))
-    assert (crash / "checkpoint" / "step-4").is_dir()
+    assert sorted(os.listdir(crash / "checkpoint")) == ["step-4"]
+    logged = len(metric_records(crash))
     res = run_train(2, *common, "--job.dump_folder", str(crash))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout
-    assert _steps(read_metrics(crash), 5, 8) == _steps(read_metrics(ref), 5, 8)  # bitwise
+    assert f"resumed from {crash / 'checkpoint'} at step 4" in res.stdout, res.stdout[-2000:]
+    resumed = metric_records(crash)[logged:]
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == _steps(read_metrics(ref), 5, 8)  # bitwise
 
 
 def test_resume_under_a_different_layout(tmp_path):
@@ -60,9 +66,11 @@ def test_resume_under_a_different_layout(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     # save with fsdp=4 (steps 1-4) ...
     run_until(4, "saved checkpoint", *common, "--job.dump_folder", str(resharded))
+    assert sorted(os.listdir(resharded / "checkpoint")) == ["step-4"]
     # ... resume with fsdp=2 x tp=2
     res = run_train(4, *common, "--job.dump_folder", str(resharded), "--parallelism.tp", "2")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert f"resumed from {resharded / 'checkpoint'} at step 4" in res.stdout, res.stdout[-2000:]
     a, b = read_metrics(ref), read_metrics(resharded)
     for step in range(5, 9):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
@@ -77,13 +85,75 @@ def test_pipeline_checkpoint_loads_without_pipeline_and_back(tmp_path, save_pp, 
     res = run_train(2, *common, "--job.dump_folder", str(ref), "--parallelism.pp", str(load_pp))
     assert res.returncode == 0, res.stderr[-3000:]
     run_until(2, "saved checkpoint", *common, "--job.dump_folder", str(run), "--parallelism.pp", str(save_pp))
+    assert sorted(os.listdir(run / "checkpoint")) == ["step-3"]
     res = run_train(2, *common, "--job.dump_folder", str(run), "--parallelism.pp", str(load_pp))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "resumed from" in res.stdout
+    assert f"resumed from {run / 'checkpoint'} at step 3" in res.stdout, res.stdout[-2000:]
     a, b = read_metrics(ref), read_metrics(run)
     for step in range(4, 7):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
+
+
+def test_rank_killed_while_a_checkpoint_is_written(tmp_path):
+    """SIGKILL rank 1 while the step-8 checkpoint is being written (step-8.tmp holds shard
+    files but no .metadata yet): rank 0, the rank that publishes, survives the kill and
+    must not publish; the half-written save never gets a final name, step-4 stays the
+    latest complete checkpoint and loads, and the resumed run's steps 5-10 are bitwise
+    those of an uninterrupted run."""
+    import torch
+
+    from trainer.checkpoint import CheckpointManager, export_checkpoint
+
+    # saves at 4, 8 and 10 (the last step); llama3.toml keeps the newest 2
+    common = [*LLAMA, "--training.steps", "10", "--checkpoint.enable", "true",
+              "--checkpoint.interval", "4", "--lr_scheduler.warmup_steps", "2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ckpt, tmp = run / "checkpoint", run / "checkpoint" / "step-8.tmp"
+    res = run_train(2, *common, "--job.dump_folder", str(ref))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    job = Job(2, *common, "--job.dump_folder", str(run))
+    try:
+        assert job.wait_for_output("saved checkpoint", 600), job.output[-3000:]  # step-4 is complete
+        # Wait for rank 0 to create step-8.tmp, then for the first shard file in it, and kill
+        # rank 1 at once. From the first shard file to DCP's .metadata the ranks take 0.7 s
+        # to 2.5 s (2 shared CPU cores, light to heavy load) to write ~70 MB of model and
+        # Adam state and gather the write results; this loop looks every 0.2 ms, so the kill
+        # lands mid-write (asserted below: no .metadata).
+        deadline = time.monotonic() + 600
+        while not (tmp.is_dir() and any(n.endswith(".distcp") for n in os.listdir(tmp))):
+            assert job.proc.poll() is None, f"the run ended before step-8 was written:\n{job.output[-3000:]}"
+            assert time.monotonic() < deadline, "no step-8 save within 600 s"
+            time.sleep(0.0002)
+        # torchrun notices the dead rank and tears down rank 0; kill() returns once every
+        # process of the job is gone
+        (pid,) = job.kill([1])
+    finally:
+        job.close()
+    assert job.proc.returncode != 0
+    out = job.output
+    assert f"Signal 9 (SIGKILL) received by PID {pid}" in out, out[-3000:]  # torchrun's failure summary
+
+    # the half-written save kept its temporary name: shards on disk, no DCP .metadata (the
+    # coordinator writes it last, after every rank's write results), never renamed
+    assert sorted(os.listdir(ckpt)) == ["step-4", "step-8.tmp"]
+    assert any(n.endswith(".distcp") for n in os.listdir(tmp))
+    assert not (tmp / ".metadata").exists(), "the kill landed after the shards were written"
+    assert CheckpointManager(str(ckpt)).list_steps() == [4]
+    # step-4 is complete and loads (its model weights, consolidated by one process)
+    weights = torch.load(export_checkpoint(str(ckpt / "step-4"), str(tmp_path / "step4.pt")), weights_only=True)
+    assert len(weights) > 10 and all(torch.isfinite(t).all() for t in weights.values())
+
+    logged = len(metric_records(run))
+    res = run_train(2, *common, "--job.dump_folder", str(run))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert f"resumed from {ckpt} at step 4" in res.stdout, res.stdout[-2000:]
+    resumed = metric_records(run)[logged:]
+    assert [r["step"] for r in resumed] == list(range(5, 11))
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == _steps(read_metrics(ref), 5, 10)  # bitwise
+    # the resumed run's step-8 save replaced the stale step-8.tmp; keep_latest_k=2 dropped step-4
+    assert sorted(os.listdir(ckpt)) == ["step-10", "step-8"]
 
 
 @pytest.mark.parametrize(
@@ -153,3 +223,30 @@ def test_profiling_writes_traces_at_the_configured_steps(tmp_path):
         assert "aten::mm" in names and "Optimizer.step#AdamW.step" in names, sorted(names)[:50]
     assert "memory snapshots record the CUDA caching allocator" in res.stdout
     assert not (tmp_path / "memory_snapshot").exists()
+
+
+def test_hung_rank_ends_the_job_within_the_train_timeout(tmp_path):
+    """SIGSTOP one rank after training started: the other rank's next collective times out
+    after comm.train_timeout_seconds (not the 300 s start-up timeout) with one line naming the
+    option, and torchrun then ends the job (its own grace period for the stopped worker
+    is 30 s)."""
+    import signal
+
+    timeout_s = 5
+    job = Job(2, *LLAMA, "--training.steps", "500", "--job.dump_folder", str(tmp_path),
+              "--comm.train_timeout_seconds", str(timeout_s))
+    try:
+        assert job.wait_for_output("step   3/500", 300), job.output[-3000:]
+        os.kill(job.workers()[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        job.proc.wait(timeout=180)
+        elapsed = time.monotonic() - stopped
+    finally:
+        job.close()
+    assert job.proc.returncode != 0
+    assert f"a collective did not finish within comm.train_timeout_seconds = {timeout_s} s" in job.output, (
+        job.output[-3000:]
+    )
+    assert "trainer/" not in job.output  # no traceback through our code (torchrun prints its own summary)
+    # the 5 s timeout, torchrun's 30 s grace for the stopped worker, and slack for a loaded box
+    assert elapsed < timeout_s + 30 + 25, f"the job took {elapsed:.0f} s to end"

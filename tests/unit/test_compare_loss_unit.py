@@ -244,6 +244,8 @@ def test_run_streaming_logs_and_returns_the_exit_code(tmp_path):
     rc = cl.run_streaming([sys.executable, "-c", code], str(tmp_path / "run" / "log.txt"), lines.append)
     assert rc == 3
     assert cl.STEP_LINE.search(lines[0]).groups() == ("1", "8.1005")
+    # the trainer's line with the step count
+    assert cl.STEP_LINE.search("step  7/30  loss   5.2500  grad_norm 1.0").groups() == ("7", "5.2500")
     excerpt = cl.log_excerpt(str(tmp_path / "run" / "log.txt"))
     assert "errors:" in excerpt and "error: boom" in excerpt
     rc = cl.run_streaming([sys.executable, "-c", "import time; time.sleep(30)"], str(tmp_path / "slow.txt"),
