@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	MESHTRAIN_MESH_BUILDER=portable $(PY) -m pytest -q tests/unit/test_fake_build.py \
+		tests/distributed/test_parallel_dims_gloo.py tests/distributed/test_parallelize_equivalence.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit

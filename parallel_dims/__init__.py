@@ -1,14 +1,32 @@
 """Parallelism degrees -> rank layout -> DeviceMeshes. Imports nothing from trainer/ or models/."""
 
-from .layout import Degrees, RankLayout, validate_degrees
-from .parallel_dims import ParallelDims, check_model_layout, default_backend, default_device_type
+# First of all: a torch below the supported range stops here with one line, not a traceback.
+from ._torch_support import check_torch_version as _check_torch_version
+
+_check_torch_version()
+
+from .layout import Degrees, RankLayout, validate_degrees  # noqa: E402
+from .parallel_dims import (  # noqa: E402
+    MESH_BUILDER_ENV,
+    MESH_BUILDERS,
+    ParallelDims,
+    check_model_layout,
+    default_backend,
+    default_device_type,
+    layout_builder_available,
+    resolve_mesh_builder,
+)
 
 __all__ = [
     "Degrees",
+    "MESH_BUILDERS",
+    "MESH_BUILDER_ENV",
     "ParallelDims",
     "RankLayout",
     "check_model_layout",
     "default_backend",
     "default_device_type",
+    "layout_builder_available",
+    "resolve_mesh_builder",
     "validate_degrees",
 ]

@@ -4,8 +4,9 @@
         --rank 17 --gpus-per-node 8 [--json]
 
 The meshes are really built, for the chosen rank, on torch's ``fake`` backend (no GPU, no other
-processes), and checked against the layout layer. Invalid degrees print the validation message on
-stderr and exit with code 2.
+processes), and checked against the layout layer. The output names the mesh builder used
+(``layout`` or ``portable``; ``MESHTRAIN_MESH_BUILDER`` forces one). Invalid degrees print the
+validation message on stderr and exit with code 2.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ _ROLES = {
 }
 
 
+_BUILDER_NOTE = {
+    "layout": "every mesh a layout view of the world mesh",
+    "portable": "every mesh a dimension of an unflattened world mesh",
+}
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m parallel_dims",
@@ -61,6 +68,7 @@ def _short(ranks: list[int], limit: int = 8) -> str:
 
 
 def describe(args) -> dict:
+    import torch
     import torch.distributed as dist
 
     from .parallel_dims import ParallelDims, _register_fake_backend
@@ -116,6 +124,8 @@ def describe(args) -> dict:
             }
         return {
             "degrees": degrees.as_dict() | {"efsdp": degrees.efsdp},
+            "builder": pd.mesh_builder,
+            "torch": str(torch.__version__),
             "rank": args.rank,
             "gpus_per_node": args.gpus_per_node,
             "meshes": meshes,
@@ -133,7 +143,8 @@ def _print_text(info: dict) -> None:
         + ", ".join(f"{k}={d[k]}" for k in ("world_size", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "efsdp"))
     )
     rank, gpn = info["rank"], info["gpus_per_node"]
-    print(f"rank {rank} (node {rank // gpn}, {gpn} GPUs per node)\n")
+    print(f"rank {rank} (node {rank // gpn}, {gpn} GPUs per node)")
+    print(f"mesh builder: {info['builder']} (torch {info['torch']}; {_BUILDER_NOTE[info['builder']]})\n")
     for name in ("dense", "sparse"):
         m = info["meshes"][name]
         dims = ", ".join(f"{a}={s}" for a, s in zip(m["axes"], m["shape"]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_dims import ParallelDims
+from parallel_dims import ParallelDims, resolve_mesh_builder
 from parallel_dims.layout import ONE_D_AXES
 
 from .launcher import run_distributed
@@ -40,7 +40,13 @@ def _check_all_meshes(rank, world_size, degrees):
             dist.all_reduce(t, group=hsdp.get_group(dim))
             col = hsdp.mesh.select(1 - dim, hsdp.get_local_rank(1 - dim)).tolist()
             assert [r for r in range(world_size) if int(t) >> r & 1] == sorted(col)
-    return seen, pd.process_group_count()
+    # a user flatten over two strides (dp_replicate skips dp_shard) gets a group of its ranks
+    if pd.dp_replicate > 1 and pd.cp > 1:
+        rep_cp = pd.flatten(["dp_replicate", "cp"], "rep_cp")
+        t = torch.tensor([1 << rank], dtype=torch.int64)
+        dist.all_reduce(t, group=rep_cp.get_group())
+        assert [r for r in range(world_size) if int(t) >> r & 1] == sorted(rep_cp.mesh.tolist())
+    return seen, pd.process_group_count(), pd.mesh_builder
 
 
 LAYOUTS = [
@@ -60,3 +66,5 @@ def test_every_mesh_communicates_with_its_members(degrees):
         assert sorted(x for g in groups for x in g) == list(range(8)), name
     counts = [r[1] for r in results]
     assert all(c == counts[0] for c in counts)
+    # every rank used the builder this process resolves (MESHTRAIN_MESH_BUILDER reaches them)
+    assert {r[2] for r in results} == {resolve_mesh_builder()}

@@ -121,7 +121,9 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_same_ranks_as_torchtitan(cfg):
-    from torchtitan.distributed.parallel_dims import ParallelDims as TitanDims
+    # skips, naming the import error, where torchtitan (the `peer` extra) is missing or broken
+    titan_module = pytest.importorskip("torchtitan.distributed.parallel_dims", exc_type=ImportError)
+    TitanDims = titan_module.ParallelDims
 
     full = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1) | cfg
     world = full["world_size"]
