@@ -219,7 +219,8 @@ class Trainer:
         _log(
             f"mesh: world={self.world_size} pp={self.pd.pp} dp_replicate={self.pd.dp_replicate} "
             f"dp_shard={self.pd.dp_shard} cp={self.pd.cp} tp={self.pd.tp} ep={self.pd.ep} "
-            f"etp={self.pd.etp}; process groups per rank: {self.pd.process_group_count()}"
+            f"etp={self.pd.etp}; process groups per rank: {self.pd.process_group_count()}; "
+            f"mesh builder: {self.pd.mesh_builder} (torch {torch.__version__})"
         )
         self.loss_parallel = self.pd.tp > 1 and opts.loss_parallel
         self.loss_fn = self._cross_entropy

@@ -81,13 +81,18 @@ def expert_compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     dtype: FSDP2 mixed precision hands the module bf16 weights while the routed tokens may be
     float32, and the module computes in its parameters' precision."""
     device_type = x.device.type
+    # (a fixed list rather than torch.amp.is_autocast_available, which torch 2.11's compiler
+    # cannot trace)
     if (
-        torch.amp.is_autocast_available(device_type)
+        device_type in _AUTOCAST_DEVICE_TYPES
         and torch.is_autocast_enabled(device_type)
         and weight.dtype != torch.float64
     ):
         return torch.get_autocast_dtype(device_type)
     return weight.dtype
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 
 class _ZeroGradPastTotal(torch.autograd.Function):

@@ -58,6 +58,7 @@ def apply_fsdp(
     """Wrap each block (and, when ``separate_experts``, each block's routed experts on
     ``expert_mesh``), then the embeddings, the norm+output head and the root, in place."""
     mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype), reduce_dtype=_dtype(reduce_dtype))
+    reshard_policy(reshard_after_forward, pp_enabled, 2)  # a bad policy fails even if nothing is wrapped
     wrapped: list[FSDPModule] = []
 
     def wrap(module: nn.Module, mesh: DeviceMesh, reshard_flag: bool) -> None:

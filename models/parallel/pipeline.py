@@ -395,6 +395,7 @@ class Pipeline:
     """A built schedule and what :func:`pipeline_step` needs to drive it on this rank."""
 
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
+    token_loss: _GlobalTokenLoss
     stages: list[PipelineStage]
     modules: list[nn.Module]
     schedule_name: str
@@ -412,15 +413,18 @@ class Pipeline:
 
 class _GlobalTokenLoss:
     """The trainer's per-micro-batch token-loss SUM divided by the step's global token count,
-    which :func:`pipeline_step` passes on every step (it changes with padding/ignored tokens)."""
+    which :func:`pipeline_step` sets before every step (it changes with padding/ignored
+    tokens). Held here rather than passed through ``schedule.step(loss_kwargs=...)``, which
+    torch 2.11's schedules do not have."""
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.loss_fn = loss_fn
+        self.global_token_count: int | float | torch.Tensor | None = None
 
-    def __call__(
-        self, output: torch.Tensor, target: torch.Tensor, *, global_token_count
-    ) -> torch.Tensor:
-        return self.loss_fn(output, target) / global_token_count
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.global_token_count is None:
+            raise RuntimeError("pipeline loss called outside pipeline_step (no global token count)")
+        return self.loss_fn(output, target) / self.global_token_count
 
 
 def stage_activation_dtype(param_dtype: str) -> torch.dtype:
@@ -556,14 +560,16 @@ def build_pipeline_schedule(
         )
     cls = info.cls
     sched_stage = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
+    token_loss = _GlobalTokenLoss(loss_fn)
     schedule = cls(
         sched_stage,
         n_microbatches=n_microbatches,
-        loss_fn=_GlobalTokenLoss(loss_fn),
+        loss_fn=token_loss,
         scale_grads=False,  # the loss is already normalized by the global token count
     )
     return Pipeline(
         schedule=schedule,
+        token_loss=token_loss,
         stages=pipeline_stages,
         modules=list(stages),
         schedule_name=canonical,
@@ -619,15 +625,10 @@ def pipeline_step(
     args = (inputs,) if pipe.has_first_stage else ()
     target = labels if pipe.has_last_stage else None
     losses: list[torch.Tensor] | None = [] if pipe.has_last_stage else None
+    pipe.token_loss.global_token_count = global_token_count
     try:
         with loss_parallel_context(pipe.loss_parallel):
-            pipe.schedule.step(
-                *args,
-                target=target,
-                losses=losses,
-                return_outputs=False,
-                loss_kwargs={"global_token_count": global_token_count},
-            )
+            pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False)
     except RuntimeError as exc:
         # torch wraps errors raised in a stage's forward in a RuntimeError; surface ours as the
         # ValueError it is (the trainer reports ValueErrors as user errors, without traceback)
