@@ -8,18 +8,25 @@ STAMP := $(VENV)/.installed
 # GPUs when there are any, else 4 CPU processes over gloo.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ $$n -gt 0 ] && echo $$n || echo 4)
 
-.PHONY: setup test test-fast train bench describe clean
+.PHONY: setup test test-fast train bench bench-gpu describe clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	@echo "== setting up $(VENV) (first run, or pyproject.toml changed; about a minute)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "== upgrading pip"
+	@$(PY) -m pip install --quiet --upgrade pip
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "== no NVIDIA GPU: installing the CPU build of torch (torch==2.13.0)"; \
 		$(PY) -m pip install --quiet "torch==2.13.0" $${TORCH_INDEX_URL:+--index-url $$TORCH_INDEX_URL}; \
+	else \
+		echo "== NVIDIA GPU found: pip picks a CUDA build of torch (torch>=2.11,<2.16)"; \
 	fi
-	$(PY) -m pip install --quiet -e ".[dev,peer]"
-	touch $(STAMP)
+	@echo "== installing meshtrain and its dev/test dependencies (pytest, hypothesis, matplotlib, torchtitan for comparisons)"
+	@$(PY) -m pip install --quiet -e ".[dev,peer]"
+	@touch $(STAMP)
+	@echo "== $(VENV) is ready; run tools with $(VENV)/bin/python, $(VENV)/bin/torchrun (or: source $(VENV)/bin/activate)"
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -34,6 +41,10 @@ train: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run --out bench_results/bench.json
+
+# One GPU: trainer vs a bare bf16 loop vs torchtitan's model, eager and compiled (see README).
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks.gpu --out bench_results/gpu.json $(ARGS)
 
 describe: $(STAMP)
 	$(PY) -m parallel_dims --world-size 4096 --dp-shard -1 --cp 2 --tp 8 --pp 4 --ep 64 --rank 17 --gpus-per-node 8
