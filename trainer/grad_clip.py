@@ -37,6 +37,20 @@ def _spec_key(t: torch.Tensor):
     return ("local", t.device)
 
 
+def _sum_partial(t: DTensor) -> torch.Tensor:
+    """The full value of a scalar DTensor: its local value summed over the mesh dimensions on
+    which it is a partial sum. What ``full_tensor()`` does, one all-reduce per such dimension,
+    without DTensor's merging of several dimensions into one flattened collective (which
+    torch 2.11 cannot do on a mesh with a size-1 dimension, e.g. FSDP's trivial mesh x tp)."""
+    local = t.to_local().clone()
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Partial) and t.device_mesh.size(dim) > 1:
+            if placement.reduce_op != "sum":
+                raise ValueError(f"gradient norm squares are sums, got a {placement} placement")
+            dist.all_reduce(local, group=t.device_mesh.get_group(dim))
+    return local
+
+
 def grad_norm(params: Iterable[torch.Tensor], pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """Global L2 norm of the grads of ``params`` (float32 scalar, same value on every rank)."""
     groups: dict = defaultdict(list)
@@ -48,7 +62,7 @@ def grad_norm(params: Iterable[torch.Tensor], pp_mesh: DeviceMesh | None = None)
         squares = [g.float().pow(2).sum() for g in grads]
         sq = torch.stack(squares).sum() if len(squares) > 1 else squares[0]
         if isinstance(sq, DTensor):
-            sq = sq.full_tensor()
+            sq = _sum_partial(sq)
         total = sq if total is None else total + sq.to(total.device)
     if total is None:
         total = torch.zeros((), dtype=torch.float32)

@@ -539,10 +539,11 @@ def build_pipeline_schedule(
         )
         first, last = index == 0, index == num_stages - 1
         inputs = torch.empty(mb, seq_local, dtype=torch.long, device="meta") if first else hidden
-        # The last stage's output goes only to the loss, never over the wire, so torch reads no
-        # metadata from it; the (local) logits shape keeps the description honest.
+        # The last stage's output goes only to the loss, never over the wire; torch 2.13 reads
+        # no metadata from it, torch 2.11 checks its dtype: the logits come out in the compute
+        # dtype.
         outputs = (
-            torch.empty(mb, seq_local, module.args.vocab_size, dtype=torch.float32, device="meta")
+            torch.empty(mb, seq_local, module.args.vocab_size, dtype=activation_dtype, device="meta")
             if last
             else hidden
         )
