@@ -36,6 +36,11 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
         assert r["trainer"]["tokens_per_s"] > 0 and r["bare"]["tokens_per_s"] > 0, r
         assert r["trainer_over_bare"] > 0
         assert r["bare"]["matmul_bf16_share"] == 1.0  # the bare loop's GEMMs are bf16
-    assert rows[0]["torchtitan_model"]["tokens_per_s"] > 0  # torchtitan is a dev dependency
-    assert "skipped" in rows[1]["torchtitan_model"]
+    from benchmarks.gpu import _torchtitan_available
+
+    if _torchtitan_available():  # make test installs it (the `peer` extra)
+        assert rows[0]["torchtitan_model"]["tokens_per_s"] > 0
+        assert "skipped" in rows[1]["torchtitan_model"]
+    else:
+        assert all("torchtitan_model" not in r for r in rows)
     assert "tr/bare" in res.stdout  # the table
