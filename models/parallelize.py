@@ -1,4 +1,7 @@
-"""One parallelize plan for both models: each applier gets the mesh ParallelDims hands it.
+"""One parallelize plan for every model: each applier gets the mesh ParallelDims hands it and
+reads what the model declares (``models/common/decoder.py``: the decoder structure, the
+attention's and feed-forward's TP projections, ``moe_layers()``), so a new model needs no
+change here.
 
 Order matters: TP and EP turn parameters into DTensors on their meshes, CP swaps the attention
 cores, activation checkpointing and compile wrap block forwards, and FSDP goes last so it
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from models.common.args import DecoderArgs
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
 from models.parallel.context_parallel import apply_context_parallel
 from models.parallel.expert_parallel import apply_expert_parallel
@@ -33,29 +37,28 @@ class ParallelizeOptions:
     compile: bool = False
 
 
-def _moe_layers(model: nn.Module) -> list[nn.Module]:
-    return [b.moe for b in model.layers.values() if getattr(b, "moe", None) is not None]
-
-
 def check_model_fits_layout(
-    args, parallel_dims: ParallelDims, seq_len: int | None = None, sequence_parallel: bool = True
+    args: DecoderArgs,
+    parallel_dims: ParallelDims,
+    seq_len: int | None = None,
+    sequence_parallel: bool = True,
 ) -> None:
-    """Model-dependent layout rules, checked before any weight exists."""
-    n_kv = getattr(args, "n_kv_heads", None)
+    """Model-dependent layout rules, checked before any weight exists. ``args`` is a model's
+    args (``models/common/args.DecoderArgs``): heads, the KV heads tp must divide, experts."""
     parallel_dims.check_model(
         n_heads=args.n_heads,
-        n_kv_heads=n_kv,
-        n_experts=getattr(args, "n_routed_experts", None),
+        n_kv_heads=args.tp_kv_heads,
+        n_experts=args.num_experts if args.has_experts else None,
         seq_len=seq_len,
         n_layers=args.n_layers,
         sequence_parallel=sequence_parallel,
     )
-    if not getattr(args, "n_routed_experts", None) and (parallel_dims.ep > 1 or parallel_dims.etp > 1):
+    if not args.has_experts and (parallel_dims.ep > 1 or parallel_dims.etp > 1):
         raise ValueError(
             f"ep={parallel_dims.ep}, etp={parallel_dims.etp} but this model has no experts: expert "
             f"parallelism applies to MoE models only; use ep=1 and etp=1"
         )
-    if parallel_dims.tp > 1 and getattr(args, "n_routed_experts", None) and not sequence_parallel:
+    if parallel_dims.tp > 1 and args.has_experts and not sequence_parallel:
         raise ValueError(
             f"tp={parallel_dims.tp} with a MoE model needs sequence parallel (each tp rank "
             f"routes its own tokens); set parallelism.enable_sequence_parallel = true"
@@ -63,8 +66,8 @@ def check_model_fits_layout(
 
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
-    """Apply every enabled parallelism to ``model`` (a whole model or one pipeline stage) in
-    place and return it. Works on meta-device models: initialize weights afterwards."""
+    """Apply every enabled parallelism to ``model`` (a :class:`~models.common.decoder.Decoder`,
+    whole or one pipeline stage) in place and return it. Works on meta-device models: initialize weights afterwards."""
     pd = parallel_dims
     if pd.tp > 1:
         apply_tensor_parallel(
@@ -73,7 +76,7 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
             sequence_parallel=opts.sequence_parallel,
             loss_parallel=opts.loss_parallel,
         )
-    moes = _moe_layers(model)
+    moes = model.moe_layers()
     if moes and (pd.ep > 1 or pd.etp > 1):
         ep_mesh, etp_mesh = pd.expert_parallel_meshes
         for moe in moes:
@@ -92,8 +95,8 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
     mixed = opts.param_dtype != "float32" or opts.reduce_dtype != "float32"
     apply_fsdp(
         model,
-        pd.fsdp_mesh("dense", allow_trivial=mixed),
-        pd.fsdp_mesh("expert", allow_trivial=mixed) if separate else None,
+        pd.fsdp_mesh_for("dense", allow_trivial=mixed),
+        pd.fsdp_mesh_for("expert", allow_trivial=mixed) if separate else None,
         param_dtype=opts.param_dtype,
         reduce_dtype=opts.reduce_dtype,
         reshard_after_forward=opts.reshard_after_forward,

@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from .axes import AXES, DEGREE_NAMES
 from .layout import COMPOSITE_MESHES, ONE_D_AXES, validate_degrees
 
 _ROLES = {
@@ -48,13 +49,8 @@ def _parse(argv):
         description="Describe the device meshes of a parallelism layout (dry run, no GPU).",
     )
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--dp-replicate", type=int, default=1)
-    p.add_argument("--dp-shard", type=int, default=-1, help="-1 infers it (default)")
-    p.add_argument("--cp", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--etp", type=int, default=1)
+    for axis in AXES:
+        p.add_argument(axis.cli_flag, type=int, default=axis.default, help=axis.help)
     p.add_argument("--rank", type=int, default=0, help="the rank whose groups are shown")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -73,16 +69,7 @@ def describe(args) -> dict:
 
     from .parallel_dims import ParallelDims, _register_fake_backend
 
-    degrees = validate_degrees(
-        dp_replicate=args.dp_replicate,
-        dp_shard=args.dp_shard,
-        cp=args.cp,
-        tp=args.tp,
-        pp=args.pp,
-        ep=args.ep,
-        etp=args.etp,
-        world_size=args.world_size,
-    )
+    degrees = validate_degrees(world_size=args.world_size, **{n: getattr(args, n) for n in DEGREE_NAMES})
     if not 0 <= args.rank < degrees.world_size:
         raise ValueError(
             f"--rank {args.rank} is outside world_size={degrees.world_size}; legal ranks: 0 .. "

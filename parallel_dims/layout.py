@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from functools import cached_property
 
 import numpy as np
+
+from .axes import DEFAULT_DEGREES, DEGREE_NAMES
 
 DENSE_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SPARSE_AXES = ("pp", "dp_replicate", "efsdp", "ep", "etp")
@@ -35,7 +37,6 @@ COMPOSITE_MESHES = {"dense": DENSE_AXES, "sparse": SPARSE_AXES}
 ONE_D_AXES = ("world",) + DENSE_AXES + ("efsdp", "ep", "etp") + tuple(DERIVED_AXES)
 ALL_NAMES = ONE_D_AXES + tuple(COMPOSITE_MESHES)
 
-_DEGREE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
 
 Mode = tuple[int, int]  # (size, stride) in world-rank space
 
@@ -74,38 +75,30 @@ def _check_int(name: str, value, allow_infer: bool = False) -> int:
     return value
 
 
-@dataclass(frozen=True)
-class Degrees:
-    """Validated degrees; ``dp_shard`` is always resolved (never -1 here)."""
-
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    world_size: int
-
-    @property
-    def efsdp(self) -> int:
-        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
-
-    def as_dict(self) -> dict[str, int]:
-        return {n: getattr(self, n) for n in _DEGREE_NAMES + ("world_size",)}
+def _efsdp(self) -> int:
+    return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
 
 
-def validate_degrees(
-    *,
-    dp_replicate: int = 1,
-    dp_shard: int = -1,
-    cp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    etp: int = 1,
-    world_size: int,
-) -> Degrees:
+def _as_dict(self) -> dict[str, int]:
+    return {n: getattr(self, n) for n in DEGREE_NAMES + ("world_size",)}
+
+
+# Validated degrees, one field per axis of parallel_dims/axes.py plus world_size; ``dp_shard`` is
+# always resolved (never -1 here).
+Degrees = make_dataclass(
+    "Degrees",
+    [(name, int) for name in DEGREE_NAMES] + [("world_size", int)],
+    frozen=True,
+    namespace={
+        "__doc__": "Validated degrees (one field per axis in parallel_dims/axes.py, and world_size).",
+        "__module__": __name__,
+        "efsdp": property(_efsdp, doc="The experts' FSDP degree: dp_shard*cp*tp / (ep*etp)."),
+        "as_dict": _as_dict,
+    },
+)
+
+
+def validate_degrees(*, world_size: int, **degrees: int) -> Degrees:
     """Check the degrees against every layout rule and resolve ``dp_shard=-1``.
 
     Raises ``ValueError`` naming the degrees, the rule and the legal values, and ending with a
@@ -113,7 +106,10 @@ def validate_degrees(
     Runs before any process group exists, so a bad config fails in milliseconds, not in a
     collective.
     """
-    given = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp)
+    unknown = sorted(set(degrees) - set(DEGREE_NAMES))
+    if unknown:
+        raise ValueError(f"unknown degree(s) {unknown}; the degrees are: {', '.join(DEGREE_NAMES)}")
+    given = {**DEFAULT_DEGREES, **degrees}
     try:
         return _validate_degrees(world_size=world_size, **given)
     except ValueError as exc:
@@ -152,7 +148,7 @@ def _repair_message(given: dict, world_size) -> str:
     new["ep"] = max(d for d in _divisors(block) if d <= new["ep"] and block % (d * new["etp"]) == 0)
     changes = [
         f"{name} {given[name]!r} -> {new[name]}"
-        for name in _DEGREE_NAMES
+        for name in DEGREE_NAMES
         if not (isinstance(given[name], int) and not isinstance(given[name], bool) and given[name] == new[name])
     ]
     return f"a valid choice for world_size={ws}: change {', '.join(changes)}"

@@ -44,13 +44,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .axes import DEGREE_NAMES
 from .layout import (
     ALL_NAMES,
     COMPOSITE_MESHES,
@@ -156,49 +156,45 @@ def _new_group(ranks: list[int], backend: str | None, desc: str):
     )
 
 
-@dataclass
 class ParallelDims:
     """Parallelism degrees and, once built, the meshes for each role.
 
-    ``dp_shard=-1`` infers the degree from the world size. Validation happens on construction,
-    before any process group exists. ``mesh_builder`` (``"auto"``, ``"layout"`` or
-    ``"portable"``; None reads ``$MESHTRAIN_MESH_BUILDER``, default auto) is resolved on
-    construction too: afterwards it names the builder that :meth:`build_mesh` uses.
+    ``ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, etp=1, world_size=8)``:
+    one keyword per axis of :data:`parallel_dims.axes.AXES` (omitted ones take the table's
+    default: 1, and -1 for dp_shard), or positionally in that order followed by ``world_size``
+    (torchtitan's order). ``dp_shard=-1`` infers the degree from the world size. Validation
+    happens on construction, before any process group exists. ``mesh_builder`` (``"auto"``,
+    ``"layout"`` or ``"portable"``; None reads ``$MESHTRAIN_MESH_BUILDER``, default auto) is
+    resolved on construction too: afterwards it names the builder that :meth:`build_mesh` uses.
     """
 
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    world_size: int
-    mesh_builder: str | None = None
-
-    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
-    _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        degrees = validate_degrees(
-            dp_replicate=self.dp_replicate,
-            dp_shard=self.dp_shard,
-            cp=self.cp,
-            tp=self.tp,
-            pp=self.pp,
-            ep=self.ep,
-            etp=self.etp,
-            world_size=self.world_size,
-        )
+    def __init__(self, *positional: int, mesh_builder: str | None = None, **named: int) -> None:
+        names = DEGREE_NAMES + ("world_size",)
+        if len(positional) > len(names):
+            raise TypeError(f"ParallelDims takes at most {len(names)} positional degrees: {', '.join(names)}")
+        given = dict(zip(names, positional))
+        twice = sorted(given.keys() & named.keys())
+        if twice:
+            raise TypeError(f"ParallelDims got {twice} both positionally and by name")
+        given.update(named)
+        if "world_size" not in given:
+            raise TypeError("ParallelDims needs world_size (the number of processes)")
+        degrees = validate_degrees(**given)
         for name, value in degrees.as_dict().items():
             setattr(self, name, value)
-        self.mesh_builder = resolve_mesh_builder(self.mesh_builder)
+        self.mesh_builder = resolve_mesh_builder(mesh_builder)
         self.degrees: Degrees = degrees
         self.layout = RankLayout(degrees)
+        self._meshes: dict[str, DeviceMesh] = {}
+        self._world_mesh: DeviceMesh | None = None
         self._group_by_rank_set: dict[tuple[int, ...], str] = {}
         self._flat_names: dict[str, tuple[str, ...]] = {}
         self.groups_created = 0  # real communicators this object created on this rank
         self.placeholder_groups_created = 0  # size-1 axes: fake-backend groups, no communicator
+
+    def __repr__(self) -> str:
+        degrees = ", ".join(f"{k}={v}" for k, v in self.degrees.as_dict().items())
+        return f"ParallelDims({degrees}, mesh_builder={self.mesh_builder!r})"
 
     # ------------------------------------------------------------------ building
     def build_mesh(
@@ -477,7 +473,7 @@ class ParallelDims:
         same expert shard."""
         return self._dp_mesh("efsdp")
 
-    def fsdp_mesh(self, params: str = "dense", *, allow_trivial: bool = False) -> DeviceMesh | None:
+    def fsdp_mesh_for(self, params: str = "dense", *, allow_trivial: bool = False) -> DeviceMesh | None:
         """The FSDP2 mesh for ``params`` (``"dense"`` or ``"expert"``): what
         :attr:`dense_fsdp_mesh` / :attr:`expert_fsdp_mesh` return, except that with
         ``allow_trivial`` a layout without data parallelism for those params gets the size-1
@@ -485,7 +481,7 @@ class ParallelDims:
         placeholder); it only casts parameters to the compute dtype and gradients back, which
         is how mixed precision takes effect on layouts without FSDP (one GPU, pure TP, PP)."""
         if params not in ("dense", "expert"):
-            raise ValueError(f"fsdp_mesh(params={params!r}); legal values: 'dense', 'expert'")
+            raise ValueError(f"fsdp_mesh_for(params={params!r}); legal values: 'dense', 'expert'")
         shard_axis = "fsdp" if params == "dense" else "efsdp"
         mesh = self._dp_mesh(shard_axis)
         if mesh is None and allow_trivial:

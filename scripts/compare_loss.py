@@ -55,6 +55,7 @@ if REPO_ROOT not in sys.path:  # `python scripts/compare_loss.py` puts scripts/ 
     sys.path.insert(0, REPO_ROOT)
 
 from parallel_dims import validate_degrees  # noqa: E402
+from parallel_dims.axes import AXES, DEGREE_NAMES, PROCESS_AXES  # noqa: E402
 from trainer.config import PARALLELISM_ALIASES  # noqa: E402
 
 TRAIN_PY = os.path.join(REPO_ROOT, "train.py")
@@ -69,10 +70,13 @@ DEFAULT_GRAD_NORM_RTOL = 1e-4
 # |difference| plotted on a log axis: exact zeros (bitwise-equal steps) are drawn at this floor.
 DIFF_FLOOR = 1e-9
 
-DEGREE_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
-# Degrees that multiply into the process count; ep and etp fold over dp_shard*cp*tp.
-PROCESS_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-KEY_ALIASES = {"fsdp": "dp_shard", **{long: short for short, long in PARALLELISM_ALIASES.items()}}
+DEGREE_KEYS = DEGREE_NAMES
+# PROCESS_AXES (parallel_dims/axes.py): the degrees that multiply into the process count; ep
+# and etp fold over dp_shard*cp*tp. Layout keys also accept each axis' aliases and config key.
+KEY_ALIASES = {
+    **{alias: a.name for a in AXES for alias in a.layout_aliases},
+    **{a.config_key: a.name for a in AXES},
+}
 LAYOUT_KEYS = DEGREE_KEYS + ("nproc",)
 SINGLE_PROCESS = ("1", "single")
 

@@ -29,8 +29,10 @@ import math
 import os
 import sys
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Optional
+
+from parallel_dims.axes import AXES
 
 try:  # Python >= 3.11
     import tomllib
@@ -49,15 +51,7 @@ KNOWN_MODELS: dict[str, tuple[str, ...]] = {
 }
 MOE_MODELS = ("deepseek_v3",)
 
-PARALLELISM_ALIASES: dict[str, str] = {
-    "dp_replicate": "data_parallel_replicate_degree",
-    "dp_shard": "data_parallel_shard_degree",
-    "cp": "context_parallel_degree",
-    "tp": "tensor_parallel_degree",
-    "pp": "pipeline_parallel_degree",
-    "ep": "expert_parallel_degree",
-    "etp": "expert_tensor_parallel_degree",
-}
+PARALLELISM_ALIASES: dict[str, str] = {a.name: a.config_key for a in AXES}
 ALIASES: dict[str, dict[str, str]] = {"parallelism": PARALLELISM_ALIASES}
 
 
@@ -165,19 +159,15 @@ class LRScheduler:
     )
 
 
+# One field per parallel axis, derived from parallel_dims/axes.py (key, default, help, alias).
+_ParallelismDegrees = make_dataclass(
+    "_ParallelismDegrees",
+    [(a.config_key, int, _opt(a.default, f"{a.help} (alias {a.name}).")) for a in AXES],
+)
+
+
 @dataclass
-class Parallelism:
-    data_parallel_replicate_degree: int = _opt(1, "DDP/HSDP replica groups (alias dp_replicate).")
-    data_parallel_shard_degree: int = _opt(
-        -1, "FSDP shard degree; -1 = all remaining ranks (alias dp_shard)."
-    )
-    context_parallel_degree: int = _opt(1, "Context-parallel degree (alias cp).")
-    tensor_parallel_degree: int = _opt(1, "Tensor-parallel degree (alias tp).")
-    pipeline_parallel_degree: int = _opt(1, "Pipeline stages (alias pp).")
-    expert_parallel_degree: int = _opt(1, "Expert-parallel degree for MoE layers (alias ep).")
-    expert_tensor_parallel_degree: int = _opt(
-        1, "Tensor-parallel degree inside experts (alias etp)."
-    )
+class Parallelism(_ParallelismDegrees):
     fsdp_reshard_after_forward: str = _opt(
         "default",
         "Free gathered params after forward: 'default' = yes except the last (PP: no).",

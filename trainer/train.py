@@ -36,6 +36,7 @@ from models.parallel.tensor_parallel import loss_parallel_context
 from models.parallelize import ParallelizeOptions, check_model_fits_layout
 from models.registry import build_model, get_model_spec
 from parallel_dims import ParallelDims, default_backend, default_device_type
+from parallel_dims.axes import AXES
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -129,16 +130,7 @@ def require_writable_folder(folder: str, option: str) -> None:
 
 def parallel_dims_from_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     p = cfg.parallelism
-    return ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        ep=p.expert_parallel_degree,
-        etp=p.expert_tensor_parallel_degree,
-        world_size=world_size,
-    )
+    return ParallelDims(world_size=world_size, **{a.name: getattr(p, a.config_key) for a in AXES})
 
 
 def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict:

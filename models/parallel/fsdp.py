@@ -6,7 +6,7 @@ exact global-batch gradient whatever the layout (dp, cp, micro-batches, expert m
 
 Mixed precision comes from FSDP2's ``MixedPrecisionPolicy`` on EVERY layout: where a layout has
 no data parallelism (one GPU, pure TP, PP-only), the caller passes the size-1 shard mesh
-(:meth:`ParallelDims.fsdp_mesh` with ``allow_trivial``), on which FSDP2 never communicates and
+(:meth:`ParallelDims.fsdp_mesh_for` with ``allow_trivial``), on which FSDP2 never communicates and
 only casts parameters to ``param_dtype`` for compute and gradients back to the fp32 master
 weights. So a bf16 run computes the same way (bf16 parameters and activations, fp32 master
 weights, gradients and optimizer state) whatever the degrees, and bf16 loss curves stay

@@ -30,6 +30,7 @@ from models.parallelize import ParallelizeOptions, check_model_fits_layout, para
 from models.parallel.tensor_parallel import loss_parallel_context
 from models.registry import build_model
 from parallel_dims import ParallelDims
+from parallel_dims.axes import DEGREE_NAMES
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 
 SEED = 1234
@@ -45,7 +46,6 @@ GRAD_RTOL = 5e-6  # per tensor: max abs error / max |reference grad|
 # still changes the step by a percent of lr (1e-3). 5e-5 = 5% of lr, far below the 2 * lr of a
 # wrong-signed or missing gradient.
 WEIGHT_ATOL = 5e-5
-DEGREE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
 
 
 def small_overrides(model_name: str) -> dict:

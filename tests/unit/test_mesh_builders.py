@@ -77,7 +77,7 @@ def _snapshot(rank: int, builder: str, degrees: dict) -> dict:
         "sparse": _describe_mesh(pd.get_mesh("sparse")),
         "dense_fsdp": _describe_mesh(pd.dense_fsdp_mesh),
         "expert_fsdp": _describe_mesh(pd.expert_fsdp_mesh),
-        "fsdp_trivial": [_describe_mesh(pd.fsdp_mesh(p, allow_trivial=True)) for p in ("dense", "expert")],
+        "fsdp_trivial": [_describe_mesh(pd.fsdp_mesh_for(p, allow_trivial=True)) for p in ("dense", "expert")],
         "hsdp": _describe_mesh(pd.get_optional_mesh(["dp_replicate", "fsdp"])),
         "ep_etp": _describe_mesh(DeviceMesh._concatenate([pd._meshes["ep"], pd._meshes["etp"]])),
         "fsdp_tp": _describe_mesh(DeviceMesh._concatenate([pd._meshes["fsdp"], pd._meshes["tp"]])),
