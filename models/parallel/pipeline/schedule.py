@@ -1,17 +1,4 @@
-"""Pipeline parallelism on the ``pp`` mesh with ``torch.distributed.pipelining``.
-
-Three steps, in the order the trainer runs them:
-
-1. :func:`split_model` cuts the (meta-device) model into pipeline stages by transformer layer and
-   keeps the stages this pp rank owns. A stage is the model class itself with the layers it
-   does not own deleted and ``tok_embeddings`` / ``norm`` + ``output`` set to None away from the
-   ends, so parameter FQNs (``layers.7.attention.wq.weight``) are those of the full model:
-   FQN-seeded ``init_weights``, checkpoints and optimizer state need no renaming, and a
-   pipelined run starts from exactly the weights of an unpipelined one.
-2. The trainer parallelizes each stage (``parallelize_model``), materializes and initializes it,
-   then calls :func:`build_pipeline_schedule`.
-3. Every optimizer step calls :func:`pipeline_step` once per local batch, then
-   :func:`sum_loss_over_pp` so that every rank (rank 0 included) knows the loss.
+"""The pipeline at run time: torch schedules over this rank's stage modules, and the step.
 
 Loss convention (DESIGN.md section 5). The trainer's ``loss_fn(logits, labels)`` returns the SUM
 of token losses of one micro-batch. The schedule divides it by the step's GLOBAL token count
@@ -34,10 +21,8 @@ statically and check each stage's output against it (:class:`_CheckedStage`).
 
 from __future__ import annotations
 
-import copy
-import re
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,29 +41,32 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from models.parallel.pipeline.plan import (
+    SCHEDULE_FACTS,
+    schedule_facts,
+    _positive_int,
+    check_microbatches,
+    stage_indices_for_rank,
+)
 from models.parallel.tensor_parallel import loss_parallel_context
 from parallel_dims import ParallelDims
 
 __all__ = [
     "SCHEDULES",
     "ScheduleInfo",
-    "StageSplit",
     "Pipeline",
     "PipelineBoundaryError",
-    "stage_layer_ranges",
-    "stage_indices_for_rank",
-    "split_model",
     "build_pipeline_schedule",
     "pipeline_step",
     "sum_loss_over_pp",
-    "bubble_fraction",
     "stage_activation_dtype",
 ]
 
 
 @dataclass(frozen=True)
 class ScheduleInfo:
-    """What we need to know about a torch schedule class to feed it.
+    """What we need to know about a torch schedule class to feed it: its planning facts
+    (:class:`~models.parallel.pipeline.plan.ScheduleFacts`) and the class.
 
     ``stages_per_rank``: None for any number >= 2 (looped/interleaved schedules), else the exact
     number. ``style``: how stages map to ranks: ``loop`` (rank r owns r, r+pp, r+2pp, ...) or
@@ -92,267 +80,35 @@ class ScheduleInfo:
 
 
 # Every schedule here was run over gloo on CPU against the unpipelined reference
-# (tests/distributed/test_pipeline.py). DualPipeV is left out: it needs a user-supplied
-# overlapped forward/backward callback to be more than ZBV.
-SCHEDULES: dict[str, ScheduleInfo] = {
-    "GPipe": ScheduleInfo(ScheduleGPipe, 1, "loop"),
-    "1F1B": ScheduleInfo(Schedule1F1B, 1, "loop", min_microbatches_per_stage=True),
-    "Interleaved1F1B": ScheduleInfo(ScheduleInterleaved1F1B, None, "loop", interleaved_rounds=True),
-    "LoopedBFS": ScheduleInfo(ScheduleLoopedBFS, None, "loop"),
-    "InterleavedZeroBubble": ScheduleInfo(
-        ScheduleInterleavedZeroBubble, None, "loop", interleaved_rounds=True
-    ),
-    "ZBVZeroBubble": ScheduleInfo(ScheduleZBVZeroBubble, 2, "v"),
+# (tests/distributed/test_pipeline.py). The names and facts are plan.py's SCHEDULE_FACTS.
+_SCHEDULE_CLASSES: dict[str, type] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
 }
+assert list(_SCHEDULE_CLASSES) == list(SCHEDULE_FACTS), "schedule classes and facts disagree"
 
-DEFAULT_STAGES_PER_RANK = 2  # for multi-stage schedules when nothing else fixes the stage count
+SCHEDULES: dict[str, ScheduleInfo] = {
+    name: ScheduleInfo(
+        _SCHEDULE_CLASSES[name],
+        facts.stages_per_rank,
+        facts.style,
+        min_microbatches_per_stage=facts.min_microbatches_per_stage,
+        interleaved_rounds=facts.interleaved_rounds,
+    )
+    for name, facts in SCHEDULE_FACTS.items()
+}
 
 
 def _schedule_info(name: str) -> tuple[str, ScheduleInfo]:
     """Canonical name and info; case-insensitive like torch's ``get_schedule_class``."""
-    by_lower = {k.lower(): k for k in SCHEDULES}
-    canonical = by_lower.get(str(name).lower())
-    if canonical is None:
-        raise ValueError(
-            f"unknown pipeline schedule {name!r}; legal schedules: {', '.join(SCHEDULES)}"
-        )
+    canonical, _ = schedule_facts(name)
     return canonical, SCHEDULES[canonical]
 
 
-# ----------------------------------------------------------------------------- splitting
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _split_point_index(point: int | str) -> int:
-    """Split points are layer indices; the config spells them as FQNs (``layers.4``)."""
-    if isinstance(point, bool):
-        raise ValueError(f"pipeline split point {point!r} is not a layer index")
-    if isinstance(point, int):
-        return point
-    match = re.fullmatch(r"\s*(?:layers\.)?(\d+)\s*", str(point))
-    if match is None:
-        raise ValueError(
-            f"pipeline split point {point!r} is neither a layer index nor 'layers.<index>'"
-        )
-    return int(match.group(1))
-
-
-def stage_layer_ranges(
-    n_layers: int, num_stages: int, split_points: Sequence[int | str] | None = None
-) -> list[tuple[int, int]]:
-    """``[start, end)`` transformer-layer range of every stage.
-
-    Explicit ``split_points`` are the layers where a new stage starts (so ``[4, 8]`` makes
-    three stages: 0-3, 4-7, 8-end). Without them layers are spread evenly; when they do not
-    divide evenly the extra layers go to the middle stages first, then the first stage, then the
-    last: the last stage also runs the output projection and the loss over the vocabulary (for
-    Llama 3 8B the output matmul alone is ~2.4 layers' worth of FLOPs) and the first stage the
-    embedding lookup (almost free).
-    """
-    _positive_int("n_layers", n_layers)
-    if split_points:
-        points = [_split_point_index(p) for p in split_points]
-        if len(points) + 1 != num_stages:
-            raise ValueError(
-                f"{len(points)} pipeline split points make {len(points) + 1} stages, but the "
-                f"layout needs {num_stages} (pp x stages per rank); give {num_stages - 1} points"
-            )
-        bad = [p for p in points if not 0 < p < n_layers]
-        if bad:
-            raise ValueError(
-                f"pipeline split points {bad} are out of range: each must be a layer index in "
-                f"1..{n_layers - 1} (n_layers={n_layers}), where a new stage starts"
-            )
-        if any(b <= a for a, b in zip(points, points[1:])):
-            raise ValueError(
-                f"pipeline split points {points} must be strictly increasing (every stage "
-                "needs at least one layer)"
-            )
-        bounds = [0, *points, n_layers]
-        return [(bounds[i], bounds[i + 1]) for i in range(num_stages)]
-    if n_layers < num_stages:
-        raise ValueError(
-            f"n_layers={n_layers} is fewer than the {num_stages} pipeline stages; every stage "
-            f"needs at least one layer: lower pp or the stages per rank so that "
-            f"pp x stages_per_rank <= {n_layers}"
-        )
-    base, extra = divmod(n_layers, num_stages)
-    priority = list(range(1, num_stages - 1)) + [0, num_stages - 1]
-    counts = [base] * num_stages
-    for s in priority[:extra]:
-        counts[s] += 1
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
-    return ranges
-
-
-def stage_indices_for_rank(pp_rank: int, pp: int, num_stages: int, style: str = "loop") -> list[int]:
-    """Stages owned by ``pp_rank``, in execution order (the order torch's schedules expect)."""
-    if num_stages % pp:
-        raise ValueError(f"{num_stages} stages do not divide over pp={pp} ranks")
-    per_rank = num_stages // pp
-    if style == "loop":
-        return [pp_rank + k * pp for k in range(per_rank)]
-    if style == "v":
-        if per_rank != 2:
-            raise ValueError(f"a V-shaped schedule needs exactly 2 stages per rank, got {per_rank}")
-        return [pp_rank, num_stages - 1 - pp_rank]
-    raise ValueError(f"unknown stage-to-rank style {style!r}; legal: loop, v")
-
-
-def _resolve_num_stages(
-    schedule: str,
-    info: ScheduleInfo,
-    pp: int,
-    n_layers: int,
-    split_points: Sequence[int | str] | None,
-    stages_per_rank: int | None,
-    layers_per_stage: int | None,
-) -> int:
-    """Total stage count from whichever of split points / layers per stage / stages per rank
-    is given, checked against what the schedule can run."""
-    if split_points and layers_per_stage is not None:
-        raise ValueError("give either pipeline split_points or layers_per_stage, not both")
-    if split_points:
-        num_stages = len(split_points) + 1
-        source = f"{len(split_points)} split points"
-    elif layers_per_stage is not None:
-        _positive_int("layers_per_stage", layers_per_stage)
-        if n_layers % layers_per_stage:
-            raise ValueError(
-                f"layers_per_stage={layers_per_stage} does not divide n_layers={n_layers}; "
-                "use a divisor or explicit split points"
-            )
-        num_stages = n_layers // layers_per_stage
-        source = f"layers_per_stage={layers_per_stage}"
-    else:
-        if stages_per_rank is None:
-            stages_per_rank = info.stages_per_rank or DEFAULT_STAGES_PER_RANK
-        _positive_int("stages_per_rank", stages_per_rank)
-        num_stages = pp * stages_per_rank
-        source = f"stages_per_rank={stages_per_rank}"
-    if split_points or layers_per_stage is not None:
-        if stages_per_rank is not None and num_stages != pp * stages_per_rank:
-            raise ValueError(
-                f"{source} make {num_stages} stages but stages_per_rank={stages_per_rank} with "
-                f"pp={pp} needs {pp * stages_per_rank}"
-            )
-    if num_stages % pp:
-        raise ValueError(
-            f"{source} make {num_stages} stages, which do not divide over pp={pp} ranks; the "
-            f"stage count must be a multiple of pp"
-        )
-    per_rank = num_stages // pp
-    if info.stages_per_rank is not None and per_rank != info.stages_per_rank:
-        multi = [n for n, i in SCHEDULES.items() if i.stages_per_rank != 1]
-        hint = (
-            f"use one of {', '.join(multi)} for several stages per rank"
-            if info.stages_per_rank == 1
-            else f"{schedule} needs exactly {info.stages_per_rank} stages per rank"
-        )
-        raise ValueError(
-            f"schedule {schedule} runs {info.stages_per_rank} stage(s) per rank but {source} "
-            f"with pp={pp} give {per_rank}; {hint}"
-        )
-    if info.stages_per_rank is None and per_rank < 2:
-        single = [n for n, i in SCHEDULES.items() if i.stages_per_rank == 1]
-        raise ValueError(
-            f"schedule {schedule} interleaves several stages per rank but {source} with pp={pp} "
-            f"give {per_rank}; use {' or '.join(single)} for one stage per rank, or more stages"
-        )
-    return num_stages
-
-
-class StageSplit(NamedTuple):
-    """This rank's stage modules, their global stage indices, and the whole split."""
-
-    modules: list[nn.Module]
-    stage_indices: list[int]
-    num_stages: int
-    layer_ranges: list[tuple[int, int]]  # of every stage, by stage index
-
-
-def _check_pipelinable(model: nn.Module) -> None:
-    for name in ("tok_embeddings", "layers", "norm", "output"):
-        if not hasattr(model, name):
-            raise ValueError(
-                f"{type(model).__name__} has no {name!r}; pipeline splitting needs the "
-                "tok_embeddings / layers / norm / output structure of our models"
-            )
-    if getattr(getattr(model, "args", None), "aux_loss_coeff", 0.0):
-        # The sequence-wise aux loss is added to the loss in the trainer; on a pipeline the MoE
-        # layers of earlier stages never see the loss function, so it would silently vanish.
-        raise ValueError(
-            f"aux_loss_coeff={model.args.aux_loss_coeff} is not supported with pipeline "
-            "parallelism (pp > 1) yet; set aux_loss_coeff = 0 (auxiliary-loss-free balancing "
-            "via load_balance_coeff works) or pp = 1"
-        )
-
-
-def _carve_stage(
-    model: nn.Module, layer_range: tuple[int, int], is_first: bool, is_last: bool
-) -> nn.Module:
-    start, end = layer_range
-    for key in list(model.layers.keys()):
-        if not start <= int(key) < end:
-            del model.layers[key]
-    if not is_first:
-        model.tok_embeddings = None
-    if not is_last:
-        model.norm = None
-        model.output = None
-    return model
-
-
-def split_model(
-    model: nn.Module | Callable[[], nn.Module],
-    pd: ParallelDims,
-    n_layers: int,
-    split_points: Sequence[int | str] | None = None,
-    schedule: str = "1F1B",
-    *,
-    stages_per_rank: int | None = None,
-    layers_per_stage: int | None = None,
-) -> StageSplit:
-    """The pipeline stages this pp rank owns, as separate modules (unparallelized, on the
-    model's device; use a meta-device model and materialize each stage after parallelizing).
-
-    ``model`` is either a model (deep-copied once per local stage: cheap on meta) or a factory
-    returning a fresh one. The stage count is ``len(split_points) + 1``, or
-    ``n_layers / layers_per_stage``, or ``pp * stages_per_rank`` (default 1 for single-stage
-    schedules, 2 for interleaved ones); stage ``i`` goes to pp rank ``i % pp`` (looped) or, for
-    ZBVZeroBubble, V-shaped (rank r owns r and 2pp-1-r).
-    """
-    canonical, info = _schedule_info(schedule)
-    if pd.pp < 2:
-        raise ValueError(
-            f"split_model needs pipeline parallelism, but pp={pd.pp}; with pp=1 train the "
-            "whole model"
-        )
-    num_stages = _resolve_num_stages(
-        canonical, info, pd.pp, n_layers, split_points, stages_per_rank, layers_per_stage
-    )
-    ranges = stage_layer_ranges(n_layers, num_stages, split_points)
-    indices = stage_indices_for_rank(pd.coordinate("pp"), pd.pp, num_stages, info.style)
-    modules = []
-    for stage in indices:
-        full = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
-        _check_pipelinable(full)
-        if len(full.layers) != n_layers:
-            raise ValueError(
-                f"n_layers={n_layers} but the model has {len(full.layers)} layers; pass the "
-                "model's own layer count"
-            )
-        modules.append(_carve_stage(full, ranges[stage], stage == 0, stage == num_stages - 1))
-    return StageSplit(modules, indices, num_stages, ranges)
-
-
-# ----------------------------------------------------------------------------- schedule
 class PipelineBoundaryError(ValueError):
     """A stage's output does not match the metadata its pipeline was built with."""
 
@@ -505,29 +261,10 @@ def build_pipeline_schedule(
     n_microbatches = _positive_int("n_microbatches", n_microbatches)
     local_batch_size = _positive_int("local_batch_size", local_batch_size)
     seq_len = _positive_int("seq_len", seq_len)
-    if local_batch_size % n_microbatches:
-        legal = [d for d in range(1, local_batch_size + 1) if local_batch_size % d == 0]
-        raise ValueError(
-            f"n_microbatches={n_microbatches} does not divide the local batch of "
-            f"{local_batch_size} sequences; legal microbatch counts: {', '.join(map(str, legal))}"
-        )
-    if info.min_microbatches_per_stage and n_microbatches < num_stages:
-        raise ValueError(
-            f"schedule {canonical} needs n_microbatches >= the {num_stages} pipeline stages, "
-            f"got {n_microbatches}; use at least {num_stages} (or GPipe)"
-        )
-    if info.interleaved_rounds:
-        rounds = max(1, n_microbatches // pp)
-        if n_microbatches % rounds:
-            raise ValueError(
-                f"schedule {canonical} with pp={pp} needs n_microbatches to be a multiple of "
-                f"its rounds max(1, n_microbatches // pp) = {rounds}, got {n_microbatches}; "
-                f"use a multiple of pp={pp} or fewer than {2 * pp}"
-            )
+    mb = check_microbatches(canonical, pp, num_stages, n_microbatches, local_batch_size)
     if seq_len % pd.cp:
         raise ValueError(f"seq_len={seq_len} is not divisible by cp={pd.cp}")
     seq_local = seq_len // pd.cp
-    mb = local_batch_size // n_microbatches
 
     device = _module_device(stages[0])
     group = pd.get_mesh("pp").get_group()
@@ -654,22 +391,3 @@ def sum_loss_over_pp(
     if pp_mesh is not None and pp_mesh.size() > 1:
         dist.all_reduce(total, group=pp_mesh.get_group())
     return total
-
-
-def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
-    """Idle fraction of a rank's step in the textbook cost model (forward F, input-backward B
-    and weight-backward W each take the same time per stage chunk; no communication cost).
-
-    GPipe / 1F1B: (p-1) / (m + p-1). Interleaved / looped with v stages per rank: the fill and
-    drain shrink to one chunk, (p-1) / (v m + p-1). Zero-bubble (ZB-H1 style) fills the drain
-    with deferred weight gradients, leaving (p-1) F-sized slots out of 3 v m: (p-1) / (3 v m +
-    p-1). ZB-V with F = B = W is bubble-free in this model (0)."""
-    canonical, _ = _schedule_info(schedule)
-    p, m, v = pp, n_microbatches, stages_per_rank
-    if canonical in ("GPipe", "1F1B"):
-        return (p - 1) / (m + p - 1)
-    if canonical in ("Interleaved1F1B", "LoopedBFS"):
-        return (p - 1) / (v * m + p - 1)
-    if canonical == "InterleavedZeroBubble":
-        return (p - 1) / (3 * v * m + p - 1)
-    return 0.0

@@ -1,0 +1,65 @@
+"""Pipeline parallelism on the ``pp`` mesh with ``torch.distributed.pipelining``.
+
+Three steps, in the order the trainer runs them:
+
+1. :func:`split_model` cuts the (meta-device) model into pipeline stages by transformer layer and
+   keeps the stages this pp rank owns. A stage is the model class itself with the layers it
+   does not own deleted and ``tok_embeddings`` / ``norm`` + ``output`` set to None away from the
+   ends, so parameter FQNs (``layers.7.attention.wq.weight``) are those of the full model:
+   FQN-seeded ``init_weights``, checkpoints and optimizer state need no renaming, and a
+   pipelined run starts from exactly the weights of an unpipelined one.
+2. The trainer parallelizes each stage (``parallelize_model``), materializes and initializes it,
+   then calls :func:`build_pipeline_schedule`.
+3. Every optimizer step calls :func:`pipeline_step` once per local batch, then
+   :func:`sum_loss_over_pp` so that every rank (rank 0 included) knows the loss.
+
+The package splits on those seams:
+
+- :mod:`.plan`: pure planning on plain ints and strings (no torch): which layers each stage
+  holds, which stages each pp rank runs, the stage count, schedule facts and every rule that
+  needs only numbers; :func:`~.plan.plan_stages` returns the whole :class:`~.plan.StagePlan`.
+- :mod:`.split`: :func:`split_model`, carving the model along a plan.
+- :mod:`.schedule`: the runtime (torch schedules, the step, the loss over pp); its docstring
+  has the loss convention and the stage metadata.
+
+This module re-exports the public names, so ``from models.parallel.pipeline import X`` works as
+it did when all of it was one module.
+"""
+
+from models.parallel.pipeline.plan import (
+    DEFAULT_STAGES_PER_RANK,
+    StagePlan,
+    bubble_fraction,
+    plan_stages,
+    stage_indices_for_rank,
+    stage_layer_ranges,
+)
+from models.parallel.pipeline.schedule import (
+    SCHEDULES,
+    Pipeline,
+    PipelineBoundaryError,
+    ScheduleInfo,
+    build_pipeline_schedule,
+    pipeline_step,
+    stage_activation_dtype,
+    sum_loss_over_pp,
+)
+from models.parallel.pipeline.split import StageSplit, split_model
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleInfo",
+    "StageSplit",
+    "Pipeline",
+    "PipelineBoundaryError",
+    "stage_layer_ranges",
+    "stage_indices_for_rank",
+    "split_model",
+    "build_pipeline_schedule",
+    "pipeline_step",
+    "sum_loss_over_pp",
+    "bubble_fraction",
+    "stage_activation_dtype",
+    "StagePlan",
+    "plan_stages",
+]

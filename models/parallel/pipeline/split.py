@@ -1,0 +1,111 @@
+"""Cutting a model into the pipeline stages one pp rank owns (the layout comes from plan.py).
+
+A stage is the model class itself with the layers it does not own deleted and
+``tok_embeddings`` / ``norm`` + ``output`` set to None away from the ends, so parameter FQNs
+(``layers.7.attention.wq.weight``) are those of the full model: FQN-seeded ``init_weights``,
+checkpoints and optimizer state need no renaming, and a pipelined run starts from exactly the
+weights of an unpipelined one.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, NamedTuple, Sequence
+
+from torch import nn
+
+from models.parallel.pipeline.plan import plan_stages, schedule_facts
+from parallel_dims import ParallelDims
+
+__all__ = ["StageSplit", "split_model"]
+
+
+class StageSplit(NamedTuple):
+    """This rank's stage modules, their global stage indices, and the whole split."""
+
+    modules: list[nn.Module]
+    stage_indices: list[int]
+    num_stages: int
+    layer_ranges: list[tuple[int, int]]  # of every stage, by stage index
+
+
+def _check_pipelinable(model: nn.Module) -> None:
+    for name in ("tok_embeddings", "layers", "norm", "output"):
+        if not hasattr(model, name):
+            raise ValueError(
+                f"{type(model).__name__} has no {name!r}; pipeline splitting needs the "
+                "tok_embeddings / layers / norm / output structure of our models"
+            )
+    if getattr(getattr(model, "args", None), "aux_loss_coeff", 0.0):
+        # The sequence-wise aux loss is added to the loss in the trainer; on a pipeline the MoE
+        # layers of earlier stages never see the loss function, so it would silently vanish.
+        raise ValueError(
+            f"aux_loss_coeff={model.args.aux_loss_coeff} is not supported with pipeline "
+            "parallelism (pp > 1) yet; set aux_loss_coeff = 0 (auxiliary-loss-free balancing "
+            "via load_balance_coeff works) or pp = 1"
+        )
+
+
+def _carve_stage(
+    model: nn.Module, layer_range: tuple[int, int], is_first: bool, is_last: bool
+) -> nn.Module:
+    start, end = layer_range
+    for key in list(model.layers.keys()):
+        if not start <= int(key) < end:
+            del model.layers[key]
+    if not is_first:
+        model.tok_embeddings = None
+    if not is_last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def split_model(
+    model: nn.Module | Callable[[], nn.Module],
+    pd: ParallelDims,
+    n_layers: int,
+    split_points: Sequence[int | str] | None = None,
+    schedule: str = "1F1B",
+    *,
+    stages_per_rank: int | None = None,
+    layers_per_stage: int | None = None,
+) -> StageSplit:
+    """The pipeline stages this pp rank owns, as separate modules (unparallelized, on the
+    model's device; use a meta-device model and materialize each stage after parallelizing).
+
+    ``model`` is either a model (deep-copied once per local stage: cheap on meta) or a factory
+    returning a fresh one. The stage count is ``len(split_points) + 1``, or
+    ``n_layers / layers_per_stage``, or ``pp * stages_per_rank`` (default 1 for single-stage
+    schedules, 2 for interleaved ones); stage ``i`` goes to pp rank ``i % pp`` (looped) or, for
+    ZBVZeroBubble, V-shaped (rank r owns r and 2pp-1-r). The layout is
+    :func:`~models.parallel.pipeline.plan.plan_stages`'s.
+    """
+    schedule_facts(schedule)  # an unknown schedule is the first error, as before
+    if pd.pp < 2:
+        raise ValueError(
+            f"split_model needs pipeline parallelism, but pp={pd.pp}; with pp=1 train the "
+            "whole model"
+        )
+    plan = plan_stages(
+        n_layers,
+        pd.pp,
+        schedule,
+        split_points=split_points,
+        layers_per_stage=layers_per_stage,
+        stages_per_rank=stages_per_rank,
+    )
+    num_stages = plan.num_stages
+    ranges = list(plan.layer_ranges)
+    indices = plan.stages_for_rank(pd.coordinate("pp"))
+    modules = []
+    for stage in indices:
+        full = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
+        _check_pipelinable(full)
+        if len(full.layers) != n_layers:
+            raise ValueError(
+                f"n_layers={n_layers} but the model has {len(full.layers)} layers; pass the "
+                "model's own layer count"
+            )
+        modules.append(_carve_stage(full, ranges[stage], stage == 0, stage == num_stages - 1))
+    return StageSplit(modules, indices, num_stages, ranges)
