@@ -67,7 +67,8 @@ def check_model_fits_layout(
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
     """Apply every enabled parallelism to ``model`` (a :class:`~models.common.decoder.Decoder`,
-    whole or one pipeline stage) in place and return it. Works on meta-device models: initialize weights afterwards."""
+    whole or one pipeline stage) in place and return it. Works on meta-device models:
+    initialize weights afterwards."""
     pd = parallel_dims
     if pd.tp > 1:
         apply_tensor_parallel(

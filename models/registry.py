@@ -1,34 +1,122 @@
-"""Name -> (config, model class, parallelize function) lookup, so trainers and configs refer to
-models by string."""
+"""The model registry: name -> everything the trainer, the config check and the parallelism
+code need to know about a model, so they refer to models by string and never by type or by
+probing attributes.
+
+A model is a package under ``models/`` (args + flavors, a :class:`~models.common.decoder.Decoder`
+subclass, its blocks) plus one :func:`register_model` line at the bottom of this file; see
+``docs/adding_a_model.md``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import nn
 
-from models.deepseek_v3 import DeepSeekV3, DeepSeekV3Args, deepseek_v3_flavors
-from models.llama3 import Llama3, Llama3Args, llama3_flavors
+from models.common.args import DecoderArgs
+from models.common.decoder import Decoder
+from models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
+from models.llama3 import Llama3, llama3_flavors
 from models.parallelize import parallelize_model
 
-_MODELS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
-    "llama3": (Llama3, llama3_flavors),
-    "deepseek_v3": (DeepSeekV3, deepseek_v3_flavors),
-}
+__all__ = [
+    "ModelEntry",
+    "ModelSpec",
+    "build_model",
+    "flavor_names",
+    "get_model_spec",
+    "has_experts",
+    "model_names",
+    "register_model",
+]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registered model family."""
+
+    name: str
+    model_cls: type[Decoder]
+    # flavor name -> args, in the order flavors are listed to users
+    flavors: Mapping[str, DecoderArgs]
+    # ``fn(model_or_stage, parallel_dims, ParallelizeOptions) -> model``; every model so far
+    # shares models/parallelize.py, whose appliers read what the model declares.
+    parallelize_fn: Callable[..., nn.Module] = parallelize_model
+    # Converts between this model's state dict and a Hugging Face checkpoint's; None until one
+    # is written.
+    hf_state_dict_adapter: Any = None
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """One flavor of one model: the contract every caller goes through.
+
+    ``args`` is a private copy (callers may mutate it). The model-dependent answers come from
+    the model itself, so there is one definition of each: :attr:`has_experts` from the args
+    (``DecoderArgs.num_experts``), :meth:`moe_layers` and :meth:`flops_per_token` from the
+    :class:`~models.common.decoder.Decoder`."""
+
     name: str
     flavor: str
-    args: Llama3Args | DeepSeekV3Args
-    model_cls: type[nn.Module]
-    # Both models share one plan (models/parallelize.py); the appliers key on module names
-    # that both follow.
+    args: DecoderArgs
+    model_cls: type[Decoder]
+    flavors: Mapping[str, DecoderArgs] = field(default_factory=dict)
     parallelize_fn: Callable[..., nn.Module] = parallelize_model
+    hf_state_dict_adapter: Any = None
+
+    @property
+    def has_experts(self) -> bool:
+        return self.args.has_experts
+
+    @staticmethod
+    def moe_layers(model: nn.Module) -> list[nn.Module]:
+        """The MoE modules of ``model`` (a whole model or one pipeline stage)."""
+        return model.moe_layers()
+
+    @staticmethod
+    def flops_per_token(model: nn.Module, seq_len: int) -> float:
+        """Training FLOPs per token of ``model`` (whole, unsharded; meta is fine)."""
+        return model.flops_per_token(seq_len)
+
+
+_MODELS: dict[str, ModelEntry] = {}
+
+
+def register_model(
+    name: str,
+    model_cls: type[Decoder],
+    flavors: Mapping[str, DecoderArgs],
+    *,
+    parallelize_fn: Callable[..., nn.Module] = parallelize_model,
+    hf_state_dict_adapter: Any = None,
+) -> ModelEntry:
+    """Make ``name`` known to the trainer, the config check and :func:`build_model`."""
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"Model name must be a non-empty string without surrounding spaces, got {name!r}.")
+    if name in _MODELS:
+        raise ValueError(f"Model {name!r} is already registered ({_MODELS[name].model_cls.__name__}).")
+    if not (isinstance(model_cls, type) and issubclass(model_cls, Decoder)):
+        raise TypeError(
+            f"Model {name!r}: {model_cls!r} is not a subclass of models.common.decoder.Decoder."
+        )
+    if not flavors:
+        raise ValueError(f"Model {name!r} needs at least one flavor.")
+    for flavor, args in flavors.items():
+        if not (isinstance(args, DecoderArgs) and dataclasses.is_dataclass(args)):
+            raise TypeError(
+                f"Model {name!r} flavor {flavor!r}: args must be a dataclass subclassing "
+                f"models.common.args.DecoderArgs, got {type(args).__name__}."
+            )
+    entry = ModelEntry(
+        name, model_cls, MappingProxyType(dict(flavors)), parallelize_fn, hf_state_dict_adapter
+    )
+    _MODELS[name] = entry
+    return entry
 
 
 def model_names() -> list[str]:
@@ -36,10 +124,19 @@ def model_names() -> list[str]:
 
 
 def flavor_names(name: str) -> list[str]:
-    return list(_lookup_model(name)[1])
+    return list(_lookup_model(name).flavors)
 
 
-def _lookup_model(name: str) -> tuple[type[nn.Module], dict[str, Any]]:
+def has_experts(name: str, flavor: str | None = None) -> bool:
+    """Whether ``name``/``flavor`` has MoE layers (so expert parallelism applies); without a
+    flavor, whether any flavor of ``name`` has."""
+    entry = _lookup_model(name)
+    if flavor is None:
+        return any(args.has_experts for args in entry.flavors.values())
+    return get_model_spec(name, flavor).has_experts
+
+
+def _lookup_model(name: str) -> ModelEntry:
     if name not in _MODELS:
         raise ValueError(f"Unknown model {name!r}; valid models: {', '.join(model_names())}.")
     return _MODELS[name]
@@ -47,17 +144,25 @@ def _lookup_model(name: str) -> tuple[type[nn.Module], dict[str, Any]]:
 
 def get_model_spec(name: str, flavor: str) -> ModelSpec:
     """Spec with a private copy of the flavor's args (callers may mutate it freely)."""
-    model_cls, flavors = _lookup_model(name)
-    if flavor not in flavors:
+    entry = _lookup_model(name)
+    if flavor not in entry.flavors:
         raise ValueError(
-            f"Unknown flavor {flavor!r} for model {name!r}; valid flavors: {', '.join(flavors)}."
+            f"Unknown flavor {flavor!r} for model {name!r}; valid flavors: {', '.join(entry.flavors)}."
         )
-    return ModelSpec(name, flavor, dataclasses.replace(flavors[flavor]), model_cls)
+    return ModelSpec(
+        name,
+        flavor,
+        dataclasses.replace(entry.flavors[flavor]),
+        entry.model_cls,
+        entry.flavors,
+        entry.parallelize_fn,
+        entry.hf_state_dict_adapter,
+    )
 
 
 def build_model(
     name: str, flavor: str, device: torch.device | str = "meta", **arg_overrides: Any
-) -> nn.Module:
+) -> Decoder:
     """Construct ``name``/``flavor`` with ``arg_overrides`` applied (e.g. ``vocab_size`` to
     match a tokenizer, ``max_seq_len`` to match the training sequence length) on ``device``.
     The default meta device allocates nothing; follow with ``to_empty`` + ``init_weights``."""
@@ -72,3 +177,8 @@ def build_model(
     args.validate()
     with torch.device(device):
         return spec.model_cls(args)
+
+
+# One line per model.
+register_model("llama3", Llama3, llama3_flavors)
+register_model("deepseek_v3", DeepSeekV3, deepseek_v3_flavors)

@@ -67,18 +67,9 @@ def format_duration(seconds: float) -> str:
 def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """:func:`model_flops_per_token` of one of our models (whole, unsharded; meta is fine):
     its active parameters (MoE: shared experts plus top-k of the routed ones) and the attention
-    width of its queries and keys."""
-    args = model.args
-    num_params = sum(p.numel() for p in model.parameters())
-    active = num_params
-    if hasattr(args, "n_routed_experts"):
-        expert_params = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
-        active = num_params - expert_params * (1 - args.n_activated_experts / args.n_routed_experts)
-        attn_dim = args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim)
-    else:
-        attn_dim = args.dim
-    embedding = model.tok_embeddings.weight.numel()
-    return model_flops_per_token(int(active), args.n_layers, attn_dim, seq_len, embedding)
+    width of its queries and keys, as the model contract states them
+    (``models/common/decoder.Decoder.flops_per_token``)."""
+    return model.flops_per_token(seq_len)
 
 
 def memory_gib(device: torch.device | str | None = None) -> tuple[str, float]:

@@ -163,9 +163,8 @@ def _parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
 
 
 def _moe_layers(model_parts: list[nn.Module]) -> list[nn.Module]:
-    return [
-        b.moe for part in model_parts for b in part.layers.values() if getattr(b, "moe", None) is not None
-    ]
+    """The MoE modules of this rank's model parts (the model contract's ``moe_layers``)."""
+    return [moe for part in model_parts for moe in part.moe_layers()]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

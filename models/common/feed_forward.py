@@ -11,7 +11,11 @@ class FeedForward(nn.Module):
     """``w2(silu(w1(x)) * w3(x))``.
 
     The three projections stay separate ``nn.Linear`` modules (not one fused ``w13``) because the
-    tensor-parallel plan shards ``w1``/``w3`` column-wise and ``w2`` row-wise by module name."""
+    tensor-parallel plan shards ``w1``/``w3`` column-wise and ``w2`` row-wise by module name
+    (declared below, in the same terms as ``models/common/decoder.DecoderAttention``)."""
+
+    tp_colwise: tuple[str, ...] = ("w1", "w3")
+    tp_rowwise: str = "w2"
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()

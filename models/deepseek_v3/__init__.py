@@ -1,6 +1,7 @@
+from models.common.decoder import moe_layers
 from models.deepseek_v3.args import DeepSeekV3Args, deepseek_v3_flavors
 from models.deepseek_v3.model import Attention, DeepSeekV3, TransformerBlock
-from models.deepseek_v3.moe import GroupedExperts, MoE, TokenChoiceRouter, moe_layers
+from models.deepseek_v3.moe import GroupedExperts, MoE, TokenChoiceRouter
 
 __all__ = [
     "Attention",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.common.args import DecoderArgs
+
 
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -21,7 +23,7 @@ def _positive_float(name: str, value: object) -> None:
 
 
 @dataclass
-class DeepSeekV3Args:
+class DeepSeekV3Args(DecoderArgs):
     vocab_size: int = 129280
     dim: int = 7168
     inter_dim: int = 18432
@@ -65,6 +67,14 @@ class DeepSeekV3Args:
     @property
     def experts_per_group(self) -> int:
         return self.n_routed_experts // self.n_expert_groups
+
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def attention_dim(self) -> int:
+        return self.n_heads * self.qk_head_dim
 
     def validate(self) -> None:
         for name in (

@@ -1,8 +1,8 @@
 """DeepSeek-V3 decoder: multi-head latent attention (MLA) and fine-grained MoE FFNs.
 
-Same structural contract as ``models/llama3/model.py`` (module names for FSDP/TP plans,
-pipeline deletion of ``layers`` entries and None ``tok_embeddings``/``norm``/``output``,
-``attention.core`` for context parallelism, ``cp_rank``/``cp_size`` for positions).
+The embeddings, layer loop, norm, output, pipeline-stage and context-parallel handling and the
+seeded init are the shared shell (``models/common/decoder.py``); this file builds the YaRN
+RoPE table and the blocks, and resets the MoE balancing buffers at init.
 """
 
 from __future__ import annotations
@@ -14,18 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import CausalAttentionCore
+from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
-from models.common.init import init_parameters, standard_rule
 from models.common.norms import RMSNorm
 from models.common.rope import (
     RotaryEmbedding,
     YarnRopeScaling,
     apply_rotary_emb,
-    local_positions,
     yarn_softmax_scale,
 )
 from models.deepseek_v3.args import DeepSeekV3Args
-from models.deepseek_v3.moe import MoE, moe_layers
+from models.deepseek_v3.moe import MoE
 
 
 def _yarn(args: DeepSeekV3Args) -> YarnRopeScaling:
@@ -41,14 +40,17 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class Attention(nn.Module):
+class Attention(DecoderAttention):
     """Multi-head latent attention.
 
     Keys/values are produced from a ``kv_lora_rank``-wide latent (``wkv_a`` -> ``kv_norm`` ->
     ``wkv_b``), and position information travels in a separate ``qk_rope_head_dim`` slice:
     queries get a per-head rotated slice, keys share one rotated slice across heads (decoupled
     RoPE), so the latent itself stays position-free. Head counts are read from tensor shapes
-    because TP shards ``wq``/``wq_b``/``wkv_b`` column-wise and ``wo`` row-wise."""
+    because TP shards ``wq``/``wq_b``/``wkv_b`` column-wise and ``wo`` row-wise; the low-rank
+    parts (``wq_a``, ``wkv_a`` and the norms) stay replicated."""
+
+    tp_grad_syncs = ("k_pe_grad_sync",)
 
     def __init__(self, args: DeepSeekV3Args) -> None:
         super().__init__()
@@ -74,6 +76,8 @@ class Attention(nn.Module):
             self.qk_head_dim, _yarn(args), args.mscale, args.max_seq_len
         )
         self.core = CausalAttentionCore()
+        # Heads come out of wkv_b and of wq (or wq_b after the query latent).
+        self.tp_colwise = ("wkv_b", "wq" if self.q_lora_rank == 0 else "wq_b")
         # The decoupled rope key is computed by replicated weights but read by this rank's
         # heads only; tensor parallelism sets this to an all-reduce of its gradient.
         self.k_pe_grad_sync: Callable[[torch.Tensor], torch.Tensor] = _identity
@@ -112,14 +116,13 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(DecoderBlock):
     """Pre-norm residual block whose FFN is dense (``feed_forward``) for the first
     ``n_dense_layers`` layers and MoE (``moe``) after; only the one in use is registered, and
-    ``moe_enabled`` says which."""
+    ``moe_enabled`` says which (the forward is :class:`DecoderBlock`'s)."""
 
     def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
-        super().__init__()
-        self.layer_id = layer_id
+        super().__init__(layer_id)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
@@ -129,68 +132,18 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
 
+class DeepSeekV3(Decoder):
+    args: DeepSeekV3Args
 
-class DeepSeekV3(nn.Module):
-    def __init__(self, args: DeepSeekV3Args) -> None:
-        super().__init__()
-        args.validate()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(
-            args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, _yarn(args)
-        )
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
-        self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Set by the context-parallel applier.
-        self.cp_rank = 0
-        self.cp_size = 1
+    def build_rope(self, args: DeepSeekV3Args) -> RotaryEmbedding:
+        return RotaryEmbedding(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, _yarn(args))
 
-    def local_positions(self, seqlen_local: int, device: torch.device) -> torch.Tensor:
-        """Global positions of this rank's tokens (identity without context parallelism)."""
-        return local_positions(
-            seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device
-        )
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without
-        ``tok_embeddings`` the input is hidden states [bs, s, dim]; without ``output`` the
-        hidden states after the last local layer (normed if ``norm`` is kept) are returned."""
-        if self.tok_embeddings is not None:
-            if tokens.dim() != 2 or tokens.is_floating_point():
-                raise ValueError(
-                    f"Expected integer token ids of shape [bs, s], got {tuple(tokens.shape)} "
-                    f"{tokens.dtype}. (Only pipeline stages without tok_embeddings take "
-                    "hidden states.)"
-                )
-            h = self.tok_embeddings(tokens)
-        else:
-            if tokens.dim() != 3 or tokens.shape[-1] != self.args.dim:
-                raise ValueError(
-                    "This model has no tok_embeddings (a later pipeline stage), so it expects "
-                    f"hidden states [bs, s, {self.args.dim}], got {tuple(tokens.shape)}."
-                )
-            h = tokens
-        rope = self.rope(self.local_positions(tokens.shape[1], tokens.device))
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is None:
-            return h
-        return self.output(h)
+    def build_block(self, layer_id: int, args: DeepSeekV3Args) -> TransformerBlock:
+        return TransformerBlock(layer_id, args)
 
     def init_weights(self, seed: int) -> None:
-        """Seeded, layout-independent init (see ``models/common/init.py``); also rebuilds the
-        RoPE table and resets the MoE balancing buffers."""
-        init_parameters(self, seed, standard_rule(self.args.n_layers, self.args.dim))
-        self.rope.reset_table()
-        for moe in moe_layers(self):
+        """The shell's seeded init, then the MoE balancing buffers back to zero."""
+        super().init_weights(seed)
+        for moe in self.moe_layers():
             moe.reset_buffers()

@@ -453,8 +453,3 @@ class MoE(nn.Module):
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
         self.aux_loss_sum = None
-
-
-def moe_layers(model: nn.Module) -> list[MoE]:
-    """All MoE modules of ``model`` in module order (only the layers a pipeline stage kept)."""
-    return [m for m in model.modules() if isinstance(m, MoE)]

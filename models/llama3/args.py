@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.common.args import DecoderArgs
+
 
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -16,7 +18,7 @@ def _positive_float(name: str, value: object) -> None:
 
 
 @dataclass
-class Llama3Args:
+class Llama3Args(DecoderArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -38,6 +40,14 @@ class Llama3Args:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def attention_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def tp_kv_heads(self) -> int | None:
+        return self.n_kv_heads
 
     @property
     def ffn_hidden_dim(self) -> int:

@@ -1,8 +1,8 @@
 """Llama 3 decoder (grouped-query attention, SwiGLU, RoPE with Llama 3.1 scaling).
 
-Module names are a contract with the parallelism code (FSDP/TP plans match on them, pipeline
-splitting deletes ``layers`` entries and sets ``tok_embeddings``/``norm``/``output`` to None,
-context parallelism swaps ``attention.core`` and sets ``cp_rank``/``cp_size``).
+The embeddings, layer loop, norm, output, pipeline-stage and context-parallel handling and the
+seeded init are the shared shell (``models/common/decoder.py``); this file only builds the
+RoPE table and the blocks.
 """
 
 from __future__ import annotations
@@ -11,24 +11,21 @@ import torch
 from torch import nn
 
 from models.common.attention import CausalAttentionCore, repeat_kv
+from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
-from models.common.init import init_parameters, standard_rule
 from models.common.norms import RMSNorm
-from models.common.rope import (
-    Llama3RopeScaling,
-    RotaryEmbedding,
-    apply_rotary_emb,
-    local_positions,
-)
+from models.common.rope import Llama3RopeScaling, RotaryEmbedding, apply_rotary_emb
 from models.llama3.args import Llama3Args
 
 
-class Attention(nn.Module):
+class Attention(DecoderAttention):
     """Grouped-query attention.
 
     Head counts are read from the projected tensors, not from the config: under tensor
     parallelism ``wq``/``wk``/``wv`` are column-sharded and each rank sees only its share of
     heads (the query/KV ratio is unchanged)."""
+
+    tp_colwise = ("wq", "wk", "wv")
 
     def __init__(self, args: Llama3Args) -> None:
         super().__init__()
@@ -60,83 +57,28 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+class TransformerBlock(DecoderBlock):
+    """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))`` (the
+    forward is :class:`DecoderBlock`'s)."""
 
     def __init__(self, layer_id: int, args: Llama3Args) -> None:
-        super().__init__()
-        self.layer_id = layer_id
+        super().__init__(layer_id)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
 
+class Llama3(Decoder):
+    args: Llama3Args
 
-class Llama3(nn.Module):
-    def __init__(self, args: Llama3Args) -> None:
-        super().__init__()
-        args.validate()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(
+    def build_rope(self, args: Llama3Args) -> RotaryEmbedding:
+        return RotaryEmbedding(
             args.head_dim,
             args.max_seq_len,
             args.rope_theta,
             Llama3RopeScaling() if args.use_rope_scaling else None,
         )
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
-        self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Set by the context-parallel applier; this rank holds the load-balanced chunks
-        # ``cp_rank`` of ``cp_size`` of every sequence.
-        self.cp_rank = 0
-        self.cp_size = 1
 
-    def local_positions(self, seqlen_local: int, device: torch.device) -> torch.Tensor:
-        """Global positions of this rank's tokens (identity without context parallelism)."""
-        return local_positions(
-            seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device
-        )
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without
-        ``tok_embeddings`` the input is hidden states [bs, s, dim]; without ``output`` the
-        hidden states after the last local layer (normed if ``norm`` is kept) are returned."""
-        h = _embed(self.tok_embeddings, tokens, self.args.dim)
-        rope = self.rope(self.local_positions(tokens.shape[1], tokens.device))
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is None:
-            return h
-        return self.output(h)
-
-    def init_weights(self, seed: int) -> None:
-        """Seeded, layout-independent init (see ``models/common/init.py``); also rebuilds the
-        RoPE table, which ``to_empty`` leaves as garbage."""
-        init_parameters(self, seed, standard_rule(self.args.n_layers, self.args.dim))
-        self.rope.reset_table()
-
-
-def _embed(tok_embeddings: nn.Embedding | None, tokens: torch.Tensor, dim: int) -> torch.Tensor:
-    if tok_embeddings is not None:
-        if tokens.dim() != 2 or tokens.is_floating_point():
-            raise ValueError(
-                f"Expected integer token ids of shape [bs, s], got {tuple(tokens.shape)} "
-                f"{tokens.dtype}. (Only pipeline stages without tok_embeddings take hidden states.)"
-            )
-        return tok_embeddings(tokens)
-    if tokens.dim() != 3 or tokens.shape[-1] != dim:
-        raise ValueError(
-            f"This model has no tok_embeddings (a later pipeline stage), so it expects hidden "
-            f"states [bs, s, {dim}], got {tuple(tokens.shape)}."
-        )
-    return tokens
-
+    def build_block(self, layer_id: int, args: Llama3Args) -> TransformerBlock:
+        return TransformerBlock(layer_id, args)

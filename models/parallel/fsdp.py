@@ -67,9 +67,8 @@ def apply_fsdp(
 
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        moe = getattr(block, "moe", None)
-        if moe is not None and separate_experts and expert_mesh is not None:
-            wrap(moe.experts, expert_mesh, True)
+        if block.moe_enabled and separate_experts and expert_mesh is not None:
+            wrap(block.moe.experts, expert_mesh, True)
         if dense_mesh is not None:
             # the last block's params are needed right away in backward: keep them gathered
             wrap(block, dense_mesh, i < len(blocks) - 1)

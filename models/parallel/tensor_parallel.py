@@ -1,4 +1,8 @@
-"""Tensor, sequence and loss parallelism on the ``tp`` mesh, for both models.
+"""Tensor, sequence and loss parallelism on the ``tp`` mesh, for every model.
+
+What to split comes from the model: the decoder structure (``models/common/decoder.py``), the
+projections each attention and feed-forward module declares (``tp_colwise`` / ``tp_rowwise``)
+and ``block.moe_enabled``.
 
 Layout between blocks (sequence parallel): activations are sharded along the sequence
 (``Shard(1)``), so norms and residual adds run on ``s / tp`` tokens per rank. Each attention and
@@ -10,8 +14,9 @@ The output projection keeps the vocabulary sharded (``Shard(-1)``) so cross entr
 Gradient bookkeeping that plain DTensor styles do not cover is made explicit here:
 
 * MLA's decoupled rope key ``k_pe`` is computed by replicated weights but consumed by this rank's
-  heads only, so its gradient is partial; the model calls ``attention.k_pe_grad_sync`` on it,
-  which this module sets to an all-reduce in backward.
+  heads only, so its gradient is partial; the model calls ``attention.k_pe_grad_sync`` on it
+  (declared in ``attention.tp_grad_syncs``), which this module sets to an all-reduce in
+  backward.
 * MoE layers route this rank's own tokens (sequence parallel gives every tp rank different
   tokens). The router gate is a replicated DTensor fed token-sharded inputs, so its gradient
   comes out partial and is summed over tp. Shared experts are an ordinary TP feed-forward over
@@ -84,7 +89,23 @@ class _ReplicatedOnTokenShards(ParallelStyle):
         )
 
 
+def _declared_tp(module: nn.Module, role: str) -> tuple[tuple[str, ...], str]:
+    """The column-wise and row-wise projections ``module`` declares (``tp_colwise`` /
+    ``tp_rowwise``, see ``models/common/decoder.DecoderAttention``)."""
+    colwise, rowwise = module.tp_colwise, module.tp_rowwise
+    if not colwise:
+        raise ValueError(
+            f"{type(module).__name__} (the {role}) declares no tp_colwise projections, so tensor "
+            "parallelism does not know how to split it; see models/common/decoder.py"
+        )
+    return tuple(colwise), rowwise
+
+
 def _attention_plan(attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+    """The projections that produce heads (``attention.tp_colwise``) are split column-wise,
+    the output projection (``attention.tp_rowwise``) row-wise; everything else (e.g. MLA's
+    low-rank parts) stays replicated."""
+    colwise, rowwise = _declared_tp(attention, "attention")
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
         # x -> full sequence, replicated, local tensor: every projection below sees all tokens.
@@ -93,29 +114,23 @@ def _attention_plan(attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
             desired_input_layouts=(Replicate(), None),
             use_local_output=True,
         ),
-        "wo": RowwiseParallel(output_layouts=seq),
+        rowwise: RowwiseParallel(output_layouts=seq),
     }
-    if hasattr(attention, "wkv_b"):  # DeepSeek MLA: low-rank parts replicated, heads split
-        plan["wkv_b"] = ColwiseParallel()
-        if getattr(attention, "q_lora_rank", 0) == 0:
-            plan["wq"] = ColwiseParallel()
-        else:
-            plan["wq_b"] = ColwiseParallel()
-    else:  # Llama GQA
-        plan.update({"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel()})
+    plan.update({name: ColwiseParallel() for name in colwise})
     return plan
 
 
-def _feed_forward_plan(token_dim: int, sp: bool) -> dict[str, ParallelStyle]:
+def _feed_forward_plan(ffn: nn.Module, token_dim: int, sp: bool) -> dict[str, ParallelStyle]:
+    colwise, rowwise = _declared_tp(ffn, "feed-forward")
     seq = Shard(token_dim) if sp else Replicate()
-    return {
+    plan: dict[str, ParallelStyle] = {
         "": PrepareModuleInput(
             input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
-        "w1": ColwiseParallel(),
-        "w3": ColwiseParallel(),
-        "w2": RowwiseParallel(output_layouts=seq),
+        )
     }
+    plan.update({name: ColwiseParallel() for name in colwise})
+    plan[rowwise] = RowwiseParallel(output_layouts=seq)
+    return plan
 
 
 def _prefixed(prefix: str, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -129,8 +144,8 @@ def apply_tensor_parallel(
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
 ) -> None:
-    """Shard ``model`` (a Llama3 or DeepSeekV3, possibly one pipeline stage) over ``tp_mesh``
-    in place."""
+    """Shard ``model`` (a :class:`~models.common.decoder.Decoder`, possibly one pipeline
+    stage) over ``tp_mesh`` in place."""
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
     top: dict[str, ParallelStyle] = {}
@@ -160,15 +175,15 @@ def apply_tensor_parallel(
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         plan.update(_prefixed("attention", _attention_plan(block.attention, sp)))
-        if hasattr(block.attention, "k_pe_grad_sync"):
-            block.attention.k_pe_grad_sync = lambda t, g=tp_group: AllReduceBackward.apply(t, g)
-        moe = getattr(block, "moe", None)
-        if moe is None:
-            plan.update(_prefixed("feed_forward", _feed_forward_plan(1, sp)))
+        for name in block.attention.tp_grad_syncs:
+            setattr(block.attention, name, lambda t, g=tp_group: AllReduceBackward.apply(t, g))
+        if not block.moe_enabled:
+            plan.update(_prefixed("feed_forward", _feed_forward_plan(block.feed_forward, 1, sp)))
         else:
+            moe = block.moe
             if not sp:
                 raise ValueError(
-                    "DeepSeek-V3 with tp > 1 needs sequence parallel (every tp rank routes its "
+                    "A MoE model with tp > 1 needs sequence parallel (every tp rank routes its "
                     "own tokens); set parallelism.enable_sequence_parallel = true"
                 )
             # the MoE routes the local tokens of this rank: take its input as a local tensor
@@ -178,7 +193,9 @@ def apply_tensor_parallel(
             plan["moe.router.gate"] = _ReplicatedOnTokenShards()
             if moe.shared_experts is not None:
                 # MoE flattens tokens to [bs * s_local, dim] before the shared experts.
-                plan.update(_prefixed("moe.shared_experts", _feed_forward_plan(0, sp)))
+                plan.update(
+                    _prefixed("moe.shared_experts", _feed_forward_plan(moe.shared_experts, 0, sp))
+                )
         parallelize_module(block, tp_mesh, plan)
 
 

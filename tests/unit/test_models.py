@@ -12,8 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.args import DecoderArgs
 from models.common.attention import CausalAttentionCore
+from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.init import ParamInit, full_init_tensor, init_parameters, param_seed
+from models.common.norms import RMSNorm
 from models.common.rope import (
     Llama3RopeScaling,
     RotaryEmbedding,
@@ -758,3 +761,270 @@ def test_rope_launches_three_kernels_per_call():
     assert fwd.ops == ["_to_copy", "mul", "_to_copy"]
     # + one clone of the [s, d/2] conjugated table, not of the activations
     assert bwd.ops == ["_to_copy", "clone", "mul", "_to_copy"]
+
+
+# --------------------------------------------------------------------------------------------
+# The model contract: decoder shell, registry, a third model added with one registry line
+
+
+def test_both_models_are_the_shared_decoder_shell():
+    from models.deepseek_v3 import DeepSeekV3
+    from models.llama3 import Llama3
+
+    for cls in (Llama3, DeepSeekV3):
+        assert issubclass(cls, Decoder)
+        # the forward, positions, embedding checks and layer loop are the shell's, not copies
+        for method in ("forward", "local_positions", "_embed", "moe_layers", "flops_per_token"):
+            assert getattr(cls, method) is getattr(Decoder, method), (cls.__name__, method)
+    assert Llama3.init_weights is Decoder.init_weights  # DeepSeek extends it (MoE buffers)
+    for name in MODELS:
+        model = build_model(name, "debugmodel", device="meta", n_layers=2)
+        names = [n for n, _ in model.named_children()]
+        assert names == ["tok_embeddings", "rope", "layers", "norm", "output"]
+        for block in model.layers.values():
+            assert isinstance(block, DecoderBlock) and isinstance(block.attention, DecoderAttention)
+            # what TP splits is declared and exists
+            for proj in (*block.attention.tp_colwise, block.attention.tp_rowwise):
+                assert isinstance(block.attention.get_submodule(proj), nn.Linear), proj
+            for hook in block.attention.tp_grad_syncs:
+                assert callable(getattr(block.attention, hook))
+    q_lora = build_model("deepseek_v3", "debugmodel", device="meta", n_layers=1, q_lora_rank=32)
+    assert q_lora.layers["0"].attention.tp_colwise == ("wkv_b", "wq_b")
+    assert build_model("deepseek_v3", "debugmodel", n_layers=1).layers["0"].attention.tp_colwise == (
+        "wkv_b",
+        "wq",
+    )
+
+
+def test_registry_contract_for_every_registered_model():
+    from models.parallelize import parallelize_model
+    from models.registry import flavor_names, has_experts, model_names
+    from trainer.metrics import training_flops_per_token
+
+    assert model_names() == ["deepseek_v3", "llama3"]
+    assert flavor_names("llama3") == ["debugmodel", "8B", "70B", "405B"]
+    assert flavor_names("deepseek_v3") == ["debugmodel", "16B", "671B"]
+    assert (has_experts("llama3"), has_experts("deepseek_v3")) == (False, True)
+    assert has_experts("deepseek_v3", "16B") and not has_experts("llama3", "8B")
+    with pytest.raises(ValueError, match="valid models"):
+        has_experts("gpt2")
+    with pytest.raises(ValueError, match="valid flavors"):
+        has_experts("llama3", "1B")
+    for name in model_names():
+        for flavor in flavor_names(name):
+            spec = get_model_spec(name, flavor)
+            assert isinstance(spec.args, DecoderArgs) and issubclass(spec.model_cls, Decoder)
+            assert list(spec.flavors) == flavor_names(name)
+            with pytest.raises(TypeError):
+                spec.flavors["x"] = spec.args  # read-only view of the flavor table
+            assert spec.parallelize_fn is parallelize_model
+            assert spec.hf_state_dict_adapter is None
+            model = build_model(name, flavor)  # meta
+            moes = spec.moe_layers(model)
+            assert bool(moes) == spec.has_experts == has_experts(name, flavor)
+            assert spec.flops_per_token(model, 4096) == training_flops_per_token(model, 4096)
+
+
+def test_moe_hook_follows_pipeline_stages():
+    model = build_model("deepseek_v3", "debugmodel", device="meta", n_layers=4)
+    assert model.moe_layers() == [model.layers[k].moe for k in ("1", "2", "3")]
+    del model.layers["3"]
+    assert model.moe_layers() == [model.layers[k].moe for k in ("1", "2")]
+    assert build_model("llama3", "debugmodel", device="meta", n_layers=2).moe_layers() == []
+
+
+def test_register_model_rejects_what_breaks_the_contract(monkeypatch):
+    from models import registry
+    from models.llama3 import Llama3
+
+    monkeypatch.setattr(registry, "_MODELS", dict(registry._MODELS))
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_model("llama3", Llama3, llama3_flavors)
+    with pytest.raises(TypeError, match="not a subclass of models.common.decoder.Decoder"):
+        registry.register_model("mlp", nn.Linear, llama3_flavors)
+    with pytest.raises(TypeError, match="must be a dataclass subclassing"):
+        registry.register_model("x", Llama3, {"tiny": dict(dim=8)})
+    with pytest.raises(ValueError, match="at least one flavor"):
+        registry.register_model("x", Llama3, {})
+
+
+# A third model, defined here the way a new folder under models/ would define it: args with
+# flavors, blocks built from its own attention and MLP (other projection names than Llama's,
+# declared for TP), a Decoder subclass. Only one registry line makes it trainable.
+
+
+@dataclasses.dataclass
+class ToyArgs(DecoderArgs):
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    vocab_size: int = 128
+    max_seq_len: int = 64
+    norm_eps: float = 1e-5
+    mlp_ratio: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def attention_dim(self) -> int:
+        return self.dim
+
+    def validate(self) -> None:
+        if self.dim % self.n_heads or self.head_dim % 2:
+            raise ValueError(f"ToyArgs: dim={self.dim} over n_heads={self.n_heads} needs an even head_dim.")
+
+
+class ToyAttention(DecoderAttention):  # plain multi-head attention
+    tp_colwise = ("wq", "wk", "wv")
+
+    def __init__(self, args: ToyArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq, self.wk, self.wv, self.wo = (
+            nn.Linear(args.dim, args.dim, bias=False) for _ in range(4)
+        )
+        self.core = CausalAttentionCore()
+
+    def forward(self, x, rope):
+        bs, s, _ = x.shape
+        q, k, v = (w(x).view(bs, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bs, s, -1))
+
+
+class ToyMLP(nn.Module):  # GELU MLP, not SwiGLU
+    tp_colwise = ("fc_in",)
+    tp_rowwise = "fc_out"
+
+    def __init__(self, args: ToyArgs) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(args.dim, args.mlp_ratio * args.dim, bias=False)
+        self.fc_out = nn.Linear(args.mlp_ratio * args.dim, args.dim, bias=False)
+
+    def forward(self, x):
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class ToyBlock(DecoderBlock):
+    def __init__(self, layer_id: int, args: ToyArgs) -> None:
+        super().__init__(layer_id)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = ToyAttention(args)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = ToyMLP(args)
+
+
+class Toy(Decoder):
+    def build_rope(self, args: ToyArgs) -> RotaryEmbedding:
+        return RotaryEmbedding(args.head_dim, args.max_seq_len, 10000.0)
+
+    def build_block(self, layer_id: int, args: ToyArgs) -> ToyBlock:
+        return ToyBlock(layer_id, args)
+
+
+@pytest.fixture
+def toy_registered(monkeypatch):
+    from models import registry
+
+    monkeypatch.setattr(registry, "_MODELS", dict(registry._MODELS))  # undone after the test
+    registry.register_model("toy", Toy, {"tiny": ToyArgs()})  # the one line
+    return registry
+
+
+def test_toy_model_gets_the_contract_from_one_registry_line(toy_registered):
+    from models.parallelize import check_model_fits_layout
+    from parallel_dims import ParallelDims
+    from trainer.metrics import training_flops_per_token
+
+    registry = toy_registered
+    assert "toy" in registry.model_names() and registry.flavor_names("toy") == ["tiny"]
+    assert not registry.has_experts("toy")
+    meta = build_model("toy", "tiny", n_layers=3)
+    meta.to_empty(device="cpu")
+    meta.init_weights(4)
+    cpu = build_model("toy", "tiny", device="cpu", n_layers=3)
+    cpu.init_weights(4)
+    for key, value in cpu.state_dict().items():
+        assert torch.equal(value, meta.state_dict()[key]), key
+    assert meta(_tokens(s=16, vocab=128)).shape == (2, 16, 128)
+    n = sum(p.numel() for p in cpu.parameters())
+    assert training_flops_per_token(cpu, 64) == 6 * (n - 128 * 64) + 12 * 3 * 64 * 64
+    with pytest.raises(ValueError, match="has no experts"):
+        check_model_fits_layout(
+            get_model_spec("toy", "tiny").args,
+            ParallelDims(world_size=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1),
+        )
+
+
+def test_toy_model_tensor_parallel_plan_comes_from_its_declarations(toy_registered):
+    """Dry run on a fake 2-rank group: the toy's own projection names get split."""
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.tensor import Replicate, Shard
+
+    from models.parallelize import ParallelizeOptions, parallelize_model
+    from parallel_dims import ParallelDims
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
+    try:
+        pd = ParallelDims(world_size=2, dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, etp=1)
+        pd.build_mesh("cpu")
+        model = build_model("toy", "tiny")
+        get_model_spec("toy", "tiny").parallelize_fn(model, pd, ParallelizeOptions())
+        block = model.layers["1"]
+        for param, placement in [
+            (block.attention.wq.weight, Shard(0)),
+            (block.attention.wv.weight, Shard(0)),
+            (block.attention.wo.weight, Shard(1)),
+            (block.feed_forward.fc_in.weight, Shard(0)),
+            (block.feed_forward.fc_out.weight, Shard(1)),
+            (block.ffn_norm.weight, Replicate()),
+            (model.output.weight, Shard(0)),
+        ]:
+            assert param.placements == (placement,)
+        assert block.feed_forward.fc_in.weight.to_local().shape == (64, 64)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_toy_model_trains_a_step_through_parallelize_model(toy_registered, tmp_path):
+    import torch.distributed as dist
+
+    from models.parallelize import ParallelizeOptions, parallelize_model
+    from parallel_dims import ParallelDims
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        pd = ParallelDims(world_size=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1)
+        pd.build_mesh("cpu")
+        spec = get_model_spec("toy", "tiny")
+        model = build_model("toy", "tiny")
+        # bf16 mixed precision: FSDP2 wraps blocks, embeddings, head and root on the size-1 mesh
+        opts = ParallelizeOptions(param_dtype="bfloat16", ac_mode="full")
+        assert spec.parallelize_fn is parallelize_model
+        spec.parallelize_fn(model, pd, opts)
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tokens = _tokens(bs=2, s=33, vocab=128)
+        losses = []
+        for _ in range(3):
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+        for n, p in model.named_parameters():
+            assert not torch.equal(p.detach().full_tensor(), before[n]), n
+    finally:
+        dist.destroy_process_group()

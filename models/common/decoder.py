@@ -1,0 +1,200 @@
+"""The decoder shell every model subclasses, and the module half of the model contract.
+
+A model is ``tok_embeddings -> layers (blocks) -> norm -> output`` with RoPE rows computed once
+per forward from the global positions of this rank's tokens. :class:`Decoder` owns all of that;
+a model subclass only says how to build its RoPE table and its blocks (and, if it needs it,
+extra init). The parallelism code relies on this structure, so it is the contract:
+
+* ``tok_embeddings``, ``layers`` (``nn.ModuleDict`` keyed ``"0"``, ``"1"``, ...), ``norm``,
+  ``output``: FSDP wraps them, the TP plan matches them, pipeline splitting deletes ``layers``
+  entries and sets ``tok_embeddings`` / ``norm`` + ``output`` to None away from the ends (so
+  parameter FQNs, and with them FQN-seeded init and checkpoints, are the full model's);
+* ``cp_rank`` / ``cp_size``: set by the context-parallel applier; :meth:`Decoder.local_positions`
+  turns them into the positions of this rank's load-balanced tokens;
+* blocks are :class:`DecoderBlock`: ``attention_norm``, ``attention`` (a
+  :class:`DecoderAttention`), ``ffn_norm`` and either ``feed_forward`` (dense, a
+  ``models/common/feed_forward.FeedForward``) or ``moe`` (``moe_enabled`` says which);
+* :meth:`Decoder.moe_layers`: the MoE modules (``models/deepseek_v3/moe.MoE``) of the layers
+  this model (or pipeline stage) holds; the one definition the parallelize plan and the
+  trainer use.
+
+The args half of the contract is ``models/common/args.DecoderArgs``; the registry
+(``models/registry.py``) ties a model class to its flavors and parallelize function.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.common.args import DecoderArgs
+from models.common.flops import model_flops_per_token
+from models.common.init import InitRule, init_parameters, standard_rule
+from models.common.norms import RMSNorm
+from models.common.rope import RotaryEmbedding, local_positions
+
+__all__ = ["Decoder", "DecoderAttention", "DecoderBlock", "moe_layers"]
+
+
+class DecoderAttention(nn.Module):
+    """Base of every attention module: ``forward(x [bs, s, dim], rope rows) -> [bs, s, dim]``,
+    with the position-mixing part in an ``nn.Module`` attribute ``core`` (called with
+    already-rotated, already-repeated heads; context parallelism swaps it).
+
+    What tensor parallelism needs, declared per class (or per instance where it depends on
+    the config) instead of guessed from attribute names:
+
+    * ``tp_colwise``: the projections that produce heads, split column-wise over tp (each
+      rank computes its share of heads; read head counts from tensor shapes in ``forward``);
+    * ``tp_rowwise``: the output projection, split row-wise (partial sums reduced over tp);
+    * ``tp_grad_syncs``: names of ``Callable[[Tensor], Tensor]`` attributes the module applies
+      to tensors computed by replicated weights but consumed by this rank's heads only; the TP
+      applier sets each to an all-reduce of the gradient (identity otherwise).
+
+    Every other parameter stays replicated over tp."""
+
+    tp_colwise: tuple[str, ...] = ()
+    tp_rowwise: str = "wo"
+    tp_grad_syncs: tuple[str, ...] = ()
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: ``h = x + attention(attention_norm(x)); out = h +
+    ffn(ffn_norm(h))``, where ``ffn`` is ``moe`` when ``moe_enabled`` and ``feed_forward``
+    otherwise. Subclasses build ``attention_norm``, ``attention``, ``ffn_norm`` and the FFN
+    in use (only that one is registered)."""
+
+    moe_enabled: bool = False
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """Shell of a decoder-only LM. Subclasses implement :meth:`build_rope` and
+    :meth:`build_block`; they may override :meth:`init_rule` and extend :meth:`init_weights`.
+
+    Construction order (and with it module and parameter order) is ``tok_embeddings``,
+    ``rope``, ``layers``, ``norm``, ``output``."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.rope = self.build_rope(args)
+        self.layers = nn.ModuleDict(
+            {str(i): self.build_block(i, args) for i in range(args.n_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Set by the context-parallel applier; this rank holds the load-balanced chunks
+        # ``cp_rank`` of ``cp_size`` of every sequence.
+        self.cp_rank = 0
+        self.cp_size = 1
+
+    # ------------------------------------------------------------------ what a model supplies
+    def build_rope(self, args: DecoderArgs) -> RotaryEmbedding:
+        """The RoPE table (its width is the rotated slice of a head)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_rope(args)")
+
+    def build_block(self, layer_id: int, args: DecoderArgs) -> DecoderBlock:
+        """Layer ``layer_id`` (the global index: pipeline stages keep their layers' ids)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_block(layer_id, args)")
+
+    def init_rule(self) -> InitRule:
+        """How each parameter is drawn (see ``models/common/init.py``)."""
+        return standard_rule(self.args.n_layers, self.args.dim)
+
+    # ------------------------------------------------------------------ the shell
+    def local_positions(self, seqlen_local: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's tokens (identity without context parallelism)."""
+        return local_positions(
+            seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without
+        ``tok_embeddings`` the input is hidden states [bs, s, dim]; without ``output`` the
+        hidden states after the last local layer (normed if ``norm`` is kept) are returned."""
+        h = self._embed(tokens)
+        rope = self.rope(self.local_positions(tokens.shape[1], tokens.device))
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None:
+            return h
+        return self.output(h)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            if tokens.dim() != 2 or tokens.is_floating_point():
+                raise ValueError(
+                    f"Expected integer token ids of shape [bs, s], got {tuple(tokens.shape)} "
+                    f"{tokens.dtype}. (Only pipeline stages without tok_embeddings take hidden "
+                    "states.)"
+                )
+            return self.tok_embeddings(tokens)
+        dim = self.args.dim
+        if tokens.dim() != 3 or tokens.shape[-1] != dim:
+            raise ValueError(
+                f"This model has no tok_embeddings (a later pipeline stage), so it expects hidden "
+                f"states [bs, s, {dim}], got {tuple(tokens.shape)}."
+            )
+        return tokens
+
+    def init_weights(self, seed: int) -> None:
+        """Seeded, layout-independent init (see ``models/common/init.py``); also rebuilds the
+        RoPE table, which ``to_empty`` leaves as garbage. Subclasses with buffers to reset call
+        this first."""
+        init_parameters(self, seed, self.init_rule())
+        self.rope.reset_table()
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The MoE modules of the layers this model (or pipeline stage) holds, in layer order;
+        empty for a dense model."""
+        return [block.moe for block in self.layers.values() if block.moe_enabled]
+
+    def active_params(self) -> int:
+        """Parameters one token uses: all of them, less the routed experts a token does not
+        visit (each MoE layer runs ``top_k`` of its ``num_experts``). Whole model expected
+        (meta is fine)."""
+        total = sum(p.numel() for p in self.parameters())
+        moes = self.moe_layers()
+        if not moes:
+            return total
+        routing = {(moe.top_k, moe.num_experts) for moe in moes}
+        if len(routing) == 1:
+            (top_k, num_experts), = routing
+            routed = sum(p.numel() for moe in moes for p in moe.experts.parameters())
+            return int(total - routed * (1 - top_k / num_experts))
+        return int(
+            total
+            - sum(
+                sum(p.numel() for p in moe.experts.parameters()) * (1 - moe.top_k / moe.num_experts)
+                for moe in moes
+            )
+        )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (``models/common/flops.py``) of this whole, unsharded
+        model: its active parameters and the attention width its args declare."""
+        return model_flops_per_token(
+            self.active_params(),
+            self.args.n_layers,
+            self.args.attention_dim,
+            seq_len,
+            self.tok_embeddings.weight.numel(),
+        )
+
+
+def moe_layers(model: Decoder) -> list[nn.Module]:
+    """:meth:`Decoder.moe_layers` as a function."""
+    return model.moe_layers()
