@@ -32,6 +32,7 @@ import typing
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Optional
 
+from models.registry import flavor_names, has_experts, model_names
 from parallel_dims.axes import AXES
 
 try:  # Python >= 3.11
@@ -41,15 +42,6 @@ except ModuleNotFoundError:  # pragma: no cover - exercised only on Python < 3.1
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "train_configs")
-
-# Flavors each model family ships. Kept here (not imported from models/) so a config
-# can be validated on a login node without importing model code; extend it when a
-# flavor is added to the model registry.
-KNOWN_MODELS: dict[str, tuple[str, ...]] = {
-    "llama3": ("debugmodel", "8B", "70B", "405B"),
-    "deepseek_v3": ("debugmodel", "16B", "671B"),
-}
-MOE_MODELS = ("deepseek_v3",)
 
 PARALLELISM_ALIASES: dict[str, str] = {a.name: a.config_key for a in AXES}
 ALIASES: dict[str, dict[str, str]] = {"parallelism": PARALLELISM_ALIASES}
@@ -84,7 +76,7 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = _opt("llama3", "Model family.", choices=tuple(KNOWN_MODELS))
+    name: str = _opt("llama3", "Model family (models/registry.py).", choices=tuple(model_names()))
     flavor: str = _opt("debugmodel", "Size preset of the model family.")
     tokenizer_path: str = _opt(
         "",
@@ -395,7 +387,7 @@ def _validate_values(cfg: JobConfig) -> None:
 
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
 
-    flavors = KNOWN_MODELS[cfg.model.name]
+    flavors = tuple(flavor_names(cfg.model.name))
     if cfg.model.flavor not in flavors:
         raise ConfigError(_choice_message("model.flavor", cfg.model.flavor, flavors, f" for model '{cfg.model.name}'"))
     need(cfg.model.vocab_size is None or cfg.model.vocab_size > 0,
@@ -432,7 +424,7 @@ def _validate_values(cfg: JobConfig) -> None:
                  f"parallelism.{key} must be >= 1 or -1 (all remaining ranks), got {value}")
         else:
             need(value >= 1, f"parallelism.{key} (alias {alias}) must be >= 1, got {value}")
-    if cfg.model.name not in MOE_MODELS:
+    if not has_experts(cfg.model.name, cfg.model.flavor):
         need(p.expert_parallel_degree == 1 and p.expert_tensor_parallel_degree == 1,
              f"expert parallelism (parallelism.ep/etp) needs an MoE model; model.name = "
              f"'{cfg.model.name}' has no experts: set parallelism.ep = 1 and parallelism.etp = 1")

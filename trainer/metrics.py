@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from models.common.flops import model_flops_per_token  # noqa: F401 - part of this module's API
 from trainer.config import JobConfig, Metrics as MetricsConfig
 
 # Dense peak FLOP/s per device (no sparsity). float32 matmuls run as TF32 on these parts.
@@ -39,19 +40,6 @@ def peak_flops(device_name: str, dtype: str = "bfloat16") -> float | None:
         if key.lower() in device_name.lower():
             return table.get(dtype)
     return None
-
-
-def model_flops_per_token(
-    num_params: int, num_layers: int, attention_dim: int, seq_len: int, num_embedding_params: int = 0
-) -> float:
-    """Training FLOPs per token: 6 * (non-embedding params) for forward + backward matmuls,
-    plus 12 * layers * attention_dim * seq_len for the attention score/value products
-    (PaLM appendix B convention: causal masking is not discounted).
-
-    For MoE pass the *active* parameters per token (shared + routed top-k experts);
-    ``attention_dim`` is n_heads * head_dim (the q/k dim for MLA).
-    """
-    return 6.0 * (num_params - num_embedding_params) + 12.0 * num_layers * attention_dim * seq_len
 
 
 def format_duration(seconds: float) -> str:

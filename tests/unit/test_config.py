@@ -208,3 +208,16 @@ def test_model_n_layers_override_reaches_the_model():
     model = build_model("llama3", "8B", device="meta", **overrides)
     assert len(model.layers) == 2 and model.args.dim == 4096  # 8B shapes, two layers
     assert "n_layers" not in model_overrides(load_config(["--config", "llama3.toml"]), 2048)
+
+
+def test_model_names_and_flavors_come_from_the_registry():
+    import dataclasses
+
+    from models.registry import flavor_names, model_names
+    from trainer.config import Model
+
+    (name_field,) = [f for f in dataclasses.fields(Model) if f.name == "name"]
+    assert name_field.metadata["choices"] == tuple(model_names())
+    for model in model_names():
+        for flavor in flavor_names(model):
+            load_config(["--model.name", model, "--model.flavor", flavor])
