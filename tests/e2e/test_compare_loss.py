@@ -1,4 +1,4 @@
-"""Tier 3: scripts/compare_loss.py drives real ``torchrun ... train.py`` runs and the layouts of
+"""Tier 3: tools.compare_loss drives real ``torchrun ... train.py`` runs and the layouts of
 DESIGN.md section 5 must give the same loss curve (within the tool's DEFAULT tolerance -- never
 loosened here) from one seed checkpoint.
 
@@ -28,7 +28,6 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "compare_loss.py"
 STEPS = 3
 TINY = ["--training.seq_len", "64", "--training.global_batch_size", "8", "--training.local_batch_size", "2",
         "--metrics.enable_tensorboard", "false"]
@@ -45,8 +44,8 @@ def _env() -> dict[str, str]:
 
 
 def compare_loss(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "tools.compare_loss", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _explain(proc: subprocess.CompletedProcess) -> str:
@@ -132,21 +131,20 @@ def test_grad_dump_matches_across_layouts(llama3_comparison, tmp_path):
     """What --diagnose runs: per-parameter gradients of step 1 from the seed, one process vs
     TP+FSDP. Same parameter names, per-parameter norms that add up to the trainer's own grad
     norm, and gradients that agree far inside the loss tolerance."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import compare_loss as cl
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
     import torch
+
+    from tools.compare_loss.diagnose import compare_grad_dumps, format_grad_rows, run_grad_dump
+    from tools.compare_loss.layouts import parse_layout
+    from tools.compare_loss.runner import Plan
 
     _, llama_out = llama3_comparison
     seed = str(llama_out / "seed" / "checkpoint" / "step-0")
-    plan = cl.Plan(config=str(ROOT / "train_configs" / "llama3.toml"), steps=1, out=str(tmp_path), extra=TINY,
-                   seed_checkpoint=seed)
+    plan = Plan(config=str(ROOT / "train_configs" / "llama3.toml"), steps=1, out=str(tmp_path), extra=TINY,
+                seed_checkpoint=seed)
     dumps = []
     for i, text in enumerate(["single", "tp=2,fsdp=2"]):
-        layout = cl.parse_layout(text)
-        paths = cl.run_grad_dump(plan, layout, str(tmp_path / f"dump{i}"), 1, timeout=300)
+        layout = parse_layout(text)
+        paths = run_grad_dump(plan, layout, str(tmp_path / f"dump{i}"), 1, timeout=300)
         assert paths is not None, (tmp_path / f"dump{i}" / "grad_dump.log").read_text()[-4000:]
         with open(paths[0]) as f:
             dump = json.load(f)
@@ -157,8 +155,8 @@ def test_grad_dump_matches_across_layouts(llama3_comparison, tmp_path):
     (base, base_grads), (other, other_grads) = dumps
     assert set(base["params"]) == set(other["params"]) and len(base["params"]) > 10
     assert other["degrees"]["tp"] == 2 and other["degrees"]["dp_shard"] == 2
-    rows = cl.compare_grad_dumps(base, other, base_grads, other_grads)
-    assert all(r["grad_rel"] is not None and r["grad_rel"] < 1e-4 for r in rows), cl.format_grad_rows(rows)
+    rows = compare_grad_dumps(base, other, base_grads, other_grads)
+    assert all(r["grad_rel"] is not None and r["grad_rel"] < 1e-4 for r in rows), format_grad_rows(rows)
 
 
 def test_bad_layout_is_rejected_before_anything_runs(tmp_path):

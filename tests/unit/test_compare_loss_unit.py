@@ -1,10 +1,9 @@
-"""scripts/compare_loss.py without training: layout parsing, the comparison math on synthetic
+"""tools.compare_loss without training: layout parsing, the comparison math on synthetic
 metrics.jsonl files, the verdict/exit codes of the whole CLI (with the runs faked), the plot, and
 the gradient-dump comparison that --diagnose prints."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -12,18 +11,29 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-cl = _load("compare_loss")
+from tools.compare_loss import runner
+from tools.compare_loss.cli import main
+from tools.compare_loss.compare import (
+    DEFAULT_RTOL,
+    beyond_tolerance,
+    compare,
+    load_metrics,
+    mean_tps,
+    passed,
+    summarize,
+)
+from tools.compare_loss.diagnose import compare_grad_dumps, format_grad_rows
+from tools.compare_loss.layouts import (
+    DEGREE_KEYS,
+    UsageError,
+    check_extra_overrides,
+    parse_layout,
+    parse_layouts,
+    pick_baseline,
+    slug,
+)
+from tools.compare_loss.report import format_table, plot_runs
+from tools.compare_loss.runner import STEP_LINE, RunResult, log_excerpt, run_streaming
 
 
 def write_metrics(path: Path, losses, grad_norms=None, tps=1000.0) -> Path:
@@ -61,25 +71,25 @@ def records(losses, grad_norms=None):
     ],
 )
 def test_parse_valid_layouts(text, degrees, nproc):
-    layout = cl.parse_layout(text)
-    expected = {k: 1 for k in cl.DEGREE_KEYS} | degrees
+    layout = parse_layout(text)
+    expected = {k: 1 for k in DEGREE_KEYS} | degrees
     assert layout.degrees == expected
     assert layout.nproc == nproc
     assert layout.name == text.strip()
     # every degree goes to train.py explicitly, so nothing is inherited from the TOML
     args = layout.train_args()
-    assert args[::2] == [f"--parallelism.{k}" for k in cl.DEGREE_KEYS]
-    assert args[1::2] == [str(expected[k]) for k in cl.DEGREE_KEYS]
+    assert args[::2] == [f"--parallelism.{k}" for k in DEGREE_KEYS]
+    assert args[1::2] == [str(expected[k]) for k in DEGREE_KEYS]
 
 
 def test_named_layout_and_duplicate_names():
-    layouts = cl.parse_layouts(["hsdp:dp_replicate=2,fsdp=2", "fsdp=4", "fsdp=4"])
+    layouts = parse_layouts(["hsdp:dp_replicate=2,fsdp=2", "fsdp=4", "fsdp=4"])
     assert [l.name for l in layouts] == ["hsdp", "fsdp=4", "fsdp=4#2"]
     assert layouts[0].degrees["dp_replicate"] == 2 and layouts[0].nproc == 4
-    assert cl.pick_baseline(layouts, None) is layouts[0]
-    assert cl.pick_baseline(layouts, "fsdp=4#2") is layouts[2]
-    with pytest.raises(cl.UsageError, match=r"--baseline 'hsd' is not one of the layouts; did you mean 'hsdp'"):
-        cl.pick_baseline(layouts, "hsd")
+    assert pick_baseline(layouts, None) is layouts[0]
+    assert pick_baseline(layouts, "fsdp=4#2") is layouts[2]
+    with pytest.raises(UsageError, match=r"--baseline 'hsd' is not one of the layouts; did you mean 'hsdp'"):
+        pick_baseline(layouts, "hsd")
 
 
 @pytest.mark.parametrize(
@@ -99,8 +109,8 @@ def test_named_layout_and_duplicate_names():
     ],
 )
 def test_parse_rejects(text, pattern):
-    with pytest.raises(cl.UsageError, match=pattern):
-        cl.parse_layout(text)
+    with pytest.raises(UsageError, match=pattern):
+        parse_layout(text)
 
 
 @pytest.mark.parametrize(
@@ -117,12 +127,12 @@ def test_parse_rejects(text, pattern):
     ],
 )
 def test_degrees_must_fit_the_process_count(text, pattern):
-    with pytest.raises(cl.UsageError, match=pattern):
-        cl.parse_layout(text)
+    with pytest.raises(UsageError, match=pattern):
+        parse_layout(text)
 
 
 def test_extra_overrides_the_tool_owns_are_refused():
-    cl.check_extra_overrides(["--training.seq_len", "64", "--metrics.enable_tensorboard=false"])
+    check_extra_overrides(["--training.seq_len", "64", "--metrics.enable_tensorboard=false"])
     for arg, owner in [
         ("--parallelism.tp", "layout strings"),
         ("--parallelism.data_parallel_shard_degree=2", "layout strings"),
@@ -131,25 +141,25 @@ def test_extra_overrides_the_tool_owns_are_refused():
         ("--checkpoint.initial_load_path", "--seed-checkpoint"),
         ("--config", "compare_loss --config"),
     ]:
-        with pytest.raises(cl.UsageError, match=owner):
-            cl.check_extra_overrides([arg, "x"])
+        with pytest.raises(UsageError, match=owner):
+            check_extra_overrides([arg, "x"])
 
 
 # -------------------------------------------------------------------------- comparison
 
 
 def test_first_step_beyond_tolerance_and_max_differences(tmp_path):
-    base = cl.load_metrics(write_metrics(tmp_path / "a.jsonl", [8.0, 7.0, 6.0, 5.0]))
-    run = cl.load_metrics(write_metrics(tmp_path / "b.jsonl", [8.0, 7.0 + 5e-6, 6.0 + 1e-4, 5.0 - 2e-4],
-                                        grad_norms=[1.0, 1.0, 1.1, 1.0]))
-    cmp = cl.compare(base, run, rtol=1e-5, atol=1e-5, expected_steps=4)
+    base = load_metrics(write_metrics(tmp_path / "a.jsonl", [8.0, 7.0, 6.0, 5.0]))
+    run = load_metrics(write_metrics(tmp_path / "b.jsonl", [8.0, 7.0 + 5e-6, 6.0 + 1e-4, 5.0 - 2e-4],
+                                     grad_norms=[1.0, 1.0, 1.1, 1.0]))
+    cmp = compare(base, run, rtol=1e-5, atol=1e-5, expected_steps=4)
     assert cmp.first_beyond == 3  # 5e-6 < 1e-5 + 7e-5; 1e-4 > 1e-5 + 6e-5
     assert cmp.first_beyond_metric == "loss"  # the grad norm is off at step 3 too; the loss is named
     assert cmp.max_abs == pytest.approx(2e-4, rel=1e-6)
     assert cmp.max_rel == pytest.approx(2e-4 / 5.0, rel=1e-6)
     assert cmp.grad_norm_max_rel == pytest.approx(0.1)
     assert not cmp.within
-    loose = cl.compare(base, run, rtol=0.2, atol=0.0, expected_steps=4)
+    loose = compare(base, run, rtol=0.2, atol=0.0, expected_steps=4)
     assert loose.first_beyond is None and loose.within  # 2e-4 <= 0.2 * 5.0 and 0.1 <= 0.2 * 1.0
 
 
@@ -158,35 +168,35 @@ def test_grad_norm_is_part_of_the_verdict(tmp_path):
     looks like) is a divergence, reported as such in the table."""
     base = _result(tmp_path, "fsdp=4", [8.0, 7.0, 6.0], grad_norms=[1.0, 1.0, 1.0])
     off = _result(tmp_path, "fsdp=2,ep=2", [8.0, 7.0, 6.0], grad_norms=[1.0, 1.5, 1.0])
-    cmp = cl.compare(base.records, off.records, rtol=1e-5, atol=1e-5)
+    cmp = compare(base.records, off.records, rtol=1e-5, atol=1e-5)
     assert (cmp.first_beyond, cmp.first_beyond_metric, cmp.max_abs) == (2, "grad_norm", 0.0)
-    rows = cl.summarize([base, off], base, rtol=1e-5, atol=1e-5, exact=False, steps=3)
+    rows = summarize([base, off], base, rtol=1e-5, atol=1e-5, exact=False, steps=3)
     assert rows[1]["status"] == "DIVERGED" and rows[1]["grad_norm_max_rel_diff"] == pytest.approx(0.5)
-    assert "2 (gnorm)" in cl.format_table(rows).splitlines()[3]
+    assert "2 (gnorm)" in format_table(rows).splitlines()[3]
     # the grad norm has its own relative tolerance (default 1e-4: MoE re-routing moves it more)
     near = records([8.0, 7.0, 6.0], [1.0, 1.0 + 5e-5, 1.0])
-    assert cl.compare(base.records, near, rtol=1e-5, atol=0.0).first_beyond == 2  # defaults to rtol
-    assert cl.compare(base.records, near, rtol=1e-5, atol=0.0, grad_norm_rtol=1e-4).within
+    assert compare(base.records, near, rtol=1e-5, atol=0.0).first_beyond == 2  # defaults to rtol
+    assert compare(base.records, near, rtol=1e-5, atol=0.0, grad_norm_rtol=1e-4).within
 
 
 def test_tolerance_rule_is_relative_to_the_baseline():
-    assert not cl.beyond_tolerance(10.0 + 1e-4, 10.0, rtol=1e-5, atol=0.0)
-    assert cl.beyond_tolerance(10.0 + 1.1e-4, 10.0, rtol=1e-5, atol=0.0)
-    assert cl.beyond_tolerance(float("nan"), 10.0, rtol=1.0, atol=1.0)
-    assert cl.beyond_tolerance(10.0, float("inf"), rtol=1.0, atol=1.0)
+    assert not beyond_tolerance(10.0 + 1e-4, 10.0, rtol=1e-5, atol=0.0)
+    assert beyond_tolerance(10.0 + 1.1e-4, 10.0, rtol=1e-5, atol=0.0)
+    assert beyond_tolerance(float("nan"), 10.0, rtol=1.0, atol=1.0)
+    assert beyond_tolerance(10.0, float("inf"), rtol=1.0, atol=1.0)
 
 
 def test_exact_mode_demands_bitwise_equal_loss_and_grad_norm():
     base = records([8.0, 7.0, 6.0], [1.0, 2.0, 3.0])
-    assert cl.compare(base, records([8.0, 7.0, 6.0], [1.0, 2.0, 3.0]), rtol=0, atol=0, exact=True).within
+    assert compare(base, records([8.0, 7.0, 6.0], [1.0, 2.0, 3.0]), rtol=0, atol=0, exact=True).within
     # one ulp in the loss at step 2
     off = records([8.0, math.nextafter(7.0, 8.0), 6.0], [1.0, 2.0, 3.0])
-    assert cl.compare(base, off, rtol=1e-3, atol=1e-3, exact=True).first_beyond == 2
+    assert compare(base, off, rtol=1e-3, atol=1e-3, exact=True).first_beyond == 2
     # equal losses, a grad norm off at step 3
     gn = records([8.0, 7.0, 6.0], [1.0, 2.0, 3.0000001])
-    assert cl.compare(base, gn, rtol=1e-3, atol=1e-3, exact=True).first_beyond == 3
-    assert cl.compare(base, gn, rtol=1e-3, atol=1e-3, exact=False).first_beyond is None
-    assert cl.compare(base, gn, rtol=0.0, atol=0.0, exact=False).first_beyond_metric == "grad_norm"
+    assert compare(base, gn, rtol=1e-3, atol=1e-3, exact=True).first_beyond == 3
+    assert compare(base, gn, rtol=1e-3, atol=1e-3, exact=False).first_beyond is None
+    assert compare(base, gn, rtol=0.0, atol=0.0, exact=False).first_beyond_metric == "grad_norm"
 
 
 def test_nan_loss_is_beyond_and_missing_steps_fail(tmp_path):
@@ -194,25 +204,25 @@ def test_nan_loss_is_beyond_and_missing_steps_fail(tmp_path):
     path = tmp_path / "nan.jsonl"
     path.write_text('{"step": 1, "loss": 8.0, "grad_norm": 1.0}\n{"step": 2, "loss": null, "grad_norm": null}\n'
                     '{"step": 3, "loss": 6.0, "gr')  # killed mid-line: the partial record is skipped
-    run = cl.load_metrics(path)
+    run = load_metrics(path)
     assert sorted(run) == [1, 2]
-    cmp = cl.compare(base, run, rtol=1e-5, atol=1e-5, expected_steps=3)
+    cmp = compare(base, run, rtol=1e-5, atol=1e-5, expected_steps=3)
     assert cmp.first_beyond == 2 and math.isinf(cmp.max_abs)
     assert cmp.missing_steps == [3] and not cmp.within
 
 
 def test_mean_tps_skips_the_warmup_step():
     recs = {1: {"tps": 1.0}, 2: {"tps": 100.0}, 3: {"tps": 200.0}}
-    assert cl.mean_tps(recs) == 150.0
-    assert cl.mean_tps({1: {"tps": 5.0}}) is None
+    assert mean_tps(recs) == 150.0
+    assert mean_tps({1: {"tps": 5.0}}) is None
 
 
 def _result(tmp_path, name, losses, rc=0, grad_norms=None):
-    layout = cl.parse_layout(name)
-    folder = tmp_path / cl.slug(name)
+    layout = parse_layout(name)
+    folder = tmp_path / slug(name)
     write_metrics(folder / "metrics.jsonl", losses, grad_norms)
-    res = cl.RunResult(layout, str(folder), rc, 1.0, str(folder / "train.log"))
-    res.records = cl.load_metrics(str(folder / "metrics.jsonl"))
+    res = RunResult(layout, str(folder), rc, 1.0, str(folder / "train.log"))
+    res.records = load_metrics(str(folder / "metrics.jsonl"))
     return res
 
 
@@ -221,35 +231,35 @@ def test_summary_rows_statuses_and_table(tmp_path):
     good = _result(tmp_path, "tp=2,fsdp=2", [8.0, 7.0 + 1e-6, 6.0 - 2e-6])
     bad = _result(tmp_path, "cp=2,tp=2", [8.0, 7.01, 6.02])
     crashed = _result(tmp_path, "dp_replicate=4", [8.0], rc=1)
-    rows = cl.summarize([base, good, bad, crashed], base, rtol=1e-5, atol=1e-5, exact=False, steps=3)
+    rows = summarize([base, good, bad, crashed], base, rtol=1e-5, atol=1e-5, exact=False, steps=3)
     assert [r["status"] for r in rows] == ["baseline", "ok", "DIVERGED", "FAILED (exit 1)"]
     assert rows[2]["first_step_beyond"] == 2
     assert rows[2]["max_abs_diff"] == pytest.approx(0.02)
     assert rows[1]["final_loss"] == 6.0 - 2e-6
-    assert not cl.passed(rows) and cl.passed(rows[:2])
-    table = cl.format_table(rows)
+    assert not passed(rows) and passed(rows[:2])
+    table = format_table(rows)
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["layout", "nproc", "max|dloss|"]
     assert lines[4].startswith("cp=2,tp=2") and " 2 " in lines[4] and "DIVERGED" in lines[4]
     assert "FAILED (exit 1)" in lines[5]
     # a failed baseline leaves nothing to compare against
-    rows = cl.summarize([crashed, good], crashed, rtol=1e-5, atol=1e-5, exact=False, steps=3)
-    assert [r["status"] for r in rows] == ["FAILED (exit 1)", "no baseline"] and not cl.passed(rows)
+    rows = summarize([crashed, good], crashed, rtol=1e-5, atol=1e-5, exact=False, steps=3)
+    assert [r["status"] for r in rows] == ["FAILED (exit 1)", "no baseline"] and not passed(rows)
 
 
 def test_run_streaming_logs_and_returns_the_exit_code(tmp_path):
     lines = []
     code = ("import sys; print('step      1  loss   8.1005  grad_norm 1.0'); "
             "print('error: boom', file=sys.stderr); sys.exit(3)")
-    rc = cl.run_streaming([sys.executable, "-c", code], str(tmp_path / "run" / "log.txt"), lines.append)
+    rc = run_streaming([sys.executable, "-c", code], str(tmp_path / "run" / "log.txt"), lines.append)
     assert rc == 3
-    assert cl.STEP_LINE.search(lines[0]).groups() == ("1", "8.1005")
+    assert STEP_LINE.search(lines[0]).groups() == ("1", "8.1005")
     # the trainer's line with the step count
-    assert cl.STEP_LINE.search("step  7/30  loss   5.2500  grad_norm 1.0").groups() == ("7", "5.2500")
-    excerpt = cl.log_excerpt(str(tmp_path / "run" / "log.txt"))
+    assert STEP_LINE.search("step  7/30  loss   5.2500  grad_norm 1.0").groups() == ("7", "5.2500")
+    excerpt = log_excerpt(str(tmp_path / "run" / "log.txt"))
     assert "errors:" in excerpt and "error: boom" in excerpt
-    rc = cl.run_streaming([sys.executable, "-c", "import time; time.sleep(30)"], str(tmp_path / "slow.txt"),
-                          lambda line: None, timeout=1)
+    rc = run_streaming([sys.executable, "-c", "import time; time.sleep(30)"], str(tmp_path / "slow.txt"),
+                       lambda line: None, timeout=1)
     assert rc == 124 and "--timeout" in (tmp_path / "slow.txt").read_text()
 
 
@@ -266,20 +276,20 @@ def fake_runs(tmp_path, monkeypatch):
         for i, layout in enumerate(layouts, 1):
             folder = Path(plan.run_folder(i, layout))
             write_metrics(folder / "metrics.jsonl", losses[layout.name])
-            res = cl.RunResult(layout, str(folder), 0, 0.1, str(folder / "train.log"))
-            res.records = cl.load_metrics(str(folder / "metrics.jsonl"))
+            res = RunResult(layout, str(folder), 0, 0.1, str(folder / "train.log"))
+            res.records = load_metrics(str(folder / "metrics.jsonl"))
             results.append(res)
         return results
 
-    monkeypatch.setattr(cl, "run_layouts", run_layouts)
+    monkeypatch.setattr(runner, "run_layouts", run_layouts)
     seed = tmp_path / "seed"
     seed.mkdir()
     return losses, seed
 
 
 def _main(out, seed, *args):
-    return cl.main(["--config", "llama3", "--steps", "3", "--out", str(out), "--seed-checkpoint",
-                    str(seed), *args, "--", "--training.seq_len", "64"])
+    return main(["--config", "llama3", "--steps", "3", "--out", str(out), "--seed-checkpoint",
+                 str(seed), *args, "--", "--training.seq_len", "64"])
 
 
 def test_cli_exit_codes(tmp_path, fake_runs, capsys):
@@ -290,7 +300,7 @@ def test_cli_exit_codes(tmp_path, fake_runs, capsys):
     printed = capsys.readouterr().out
     assert "PASS" in printed and "tp=2,fsdp=2" in printed
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["passed"] and summary["rtol"] == cl.DEFAULT_RTOL
+    assert summary["passed"] and summary["rtol"] == DEFAULT_RTOL
     assert summary["extra_overrides"] == ["--training.seq_len", "64"]
     assert (out / "loss_comparison.png").stat().st_size > 0
     # an output folder that already holds runs is refused (metrics.jsonl would mix old and new records)
@@ -311,8 +321,8 @@ def test_cli_rejects_bad_layouts_before_running(tmp_path, monkeypatch, capsys):
     def must_not_run(*a, **k):
         raise AssertionError("nothing may run for a bad layout")
 
-    monkeypatch.setattr(cl, "run_layouts", must_not_run)
-    monkeypatch.setattr(cl, "create_seed_checkpoint", must_not_run)
+    monkeypatch.setattr(runner, "run_layouts", must_not_run)
+    monkeypatch.setattr(runner, "create_seed_checkpoint", must_not_run)
     out = tmp_path / "out"
     for args, message in [
         (["--layouts", "fsdp=4", "tpp=2"], "did you mean 'tp'?"),
@@ -326,7 +336,7 @@ def test_cli_rejects_bad_layouts_before_running(tmp_path, monkeypatch, capsys):
          "a different global batch for each layout"),
         (["--layouts", "fsdp=4", "--steps", "3", "--diagnose", "--diagnose-step", "4"], "between 1 and --steps (3)"),
     ]:
-        rc = cl.main(["--config", "llama3", "--out", str(out), *args])
+        rc = main(["--config", "llama3", "--out", str(out), *args])
         assert rc == 2, args
         assert message in capsys.readouterr().err
     assert not out.exists()
@@ -339,7 +349,7 @@ def test_plot_is_written(tmp_path):
     base = records([8.0, 7.5, 7.0, 6.5])
     runs = [("single", base), ("fsdp=4", records([8.0, 7.5, 7.0 + 3e-7, 6.5 - 1e-6])),
             ("broken", records([8.0, float("nan"), 7.2, 6.9]))]
-    path = cl.plot_runs(str(tmp_path / "sub" / "plot.png"), runs, "single", rtol=1e-5, atol=1e-5)
+    path = plot_runs(str(tmp_path / "sub" / "plot.png"), runs, "single", rtol=1e-5, atol=1e-5)
     data = Path(path).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert 5_000 < len(data) < 200_000
@@ -354,13 +364,13 @@ def test_grad_dump_comparison_ranks_parameters():
     g = {k: torch.tensor(v, **f64) for k, v in {"a": [1.0, 2.0], "b": [3.0, 4.0], "c": [0.5, 0.5]}.items()}
     other = {"a": g["a"] * (1 + 1e-6), "b": -g["b"], "c": g["c"].clone()}  # b: sign flip, same norm
     dump = lambda grads: {"params": {k: float(v.norm()) for k, v in grads.items()}}  # noqa: E731
-    rows = cl.compare_grad_dumps(dump(g), dump(other), g, other)
+    rows = compare_grad_dumps(dump(g), dump(other), g, other)
     assert [r["param"] for r in rows] == ["b", "a", "c"]
     assert rows[0]["grad_rel"] == pytest.approx(2.0) and rows[0]["norm_rel"] == 0.0
     assert rows[1]["grad_rel"] == pytest.approx(1e-6, rel=1e-2)
     assert rows[2]["grad_rel"] == 0.0
     # norms only (no full gradients): ranked by the norm difference; a name on one side only is listed first
-    rows = cl.compare_grad_dumps(dump(g), {"params": {"a": 2 * float(g["a"].norm()), "b": float(g["b"].norm())}})
+    rows = compare_grad_dumps(dump(g), {"params": {"a": 2 * float(g["a"].norm()), "b": float(g["b"].norm())}})
     assert [r["param"] for r in rows] == ["c", "a", "b"] and rows[0]["note"] == "only in baseline"
-    text = cl.format_grad_rows(rows)
+    text = format_grad_rows(rows)
     assert "only in baseline" in text and text.splitlines()[0].split()[0] == "parameter"

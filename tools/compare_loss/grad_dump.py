@@ -1,6 +1,6 @@
 """Dump every parameter's gradient at one training step, to find where two layouts diverge.
 
-    torchrun --nproc_per_node=N scripts/grad_dump.py --out grads.json [--grads grads.pt] \\
+    torchrun --nproc_per_node=N -m tools.compare_loss.grad_dump --out grads.json [--grads grads.pt] \\
         [--step K] -- --config train_configs/llama3.toml --parallelism.tp 2 ...
 
 Runs the real :class:`trainer.train.Trainer` from the same argv as ``train.py`` -- including its
@@ -9,8 +9,9 @@ records each parameter's full gradient norm
 *after* gradient finalization and *before* clipping -- the gradient the layout's math produced,
 not the clipped update. Rank 0 writes ``{"step", "loss", "grad_norm", "params": {name: norm}}``
 to ``--out`` and, with ``--grads``, the full float32 gradients (``{name: tensor}``) for an exact
-``||g_a - g_b||`` comparison. ``compare_loss.py --diagnose`` runs this for the baseline and the
-diverging layout. Meant for debug-size models: every rank materializes each full gradient.
+``||g_a - g_b||`` comparison. ``python -m tools.compare_loss --diagnose`` runs this for the
+baseline and the diverging layout. Meant for debug-size models: every rank materializes each
+full gradient.
 
 It hooks in through ``Trainer.on_grads_ready``, which the trainer calls on every rank once a
 step's gradients are final, and ends the run with ``Trainer.train(stop_after=K)``.
@@ -23,17 +24,15 @@ import json
 import os
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+import trainer.train as train_module
+from models.common.init import canonical_fqn
+from trainer.config import load_config
 
-import trainer.train as train_module  # noqa: E402
-from models.common.init import canonical_fqn  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+PROG = "python -m tools.compare_loss.grad_dump"
 
 
 class GradDumpTrainer(train_module.Trainer):
@@ -88,14 +87,14 @@ class GradDumpTrainer(train_module.Trainer):
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
-        raise SystemExit("usage: grad_dump.py --out FILE.json [--grads FILE.pt] [--step K] -- <train.py arguments>")
+        raise SystemExit(f"usage: {PROG} --out FILE.json [--grads FILE.pt] [--step K] -- <train.py arguments>")
     cut = argv.index("--")
     return argv[:cut], argv[cut + 1:]
 
 
 def main(argv: list[str] | None = None) -> int:
     own, train_argv = split_argv(list(sys.argv[1:] if argv is None else argv))
-    p = argparse.ArgumentParser(prog="grad_dump.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file for the per-parameter gradient norms")
     p.add_argument("--grads", help="also save the full float32 gradients here (torch.save)")
     p.add_argument("--step", type=int, default=1, help="step whose gradients are dumped (default 1)")

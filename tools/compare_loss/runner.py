@@ -1,0 +1,211 @@
+"""Running the layouts: the seed checkpoint every run starts from, one torchrun launch per layout
+(sequentially: CPU runs share the cores), each run's output streamed to its log with a progress
+line, and a --timeout that stops torchrun and its workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tools.compare_loss.compare import load_metrics
+from tools.compare_loss.layouts import Layout, slug
+from trainer.config import REPO_ROOT
+
+TRAIN_PY = os.path.join(REPO_ROOT, "train.py")
+
+STEP_LINE = re.compile(r"\bstep\s+(\d+)(?:/\d+)?\s+loss\s+(\S+)")
+
+
+@dataclass
+class Plan:
+    """What every run shares; ``run_argv`` adds one layout's degrees and folder."""
+
+    config: str
+    steps: int
+    out: str
+    extra: list[str]
+    seed_checkpoint: str
+
+    def run_folder(self, index: int, layout: Layout) -> str:
+        return os.path.join(self.out, f"{index:02d}-{slug(layout.name)}")
+
+    def run_argv(self, layout: Layout, dump_folder: str) -> list[str]:
+        return (
+            ["--config", self.config]
+            + layout.train_args()
+            + [
+                "--training.steps", str(self.steps),
+                "--metrics.log_freq", "1",
+                "--metrics.enable_jsonl", "true",
+                "--checkpoint.enable", "false",
+                "--checkpoint.initial_load_path", self.seed_checkpoint,
+                "--job.dump_folder", dump_folder,
+            ]
+            + self.extra
+        )
+
+
+def torchrun_cmd(nproc: int, script: str, args: list[str], module: bool = False) -> list[str]:
+    """``script`` is a file, or with ``module`` a module that each worker runs like ``python -m``."""
+    # `python -m torch.distributed.run` is torchrun without depending on PATH.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            *(["-m"] if module else []), script, *args]
+
+
+@dataclass
+class RunResult:
+    layout: Layout
+    folder: str
+    returncode: int
+    wall_s: float
+    log_path: str
+    records: dict[int, dict] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def run_streaming(
+    cmd: list[str], log_path: str, on_line: Callable[[str], None], timeout: float | None = None
+) -> int:
+    """Run ``cmd``, copy its merged stdout/stderr to ``log_path`` and hand each line to ``on_line``.
+
+    The child gets its own session so a timeout or Ctrl-C stops torchrun *and* its workers
+    (signalling the group of the process we started, nothing else)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+            start_new_session=True,
+        )
+        timed_out = threading.Event()
+
+        def kill() -> None:
+            timed_out.set()
+            _kill_group(proc)
+
+        timer = threading.Timer(timeout, kill) if timeout else None
+        if timer:
+            timer.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                on_line(line)
+            rc = proc.wait()
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            if timer:
+                timer.cancel()
+        if timed_out.is_set():
+            log.write(f"\ncompare_loss: killed after the {timeout:.0f}s --timeout\n")
+            return 124
+        return rc
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class Progress:
+    """One compact line per run: layout, step, loss, elapsed. Rewritten in place on a terminal;
+    on a log (CI) only a few steps per run are printed."""
+
+    def __init__(self, label: str, steps: int, stream=None):
+        self.label, self.steps = label, steps
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.start = time.perf_counter()
+        self.every = max(1, steps // 5)
+
+    def __call__(self, line: str) -> None:
+        m = STEP_LINE.search(line)
+        if not m:
+            return
+        step = int(m.group(1))
+        text = f"{self.label}  step {step}/{self.steps}  loss {m.group(2)}  {time.perf_counter() - self.start:5.1f}s"
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+            self.stream.flush()
+        elif step == 1 or step == self.steps or step % self.every == 0:
+            print(text, file=self.stream, flush=True)
+
+    def finish(self, status: str) -> None:
+        text = f"{self.label}  {status}  {time.perf_counter() - self.start:5.1f}s"
+        if self.tty:
+            self.stream.write("\r\033[K")
+        print(text, file=self.stream, flush=True)
+
+
+def log_excerpt(log_path: str, tail: int = 25) -> str:
+    """The trainer's own ``error:`` lines (torchrun's traceback tends to bury them) + the tail."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return f"(no log at {log_path})"
+    errors = [l for l in lines if l.lstrip().startswith("error:") or "Error:" in l][:5]
+    parts = []
+    if errors:
+        parts += ["  errors:"] + [f"    {l}" for l in errors] + ["  last lines:"]
+    parts += [f"    {l}" for l in lines[-tail:]]
+    return "\n".join(parts)
+
+
+def create_seed_checkpoint(plan: Plan, timeout: float | None) -> str:
+    """One process writes the initial weights every layout starts from."""
+    folder = os.path.join(plan.out, "seed")
+    args = ["--config", plan.config, "--checkpoint.create_seed_checkpoint", "--job.dump_folder", folder]
+    args += plan.extra
+    log_path = os.path.join(folder, "seed.log")
+    progress = Progress("seed checkpoint", 1)
+    rc = run_streaming([sys.executable, TRAIN_PY, *args], log_path, lambda line: None, timeout)
+    if rc != 0:
+        progress.finish(f"FAILED (exit {rc})")
+        print(log_excerpt(log_path), file=sys.stderr)
+        raise SystemExit(1)
+    from trainer.config import load_config
+
+    cfg = load_config(args)
+    path = os.path.join(cfg.resolve_path(cfg.checkpoint.folder), "step-0")
+    progress.finish(f"-> {path}")
+    return path
+
+
+def run_layouts(plan: Plan, layouts: list[Layout], timeout: float | None) -> list[RunResult]:
+    """Sequentially (CPU runs share the cores); a failed run is reported and the rest go on."""
+    results = []
+    for i, layout in enumerate(layouts, 1):
+        folder = plan.run_folder(i, layout)
+        log_path = os.path.join(folder, "train.log")
+        label = f"[{i}/{len(layouts)}] {layout.name} ({layout.nproc}p)"
+        progress = Progress(label, plan.steps)
+        start = time.perf_counter()
+        rc = run_streaming(
+            torchrun_cmd(layout.nproc, TRAIN_PY, plan.run_argv(layout, folder)), log_path, progress, timeout
+        )
+        result = RunResult(layout, folder, rc, time.perf_counter() - start, log_path)
+        result.records = load_metrics(os.path.join(folder, "metrics.jsonl"))
+        progress.finish("done" if rc == 0 else f"FAILED (exit {rc}); log: {log_path}")
+        if rc != 0:
+            print(log_excerpt(log_path), file=sys.stderr, flush=True)
+        results.append(result)
+    return results
