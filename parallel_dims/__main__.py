@@ -49,8 +49,14 @@ def _parse(argv):
         description="Describe the device meshes of a parallelism layout (dry run, no GPU).",
     )
     p.add_argument("--world-size", type=int, required=True)
+    p.add_argument(
+        "--config",
+        help="a training config (e.g. llama3_8b.toml): print its job plan for --world-size "
+        "(degrees, model, batch, pipeline stages, this rank's parameters and training-state "
+        "memory) instead of the mesh table; degree flags override its [parallelism]",
+    )
     for axis in AXES:
-        p.add_argument(axis.cli_flag, type=int, default=axis.default, help=axis.help)
+        p.add_argument(axis.cli_flag, type=int, default=None, help=f"{axis.help} (default {axis.default})")
     p.add_argument("--rank", type=int, default=0, help="the rank whose groups are shown")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -69,7 +75,8 @@ def describe(args) -> dict:
 
     from .parallel_dims import ParallelDims, _register_fake_backend
 
-    degrees = validate_degrees(world_size=args.world_size, **{n: getattr(args, n) for n in DEGREE_NAMES})
+    given = {n: getattr(args, n) for n in DEGREE_NAMES if getattr(args, n) is not None}
+    degrees = validate_degrees(world_size=args.world_size, **given)
     if not 0 <= args.rank < degrees.world_size:
         raise ValueError(
             f"--rank {args.rank} is outside world_size={degrees.world_size}; legal ranks: 0 .. "
@@ -158,9 +165,50 @@ def _print_text(info: dict) -> None:
     )
 
 
+def plan(args) -> tuple[dict, str]:
+    """The trainer's job plan of ``--config`` (the one entry point here that reaches up into
+    trainer/: the plan needs the config, the model registry and the parallelize plan)."""
+    from trainer.config import load_config
+    from trainer.plan import dry_run, format_plan, plan_job
+
+    overrides = [
+        arg
+        for axis in AXES
+        if getattr(args, axis.name) is not None
+        for arg in (f"--parallelism.{axis.name}", str(getattr(args, axis.name)))
+    ]
+    job = plan_job(load_config(["--config", args.config, *overrides]), args.world_size)
+    if not 0 <= args.rank < args.world_size:
+        raise ValueError(f"--rank {args.rank} is outside world_size={args.world_size}")
+    dry = dry_run(job, args.rank)
+    info = {
+        "config": args.config,
+        "world_size": args.world_size,
+        "degrees": job.parallel_dims.degrees.as_dict() | {"efsdp": job.parallel_dims.degrees.efsdp},
+        "model": {"name": job.config.model.name, "flavor": job.config.model.flavor,
+                  "n_layers": job.model_args.n_layers, "params": dry["model_params"]},
+        "batch": {"global_batch_size": job.batch.global_batch_size, "local_batch_size": job.batch.local_batch_size,
+                  "batch_degree": job.batch.batch_degree, "grad_accum_steps": job.batch.grad_accum_steps,
+                  "seq_len": job.batch.seq_len},
+        "pipeline": None if job.stages is None else {
+            "schedule": job.stages.schedule, "num_stages": job.stages.num_stages,
+            "layer_ranges": [list(r) for r in job.stages.layer_ranges],
+            "n_microbatches": job.stages.n_microbatches, "bubble_fraction": job.stages.bubble_fraction,
+        },
+        "rank": dry["rank"],
+        "local_params": dry["local_params"],
+        "memory_gib": dry["memory_gib"],
+    }  # fmt: skip
+    return info, format_plan(job, dry)
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     try:
+        if args.config:
+            info, text = plan(args)
+            print(json.dumps(info, indent=1) if args.json else text)
+            return 0
         info = describe(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -417,13 +417,8 @@ def _validate_values(cfg: JobConfig) -> None:
     need(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
     need(0.0 <= s.min_lr_ratio <= 1.0, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
 
-    for alias, key in PARALLELISM_ALIASES.items():
-        value = getattr(p, key)
-        if key == "data_parallel_shard_degree":
-            need(value >= 1 or value == -1,
-                 f"parallelism.{key} must be >= 1 or -1 (all remaining ranks), got {value}")
-        else:
-            need(value >= 1, f"parallelism.{key} (alias {alias}) must be >= 1, got {value}")
+    # the degrees themselves are validated (with the fix) by the job plan, which knows the
+    # world size: trainer/plan.py -> parallel_dims.validate_degrees
     if not has_experts(cfg.model.name, cfg.model.flavor):
         need(p.expert_parallel_degree == 1 and p.expert_tensor_parallel_degree == 1,
              f"expert parallelism (parallelism.ep/etp) needs an MoE model; model.name = "

@@ -33,10 +33,8 @@ from models.parallel.pipeline import (
     sum_loss_over_pp,
 )
 from models.parallel.tensor_parallel import loss_parallel_context
-from models.parallelize import ParallelizeOptions, check_model_fits_layout
-from models.registry import build_model, get_model_spec
+from models.registry import build_model
 from parallel_dims import ParallelDims, default_backend, default_device_type
-from parallel_dims.axes import AXES
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -49,6 +47,7 @@ from trainer.data import build_dataloader
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.profiling import StepProfiler
 from trainer.tokenizer import load_tokenizer
 
@@ -128,40 +127,6 @@ def require_writable_folder(folder: str, option: str) -> None:
         ) from None
 
 
-def parallel_dims_from_config(cfg: JobConfig, world_size: int) -> ParallelDims:
-    p = cfg.parallelism
-    return ParallelDims(world_size=world_size, **{a.name: getattr(p, a.config_key) for a in AXES})
-
-
-def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict:
-    """Fit the model to the tokenizer and sequence length from the config."""
-    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
-    vocab = cfg.model.vocab_size or spec.args.vocab_size
-    if vocab < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer_vocab} tokens); set --model.vocab_size {tokenizer_vocab} or larger"
-        )
-    overrides = {"vocab_size": vocab, "max_seq_len": max(spec.args.max_seq_len, cfg.training.seq_len)}
-    if cfg.model.n_layers is not None:
-        overrides["n_layers"] = cfg.model.n_layers
-    return overrides
-
-
-def _parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
-    p = cfg.parallelism
-    return ParallelizeOptions(
-        sequence_parallel=p.enable_sequence_parallel,
-        loss_parallel=p.enable_loss_parallel,
-        param_dtype=p.mixed_precision_param,
-        reduce_dtype=p.mixed_precision_reduce,
-        reshard_after_forward=p.fsdp_reshard_after_forward,
-        ac_mode=cfg.activation_checkpoint.mode,
-        ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
-        compile=cfg.compile.enable and "model" in cfg.compile.components,
-    )
-
-
 def _moe_layers(model_parts: list[nn.Module]) -> list[nn.Module]:
     """The MoE modules of this rank's model parts (the model contract's ``moe_layers``)."""
     return [moe for part in model_parts for moe in part.moe_layers()]
@@ -192,17 +157,14 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
 
-        self.pd = parallel_dims_from_config(cfg, self.world_size)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        overrides = model_overrides(cfg, self.tokenizer.vocab_size)
-        spec = get_model_spec(cfg.model.name, cfg.model.flavor)
-        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **overrides)
-        opts = _parallelize_options(cfg)
-        check_model_fits_layout(model.args, self.pd, cfg.training.seq_len, opts.sequence_parallel)
-        self.pd.check_model(
-            global_batch_size=cfg.training.resolve_global_batch_size(self.pd.size("batch")),
-            local_batch_size=cfg.training.local_batch_size,
-        )
+        # every check that needs no process group, in one place (trainer/plan.py)
+        self.plan = plan_job(cfg, self.world_size, self.tokenizer.vocab_size)
+        self.pd = self.plan.parallel_dims
+        spec = self.plan.model
+        opts = self.plan.parallelize
+        with torch.device("meta"):
+            model = spec.model_cls(spec.args)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = training_flops_per_token(model, cfg.training.seq_len)
 
@@ -251,7 +213,7 @@ class Trainer:
             )
 
         self.data = build_dataloader(
-            cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch_degree=self.pd.size("batch")
+            cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch_degree=self.plan.batch.batch_degree
         )
         self.optimizer = build_optimizer(self.model_parts, cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -357,7 +319,7 @@ class Trainer:
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
-        not yet clipped); tools such as scripts/grad_dump.py override it."""
+        not yet clipped); tools such as tools/compare_loss/grad_dump.py override it."""
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Sum of the per-rank partial losses over every rank that holds different tokens."""

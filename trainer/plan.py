@@ -1,0 +1,276 @@
+"""The job plan: everything a config means for a world size, computed and validated once, with
+no process group and no weights.
+
+``plan_job(cfg, world_size)`` returns the validated degrees and rank layout, the model's args
+(the flavor with the config's overrides), the batch plan (global/local batch, batch degree,
+gradient accumulation), the parallelize options and, with pp > 1, the pipeline stage plan -- or
+raises ONE ``ValueError`` listing every problem it found. The trainer, the loss-comparison tool's
+preflight, the shipped-config tests and the test harnesses call it; nothing else re-derives
+these. ``python -m parallel_dims --config X.toml --world-size N`` prints it, with a dry run of
+one rank's sharding on the fake backend (:func:`dry_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from models.common.args import DecoderArgs
+from models.parallel.pipeline import StagePlan, plan_stages
+from models.parallelize import ParallelizeOptions, check_model_fits_layout
+from models.registry import ModelSpec, get_model_spec
+from parallel_dims import ParallelDims
+from parallel_dims.axes import AXES
+from trainer.config import (
+    ConfigError,
+    JobConfig,
+    gradient_accumulation_steps,
+    resolve_global_batch_size,
+)
+
+__all__ = [
+    "BatchPlan",
+    "JobPlan",
+    "dry_run",
+    "format_plan",
+    "model_overrides",
+    "parallel_dims_from_config",
+    "parallelize_options",
+    "plan_job",
+]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch of every optimizer step is split (the same on every layout)."""
+
+    global_batch_size: int  # sequences per optimizer step, all ranks together
+    local_batch_size: int  # sequences per micro-batch on one rank
+    batch_degree: int  # ranks reading different samples: dp_replicate * dp_shard
+    grad_accum_steps: int  # micro-batches per rank per step
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    config: JobConfig
+    world_size: int
+    parallel_dims: ParallelDims  # validated degrees and rank layout; meshes not built
+    model: ModelSpec  # spec.args carry the config's overrides
+    batch: BatchPlan
+    parallelize: ParallelizeOptions
+    stages: StagePlan | None  # pp > 1 only
+
+    @property
+    def model_args(self) -> DecoderArgs:
+        return self.model.args
+
+
+def parallel_dims_from_config(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """Validated, unbuilt ParallelDims from ``[parallelism]`` (one keyword per axis)."""
+    p = cfg.parallelism
+    return ParallelDims(world_size=world_size, **{a.name: getattr(p, a.config_key) for a in AXES})
+
+
+def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict[str, Any]:
+    """The model args the config changes: the vocabulary (>= the tokenizer's), the RoPE table
+    length (>= seq_len) and, with ``model.n_layers``, the depth."""
+    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
+    vocab = cfg.model.vocab_size or spec.args.vocab_size
+    if vocab < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab} tokens); set --model.vocab_size {tokenizer_vocab} or larger"
+        )
+    overrides: dict[str, Any] = {
+        "vocab_size": vocab,
+        "max_seq_len": max(spec.args.max_seq_len, cfg.training.seq_len),
+    }
+    if cfg.model.n_layers is not None:
+        overrides["n_layers"] = cfg.model.n_layers
+    return overrides
+
+
+def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
+    p = cfg.parallelism
+    return ParallelizeOptions(
+        sequence_parallel=p.enable_sequence_parallel,
+        loss_parallel=p.enable_loss_parallel,
+        param_dtype=p.mixed_precision_param,
+        reduce_dtype=p.mixed_precision_reduce,
+        reshard_after_forward=p.fsdp_reshard_after_forward,
+        ac_mode=cfg.activation_checkpoint.mode,
+        ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
+        compile=cfg.compile.enable and "model" in cfg.compile.components,
+    )
+
+
+def plan_job(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None) -> JobPlan:
+    """The validated plan of ``cfg`` on ``world_size`` ranks. ``tokenizer_vocab``: the
+    tokenizer's vocabulary size (None loads ``model.tokenizer_path`` to find it). Raises one
+    ``ValueError`` (a ``ConfigError`` when every problem is one) listing every problem; checks
+    that need an earlier result which failed are skipped."""
+    problems: list[str] = []
+
+    def attempt(check: Callable[[], Any]) -> Any:
+        try:
+            return check()
+        except ValueError as exc:
+            problems.append(str(exc))
+            return None
+
+    p = cfg.parallelism
+    pd = attempt(lambda: parallel_dims_from_config(cfg, world_size))
+    if tokenizer_vocab is None:
+        from trainer.tokenizer import load_tokenizer
+
+        tokenizer = attempt(lambda: load_tokenizer(cfg.model.tokenizer_path))
+        tokenizer_vocab = tokenizer.vocab_size if tokenizer is not None else None
+    spec = None
+    if tokenizer_vocab is not None:
+        spec = attempt(lambda: _model_spec(cfg, tokenizer_vocab))
+    opts = parallelize_options(cfg)
+    if pd is not None and spec is not None:
+        attempt(lambda: check_model_fits_layout(spec.args, pd, cfg.training.seq_len, opts.sequence_parallel))
+    batch = None
+    if pd is not None:
+        batch = attempt(lambda: _batch_plan(cfg, pd))
+    stages = None
+    if pd is not None and pd.pp > 1 and spec is not None:
+        stages = attempt(
+            lambda: plan_stages(
+                spec.args.n_layers,
+                pd.pp,
+                p.pipeline_parallel_schedule,
+                p.pipeline_microbatches(),
+                cfg.training.local_batch_size,
+                p.pipeline_parallel_split_points or None,
+                p.pipeline_parallel_layers_per_stage,
+            )
+        )
+    if problems:
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        listed = "\n".join(f"  - {problem}" for problem in problems)
+        raise ConfigError(f"{len(problems)} problems with this job on world_size={world_size}:\n{listed}")
+    return JobPlan(cfg, world_size, pd, spec, batch, opts, stages)
+
+
+def _model_spec(cfg: JobConfig, tokenizer_vocab: int) -> ModelSpec:
+    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
+    args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer_vocab))
+    args.validate()
+    return dataclasses.replace(spec, args=args)
+
+
+def _batch_plan(cfg: JobConfig, pd: ParallelDims) -> BatchPlan:
+    t = cfg.training
+    batch_degree = pd.size("batch")
+    global_batch_size = resolve_global_batch_size(t.global_batch_size, t.local_batch_size, batch_degree)
+    # the batch rules with the layout's wording (which degree to change), then the accumulation
+    pd.check_model(global_batch_size=global_batch_size, local_batch_size=t.local_batch_size)
+    return BatchPlan(
+        global_batch_size=global_batch_size,
+        local_batch_size=t.local_batch_size,
+        batch_degree=batch_degree,
+        grad_accum_steps=gradient_accumulation_steps(t.global_batch_size, t.local_batch_size, batch_degree),
+        seq_len=t.seq_len,
+    )
+
+
+# ------------------------------------------------------------------ dry run and printing
+
+
+def dry_run(plan: JobPlan, rank: int = 0) -> dict[str, Any]:
+    """Shard the meta-device model for ``rank`` exactly as training does, on the fake backend
+    (one process, no weights, no communication), and count what the rank holds: parameters
+    (local shards, FSDP padding included), gradients of the same size and dtype, and AdamW's
+    two fp32 states. Initializes and destroys a fake default process group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from models.parallel.pipeline import split_model
+    from parallel_dims.parallel_dims import _register_fake_backend
+
+    if dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group")
+    _register_fake_backend()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
+    try:
+        pd = ParallelDims(**plan.parallel_dims.degrees.as_dict())
+        pd.build_mesh("cpu")
+        spec = plan.model
+        with torch.device("meta"):
+            model = spec.model_cls(spec.args)
+        total = sum(p.numel() for p in model.parameters())
+        if pd.pp > 1:
+            p = plan.config.parallelism
+            parts = list(
+                split_model(
+                    model, pd, spec.args.n_layers, p.pipeline_parallel_split_points or None,
+                    p.pipeline_parallel_schedule, layers_per_stage=p.pipeline_parallel_layers_per_stage,
+                ).modules
+            )
+        else:
+            parts = [model]
+        local = 0
+        for part in parts:
+            spec.parallelize_fn(part, pd, plan.parallelize)
+            for param in part.parameters():
+                shard = param._local_tensor if isinstance(param, DTensor) else param
+                local += shard.numel()
+        param_bytes = 4 * local  # fp32 master weights; bf16 compute copies are transient
+        return {
+            "rank": rank,
+            "model_params": total,
+            "local_params": local,
+            "memory_gib": {
+                "params": param_bytes / 2**30,
+                "grads": param_bytes / 2**30,
+                "optimizer": 2 * param_bytes / 2**30,
+                "total": 4 * param_bytes / 2**30,
+            },
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def format_plan(plan: JobPlan, dry: dict[str, Any] | None = None) -> str:
+    d = plan.parallel_dims.degrees
+    b = plan.batch
+    a = plan.model_args
+    lines = [
+        f"job plan: {plan.config.model.name}/{plan.config.model.flavor} on world_size={plan.world_size}",
+        "degrees: " + ", ".join(f"{k}={v}" for k, v in d.as_dict().items() if k != "world_size")
+        + f", efsdp={d.efsdp}",
+        f"model: {a.n_layers} layers, dim {a.dim}, {a.n_heads} heads, vocab {a.vocab_size}"
+        + (f", {a.num_experts} experts" if a.has_experts else ""),
+        f"batch: global {b.global_batch_size} x {b.seq_len} tokens = {b.tokens_per_step:,} per step; "
+        f"{b.batch_degree} batch ranks x {b.grad_accum_steps} micro-batch(es) of {b.local_batch_size}",
+        f"parallelize: {dataclasses.asdict(plan.parallelize)}",
+    ]
+    if plan.stages is not None:
+        s = plan.stages
+        ranges = ", ".join(f"{lo}-{hi - 1}" for lo, hi in s.layer_ranges)
+        lines.append(
+            f"pipeline: {s.schedule}, {s.num_stages} stages ({s.stages_per_rank} per rank), "
+            f"layers per stage {ranges}, {s.n_microbatches} micro-batches, "
+            f"bubble {s.bubble_fraction:.2f}"
+        )
+    if dry is not None:
+        m = dry["memory_gib"]
+        lines.append(
+            f"rank {dry['rank']}: {dry['local_params']:,} of {dry['model_params']:,} parameters "
+            f"({dry['local_params'] / dry['model_params']:.4f}); fp32 training state "
+            f"{m['total']:.2f} GiB = params {m['params']:.2f} + grads {m['grads']:.2f} + "
+            f"AdamW {m['optimizer']:.2f} (activations not included)"
+        )
+    return "\n".join(lines)
