@@ -6,11 +6,11 @@ from ._torch_support import check_torch_version as _check_torch_version
 _check_torch_version()
 
 from .layout import Degrees, RankLayout, validate_degrees  # noqa: E402
+from .model_rules import check_model_layout  # noqa: E402
 from .parallel_dims import (  # noqa: E402
     MESH_BUILDER_ENV,
     MESH_BUILDERS,
     ParallelDims,
-    check_model_layout,
     default_backend,
     default_device_type,
     layout_builder_available,

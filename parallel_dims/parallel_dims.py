@@ -51,6 +51,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .axes import DEGREE_NAMES
+from .compat import TorchtitanCompat
+from .model_rules import check_model_layout
 from .layout import (
     ALL_NAMES,
     COMPOSITE_MESHES,
@@ -156,7 +158,7 @@ def _new_group(ranks: list[int], backend: str | None, desc: str):
     )
 
 
-class ParallelDims:
+class ParallelDims(TorchtitanCompat):
     """Parallelism degrees and, once built, the meshes for each role.
 
     ``ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, etp=1, world_size=8)``:
@@ -519,20 +521,6 @@ class ParallelDims:
         self._require_built()
         return self._world_mesh
 
-    @property
-    def dense_mesh(self) -> DeviceMesh:
-        return self.get_mesh("dense")
-
-    @property
-    def sparse_mesh(self) -> DeviceMesh:
-        return self.get_mesh("sparse")
-
-    def __getattr__(self, item: str):
-        # fsdp_mesh, loss_mesh, tp_mesh, ...: the mesh of that role, or None when disabled.
-        if item.endswith("_mesh") and item[: -len("_mesh")] in ONE_D_AXES:
-            return self.get_optional_mesh(item[: -len("_mesh")])
-        raise AttributeError(item)
-
     def process_group_count(self) -> dict[str, int]:
         """Groups this rank holds: real communicators created, placeholders, and the total of
         distinct real rank sets (the default group included when an axis spans the world)."""
@@ -541,66 +529,6 @@ class ParallelDims:
             "placeholder": self.placeholder_groups_created,
             "distinct_real_rank_sets": self.layout.rank_sets_per_rank(),
         }
-
-    # ------------------------------------------------------------------ degrees
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp_replicate > 1 or self.dp_shard > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def dp_cp_enabled(self) -> bool:
-        return self.dp_enabled or self.cp_enabled
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard_enabled or self.cp_enabled
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
-
-    @property
-    def etp_enabled(self) -> bool:
-        return self.etp > 1
-
-    @property
-    def efsdp(self) -> int:
-        return self.degrees.efsdp
-
-    @property
-    def fsdp_gradient_divide_factor(self) -> int:
-        """Data-parallel ranks contributing to a gradient: experts are sharded on a smaller mesh
-        than dense params but must be divided like them."""
-        return self.dp_replicate * self.dp_shard * self.cp
-
-    @property
-    def non_data_parallel_size(self) -> int:
-        return self.cp * self.tp * self.pp
-
-    @property
-    def seq_len_divisor(self) -> int:
-        """Sequence parallel needs seq_len % tp == 0; load-balanced CP needs seq_len % 2cp."""
-        return self.tp * (self.cp * 2)
 
     # ------------------------------------------------------------------ model rules
     def check_model(
@@ -616,7 +544,8 @@ class ParallelDims:
         local_batch_size: int | None = None,
         sequence_parallel: bool = True,
     ) -> None:
-        """Model-dependent layout rules, each with a ValueError that says what to change."""
+        """Model-dependent layout rules, each with a ValueError that says what to change
+        (:mod:`parallel_dims.model_rules`)."""
         check_model_layout(
             self.degrees,
             sequence_parallel=sequence_parallel,
@@ -658,71 +587,3 @@ def _coalesce(modes) -> list[tuple[int, int]]:
         else:
             out.append((size, stride))
     return out[::-1] or [(1, 1)]
-
-
-def _divisors_of(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def check_model_layout(
-    d: Degrees,
-    *,
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-    n_experts: int | None = None,
-    seq_len: int | None = None,
-    n_layers: int | None = None,
-    pp_stages: int | None = None,
-    global_batch_size: int | None = None,
-    local_batch_size: int | None = None,
-    sequence_parallel: bool = True,
-) -> None:
-    """Rules that need the model or the batch: see :meth:`ParallelDims.check_model`."""
-    if n_heads is not None and n_heads % d.tp:
-        raise ValueError(
-            f"tp={d.tp} does not divide n_heads={n_heads}: tensor parallelism splits attention "
-            f"heads; legal tp values for this model: {_divisors_of(n_heads)}"
-        )
-    if n_kv_heads is not None and n_kv_heads % d.tp:
-        raise ValueError(
-            f"tp={d.tp} does not divide n_kv_heads={n_kv_heads}: each tp rank needs whole "
-            f"key/value heads (GQA); legal tp values: {_divisors_of(n_kv_heads)}"
-        )
-    if n_experts is not None and n_experts % d.ep:
-        raise ValueError(
-            f"ep={d.ep} does not divide n_routed_experts={n_experts}: each ep rank owns an "
-            f"equal share of the experts; legal ep values: {_divisors_of(n_experts)}"
-        )
-    sp_factor = d.tp if sequence_parallel else 1
-    divisor = sp_factor * (2 * d.cp if d.cp > 1 else 1)
-    if seq_len is not None and seq_len % divisor:
-        parts = []
-        if d.cp > 1:
-            parts.append("2*cp (load-balanced context-parallel chunks)")
-        if sp_factor > 1:
-            parts.append("tp (sequence parallel splits the sequence across tp ranks)")
-        formula = "2*cp*tp" if d.cp > 1 and sp_factor > 1 else ("2*cp" if d.cp > 1 else "tp")
-        raise ValueError(
-            f"seq_len={seq_len} is not divisible by {divisor} = {formula}: "
-            f"{' times '.join(parts)}; use a multiple of {divisor}"
-        )
-    stages = pp_stages if pp_stages is not None else d.pp
-    if n_layers is not None and n_layers < stages:
-        raise ValueError(
-            f"n_layers={n_layers} is fewer than the {stages} pipeline stages (pp={d.pp}); every "
-            f"stage needs at least one layer: use pp <= {n_layers}"
-        )
-    if global_batch_size is not None:
-        batch = d.dp_replicate * d.dp_shard
-        if global_batch_size % batch:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by the batch degree "
-                f"dp_replicate*dp_shard = {batch}; use a multiple of {batch}"
-            )
-        if local_batch_size is not None and (global_batch_size // batch) % local_batch_size:
-            per_rank = global_batch_size // batch
-            raise ValueError(
-                f"local_batch_size={local_batch_size} does not divide the {per_rank} samples each "
-                f"batch rank gets (global_batch_size={global_batch_size} / batch degree {batch}); "
-                f"legal local_batch_size values: {_divisors_of(per_rank)}"
-            )

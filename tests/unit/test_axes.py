@@ -19,8 +19,9 @@ def test_every_consumer_lists_the_table_axes_in_order():
     assert [f.default for f in degree_fields] == [a.default for a in AXES]
     assert PARALLELISM_ALIASES == {a.name: a.config_key for a in AXES}
     assert PROCESS_AXES == ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-    args = _parse(["--world-size", "8"])
-    assert {n: getattr(args, n) for n in DEGREE_NAMES} == {a.name: a.default for a in AXES}
+    # one describe-CLI flag per axis (unset flags take the table's default, or the config's)
+    args = _parse(["--world-size", "8", *[x for a in AXES for x in (a.cli_flag, "2")]])
+    assert {n: getattr(args, n) for n in DEGREE_NAMES} == {a.name: 2 for a in AXES}
 
 
 def test_degrees_travel_from_config_to_parallel_dims():
