@@ -34,7 +34,7 @@ test: $(STAMP)
 		tests/distributed/test_parallel_dims_gloo.py tests/distributed/test_parallelize_equivalence.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m unit tests
 
 train: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config train_configs/llama3.toml $(ARGS)

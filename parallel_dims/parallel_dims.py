@@ -461,7 +461,7 @@ class ParallelDims(TorchtitanCompat):
             if self.layout.size(n) > 1
         }
 
-    # -- meshes by role (DESIGN.md section 4): each consumer asks for its mesh, never ranks --
+    # -- meshes by role (docs/design.md section 3): each consumer asks for its mesh, never ranks --
     @property
     def dense_fsdp_mesh(self) -> DeviceMesh | None:
         """FSDP2 mesh for dense params: ``[dp_replicate, fsdp]`` (HSDP; also DDP-like when

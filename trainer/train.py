@@ -1,7 +1,7 @@
 """The training loop: config -> ParallelDims -> parallelized model -> steps, metrics, checkpoints.
 
 Launch through ``train.py`` at the repository root (``torchrun ... train.py --config X``). The
-loop keeps the invariants that make loss curves comparable across layouts (DESIGN.md section 5):
+loop keeps the invariants that make loss curves comparable across layouts (docs/design.md section 5):
 FQN-seeded initial weights (or a seed checkpoint), the same global batch every step whatever the
 layout, and a loss equal to the sum of token losses divided by the global token count, with all
 reductions summed over the ``loss`` mesh.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launcher import run_distributed
+from tools.launcher import run_distributed
 
 MIN_BF16_SHARE = 0.99
 

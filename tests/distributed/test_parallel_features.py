@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launcher import run_distributed
+from tools.launcher import run_distributed
 from tests.distributed.parallel_harness import (
     GRAD_RTOL,
     fp32_failures,

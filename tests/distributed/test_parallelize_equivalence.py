@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launcher import run_distributed
+from tools.launcher import run_distributed
 from tests.distributed.parallel_harness import (
     fp32_failures,
     full_degrees,

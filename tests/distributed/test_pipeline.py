@@ -35,7 +35,7 @@ from models.parallel.pipeline import (
     stage_layer_ranges,
 )
 from models.registry import build_model
-from tests.distributed.launcher import run_distributed
+from tools.launcher import run_distributed
 from tests.distributed.parallel_harness import SEED, _optimizer, make_batch, small_overrides
 
 GLOBAL_BS, SEQ, N_MICROBATCHES, MAX_NORM = 8, 32, 4, 1.0

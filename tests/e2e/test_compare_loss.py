@@ -1,5 +1,5 @@
 """Tier 3: tools.compare_loss drives real ``torchrun ... train.py`` runs and the layouts of
-DESIGN.md section 5 must give the same loss curve (within the tool's DEFAULT tolerance -- never
+docs/design.md section 5 must give the same loss curve (within the tool's DEFAULT tolerance -- never
 loosened here) from one seed checkpoint.
 
 Cost on 2 CPU cores is almost all process start-up (``import torch`` + mesh + seed load per

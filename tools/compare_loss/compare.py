@@ -2,7 +2,7 @@
 
 Why tolerances and not equality: the layouts sum the same numbers in different orders (a
 reduce-scatter over 4 ranks, a TP matmul split in two, CP attention over gathered K/V), so float32
-results differ in the last bits. Measured in fp32 on CPU over 30 steps (DESIGN.md section 5), every
+results differ in the last bits. Measured in fp32 on CPU over 30 steps (docs/design.md section 5), every
 correct layout stays within 1.3e-7 relative of the baseline loss for llama3 debug (FSDP, HSDP, DDP,
 TP, CP; about one float32 ulp) and within 1.2e-6 for deepseek_v3 debug (EP, ETP, EP folded over
 CP), where a token whose router scores tie to the last bit can pick another expert. The default

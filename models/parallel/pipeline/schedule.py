@@ -1,6 +1,6 @@
 """The pipeline at run time: torch schedules over this rank's stage modules, and the step.
 
-Loss convention (DESIGN.md section 5). The trainer's ``loss_fn(logits, labels)`` returns the SUM
+Loss convention (docs/design.md section 5). The trainer's ``loss_fn(logits, labels)`` returns the SUM
 of token losses of one micro-batch. The schedule divides it by the step's GLOBAL token count
 (all dp/cp ranks, all micro-batches, all gradient-accumulation steps), so the micro-batch
 losses add up to the step loss and their gradients add up to its gradient. torch's schedules

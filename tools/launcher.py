@@ -1,4 +1,4 @@
-"""Run a function on N local CPU processes over gloo, for tier-2 tests.
+"""Run a function on N local CPU processes over gloo: the tier-2 tests and the benchmarks use it.
 
 Children come from a forkserver that has already imported torch, so each rank starts in a
 fraction of a second instead of paying ``import torch`` again. A failing rank's traceback is
