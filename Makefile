@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # GPUs when there are any, else 4 CPU processes over gloo.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ $$n -gt 0 ] && echo $$n || echo 4)
 
-.PHONY: setup test test-fast train bench bench-gpu describe clean
+.PHONY: setup lint format test test-fast train bench bench-gpu describe clean
 
 setup: $(STAMP)
 
@@ -23,17 +23,26 @@ $(STAMP): pyproject.toml
 	else \
 		echo "== NVIDIA GPU found: pip picks a CUDA build of torch (torch>=2.11,<2.16)"; \
 	fi
-	@echo "== installing meshtrain and its dev/test dependencies (pytest, hypothesis, matplotlib, torchtitan for comparisons)"
+	@echo "== installing meshtrain and its dev/test dependencies (pytest, hypothesis, matplotlib, ruff, torchtitan for comparisons)"
 	@$(PY) -m pip install --quiet -e ".[dev,peer]"
 	@touch $(STAMP)
 	@echo "== $(VENV) is ready; run tools with $(VENV)/bin/python, $(VENV)/bin/torchrun (or: source $(VENV)/bin/activate)"
 
-test: $(STAMP)
+# Lint and format check run first in `make test` (and so in CI); `make format` fixes formatting.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
 	$(PY) -m pytest -q tests
 	MESHTRAIN_MESH_BUILDER=portable $(PY) -m pytest -q tests/unit/test_fake_build.py \
 		tests/distributed/test_parallel_dims_gloo.py tests/distributed/test_parallelize_equivalence.py
 
-test-fast: $(STAMP)
+test-fast: lint
 	$(PY) -m pytest -q -m unit tests
 
 train: $(STAMP)

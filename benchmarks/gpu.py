@@ -177,8 +177,14 @@ def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
     if case.compile:
         for block in model.layers.values():
             block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda", foreach=device.type != "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        fused=device.type == "cuda",
+        foreach=device.type != "cuda",
+    )
     tokens = torch.randint(0, vocab, (steps + 1, case.local_batch_size, case.seq_len + 1), device=device)
     n_tokens = case.local_batch_size * case.seq_len
 
@@ -212,8 +218,14 @@ def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         peak = peak_flops(torch.cuda.get_device_name(device), "bfloat16")
         # the trainer's FLOPs per token for these shapes (the same for torchtitan's model)
-        reference = build_model(case.model, case.flavor, device="meta", n_layers=case.n_layers,
-                                max_seq_len=case.seq_len, **({"vocab_size": case.vocab_size} if case.vocab_size else {}))
+        reference = build_model(
+            case.model,
+            case.flavor,
+            device="meta",
+            n_layers=case.n_layers,
+            max_seq_len=case.seq_len,
+            **({"vocab_size": case.vocab_size} if case.vocab_size else {}),
+        )
         if peak:
             out["mfu_pct"] = 100 * training_flops_per_token(reference, case.seq_len) * tps / peak
     if not case.compile:
@@ -240,7 +252,10 @@ def run_bare(case: Case, kind: str, steps: int, warmup: int) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ""
     res = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu", "--worker", kind, json.dumps(asdict(case)), str(steps), str(warmup)],
-        cwd=ROOT, capture_output=True, text=True, env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if res.returncode != 0:
         return {"error": f"{kind} loop exited {res.returncode}: {res.stderr[-2000:]}"}
@@ -249,9 +264,9 @@ def run_bare(case: Case, kind: str, steps: int, warmup: int) -> dict:
 
 def _torchtitan_available() -> bool:
     try:
-        import torchtitan.models.deepseek_v3  # noqa: F401
+        import torchtitan.models.deepseek_v3
         import torchtitan.models.llama3  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+    except Exception:
         return False
     return True
 
@@ -285,8 +300,10 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'case':<42}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
-              f"{'GiB':>7}{'tr/bare':>9}{'titan tok/s':>13}{'bare/titan':>11}{'bf16 GEMM':>10}")
+    header = (
+        f"{'case':<42}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
+        f"{'GiB':>7}{'tr/bare':>9}{'titan tok/s':>13}{'bare/titan':>11}{'bf16 GEMM':>10}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -314,17 +331,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="*", choices=["eager", "compiled"], default=["eager", "compiled"])
     p.add_argument("--steps", type=int, default=15, help="steps per measurement (default 15)")
     p.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny debug shapes, on the CPU when there is no GPU: checks the benchmark runs")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny debug shapes, on the CPU when there is no GPU: checks the benchmark runs",
+    )
     args = p.parse_args(argv)
 
     import torch
 
     has_gpu = torch.cuda.is_available()
     if not has_gpu and not args.smoke:
-        print("error: make bench-gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
-              "run it on a GPU machine, or pass --smoke to check the benchmark on tiny CPU shapes",
-              file=sys.stderr)
+        print(
+            "error: make bench-gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
+            "run it on a GPU machine, or pass --smoke to check the benchmark on tiny CPU shapes",
+            file=sys.stderr,
+        )
         return 2
     if args.warmup >= args.steps:
         print(f"error: --warmup {args.warmup} leaves no timed step of --steps {args.steps}", file=sys.stderr)
@@ -333,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if has_gpu else "cpu"
     cases = [
         replace(c, compile=mode == "compiled", device=device)
-        for c in base if c.model in args.models for mode in args.modes
+        for c in base
+        if c.model in args.models
+        for mode in args.modes
     ]
     with_titan = _torchtitan_available()
     if not with_titan:

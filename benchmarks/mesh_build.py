@@ -60,9 +60,7 @@ def run(rank: int = 0) -> list[dict]:
                 continue
             row[impl] = json.loads(out.stdout.strip().splitlines()[-1])
         if "seconds" in row.get("ours", {}) and "seconds" in row.get("torchtitan", {}):
-            row["time_ratio_ours_over_torchtitan"] = round(
-                row["ours"]["seconds"] / row["torchtitan"]["seconds"], 3
-            )
+            row["time_ratio_ours_over_torchtitan"] = round(row["ours"]["seconds"] / row["torchtitan"]["seconds"], 3)
         rows.append(row)
         print(
             f"mesh build world={cfg['world_size']:>6}: ours {row['ours'].get('seconds', float('nan')):.3f} s "

@@ -63,9 +63,7 @@ def _measure(num_experts: int) -> dict:
     from models.deepseek_v3.moe import GroupedExperts
 
     g = torch.Generator().manual_seed(num_experts)
-    counts = torch.bincount(
-        torch.randint(0, num_experts, (ROWS,), generator=g), minlength=num_experts
-    )
+    counts = torch.bincount(torch.randint(0, num_experts, (ROWS,), generator=g), minlength=num_experts)
     x = torch.randn(ROWS, DIM, generator=g)
     grad_out = torch.randn(ROWS, DIM, generator=g)
     experts = GroupedExperts(DIM, HIDDEN, num_experts)
@@ -84,9 +82,7 @@ def _measure(num_experts: int) -> dict:
 
     best = {p: min(t) for p, t in times.items()}
     bitwise = all(torch.equal(a, b) for a, b in zip(results["grouped"], results["loop"]))
-    old_diff = max(
-        (a - b).abs().max().item() for a, b in zip(results["grouped"], results["old_loop"])
-    )
+    old_diff = max((a - b).abs().max().item() for a, b in zip(results["grouped"], results["old_loop"]))
     return {
         "experts": num_experts,
         "rows": ROWS,
@@ -123,9 +119,15 @@ def run() -> dict:
         )
     return {
         "config": {
-            "rows": ROWS, "dim": DIM, "hidden": HIDDEN, "dtype": "float32", "device": "cpu",
-            "threads": THREADS, "reps": REPS, "statistic": "min",
-        },  # fmt: skip
+            "rows": ROWS,
+            "dim": DIM,
+            "hidden": HIDDEN,
+            "dtype": "float32",
+            "device": "cpu",
+            "threads": THREADS,
+            "reps": REPS,
+            "statistic": "min",
+        },
         "rows": rows,
     }
 

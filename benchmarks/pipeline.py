@@ -47,9 +47,7 @@ def _measure(rank: int, world_size: int, configs: list[tuple[str, int]]) -> list
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
-    pd = ParallelDims(
-        dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=world_size, ep=1, etp=1, world_size=world_size
-    )
+    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=world_size, ep=1, etp=1, world_size=world_size)
     pd.build_mesh("cpu")
     meta = build_model("llama3", "debugmodel", device="meta", n_layers=N_LAYERS, max_seq_len=SEQ_LEN)
     g = torch.Generator().manual_seed(0)
@@ -63,8 +61,14 @@ def _measure(rank: int, world_size: int, configs: list[tuple[str, int]]) -> list
             module.init_weights(0)
     pipes = [
         build_pipeline_schedule(
-            splits[s].modules, splits[s].stage_indices, pd, s, m, loss_fn,
-            local_batch_size=LOCAL_BATCH, seq_len=SEQ_LEN,
+            splits[s].modules,
+            splits[s].stage_indices,
+            pd,
+            s,
+            m,
+            loss_fn,
+            local_batch_size=LOCAL_BATCH,
+            seq_len=SEQ_LEN,
         )
         for s, m in configs
     ]

@@ -18,9 +18,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, WARMUP = 30, 5
 ARGS = [
-    "--config", "llama3.toml", "--training.seq_len", "128", "--training.global_batch_size", "8",
-    "--training.local_batch_size", "8", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-    "false", "--checkpoint.enable", "false", "--parallelism.dp_shard", "1",
+    "--config",
+    "llama3.toml",
+    "--training.seq_len",
+    "128",
+    "--training.global_batch_size",
+    "8",
+    "--training.local_batch_size",
+    "8",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--parallelism.dp_shard",
+    "1",
 ]
 
 
@@ -40,8 +53,12 @@ def bare_loop(steps: int, warmup: int) -> float:
     model = build_model("llama3", "debugmodel", device="cpu", vocab_size=2048, max_seq_len=2048)
     model.init_weights(cfg.training.seed)
     data = build_dataloader(cfg, tok, batch_rank=0, batch_degree=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas),
-                            weight_decay=cfg.optimizer.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optimizer.lr,
+        betas=tuple(cfg.optimizer.betas),
+        weight_decay=cfg.optimizer.weight_decay,
+    )
     tokens = data.tokens_per_step
     for step in range(steps):
         if step == warmup:
@@ -71,8 +88,12 @@ def interleaved_step_ratio(steps: int = 12, warmup: int = 3) -> float:
         cfg = load_config([*ARGS, "--training.steps", str(4 * steps), "--job.dump_folder", d])
         trainer = Trainer(cfg)
         model = trainer.model_parts[0]
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas),
-                                weight_decay=cfg.optimizer.weight_decay)
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.optimizer.lr,
+            betas=tuple(cfg.optimizer.betas),
+            weight_decay=cfg.optimizer.weight_decay,
+        )
         tokens = trainer.data.tokens_per_step
 
         def bare_step(microbatches):
@@ -101,7 +122,10 @@ def framework(steps: int, warmup: int) -> float:
     with tempfile.TemporaryDirectory() as d:
         subprocess.run(
             [sys.executable, "train.py", *ARGS, "--training.steps", str(steps), "--job.dump_folder", d],
-            cwd=ROOT, check=True, capture_output=True, env=_env(),
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            env=_env(),
         )
         records = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
     timed = [r for r in records if r["step"] > warmup]
@@ -120,8 +144,9 @@ def run() -> dict:
     code = f"from benchmarks.throughput import bare_loop; print(bare_loop({STEPS}, {WARMUP}))"
 
     def measure_bare():
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
-                             text=True, env=_env())
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True, env=_env()
+        )
         results["bare_loop_tps"].append(float(out.stdout.strip().splitlines()[-1]))
 
     def measure_framework():
@@ -132,15 +157,19 @@ def run() -> dict:
         first()
         second()
     code_step = "from benchmarks.throughput import interleaved_step_ratio; print(interleaved_step_ratio())"
-    out = subprocess.run([sys.executable, "-c", code_step], cwd=ROOT, check=True, capture_output=True,
-                         text=True, env=_env())
+    out = subprocess.run(
+        [sys.executable, "-c", code_step], cwd=ROOT, check=True, capture_output=True, text=True, env=_env()
+    )
     results["interleaved_step_ratio_train_step_over_bare"] = round(float(out.stdout.strip().splitlines()[-1]), 3)
     bare, fw = max(results["bare_loop_tps"]), max(results["train_py_tps"])
     results["ratio_train_py_over_bare"] = round(fw / bare, 3)
     results["goal"] = ">= 0.95"
-    print(f"throughput: train.py {fw:,.0f} tok/s vs bare loop {bare:,.0f} tok/s -> ratio "
-          f"{results['ratio_train_py_over_bare']}; same-process interleaved train_step/bare step: "
-          f"{results['interleaved_step_ratio_train_step_over_bare']}", file=sys.stderr)
+    print(
+        f"throughput: train.py {fw:,.0f} tok/s vs bare loop {bare:,.0f} tok/s -> ratio "
+        f"{results['ratio_train_py_over_bare']}; same-process interleaved train_step/bare step: "
+        f"{results['interleaved_step_ratio_train_step_over_bare']}",
+        file=sys.stderr,
+    )
     return results
 
 

@@ -22,7 +22,7 @@ from models.parallel.fsdp import apply_fsdp
 from models.parallel.tensor_parallel import apply_tensor_parallel
 from parallel_dims import ParallelDims
 
-__all__ = ["ParallelizeOptions", "parallelize_model", "check_model_fits_layout"]
+__all__ = ["ParallelizeOptions", "check_model_fits_layout", "parallelize_model"]
 
 
 @dataclass

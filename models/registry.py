@@ -101,9 +101,7 @@ def register_model(
     if name in _MODELS:
         raise ValueError(f"Model {name!r} is already registered ({_MODELS[name].model_cls.__name__}).")
     if not (isinstance(model_cls, type) and issubclass(model_cls, Decoder)):
-        raise TypeError(
-            f"Model {name!r}: {model_cls!r} is not a subclass of models.common.decoder.Decoder."
-        )
+        raise TypeError(f"Model {name!r}: {model_cls!r} is not a subclass of models.common.decoder.Decoder.")
     if not flavors:
         raise ValueError(f"Model {name!r} needs at least one flavor.")
     for flavor, args in flavors.items():
@@ -112,9 +110,7 @@ def register_model(
                 f"Model {name!r} flavor {flavor!r}: args must be a dataclass subclassing "
                 f"models.common.args.DecoderArgs, got {type(args).__name__}."
             )
-    entry = ModelEntry(
-        name, model_cls, MappingProxyType(dict(flavors)), parallelize_fn, hf_state_dict_adapter
-    )
+    entry = ModelEntry(name, model_cls, MappingProxyType(dict(flavors)), parallelize_fn, hf_state_dict_adapter)
     _MODELS[name] = entry
     return entry
 
@@ -146,9 +142,7 @@ def get_model_spec(name: str, flavor: str) -> ModelSpec:
     """Spec with a private copy of the flavor's args (callers may mutate it freely)."""
     entry = _lookup_model(name)
     if flavor not in entry.flavors:
-        raise ValueError(
-            f"Unknown flavor {flavor!r} for model {name!r}; valid flavors: {', '.join(entry.flavors)}."
-        )
+        raise ValueError(f"Unknown flavor {flavor!r} for model {name!r}; valid flavors: {', '.join(entry.flavors)}.")
     return ModelSpec(
         name,
         flavor,
@@ -160,9 +154,7 @@ def get_model_spec(name: str, flavor: str) -> ModelSpec:
     )
 
 
-def build_model(
-    name: str, flavor: str, device: torch.device | str = "meta", **arg_overrides: Any
-) -> Decoder:
+def build_model(name: str, flavor: str, device: torch.device | str = "meta", **arg_overrides: Any) -> Decoder:
     """Construct ``name``/``flavor`` with ``arg_overrides`` applied (e.g. ``vocab_size`` to
     match a tokenizer, ``max_seq_len`` to match the training sequence length) on ``device``.
     The default meta device allocates nothing; follow with ``to_empty`` + ``init_weights``."""
@@ -170,9 +162,7 @@ def build_model(
     valid = [f.name for f in dataclasses.fields(spec.args)]
     unknown = sorted(set(arg_overrides) - set(valid))
     if unknown:
-        raise ValueError(
-            f"Unknown override(s) {unknown} for model {name!r}; valid keys: {', '.join(valid)}."
-        )
+        raise ValueError(f"Unknown override(s) {unknown} for model {name!r}; valid keys: {', '.join(valid)}.")
     args = dataclasses.replace(spec.args, **arg_overrides)
     args.validate()
     with torch.device(device):

@@ -18,9 +18,9 @@ from .parallel_dims import (  # noqa: E402
 )
 
 __all__ = [
-    "Degrees",
     "MESH_BUILDERS",
     "MESH_BUILDER_ENV",
+    "Degrees",
     "ParallelDims",
     "RankLayout",
     "check_model_layout",

@@ -79,8 +79,7 @@ def describe(args) -> dict:
     degrees = validate_degrees(world_size=args.world_size, **given)
     if not 0 <= args.rank < degrees.world_size:
         raise ValueError(
-            f"--rank {args.rank} is outside world_size={degrees.world_size}; legal ranks: 0 .. "
-            f"{degrees.world_size - 1}"
+            f"--rank {args.rank} is outside world_size={degrees.world_size}; legal ranks: 0 .. {degrees.world_size - 1}"
         )
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
@@ -134,7 +133,9 @@ def _print_text(info: dict) -> None:
     d = info["degrees"]
     print(
         "degrees: "
-        + ", ".join(f"{k}={d[k]}" for k in ("world_size", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "efsdp"))
+        + ", ".join(
+            f"{k}={d[k]}" for k in ("world_size", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "efsdp")
+        )
     )
     rank, gpn = info["rank"], info["gpus_per_node"]
     print(f"rank {rank} (node {rank // gpn}, {gpn} GPUs per node)")
@@ -145,7 +146,9 @@ def _print_text(info: dict) -> None:
         strides = ", ".join("-" if s is None else str(s) for s in m["strides"])
         print(f"{name:<7} mesh ({dims})  strides ({strides})  coordinate {tuple(m['coordinate'])}  [{m['role']}]")
     print()
-    header = f"{'mesh':<13}{'size':>7}  {'strides':<14}{'coord':>6}  {'crosses nodes':<14}{'group of rank ' + str(rank)}"
+    header = (
+        f"{'mesh':<13}{'size':>7}  {'strides':<14}{'coord':>6}  {'crosses nodes':<14}{'group of rank ' + str(rank)}"
+    )
     print(header)
     print("-" * len(header))
     for name in ONE_D_AXES:
@@ -154,7 +157,9 @@ def _print_text(info: dict) -> None:
             status = "off"
         else:
             status = "yes" if m["crosses_nodes"] else "no"
-        shared = "" if m["shares_group_with"] == name or m["size"] == 1 else f"  (same group as {m['shares_group_with']})"
+        shared = (
+            "" if m["shares_group_with"] == name or m["size"] == 1 else f"  (same group as {m['shares_group_with']})"
+        )
         strides = "x".join(map(str, m["strides"]))
         print(f"{name:<13}{m['size']:>7}  {strides:<14}{m['coordinate']:>6}  {status:<14}{_short(m['group'])}{shared}")
     c = info["process_groups_per_rank"]

@@ -13,9 +13,7 @@ import sys
 
 MIN_TORCH = (2, 11)
 MAX_TORCH_EXCLUSIVE = (2, 16)  # as pyproject.toml states it; a newer torch is not refused
-SUPPORTED_SPEC = (
-    f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]},<{MAX_TORCH_EXCLUSIVE[0]}.{MAX_TORCH_EXCLUSIVE[1]}"
-)
+SUPPORTED_SPEC = f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]},<{MAX_TORCH_EXCLUSIVE[0]}.{MAX_TORCH_EXCLUSIVE[1]}"
 
 
 def parse_torch_version(version: str) -> tuple[int, int] | None:

@@ -59,9 +59,7 @@ def _check_int(name: str, value, allow_infer: bool = False) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise ValueError(
-                f"{name}={value!r} is not an integer; parallelism degrees are integers >= 1{hint}"
-            )
+            raise ValueError(f"{name}={value!r} is not an integer; parallelism degrees are integers >= 1{hint}")
     value = int(value)
     if allow_infer and value == -1:
         return value
@@ -154,9 +152,7 @@ def _repair_message(given: dict, world_size) -> str:
     return f"a valid choice for world_size={ws}: change {', '.join(changes)}"
 
 
-def _validate_degrees(
-    *, dp_replicate, dp_shard, cp, tp, pp, ep, etp, world_size
-) -> Degrees:
+def _validate_degrees(*, dp_replicate, dp_shard, cp, tp, pp, ep, etp, world_size) -> Degrees:
     world_size = _check_int("world_size", world_size)
     fixed = {
         "dp_replicate": _check_int("dp_replicate", dp_replicate),
@@ -171,10 +167,7 @@ def _validate_degrees(
     legal = _fmt_values(_divisors(world_size))
     for name, value in fixed.items():
         if world_size % value:
-            raise ValueError(
-                f"{name}={value} does not divide world_size={world_size}; "
-                f"legal {name} values: {legal}"
-            )
+            raise ValueError(f"{name}={value} does not divide world_size={world_size}; legal {name} values: {legal}")
     others = math.prod(fixed.values())
     product_str = "*".join(f"{n}" for n in ("dp_replicate", "cp", "tp", "pp"))
     values_str = "*".join(str(fixed[n]) for n in ("dp_replicate", "cp", "tp", "pp"))
@@ -334,9 +327,7 @@ class RankLayout:
         # starts at or beyond the span of the previous one.
         for (st0, s0), (st1, _) in zip(used, used[1:]):
             if st1 < st0 * s0:
-                raise ValueError(
-                    f"axes {list(names)} overlap (share ranks) and cannot form one mesh"
-                )
+                raise ValueError(f"axes {list(names)} overlap (share ranks) and cannot form one mesh")
 
     # -- whole-layout facts ----------------------------------------------------------------
     @cached_property

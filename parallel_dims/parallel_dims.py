@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .axes import DEGREE_NAMES
 from .compat import TorchtitanCompat
-from .model_rules import check_model_layout
 from .layout import (
     ALL_NAMES,
     COMPOSITE_MESHES,
@@ -63,6 +62,7 @@ from .layout import (
     RankLayout,
     validate_degrees,
 )
+from .model_rules import check_model_layout
 
 __all__ = [
     "MESH_BUILDERS",
@@ -91,7 +91,7 @@ _PORTABLE_VIEWS = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layout_builder_available() -> bool:
     """Whether this torch has what the ``layout`` builder uses: ``_FlatLayout`` and the
     layout-based DeviceMesh constructor (torch >= 2.13)."""
@@ -153,9 +153,7 @@ def _register_fake_backend() -> None:
 def _new_group(ranks: list[int], backend: str | None, desc: str):
     if backend == "fake":
         _register_fake_backend()
-    return dist.new_group(
-        ranks, backend=backend, use_local_synchronization=True, group_desc=f"mesh_{desc}"
-    )
+    return dist.new_group(ranks, backend=backend, use_local_synchronization=True, group_desc=f"mesh_{desc}")
 
 
 class ParallelDims(TorchtitanCompat):
@@ -225,9 +223,7 @@ class ParallelDims(TorchtitanCompat):
         overrides = dict(backend_override or {})
         unknown = set(overrides) - set(ONE_D_AXES)
         if unknown:
-            raise ValueError(
-                f"backend_override names unknown axes {sorted(unknown)}; valid: {ONE_D_AXES}"
-            )
+            raise ValueError(f"backend_override names unknown axes {sorted(unknown)}; valid: {ONE_D_AXES}")
         device_type = device_type or default_device_type()
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
         self._world_mesh = world
@@ -381,7 +377,7 @@ class ParallelDims(TorchtitanCompat):
         merged = _coalesce(modes)
         if len(merged) == 1:
             # one stride in rank space: a dimension of a row-major view, like fsdp or loss
-            (size, stride), = merged
+            ((size, stride),) = merged
             view = self._unflatten_quietly(
                 self._world_mesh,
                 (self.world_size // (size * stride), size, stride),
@@ -455,11 +451,7 @@ class ParallelDims(TorchtitanCompat):
     def get_all_one_dimensional_meshes(self) -> dict[str, DeviceMesh]:
         """Enabled (size > 1) 1-D meshes by name, world excluded."""
         self._require_built()
-        return {
-            n: self._meshes[n]
-            for n in ONE_D_AXES[1:]
-            if self.layout.size(n) > 1
-        }
+        return {n: self._meshes[n] for n in ONE_D_AXES[1:] if self.layout.size(n) > 1}
 
     # -- meshes by role (docs/design.md section 3): each consumer asks for its mesh, never ranks --
     @property

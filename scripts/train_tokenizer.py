@@ -20,32 +20,92 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from trainer.data import synthetic_document  # noqa: E402
-from trainer.tokenizer import DEFAULT_TOKENIZER_PATH, SPECIAL_TOKENS  # noqa: E402
+from trainer.data import synthetic_document
+from trainer.tokenizer import DEFAULT_TOKENIZER_PATH, SPECIAL_TOKENS
 
 VOCAB_SIZE = 2048
 SYNTHETIC_DOCS = 20000
 PROSE_DOCS = 6000
 SEED = 0
 
-_SUBJECTS = ["The committee", "A farmer", "Our neighbour", "The old teacher", "Every student",
-             "The government", "My brother", "This company", "The doctor", "A young woman",
-             "The children", "Most people", "The city council", "Her father", "The scientist"]
-_VERBS = ["decided to build", "wanted to find", "was able to see", "could not explain",
-          "agreed to support", "started to write", "tried to understand", "planned to visit",
-          "refused to sell", "helped to repair", "learned how to make", "forgot to bring"]
-_OBJECTS = ["a new house", "the answer", "an important letter", "the small bridge",
-            "a better way", "the missing book", "some fresh water", "the evening train",
-            "a long report", "the public library", "their first garden", "a simple machine"]
-_TAILS = ["before the winter came", "after a long discussion", "in the north of the country",
-          "during the summer", "because it was necessary", "without telling anyone",
-          "for the first time", "at the end of the year", "with great care", "in the morning"]
-_CONNECTIVES = ["However,", "Meanwhile,", "In addition,", "As a result,", "Later,",
-                "Unfortunately,", "Of course,", "For example,", "Still,", "Finally,"]
-_QUESTIONS = ["Why did it happen?", "What would you do?", "Is that really true?",
-              "How many were there?", "Where did they go?"]
+_SUBJECTS = [
+    "The committee",
+    "A farmer",
+    "Our neighbour",
+    "The old teacher",
+    "Every student",
+    "The government",
+    "My brother",
+    "This company",
+    "The doctor",
+    "A young woman",
+    "The children",
+    "Most people",
+    "The city council",
+    "Her father",
+    "The scientist",
+]
+_VERBS = [
+    "decided to build",
+    "wanted to find",
+    "was able to see",
+    "could not explain",
+    "agreed to support",
+    "started to write",
+    "tried to understand",
+    "planned to visit",
+    "refused to sell",
+    "helped to repair",
+    "learned how to make",
+    "forgot to bring",
+]
+_OBJECTS = [
+    "a new house",
+    "the answer",
+    "an important letter",
+    "the small bridge",
+    "a better way",
+    "the missing book",
+    "some fresh water",
+    "the evening train",
+    "a long report",
+    "the public library",
+    "their first garden",
+    "a simple machine",
+]
+_TAILS = [
+    "before the winter came",
+    "after a long discussion",
+    "in the north of the country",
+    "during the summer",
+    "because it was necessary",
+    "without telling anyone",
+    "for the first time",
+    "at the end of the year",
+    "with great care",
+    "in the morning",
+]
+_CONNECTIVES = [
+    "However,",
+    "Meanwhile,",
+    "In addition,",
+    "As a result,",
+    "Later,",
+    "Unfortunately,",
+    "Of course,",
+    "For example,",
+    "Still,",
+    "Finally,",
+]
+_QUESTIONS = [
+    "Why did it happen?",
+    "What would you do?",
+    "Is that really true?",
+    "How many were there?",
+    "Where did they go?",
+]
 
 
 def prose_document(rng: random.Random) -> str:
@@ -100,8 +160,10 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
-    print(f"wrote {args.out}: vocab_size={tok.get_vocab_size()} "
-          f"special ids={[tok.token_to_id(t) for t in SPECIAL_TOKENS]}")
+    print(
+        f"wrote {args.out}: vocab_size={tok.get_vocab_size()} "
+        f"special ids={[tok.token_to_id(t) for t in SPECIAL_TOKENS]}"
+    )
     return 0
 
 

@@ -11,7 +11,8 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _CTX = None
 
@@ -59,7 +60,7 @@ def _worker(fn, rank, world_size, port, args, queue, env):
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - every failure must reach the test process
+    except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -79,8 +80,7 @@ def run_distributed(
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {}))
-        for r in range(world_size)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {})) for r in range(world_size)
     ]
     for p in procs:
         p.start()

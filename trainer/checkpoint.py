@@ -35,7 +35,8 @@ import re
 import shutil
 import sys
 import warnings
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -201,7 +202,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
     try:
         stored = checkpoint_keys(path)
-    except Exception as exc:  # noqa: BLE001 - classified below; anything else re-raised
+    except Exception as exc:
         reason = _read_failure(exc, ".metadata")
         if reason is None:
             raise
@@ -252,12 +253,14 @@ class CheckpointManager:
 
     def __init__(self, folder: str, keep_latest_k: int = 0, interval: int = 1, *, process_group=None):
         if keep_latest_k < 0 or interval <= 0:
-            raise ValueError(f"keep_latest_k must be >= 0 (0 keeps all) and interval > 0; got {keep_latest_k}, {interval}")
+            raise ValueError(
+                f"keep_latest_k must be >= 0 (0 keeps all) and interval > 0; got {keep_latest_k}, {interval}"
+            )
         self.folder, self.keep_latest_k, self.interval = folder, keep_latest_k, interval
         self.process_group = process_group
 
     @classmethod
-    def from_config(cls, cfg, process_group=None) -> "CheckpointManager":
+    def from_config(cls, cfg, process_group=None) -> CheckpointManager:
         c = cfg.checkpoint
         return cls(cfg.resolve_path(c.folder), c.keep_latest_k, c.interval, process_group=process_group)
 
@@ -371,8 +374,13 @@ class CheckpointManager:
             )
         try:
             extra = load_checkpoint(
-                self.step_dir(step), model_parts, optimizer, lr_scheduler, dataloader,
-                exclude=exclude, process_group=self.process_group,
+                self.step_dir(step),
+                model_parts,
+                optimizer,
+                lr_scheduler,
+                dataloader,
+                exclude=exclude,
+                process_group=self.process_group,
             )
         except CheckpointError as exc:
             others = [s for s in steps if s != step]
@@ -412,7 +420,9 @@ def _write_consolidated(state: dict[str, torch.Tensor], path: str, dtype: str) -
         try:
             from safetensors.torch import save_file
         except ImportError:
-            raise RuntimeError(f"cannot write {path}: safetensors is not installed; export to a .pt path instead") from None
+            raise RuntimeError(
+                f"cannot write {path}: safetensors is not installed; export to a .pt path instead"
+            ) from None
         save_file(state, tmp)
     else:
         torch.save(state, tmp)
@@ -438,7 +448,9 @@ def export_checkpoint(checkpoint_dir: str, path: str, dtype: str = "float32") ->
     return _write_consolidated({k[len("model.") :]: v for k, v in state.items()}, path, dtype)
 
 
-def export_consolidated(model_parts: Sequence[nn.Module], path: str, dtype: str = "float32", *, process_group=None) -> str:
+def export_consolidated(
+    model_parts: Sequence[nn.Module], path: str, dtype: str = "float32", *, process_group=None
+) -> str:
     """Write the full weights as one ``.pt`` (or ``.safetensors``) file from rank 0.
 
     Collective. Without pipeline parallelism rank 0 holds every FQN and the weights are

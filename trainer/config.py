@@ -28,9 +28,10 @@ import difflib
 import math
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Optional
+from typing import Any
 
 from models.registry import flavor_names, has_experts, model_names
 from parallel_dims.axes import AXES
@@ -68,9 +69,7 @@ def _opt(default: Any, help: str, *, choices: tuple | None = None) -> Any:
 @dataclass
 class Job:
     name: str = _opt("default", "Run name, shown in logs.")
-    dump_folder: str = _opt(
-        "./outputs", "Run folder; relative checkpoint/TensorBoard/metrics paths live under it."
-    )
+    dump_folder: str = _opt("./outputs", "Run folder; relative checkpoint/TensorBoard/metrics paths live under it.")
     description: str = _opt("", "Free-form description, recorded with the resolved config.")
 
 
@@ -83,10 +82,8 @@ class Model:
         "'' = the tokenizer shipped in assets/tokenizer, 'bytes' = byte-level tokenizer, "
         "otherwise a tokenizer.json file or a folder containing one.",
     )
-    vocab_size: Optional[int] = _opt(
-        None, "Override the flavor's vocabulary size; must be >= the tokenizer's vocab size."
-    )
-    n_layers: Optional[int] = _opt(
+    vocab_size: int | None = _opt(None, "Override the flavor's vocabulary size; must be >= the tokenizer's vocab size.")
+    n_layers: int | None = _opt(
         None,
         "Override the flavor's number of transformer layers (e.g. a real-size model with a "
         "few layers for benchmarks); none = the flavor's.",
@@ -119,9 +116,7 @@ class Training:
 
     def gradient_accumulation_steps(self, batch_degree: int) -> int:
         """Derived, not a key: it depends on the batch degree, known only at launch."""
-        return gradient_accumulation_steps(
-            self.global_batch_size, self.local_batch_size, batch_degree
-        )
+        return gradient_accumulation_steps(self.global_batch_size, self.local_batch_size, batch_degree)
 
 
 @dataclass
@@ -143,12 +138,8 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = _opt(200, "Steps of linear warmup to the peak lr.")
-    decay_style: str = _opt(
-        "cosine", "Shape of the decay after warmup.", choices=("cosine", "linear", "constant")
-    )
-    min_lr_ratio: float = _opt(
-        0.1, "Final lr as a fraction of the peak (ignored by 'constant')."
-    )
+    decay_style: str = _opt("cosine", "Shape of the decay after warmup.", choices=("cosine", "linear", "constant"))
+    min_lr_ratio: float = _opt(0.1, "Final lr as a fraction of the peak (ignored by 'constant').")
 
 
 # One field per parallel axis, derived from parallel_dims/axes.py (key, default, help, alias).
@@ -168,9 +159,7 @@ class Parallelism(_ParallelismDegrees):
     mixed_precision_param: str = _opt(
         "float32", "Compute dtype of FSDP-gathered params.", choices=("float32", "bfloat16")
     )
-    mixed_precision_reduce: str = _opt(
-        "float32", "Dtype of gradient reduce-scatter.", choices=("float32", "bfloat16")
-    )
+    mixed_precision_reduce: str = _opt("float32", "Dtype of gradient reduce-scatter.", choices=("float32", "bfloat16"))
     enable_sequence_parallel: bool = _opt(True, "Shard norm/dropout activations over TP ranks.")
     enable_loss_parallel: bool = _opt(True, "Compute the loss on vocab-sharded logits under TP.")
     pipeline_parallel_schedule: str = _opt(
@@ -178,12 +167,12 @@ class Parallelism(_ParallelismDegrees):
         "torch.distributed.pipelining schedule name.",
         choices=("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"),
     )
-    pipeline_parallel_microbatches: Optional[int] = _opt(
+    pipeline_parallel_microbatches: int | None = _opt(
         None,
         "Pipeline microbatches per local batch; must divide training.local_batch_size. "
         "none = pipeline_parallel_degree.",
     )
-    pipeline_parallel_layers_per_stage: Optional[int] = _opt(
+    pipeline_parallel_layers_per_stage: int | None = _opt(
         None, "Transformer layers per (virtual) stage; none = split evenly."
     )
     pipeline_parallel_split_points: list[str] = _opt(
@@ -219,19 +208,14 @@ class Checkpoint:
     create_seed_checkpoint: bool = _opt(
         False, "Only initialise the model, save it as step-0 and exit (run with 1 process)."
     )
-    initial_load_path: str = _opt(
-        "", "Checkpoint folder to initialise from when the run folder has no checkpoint yet."
-    )
+    initial_load_path: str = _opt("", "Checkpoint folder to initialise from when the run folder has no checkpoint yet.")
     initial_load_model_only: bool = _opt(
         True, "Take only model weights from initial_load_path (not optimizer/data state)."
     )
-    export_dtype: str = _opt(
-        "float32", "Dtype of exported weights.", choices=("float32", "bfloat16", "float16")
-    )
+    export_dtype: str = _opt("float32", "Dtype of exported weights.", choices=("float32", "bfloat16", "float16"))
     last_save_model_only: bool = _opt(
         False,
-        "At the final step write consolidated weights (export_dtype) instead of a resumable "
-        "checkpoint.",
+        "At the final step write consolidated weights (export_dtype) instead of a resumable checkpoint.",
     )
     exclude_from_loading: list[str] = _opt(
         [], "Parts not restored on resume: optimizer, lr_scheduler, dataloader, rng."
@@ -248,18 +232,12 @@ class Metrics:
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = _opt(
-        False, "Record torch profiler traces (Chrome/Perfetto JSON, one file per rank)."
-    )
+    enable_profiling: bool = _opt(False, "Record torch profiler traces (Chrome/Perfetto JSON, one file per rank).")
     save_traces_folder: str = _opt(
         "profile_traces", "Trace folder, relative to job.dump_folder: iteration_N/rankR_trace.json."
     )
-    profile_freq: int = _opt(
-        10, "Profile (and snapshot memory) every N steps: steps N, 2N, ... are recorded."
-    )
-    profiler_warmup: int = _opt(
-        3, "Steps the profiler runs unrecorded before each recorded window."
-    )
+    profile_freq: int = _opt(10, "Profile (and snapshot memory) every N steps: steps N, 2N, ... are recorded.")
+    profiler_warmup: int = _opt(3, "Steps the profiler runs unrecorded before each recorded window.")
     profiler_active: int = _opt(1, "Steps recorded in each window (ending at a multiple of profile_freq).")
     enable_memory_snapshot: bool = _opt(
         False,
@@ -316,7 +294,7 @@ class JobConfig:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
         """Build and validate from a nested ``{section: {key: value}}`` mapping (e.g. TOML)."""
         cfg = cls()
         _apply_mapping(cfg, data, source="config")
@@ -390,27 +368,39 @@ def _validate_values(cfg: JobConfig) -> None:
     flavors = tuple(flavor_names(cfg.model.name))
     if cfg.model.flavor not in flavors:
         raise ConfigError(_choice_message("model.flavor", cfg.model.flavor, flavors, f" for model '{cfg.model.name}'"))
-    need(cfg.model.vocab_size is None or cfg.model.vocab_size > 0,
-         f"model.vocab_size must be > 0 (or none for the flavor default), got {cfg.model.vocab_size}")
-    need(cfg.model.n_layers is None or cfg.model.n_layers > 0,
-         f"model.n_layers must be > 0 (or none for the flavor's), got {cfg.model.n_layers}")
+    need(
+        cfg.model.vocab_size is None or cfg.model.vocab_size > 0,
+        f"model.vocab_size must be > 0 (or none for the flavor default), got {cfg.model.vocab_size}",
+    )
+    need(
+        cfg.model.n_layers is None or cfg.model.n_layers > 0,
+        f"model.n_layers must be > 0 (or none for the flavor's), got {cfg.model.n_layers}",
+    )
 
     need(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
-    need(t.global_batch_size > 0 or t.global_batch_size == -1,
-         f"training.global_batch_size must be > 0 or -1 (= local_batch_size x batch degree), got {t.global_batch_size}")
+    need(
+        t.global_batch_size > 0 or t.global_batch_size == -1,
+        f"training.global_batch_size must be > 0 or -1 (= local_batch_size x batch degree), got {t.global_batch_size}",
+    )
     if t.global_batch_size > 0:
-        need(t.global_batch_size % t.local_batch_size == 0,
-             f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-             f"training.local_batch_size ({t.local_batch_size})")
+        need(
+            t.global_batch_size % t.local_batch_size == 0,
+            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"training.local_batch_size ({t.local_batch_size})",
+        )
     need(t.seq_len > 0, f"training.seq_len must be > 0, got {t.seq_len}")
     need(t.steps > 0, f"training.steps must be > 0, got {t.steps}")
     need(t.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {t.max_norm}")
-    need(t.dataset == "synthetic" or t.dataset_path != "",
-         f"training.dataset = '{t.dataset}' needs training.dataset_path (a file or folder)")
+    need(
+        t.dataset == "synthetic" or t.dataset_path != "",
+        f"training.dataset = '{t.dataset}' needs training.dataset_path (a file or folder)",
+    )
 
     need(o.lr >= 0 and math.isfinite(o.lr), f"optimizer.lr must be a finite number >= 0, got {o.lr}")
-    need(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
-         f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
+    need(
+        len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
+        f"optimizer.betas must be two numbers in [0, 1), got {o.betas}",
+    )
     need(o.eps > 0, f"optimizer.eps must be > 0, got {o.eps}")
     need(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
 
@@ -420,30 +410,42 @@ def _validate_values(cfg: JobConfig) -> None:
     # the degrees themselves are validated (with the fix) by the job plan, which knows the
     # world size: trainer/plan.py -> parallel_dims.validate_degrees
     if not has_experts(cfg.model.name, cfg.model.flavor):
-        need(p.expert_parallel_degree == 1 and p.expert_tensor_parallel_degree == 1,
-             f"expert parallelism (parallelism.ep/etp) needs an MoE model; model.name = "
-             f"'{cfg.model.name}' has no experts: set parallelism.ep = 1 and parallelism.etp = 1")
+        need(
+            p.expert_parallel_degree == 1 and p.expert_tensor_parallel_degree == 1,
+            f"expert parallelism (parallelism.ep/etp) needs an MoE model; model.name = "
+            f"'{cfg.model.name}' has no experts: set parallelism.ep = 1 and parallelism.etp = 1",
+        )
     if p.pipeline_parallel_microbatches is not None:
-        need(p.pipeline_parallel_microbatches > 0,
-             f"parallelism.pipeline_parallel_microbatches must be > 0, got {p.pipeline_parallel_microbatches}")
+        need(
+            p.pipeline_parallel_microbatches > 0,
+            f"parallelism.pipeline_parallel_microbatches must be > 0, got {p.pipeline_parallel_microbatches}",
+        )
     if p.pipeline_parallel_degree > 1:
         m = p.pipeline_microbatches()
-        need(t.local_batch_size % m == 0,
-             f"training.local_batch_size ({t.local_batch_size}) must be divisible by the pipeline "
-             f"microbatch count {m} (parallelism.pipeline_parallel_microbatches, default = "
-             f"pipeline_parallel_degree)")
+        need(
+            t.local_batch_size % m == 0,
+            f"training.local_batch_size ({t.local_batch_size}) must be divisible by the pipeline "
+            f"microbatch count {m} (parallelism.pipeline_parallel_microbatches, default = "
+            f"pipeline_parallel_degree)",
+        )
     if p.pipeline_parallel_layers_per_stage is not None:
-        need(p.pipeline_parallel_layers_per_stage > 0,
-             f"parallelism.pipeline_parallel_layers_per_stage must be > 0, got {p.pipeline_parallel_layers_per_stage}")
-        need(not p.pipeline_parallel_split_points,
-             "set either parallelism.pipeline_parallel_layers_per_stage or "
-             "parallelism.pipeline_parallel_split_points, not both")
+        need(
+            p.pipeline_parallel_layers_per_stage > 0,
+            f"parallelism.pipeline_parallel_layers_per_stage must be > 0, got {p.pipeline_parallel_layers_per_stage}",
+        )
+        need(
+            not p.pipeline_parallel_split_points,
+            "set either parallelism.pipeline_parallel_layers_per_stage or "
+            "parallelism.pipeline_parallel_split_points, not both",
+        )
 
     ac = cfg.activation_checkpoint
     if ac.selective_ac_option != "op":
-        need(ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0,
-             f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
-             f"(checkpoint every N-th block), got '{ac.selective_ac_option}'")
+        need(
+            ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0,
+            f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
+            f"(checkpoint every N-th block), got '{ac.selective_ac_option}'",
+        )
 
     for comp in cfg.compile.components:
         if comp not in ("model", "loss"):
@@ -460,15 +462,21 @@ def _validate_values(cfg: JobConfig) -> None:
 
     need(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
     prof = cfg.profiling
-    need(prof.profiler_warmup >= 0 and prof.profiler_active >= 1,
-         f"profiling.profiler_warmup must be >= 0 and profiling.profiler_active >= 1, got "
-         f"{prof.profiler_warmup} and {prof.profiler_active}")
-    need(prof.profile_freq >= prof.profiler_warmup + prof.profiler_active,
-         f"profiling.profile_freq ({prof.profile_freq}) must be >= profiler_warmup + "
-         f"profiler_active ({prof.profiler_warmup} + {prof.profiler_active}): each recorded "
-         f"window fits inside one period; raise profile_freq or lower the other two")
-    need(cfg.comm.init_timeout_seconds > 0 and cfg.comm.train_timeout_seconds > 0,
-         "comm.init_timeout_seconds and comm.train_timeout_seconds must be > 0")
+    need(
+        prof.profiler_warmup >= 0 and prof.profiler_active >= 1,
+        f"profiling.profiler_warmup must be >= 0 and profiling.profiler_active >= 1, got "
+        f"{prof.profiler_warmup} and {prof.profiler_active}",
+    )
+    need(
+        prof.profile_freq >= prof.profiler_warmup + prof.profiler_active,
+        f"profiling.profile_freq ({prof.profile_freq}) must be >= profiler_warmup + "
+        f"profiler_active ({prof.profiler_warmup} + {prof.profiler_active}): each recorded "
+        f"window fits inside one period; raise profile_freq or lower the other two",
+    )
+    need(
+        cfg.comm.init_timeout_seconds > 0 and cfg.comm.train_timeout_seconds > 0,
+        "comm.init_timeout_seconds and comm.train_timeout_seconds must be > 0",
+    )
 
 
 def _choice_message(key: str, value: Any, choices: tuple, context: str = "") -> str:
@@ -483,6 +491,8 @@ def _choice_message(key: str, value: Any, choices: tuple, context: str = "") -> 
 
 # ------------------------------------------------------------------ typed coercion
 
+# `Optional[X]` and `X | None` have different origins (typing.Union vs types.UnionType)
+_UNION_ORIGINS = (typing.Union, types.UnionType)
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 _TYPE_NAMES = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}
@@ -498,7 +508,7 @@ def _describe(tp: Any) -> str:
     if origin is list:
         (inner,) = typing.get_args(tp)
         return f"a comma-separated list of {_LIST_NAMES[inner]}"
-    if origin is typing.Union:
+    if origin in _UNION_ORIGINS:
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
         return f"{_TYPE_NAMES[inner]} or none"
     return _TYPE_NAMES[tp]
@@ -511,7 +521,7 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         return ConfigError(f"{key} expects {_describe(tp)}, got {value!r}")
 
     origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
+    if origin in _UNION_ORIGINS:  # Optional[X], X | None
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
         if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
             return None
@@ -613,7 +623,9 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool) -> 
 def _apply_mapping(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
     for section, values in data.items():
         if not isinstance(values, dict):
-            raise ConfigError(f"{source}: top-level key '{section}' must be inside a [section] table{_leaf_hint(section)}")
+            raise ConfigError(
+                f"{source}: top-level key '{section}' must be inside a [section] table{_leaf_hint(section)}"
+            )
         for key, value in values.items():
             _set(cfg, section, key, value, from_cli=False)
 
@@ -683,7 +695,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     if config_path is not None:
         resolved = resolve_config_path(config_path)
         _apply_mapping(cfg, load_toml(resolved), source=resolved)
-    for arg, name, value in overrides:
+    for _arg, name, value in overrides:
         section, key = name.split(".", 1)
         section_c, key_c = _resolve_key(section, key)
         tp = _field_types(SECTIONS[section_c])[key_c]

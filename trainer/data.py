@@ -25,7 +25,8 @@ import math
 import os
 import random
 from collections import Counter
-from typing import Any, Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -43,21 +44,99 @@ IGNORE_INDEX = -100  # unused by packing (no padding); exported for loss functio
 # a debug-size model can drive its loss well below the unigram entropy in a few hundred
 # steps - a quick end-to-end signal that training actually learns.
 
-NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy",
-         "mallory", "oscar", "peggy", "trent", "victor", "wendy"]
-NOUNS = ["apple", "river", "stone", "window", "garden", "letter", "candle", "bridge", "forest",
-         "mirror", "basket", "hammer", "ladder", "pencil", "rocket", "violin", "castle", "island",
-         "lantern", "meadow", "engine", "feather", "jacket", "kettle"]
-ADJS = ["red", "small", "quiet", "bright", "old", "heavy", "green", "tiny", "warm", "broken",
-        "golden", "silent", "strange", "gentle", "sharp", "round"]
-VERBS = ["found", "carried", "painted", "opened", "lost", "cleaned", "watched", "built", "moved",
-         "dropped", "counted", "named"]
-PLACES = ["kitchen", "market", "harbor", "library", "village", "tower", "school", "station",
-          "cellar", "valley"]
+NAMES = [
+    "alice",
+    "bob",
+    "carol",
+    "dave",
+    "erin",
+    "frank",
+    "grace",
+    "heidi",
+    "ivan",
+    "judy",
+    "mallory",
+    "oscar",
+    "peggy",
+    "trent",
+    "victor",
+    "wendy",
+]
+NOUNS = [
+    "apple",
+    "river",
+    "stone",
+    "window",
+    "garden",
+    "letter",
+    "candle",
+    "bridge",
+    "forest",
+    "mirror",
+    "basket",
+    "hammer",
+    "ladder",
+    "pencil",
+    "rocket",
+    "violin",
+    "castle",
+    "island",
+    "lantern",
+    "meadow",
+    "engine",
+    "feather",
+    "jacket",
+    "kettle",
+]
+ADJS = [
+    "red",
+    "small",
+    "quiet",
+    "bright",
+    "old",
+    "heavy",
+    "green",
+    "tiny",
+    "warm",
+    "broken",
+    "golden",
+    "silent",
+    "strange",
+    "gentle",
+    "sharp",
+    "round",
+]
+VERBS = [
+    "found",
+    "carried",
+    "painted",
+    "opened",
+    "lost",
+    "cleaned",
+    "watched",
+    "built",
+    "moved",
+    "dropped",
+    "counted",
+    "named",
+]
+PLACES = ["kitchen", "market", "harbor", "library", "village", "tower", "school", "station", "cellar", "valley"]
 ANIMALS = ["cat", "dog", "fox", "owl", "horse", "rabbit", "goat", "crow"]
 DAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
-MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august",
-          "september", "october", "november", "december"]
+MONTHS = [
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+]
 LETTERS = list("abcdefghijklmnopqrstuvwxyz")
 
 
@@ -187,6 +266,7 @@ class FileSource:
             raise ConfigError(
                 f"training.dataset_path '{path}' does not exist; point it at a {suffix} file or a folder of them"
             )
+
         def unreadable(err: OSError):
             raise ConfigError(
                 f"training.dataset_path: cannot read '{err.filename}' ({err.strerror}); fix its "
@@ -207,9 +287,7 @@ class FileSource:
                 unreadable(PermissionError(13, "Permission denied", f))
         self.files = [f for f in files if os.path.getsize(f) > 0]
         if not self.files:
-            raise ConfigError(
-                f"training.dataset_path '{path}' has no non-empty {suffix} files for dataset '{kind}'"
-            )
+            raise ConfigError(f"training.dataset_path '{path}' has no non-empty {suffix} files for dataset '{kind}'")
         self._fh = None
         self._fh_index = -1
 
@@ -395,8 +473,7 @@ class PackedDataLoader:
         inputs, labels = windows[:, :-1], windows[:, 1:]
         b = self.local_batch_size
         self._pending = [
-            (inputs[i : i + b].contiguous(), labels[i : i + b].contiguous())
-            for i in range(0, self.rank_samples, b)
+            (inputs[i : i + b].contiguous(), labels[i : i + b].contiguous()) for i in range(0, self.rank_samples, b)
         ]
 
     def state_dict(self) -> dict[str, Any]:
@@ -411,12 +488,15 @@ class PackedDataLoader:
             raise ValueError(
                 f"data loader state is for dataset '{state.get('dataset')}' but this run uses "
                 f"'{self.source_name}'; to start the new dataset from its beginning set "
-                f"checkpoint.exclude_from_loading = [\"dataloader\"]"
+                f'checkpoint.exclude_from_loading = ["dataloader"]'
             )
         if state.get("seq_len") != self.seq_len:
             logger.warning(
                 "resuming data with seq_len %s (checkpoint had %s): the token position is kept, "
-                "sample indices continue from %s", self.seq_len, state.get("seq_len"), state["sample_index"]
+                "sample indices continue from %s",
+                self.seq_len,
+                state.get("seq_len"),
+                state["sample_index"],
             )
         self._stream.restore(state)
         self._pending = []

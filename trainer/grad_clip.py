@@ -11,14 +11,14 @@ single-process norm of the whole model's gradient.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
-__all__ = ["finalize_grads", "grad_norm", "clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "finalize_grads", "grad_norm"]
 
 
 def finalize_grads(params: Iterable[torch.Tensor]) -> None:
@@ -72,9 +72,7 @@ def grad_norm(params: Iterable[torch.Tensor], pp_mesh: DeviceMesh | None = None)
     return total.sqrt()
 
 
-def clip_grad_norm_(
-    params: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None
-) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """Scale grads so their global norm is at most ``max_norm`` (<= 0 disables clipping);
     return the norm before clipping.
 

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from models.common.flops import model_flops_per_token  # noqa: F401 - part of this module's API
-from trainer.config import JobConfig, Metrics as MetricsConfig
+from trainer.config import JobConfig
+from trainer.config import Metrics as MetricsConfig
 
 # Dense peak FLOP/s per device (no sparsity). float32 matmuls run as TF32 on these parts.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -199,8 +200,12 @@ class MetricsLogger:
         print(line, flush=True)
 
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                          for k, v in record.items()}) + "\n")
+            self._jsonl.write(
+                json.dumps(
+                    {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+                )
+                + "\n"
+            )
             self._jsonl.flush()
         if self._tb is not None:
             for k, v in record.items():
@@ -217,7 +222,7 @@ class MetricsLogger:
             self._tb.close()
             self._tb = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -32,7 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer.config import JobConfig, LRScheduler as LRSchedulerConfig, Optimizer as OptimizerConfig
+from trainer.config import JobConfig
+from trainer.config import LRScheduler as LRSchedulerConfig
+from trainer.config import Optimizer as OptimizerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +62,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         if p.requires_grad:
             groups.setdefault((p.ndim >= 2, _layout_key(p)), []).append(p)
     ordered = sorted(groups.items(), key=lambda kv: not kv[0][0])  # decayed groups first (stable)
-    return [
-        {"params": params, "weight_decay": weight_decay if decay else 0.0}
-        for (decay, _), params in ordered
-    ]
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0} for (decay, _), params in ordered]
 
 
 def resolve_implementation(implementation: str, params: Iterable[torch.Tensor]) -> str:
@@ -84,9 +84,7 @@ class Optimizers:
         for part in self.model_parts:
             if not any(p.requires_grad for p in part.parameters()):
                 raise ValueError(f"model part {type(part).__name__} has no trainable parameters")
-        impl = resolve_implementation(
-            cfg.implementation, [p for part in self.model_parts for p in part.parameters()]
-        )
+        impl = resolve_implementation(cfg.implementation, [p for part in self.model_parts for p in part.parameters()])
         self.implementation = impl
         for part in self.model_parts:
             self.optimizers.append(
@@ -208,7 +206,9 @@ def build_lr_scheduler(
     if warmup > total_steps:
         logger.warning(
             "lr_scheduler.warmup_steps (%d) > training steps (%d); warming up over all %d steps",
-            warmup, total_steps, total_steps,
+            warmup,
+            total_steps,
+            total_steps,
         )
         warmup = total_steps
     fn = functools.partial(

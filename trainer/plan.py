@@ -13,8 +13,9 @@ one rank's sharding on the fake backend (:func:`dry_run`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from models.common.args import DecoderArgs
 from models.parallel.pipeline import StagePlan, plan_stages
@@ -215,8 +216,12 @@ def dry_run(plan: JobPlan, rank: int = 0) -> dict[str, Any]:
             p = plan.config.parallelism
             parts = list(
                 split_model(
-                    model, pd, spec.args.n_layers, p.pipeline_parallel_split_points or None,
-                    p.pipeline_parallel_schedule, layers_per_stage=p.pipeline_parallel_layers_per_stage,
+                    model,
+                    pd,
+                    spec.args.n_layers,
+                    p.pipeline_parallel_split_points or None,
+                    p.pipeline_parallel_schedule,
+                    layers_per_stage=p.pipeline_parallel_layers_per_stage,
                 ).modules
             )
         else:
@@ -249,8 +254,7 @@ def format_plan(plan: JobPlan, dry: dict[str, Any] | None = None) -> str:
     a = plan.model_args
     lines = [
         f"job plan: {plan.config.model.name}/{plan.config.model.flavor} on world_size={plan.world_size}",
-        "degrees: " + ", ".join(f"{k}={v}" for k, v in d.as_dict().items() if k != "world_size")
-        + f", efsdp={d.efsdp}",
+        "degrees: " + ", ".join(f"{k}={v}" for k, v in d.as_dict().items() if k != "world_size") + f", efsdp={d.efsdp}",
         f"model: {a.n_layers} layers, dim {a.dim}, {a.n_heads} heads, vocab {a.vocab_size}"
         + (f", {a.num_experts} experts" if a.has_experts else ""),
         f"batch: global {b.global_batch_size} x {b.seq_len} tokens = {b.tokens_per_step:,} per step; "

@@ -71,7 +71,7 @@ class StepProfiler:
                 "allocator and this run is on CPU; no snapshots will be written"
             )
 
-    def __enter__(self) -> "StepProfiler":
+    def __enter__(self) -> StepProfiler:
         if self.cfg.enable_profiling:
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from trainer.config import ConfigError
 
@@ -61,7 +62,7 @@ class HFTokenizer:
                 return idx
         raise ValueError(
             f"tokenizer {self.path} has no {what} token (looked for {', '.join(names)}); "
-            f"add a tokenizer_config.json next to it with \"{what}_token\": \"<token>\""
+            f'add a tokenizer_config.json next to it with "{what}_token": "<token>"'
         )
 
     def encode(self, text: str) -> list[int]:
@@ -131,8 +132,7 @@ def load_tokenizer(path: str = "") -> HFTokenizer | ByteTokenizer:
     if not os.path.isfile(resolved):
         if not path:
             raise ConfigError(
-                f"shipped tokenizer {resolved} is missing; regenerate it with "
-                f"`python scripts/train_tokenizer.py`"
+                f"shipped tokenizer {resolved} is missing; regenerate it with `python scripts/train_tokenizer.py`"
             )
         raise ConfigError(
             f"model.tokenizer_path: no tokenizer at '{path}' (expected a tokenizer.json file or a "

@@ -9,13 +9,10 @@ reductions summed over the ``loss`` mesh.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +31,7 @@ from models.parallel.pipeline import (
 )
 from models.parallel.tensor_parallel import loss_parallel_context
 from models.registry import build_model
-from parallel_dims import ParallelDims, default_backend, default_device_type
+from parallel_dims import default_backend, default_device_type
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -51,7 +48,7 @@ from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  #
 from trainer.profiling import StepProfiler
 from trainer.tokenizer import load_tokenizer
 
-__all__ = ["Trainer", "main", "TrainingDiverged"]
+__all__ = ["Trainer", "TrainingDiverged", "main"]
 
 
 class TrainingDiverged(RuntimeError):

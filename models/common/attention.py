@@ -19,9 +19,7 @@ class CausalAttentionCore(nn.Module):
     Query and key heads must already match (GQA repetition happens before the core) so that a
     replacement core never needs to know the head grouping."""
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 

@@ -89,9 +89,7 @@ class Decoder(nn.Module):
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.rope = self.build_rope(args)
-        self.layers = nn.ModuleDict(
-            {str(i): self.build_block(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.build_block(i, args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Set by the context-parallel applier; this rank holds the load-balanced chunks
@@ -115,9 +113,7 @@ class Decoder(nn.Module):
     # ------------------------------------------------------------------ the shell
     def local_positions(self, seqlen_local: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's tokens (identity without context parallelism)."""
-        return local_positions(
-            seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device
-        )
+        return local_positions(seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without
@@ -172,15 +168,12 @@ class Decoder(nn.Module):
             return total
         routing = {(moe.top_k, moe.num_experts) for moe in moes}
         if len(routing) == 1:
-            (top_k, num_experts), = routing
+            ((top_k, num_experts),) = routing
             routed = sum(p.numel() for moe in moes for p in moe.experts.parameters())
             return int(total - routed * (1 - top_k / num_experts))
         return int(
             total
-            - sum(
-                sum(p.numel() for p in moe.experts.parameters()) * (1 - moe.top_k / moe.num_experts)
-                for moe in moes
-            )
+            - sum(sum(p.numel() for p in moe.experts.parameters()) * (1 - moe.top_k / moe.num_experts) for moe in moes)
         )
 
     def flops_per_token(self, seq_len: int) -> float:

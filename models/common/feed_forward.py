@@ -20,10 +20,7 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         if dim <= 0 or hidden_dim <= 0:
-            raise ValueError(
-                "FeedForward needs positive dim and hidden_dim, got "
-                f"dim={dim}, hidden_dim={hidden_dim}."
-            )
+            raise ValueError(f"FeedForward needs positive dim and hidden_dim, got dim={dim}, hidden_dim={hidden_dim}.")
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)

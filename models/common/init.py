@@ -27,9 +27,7 @@ from models.common.norms import RMSNorm
 
 # Path components that wrappers (activation checkpointing, torch.compile, FSDP1) insert into
 # parameter names. They are dropped so that wrapping a module does not change its weights.
-_WRAPPER_COMPONENTS = frozenset(
-    {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
-)
+_WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
 # Output projections that write into the residual stream; their std shrinks with depth so the
 # residual variance stays bounded as layers are added (GPT-2 / Megatron practice).
@@ -88,9 +86,7 @@ def _truncated_normal_(out: torch.Tensor, std: float, gen: torch.Generator) -> t
     return out
 
 
-def full_init_tensor(
-    spec: ParamInit, shape: torch.Size | tuple[int, ...], seed: int, fqn: str
-) -> torch.Tensor:
+def full_init_tensor(spec: ParamInit, shape: torch.Size | tuple[int, ...], seed: int, fqn: str) -> torch.Tensor:
     """The full float32 CPU tensor for parameter ``fqn``."""
     out = torch.empty(tuple(shape), dtype=torch.float32, device="cpu")
     if spec.kind == "constant":
@@ -110,8 +106,7 @@ def write_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(param, DTensor):
         if tuple(full.shape) != tuple(param.shape):
             raise ValueError(
-                f"Full init tensor {tuple(full.shape)} does not match the DTensor's global "
-                f"shape {tuple(param.shape)}."
+                f"Full init tensor {tuple(full.shape)} does not match the DTensor's global shape {tuple(param.shape)}."
             )
         local = distribute_tensor(
             full.to(dtype=param.dtype), param.device_mesh, param.placements, src_data_rank=None
@@ -119,10 +114,7 @@ def write_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(local)
     else:
         if tuple(full.shape) != tuple(param.shape):
-            raise ValueError(
-                f"Full init tensor {tuple(full.shape)} does not match parameter "
-                f"{tuple(param.shape)}."
-            )
+            raise ValueError(f"Full init tensor {tuple(full.shape)} does not match parameter {tuple(param.shape)}.")
         param.copy_(full)
 
 

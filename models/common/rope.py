@@ -36,9 +36,7 @@ class Llama3RopeScaling:
 
     def __post_init__(self) -> None:
         if self.scale_factor <= 0:
-            raise ValueError(
-                f"Llama3RopeScaling.scale_factor must be > 0, got {self.scale_factor}."
-            )
+            raise ValueError(f"Llama3RopeScaling.scale_factor must be > 0, got {self.scale_factor}.")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 "Llama3RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
@@ -81,9 +79,7 @@ class YarnRopeScaling:
         if self.factor < 1:
             raise ValueError(f"YarnRopeScaling.factor must be >= 1, got {self.factor}.")
         if self.original_seq_len <= 0:
-            raise ValueError(
-                f"YarnRopeScaling.original_seq_len must be > 0, got {self.original_seq_len}."
-            )
+            raise ValueError(f"YarnRopeScaling.original_seq_len must be > 0, got {self.original_seq_len}.")
         if self.beta_fast <= 0 or self.beta_slow <= 0:
             raise ValueError(
                 "YarnRopeScaling.beta_fast and beta_slow must be > 0, got "
@@ -96,19 +92,14 @@ class YarnRopeScaling:
         rope_dim = 2 * inv_freq.numel()
 
         def correction_dim(num_rotations: float) -> float:
-            return (
-                rope_dim
-                * math.log(self.original_seq_len / (num_rotations * 2 * math.pi))
-                / (2 * math.log(theta))
-            )
+            return rope_dim * math.log(self.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
 
         low = max(math.floor(correction_dim(self.beta_fast)), 0)
         high = min(math.ceil(correction_dim(self.beta_slow)), rope_dim - 1)
         if low == high:
             high += 0.001
         ramp = torch.clamp(
-            (torch.arange(inv_freq.numel(), dtype=inv_freq.dtype, device=inv_freq.device) - low)
-            / (high - low),
+            (torch.arange(inv_freq.numel(), dtype=inv_freq.dtype, device=inv_freq.device) - low) / (high - low),
             0,
             1,
         )
@@ -116,9 +107,7 @@ class YarnRopeScaling:
         return inv_freq / self.factor * (1 - keep) + inv_freq * keep
 
 
-def yarn_softmax_scale(
-    head_dim: int, scaling: YarnRopeScaling | None, mscale: float, max_seq_len: int
-) -> float:
+def yarn_softmax_scale(head_dim: int, scaling: YarnRopeScaling | None, mscale: float, max_seq_len: int) -> float:
     """Attention temperature for YaRN: the reference multiplies ``head_dim**-0.5`` by
     ``(0.1 * mscale * ln(factor) + 1)**2`` whenever the extended table is in use, compensating the
     flatter attention that slowed rotations produce."""
@@ -177,9 +166,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         # No explicit device: under ``with torch.device("meta")`` this stays free.
-        self.register_buffer(
-            "table", compute_rope_table(rope_dim, max_seq_len, theta, scaling), persistent=False
-        )
+        self.register_buffer("table", compute_rope_table(rope_dim, max_seq_len, theta, scaling), persistent=False)
 
     @torch.no_grad()
     def reset_table(self) -> None:
@@ -200,10 +187,7 @@ class RotaryEmbedding(nn.Module):
         return self.table.index_select(0, positions.to(self.table.device))
 
     def extra_repr(self) -> str:
-        return (
-            f"rope_dim={self.rope_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}, "
-            f"scaling={self.scaling}"
-        )
+        return f"rope_dim={self.rope_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}, scaling={self.scaling}"
 
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -215,9 +199,7 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     which on a GPU is memory traffic over every query and key of every layer, twice (forward
     and backward)."""
     if x.dim() != 4:
-        raise ValueError(
-            f"apply_rotary_emb expects x of shape [bs, s, heads, d], got {tuple(x.shape)}."
-        )
+        raise ValueError(f"apply_rotary_emb expects x of shape [bs, s, heads, d], got {tuple(x.shape)}.")
     s, d = x.shape[1], x.shape[-1]
     if rope.shape != (s, d // 2, 2):
         raise ValueError(
@@ -243,12 +225,7 @@ def local_positions(
 ) -> torch.Tensor:
     """Global positions of the ``seqlen_local`` tokens a context-parallel rank holds (plain
     ``arange`` when ``cp_size == 1``), checked against the RoPE table length."""
-    if not (
-        isinstance(cp_size, int)
-        and isinstance(cp_rank, int)
-        and cp_size >= 1
-        and 0 <= cp_rank < cp_size
-    ):
+    if not (isinstance(cp_size, int) and isinstance(cp_rank, int) and cp_size >= 1 and 0 <= cp_rank < cp_size):
         raise ValueError(
             f"Invalid context-parallel attributes cp_rank={cp_rank!r}, cp_size={cp_size!r}; "
             "need ints with 0 <= cp_rank < cp_size."

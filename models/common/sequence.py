@@ -55,9 +55,7 @@ def load_balanced_unshard(chunks: list[torch.Tensor], dim: int) -> torch.Tensor:
         return chunks[0]
     local_len = chunks[0].size(dim)
     seq_len = local_len * cp_size
-    order = torch.cat(
-        [load_balanced_positions(seq_len, r, cp_size, device=chunks[0].device) for r in range(cp_size)]
-    )
+    order = torch.cat([load_balanced_positions(seq_len, r, cp_size, device=chunks[0].device) for r in range(cp_size)])
     stacked = torch.cat(chunks, dim=dim)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(seq_len, device=order.device)

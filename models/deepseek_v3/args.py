@@ -98,8 +98,7 @@ class DeepSeekV3Args(DecoderArgs):
             )
         if self.score_func not in ("sigmoid", "softmax"):
             raise ValueError(
-                f"DeepSeekV3Args.score_func={self.score_func!r} is not supported; use "
-                "'sigmoid' or 'softmax'."
+                f"DeepSeekV3Args.score_func={self.score_func!r} is not supported; use 'sigmoid' or 'softmax'."
             )
         if not isinstance(self.route_norm, bool):
             raise ValueError(f"DeepSeekV3Args.route_norm must be a bool, got {self.route_norm!r}.")
@@ -136,14 +135,9 @@ class DeepSeekV3Args(DecoderArgs):
         _positive_float("rope_theta", self.rope_theta)
         if self.rope_theta <= 1:
             raise ValueError(f"DeepSeekV3Args.rope_theta must be > 1, got {self.rope_theta}.")
-        if (
-            isinstance(self.rope_factor, bool)
-            or not isinstance(self.rope_factor, (int, float))
-            or self.rope_factor < 1
-        ):
+        if isinstance(self.rope_factor, bool) or not isinstance(self.rope_factor, (int, float)) or self.rope_factor < 1:
             raise ValueError(
-                "DeepSeekV3Args.rope_factor must be >= 1 (1 means no YaRN stretch), got "
-                f"{self.rope_factor!r}."
+                f"DeepSeekV3Args.rope_factor must be >= 1 (1 means no YaRN stretch), got {self.rope_factor!r}."
             )
         _positive_float("beta_fast", self.beta_fast)
         _positive_float("beta_slow", self.beta_slow)

@@ -7,7 +7,7 @@ RoPE table and the blocks, and resets the MoE balancing buffers at init.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,13 +68,9 @@ class Attention(DecoderAttention):
             self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
         self.kv_norm = RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
-        self.wkv_b = nn.Linear(
-            self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
-        )
+        self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
-        self.softmax_scale = yarn_softmax_scale(
-            self.qk_head_dim, _yarn(args), args.mscale, args.max_seq_len
-        )
+        self.softmax_scale = yarn_softmax_scale(self.qk_head_dim, _yarn(args), args.mscale, args.max_seq_len)
         self.core = CausalAttentionCore()
         # Heads come out of wkv_b and of wq (or wq_b after the query latent).
         self.tp_colwise = ("wkv_b", "wq" if self.q_lora_rank == 0 else "wq_b")
@@ -89,9 +85,7 @@ class Attention(DecoderAttention):
         q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q = torch.cat([q_nope, apply_rotary_emb(q_pe, rope)], dim=-1)
 
-        kv, k_pe = torch.split(
-            self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )
+        kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_pe = self.k_pe_grad_sync(apply_rotary_emb(k_pe.unsqueeze(2), rope))  # [bs, s, 1, rope]
         kv = self.wkv_b(self.kv_norm(kv)).view(bs, s, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -109,9 +103,7 @@ class Attention(DecoderAttention):
             # output columns and leave the others exact; they are sliced off below.
             v = F.pad(v, (0, self.qk_head_dim - self.v_head_dim))
 
-        out = self.core(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.softmax_scale
-        )
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.softmax_scale)
         out = out[..., : self.v_head_dim].transpose(1, 2).reshape(bs, s, -1)
         return self.wo(out)
 

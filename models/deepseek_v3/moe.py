@@ -32,9 +32,7 @@ def _identity(counts: torch.Tensor) -> torch.Tensor:
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def grouped_mm_by_default(
-    device: torch.device, dtype: torch.dtype, dim: int, hidden_dim: int
-) -> bool:
+def grouped_mm_by_default(device: torch.device, dtype: torch.dtype, dim: int, hidden_dim: int) -> bool:
     """The automatic (``use_grouped_mm=None``) choice of :class:`GroupedExperts`: True where
     ``torch._grouped_mm`` is a real grouped kernel with no host sync for expert GEMMs of this
     compute ``dtype`` and local shape (``hidden_dim`` is the local, possibly ETP-sliced, one).
@@ -103,7 +101,7 @@ class _ZeroGradPastTotal(torch.autograd.Function):
     it, and only when a caller passes padding rows, which MoE and the EP wrapper never do.)"""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # noqa: D401
+    def forward(ctx, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(valid)
         return x.view_as(x)
 
@@ -142,9 +140,7 @@ class GroupedExperts(nn.Module):
     In both paths experts that receive no token still produce a (zero) gradient for their
     weights, so data-parallel gradient reductions see the same parameter set on every rank."""
 
-    def __init__(
-        self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool | None = None
-    ) -> None:
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool | None = None) -> None:
         super().__init__()
         if dim <= 0 or hidden_dim <= 0 or num_experts <= 0:
             raise ValueError(
@@ -171,9 +167,7 @@ class GroupedExperts(nn.Module):
                 f"rank holds {e_local} experts; pass one count per local expert."
             )
         if num_tokens_per_expert.is_floating_point() or num_tokens_per_expert.is_complex():
-            raise ValueError(
-                f"num_tokens_per_expert must be integer, got {num_tokens_per_expert.dtype}."
-            )
+            raise ValueError(f"num_tokens_per_expert must be integer, got {num_tokens_per_expert.dtype}.")
         if x.dim() != 2:
             raise ValueError(f"GroupedExperts expects x of shape [T, dim], got {tuple(x.shape)}.")
         dtype = expert_compute_dtype(x, w1)
@@ -211,8 +205,7 @@ class GroupedExperts(nn.Module):
         # CUDA it is a device-side assert that stops the stream before a GEMM reads past x.
         torch._assert_async(
             (counts.min() >= 0) & (total <= rows),
-            "GroupedExperts: num_tokens_per_expert must be non-negative and sum to at most "
-            "the number of rows of x",
+            "GroupedExperts: num_tokens_per_expert must be non-negative and sum to at most the number of rows of x",
         )
         if rows == 0:
             # No tokens at all (e.g. an EP rank that received none); the counts are zero by
@@ -351,17 +344,11 @@ class MoE(nn.Module):
             args.route_norm,
             args.route_scale,
         )
-        self.experts = GroupedExperts(
-            args.dim, args.moe_inter_dim, args.n_routed_experts, use_grouped_mm
-        )
+        self.experts = GroupedExperts(args.dim, args.moe_inter_dim, args.n_routed_experts, use_grouped_mm)
         self.shared_experts: FeedForward | None = (
-            FeedForward(args.dim, args.moe_inter_dim * args.n_shared_experts)
-            if args.n_shared_experts > 0
-            else None
+            FeedForward(args.dim, args.moe_inter_dim * args.n_shared_experts) if args.n_shared_experts > 0 else None
         )
-        self.register_buffer(
-            "expert_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32), persistent=True
-        )
+        self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32), persistent=True)
         self.register_buffer(
             "tokens_per_expert",
             torch.zeros(args.n_routed_experts, dtype=torch.float32),
@@ -403,14 +390,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat)
 
-        self.aux_loss_sum = (
-            self._sequence_aux_loss(scores, selected, bs, s) if self.aux_loss_coeff > 0 else None
-        )
+        self.aux_loss_sum = self._sequence_aux_loss(scores, selected, bs, s) if self.aux_loss_coeff > 0 else None
         return out.view(bs, s, dim)
 
-    def _sequence_aux_loss(
-        self, scores: torch.Tensor, selected: torch.Tensor, bs: int, s: int
-    ) -> torch.Tensor:
+    def _sequence_aux_loss(self, scores: torch.Tensor, selected: torch.Tensor, bs: int, s: int) -> torch.Tensor:
         """DeepSeek-V3 sequence-wise balance loss, summed over local sequences:
         ``coeff * sum_i f_i * P_i`` with ``f_i = E / (k T) * #tokens picking i`` and
         ``P_i = mean_t normalized score_{t,i}``.

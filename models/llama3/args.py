@@ -85,9 +85,7 @@ class Llama3Args(DecoderArgs):
         _positive_float("norm_eps", self.norm_eps)
         _positive_float("rope_theta", self.rope_theta)
         if not isinstance(self.use_rope_scaling, bool):
-            raise ValueError(
-                f"Llama3Args.use_rope_scaling must be a bool, got {self.use_rope_scaling!r}."
-            )
+            raise ValueError(f"Llama3Args.use_rope_scaling must be a bool, got {self.use_rope_scaling!r}.")
 
 
 llama3_flavors: dict[str, Llama3Args] = {

@@ -6,7 +6,6 @@ dicts and checkpoints) are the same with and without checkpointing.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import (

@@ -25,7 +25,7 @@ MHA with ``d_v = d_qk`` the gathered buffer is ``2 * bs * heads * seq * d`` elem
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -38,15 +38,13 @@ from models.common.sequence import load_balanced_shard, load_balanced_unshard
 __all__ = [
     "ContextParallelAttentionCore",
     "apply_context_parallel",
-    "shard_batch_for_cp",
     "load_balanced_causal_attention",
+    "shard_batch_for_cp",
 ]
 
 # ``all_gather_tensor_autograd`` is deprecated in newer torch in favour of the ``_single`` name;
 # older builds (e.g. on a GPU box) only have the former.
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or getattr(
-    funcol, "all_gather_tensor_autograd"
-)
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -67,9 +65,7 @@ def _check_mesh(cp_mesh: DeviceMesh) -> None:
         )
 
 
-def _lower_right_causal_mask(
-    n_q: int, first_query_pos: int, device: torch.device
-) -> torch.Tensor:
+def _lower_right_causal_mask(n_q: int, first_query_pos: int, device: torch.device) -> torch.Tensor:
     """Boolean mask (True = attend) for queries at global positions ``first_query_pos + i``
     against keys ``[0, first_query_pos + n_q)``. SDPA's ``is_causal`` aligns the diagonal to
     the top-left corner, which is wrong whenever the key prefix is longer than the query chunk."""
@@ -209,9 +205,7 @@ class ContextParallelAttentionCore(nn.Module):
                 f"shard the batch with shard_batch_for_cp"
             )
         k_full, v_full = self._gather_kv(k, v)
-        return load_balanced_causal_attention(
-            q, k_full, v_full, self.cp_rank, self.cp_size, scale=scale
-        )
+        return load_balanced_causal_attention(q, k_full, v_full, self.cp_rank, self.cp_size, scale=scale)
 
 
 class _AllReduceCounts:
@@ -243,9 +237,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     _check_mesh(cp_mesh)
     modules = list(model.named_modules())
-    attention = [
-        (name, m) for name, m in modules if isinstance(getattr(m, "core", None), nn.Module)
-    ]
+    attention = [(name, m) for name, m in modules if isinstance(getattr(m, "core", None), nn.Module)]
     if not attention:
         raise ValueError(
             f"{type(model).__name__} has no module with an nn.Module `core` attribute: context "

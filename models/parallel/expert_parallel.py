@@ -108,13 +108,10 @@ class _ExpertParallelDispatcher:
         self._plans.append(plan)
         return (routed, local_counts), {}
 
-    def _dispatch(
-        self, x: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, _DispatchPlan]:
+    def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _DispatchPlan]:
         if isinstance(x, DTensor) or isinstance(counts, DTensor):
             raise ValueError(
-                "expert-parallel experts expect plain local tensors (this rank's routed "
-                "tokens), not DTensors"
+                "expert-parallel experts expect plain local tensors (this rank's routed tokens), not DTensors"
             )
         if x.dim() != 2:
             raise ValueError(f"routed input must be [tokens, dim], got shape {tuple(x.shape)}")
@@ -158,10 +155,7 @@ class _ExpertParallelDispatcher:
         if host[-1] < 0:
             raise ValueError("num_tokens_per_expert contains negative counts")
         if sum(send_splits) != x.shape[0]:
-            raise ValueError(
-                f"routed input has {x.shape[0]} rows but num_tokens_per_expert sums to "
-                f"{sum(send_splits)}"
-            )
+            raise ValueError(f"routed input has {x.shape[0]} rows but num_tokens_per_expert sums to {sum(send_splits)}")
 
         routed = _all_to_all_rows(x, recv_splits, send_splits, self.ep_group)
         if etp > 1:
@@ -170,9 +164,7 @@ class _ExpertParallelDispatcher:
             # backends without uneven all_gather, and its autograd backward (reverse
             # all-to-all, then the sum over the repeated copies) is exactly the reduce-scatter
             # that adds up the peers' partial input gradients.
-            routed = _all_to_all_rows(
-                routed.repeat(etp, 1), etp_rows, [mine] * etp, self.etp_group
-            )
+            routed = _all_to_all_rows(routed.repeat(etp, 1), etp_rows, [mine] * etp, self.etp_group)
 
         sort_index, unsort_index = self._sort_indices(seg, routed.shape[0])
         routed = routed.index_select(0, sort_index)
@@ -208,8 +200,7 @@ class _ExpertParallelDispatcher:
         plan = self._plans.pop()
         if not isinstance(out, torch.Tensor) or isinstance(out, DTensor):
             raise ValueError(
-                f"experts forward must return a plain tensor under expert parallelism, got "
-                f"{type(out).__name__}"
+                f"experts forward must return a plain tensor under expert parallelism, got {type(out).__name__}"
             )
         out = out.index_select(0, plan.unsort_index)
         if self.etp > 1:
@@ -243,7 +234,7 @@ def _resolve_meshes(
             # Builds [ep, etp] over the common root, so param groups match the 1-D meshes even
             # when ep/etp are flattened or non-adjacent dims of that root.
             return etp_mesh, DeviceMesh._concatenate([ep_mesh, etp_mesh])
-        except Exception as exc:  # noqa: BLE001 - rewrap with the actionable message
+        except Exception as exc:
             raise ValueError(
                 "could not build the 2-D [ep, etp] mesh from ep_mesh and etp_mesh; they must "
                 "be 1-D slices of one root DeviceMesh with disjoint dims, or pass ep_etp_mesh "
@@ -302,9 +293,7 @@ def apply_expert_parallel(
             raise ValueError(f"experts.{name} must be 3-D, got shape {tuple(w.shape)}")
         weights[name] = w
     n_experts, hidden, dim = weights["w1"].shape
-    if tuple(weights["w3"].shape) != (n_experts, hidden, dim) or tuple(
-        weights["w2"].shape
-    ) != (n_experts, dim, hidden):
+    if tuple(weights["w3"].shape) != (n_experts, hidden, dim) or tuple(weights["w2"].shape) != (n_experts, dim, hidden):
         raise ValueError(
             "expected w1, w3 of shape [E, hidden, dim] and w2 of shape [E, dim, hidden], got "
             + ", ".join(f"{n}={tuple(w.shape)}" for n, w in weights.items())
@@ -316,15 +305,11 @@ def apply_expert_parallel(
     if n_experts % ep != 0:
         legal = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
         raise ValueError(
-            f"n_experts={n_experts} is not divisible by ep={ep}; legal ep values for "
-            f"{n_experts} experts: {legal}"
+            f"n_experts={n_experts} is not divisible by ep={ep}; legal ep values for {n_experts} experts: {legal}"
         )
     if hidden % etp != 0:
         legal = [d for d in range(1, hidden + 1) if hidden % d == 0]
-        raise ValueError(
-            f"expert hidden dim {hidden} is not divisible by etp={etp}; legal etp values: "
-            f"{legal}"
-        )
+        raise ValueError(f"expert hidden dim {hidden} is not divisible by etp={etp}; legal etp values: {legal}")
 
     if etp_mesh is None:
         placements = {name: [Shard(0)] for name in _WEIGHT_NAMES}

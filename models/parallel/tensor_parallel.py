@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["apply_tensor_parallel", "loss_parallel_context", "AllReduceBackward"]
+__all__ = ["AllReduceBackward", "apply_tensor_parallel", "loss_parallel_context"]
 
 
 class AllReduceBackward(torch.autograd.Function):
@@ -124,9 +124,7 @@ def _feed_forward_plan(ffn: nn.Module, token_dim: int, sp: bool) -> dict[str, Pa
     colwise, rowwise = _declared_tp(ffn, "feed-forward")
     seq = Shard(token_dim) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "": PrepareModuleInput(
-            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
+        "": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
     }
     plan.update({name: ColwiseParallel() for name in colwise})
     plan[rowwise] = RowwiseParallel(output_layouts=seq)
@@ -193,17 +191,17 @@ def apply_tensor_parallel(
             plan["moe.router.gate"] = _ReplicatedOnTokenShards()
             if moe.shared_experts is not None:
                 # MoE flattens tokens to [bs * s_local, dim] before the shared experts.
-                plan.update(
-                    _prefixed("moe.shared_experts", _feed_forward_plan(moe.shared_experts, 0, sp))
-                )
+                plan.update(_prefixed("moe.shared_experts", _feed_forward_plan(moe.shared_experts, 0, sp)))
         parallelize_module(block, tp_mesh, plan)
 
 
 def _gather_stage_output(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     def hook(module, inputs, output):
-        return DTensor.from_local(output, tp_mesh, (Shard(1),), run_check=False).redistribute(
-            tp_mesh, (Replicate(),)
-        ).to_local()
+        return (
+            DTensor.from_local(output, tp_mesh, (Shard(1),), run_check=False)
+            .redistribute(tp_mesh, (Replicate(),))
+            .to_local()
+        )
 
     model.register_forward_hook(hook)
 
@@ -215,9 +213,11 @@ def _shard_stage_input(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     def hook(module, args):
         (h, *rest) = args
-        local = DTensor.from_local(h, tp_mesh, (Replicate(),), run_check=False).redistribute(
-            tp_mesh, (Shard(1),)
-        ).to_local()
+        local = (
+            DTensor.from_local(h, tp_mesh, (Replicate(),), run_check=False)
+            .redistribute(tp_mesh, (Shard(1),))
+            .to_local()
+        )
         return (local, *rest)
 
     first_block.register_forward_pre_hook(hook)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from models.common.sequence import load_balanced_shard
-from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
 from models.parallel.tensor_parallel import loss_parallel_context
+from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
 from models.registry import build_model
 from parallel_dims import ParallelDims
 from parallel_dims.axes import DEGREE_NAMES
@@ -218,18 +218,14 @@ def compare(result: dict, ref: dict) -> dict:
     }
     if not names:
         return report
-    report["initial_abs_err"] = max(
-        (result["initial"][n] - w).abs().max().item() for n, w in ref["initial"].items()
-    )
+    report["initial_abs_err"] = max((result["initial"][n] - w).abs().max().item() for n, w in ref["initial"].items())
     # relative to the tensor's largest entry: elementwise relative errors blow up on entries
     # that are zero up to round-off
     report["grad_rel_err"] = {
         n: ((result["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
         for n, g in ref["grads"].items()
     }
-    report["weight_abs_err"] = {
-        n: (result["weights"][n] - w).abs().max().item() for n, w in ref["weights"].items()
-    }
+    report["weight_abs_err"] = {n: (result["weights"][n] - w).abs().max().item() for n, w in ref["weights"].items()}
     report["routing_equal"] = sorted(result["routing"]) == sorted(ref["routing"]) and all(
         torch.equal(result["routing"][k], c) for k, c in ref["routing"].items()
     )

@@ -30,9 +30,7 @@ class _ReferenceGroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (
-            w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3)
-        )
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         outs = []
         for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
             outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
@@ -114,9 +112,7 @@ def _ep_vs_reference(rank, world, ep, etp, empty_experts, rows_per_rank, seed):
         expected_pl = (Shard(0),) if etp == 1 else (Shard(0), Shard(hidden_dim[name]))
         assert tuple(p.placements) == expected_pl, (name, p.placements)
         weight_err = max(weight_err, (p.full_tensor() - full[name]).abs().max().item())
-        local_ref = ref_grads[name][experts_sl].narrow(
-            hidden_dim[name], hidden_sl.start, h_local
-        )
+        local_ref = ref_grads[name][experts_sl].narrow(hidden_dim[name], hidden_sl.start, h_local)
         local_grad = p.grad.to_local()
         assert local_grad.shape == local_ref.shape
         grad_err[name] = (local_grad - local_ref).abs().max().item()
@@ -136,10 +132,7 @@ def _ep_vs_reference(rank, world, ep, etp, empty_experts, rows_per_rank, seed):
     out_alt.backward(grad_out)
     alt_err = max(
         [err(out_alt.detach(), out_ep.detach()), err(x_alt.grad, x_ep.grad)]
-        + [
-            err(pa.grad.to_local(), pe.grad.to_local())
-            for pa, pe in zip(alt.parameters(), mod.parameters())
-        ]
+        + [err(pa.grad.to_local(), pe.grad.to_local()) for pa, pe in zip(alt.parameters(), mod.parameters())]
     )
 
     return {

@@ -104,9 +104,7 @@ def test_bf16_is_applied_on_every_layout(census, model, layout):
         )
         if model == "deepseek_v3" and layout != "pp=2":
             assert "_grouped_mm" in ops, f"rank {rank}: routed experts not on grouped GEMMs: {ops}"
-        assert r["bf16"] >= MIN_BF16_SHARE, (
-            f"rank {rank}: bf16 share of matmul FLOPs {r['bf16']:.4f}: {r['calls']}"
-        )
+        assert r["bf16"] >= MIN_BF16_SHARE, f"rank {rank}: bf16 share of matmul FLOPs {r['bf16']:.4f}: {r['calls']}"
 
 
 @pytest.mark.parametrize("model,layout", ALL)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.launcher import run_distributed
 from tests.distributed.parallel_harness import (
     GRAD_RTOL,
     fp32_failures,
@@ -28,6 +27,7 @@ from tests.distributed.parallel_harness import (
     parallel_steps,
     run_layout,
 )
+from tools.launcher import run_distributed
 
 GLOBAL_BS, SEQ_LEN, MAX_NORM = 8, 32, 1.0
 FSDP2 = full_degrees(dp_shard=2)

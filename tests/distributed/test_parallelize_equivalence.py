@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import pytest
 
-from tools.launcher import run_distributed
 from tests.distributed.parallel_harness import (
     fp32_failures,
     full_degrees,
     parallel_steps,
     world_size_of,
 )
+from tools.launcher import run_distributed
 
 GLOBAL_BS, SEQ_LEN, MAX_NORM = 8, 32, 1.0
 

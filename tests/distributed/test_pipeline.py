@@ -35,8 +35,8 @@ from models.parallel.pipeline import (
     stage_layer_ranges,
 )
 from models.registry import build_model
-from tools.launcher import run_distributed
 from tests.distributed.parallel_harness import SEED, _optimizer, make_batch, small_overrides
+from tools.launcher import run_distributed
 
 GLOBAL_BS, SEQ, N_MICROBATCHES, MAX_NORM = 8, 32, 4, 1.0
 N_LAYERS = 4  # 4 stages for the two-stages-per-rank schedules at pp=2
@@ -223,8 +223,14 @@ def _layouts_worker(rank, world_size, cases, schedule_checks=()):
                 m.init_weights(SEED)
             try:
                 build_pipeline_schedule(
-                    split.modules, split.stage_indices, pd, schedule, n_mb, _cross_entropy_sum,
-                    local_batch_size=local_bs, seq_len=SEQ,
+                    split.modules,
+                    split.stage_indices,
+                    pd,
+                    schedule,
+                    n_mb,
+                    _cross_entropy_sum,
+                    local_batch_size=local_bs,
+                    seq_len=SEQ,
                 )
                 messages.append(None)
             except ValueError as exc:
@@ -300,7 +306,11 @@ WORLD4_CASES = {
     # the trainer's gradient accumulation: two pipeline steps per optimizer step, FSDP's
     # reduce-scatter after each, accumulated into the sharded grads
     "pp2_fsdp2_grad_accumulation": (
-        "llama3", _degrees(dp_shard=2), "1F1B", {}, {"accum_steps": 2, "n_microbatches": 2}
+        "llama3",
+        _degrees(dp_shard=2),
+        "1F1B",
+        {},
+        {"accum_steps": 2, "n_microbatches": 2},
     ),
     "pp2_tp2": ("llama3", _degrees(tp=2), "Interleaved1F1B", {}),
     # stages past the first must still place RoPE at each cp rank's global positions
@@ -440,8 +450,15 @@ def _boundary_mismatch_worker(rank, world_size):
         m.init_weights(SEED)
     # the stages compute in float32, the pipeline is told bfloat16 (e.g. FSDP assumed on)
     pipe = build_pipeline_schedule(
-        split.modules, split.stage_indices, pd, "1F1B", 2, _cross_entropy_sum,
-        local_batch_size=4, seq_len=SEQ, activation_dtype=torch.bfloat16,
+        split.modules,
+        split.stage_indices,
+        pd,
+        "1F1B",
+        2,
+        _cross_entropy_sum,
+        local_batch_size=4,
+        seq_len=SEQ,
+        activation_dtype=torch.bfloat16,
     )
     inputs, labels = make_batch(4, SEQ, 512)
     try:
@@ -452,7 +469,7 @@ def _boundary_mismatch_worker(rank, world_size):
         pipeline_step(pipe, inputs, labels, 4 * SEQ)
     except PipelineBoundaryError as exc:
         return wrong_shape, str(exc)
-    except Exception as exc:  # noqa: BLE001 - the receiving rank loses its peer
+    except Exception as exc:
         return wrong_shape, f"peer: {type(exc).__name__}"
     return wrong_shape, None
 

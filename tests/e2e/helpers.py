@@ -14,11 +14,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Small enough for CI on 2 cores, big enough to learn something.
 FAST = [
-    "--training.seq_len", "64",
-    "--training.global_batch_size", "8",
-    "--training.local_batch_size", "2",
-    "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "8",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
 ]
 
 
@@ -55,7 +60,7 @@ def _stat(pid: int) -> dict | None:
             text = f.read()
     except OSError:
         return None
-    rest = text[text.rindex(")") + 2:].split()  # comm may hold spaces and parentheses
+    rest = text[text.rindex(")") + 2 :].split()  # comm may hold spaces and parentheses
     return {"state": rest[0], "ppid": int(rest[1]), "pgrp": int(rest[2]), "starttime": int(rest[19])}
 
 
@@ -122,8 +127,13 @@ class Job:
     def __init__(self, nproc: int, *args: str):
         self.nproc = nproc
         self.proc = subprocess.Popen(
-            train_cmd(nproc, *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=_env(), start_new_session=True,
+            train_cmd(nproc, *args),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+            start_new_session=True,
         )
         self._lines: list[str] = []
         self._changed = threading.Condition()
@@ -222,8 +232,7 @@ class Job:
         except subprocess.TimeoutExpired:
             self.close()
             raise AssertionError(
-                f"the launcher did not exit within {timeout}s after ranks {ranks} were killed:\n"
-                f"{self.output[-3000:]}"
+                f"the launcher did not exit within {timeout}s after ranks {ranks} were killed:\n{self.output[-3000:]}"
             ) from None
         self._wait_gone(tree, timeout)
         return killed

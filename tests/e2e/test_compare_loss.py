@@ -29,13 +29,35 @@ except ModuleNotFoundError:  # Python < 3.11
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-TINY = ["--training.seq_len", "64", "--training.global_batch_size", "8", "--training.local_batch_size", "2",
-        "--metrics.enable_tensorboard", "false"]
+TINY = [
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "8",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 LONG_NAMES = PARALLELISM_ALIASES  # short layout key -> [parallelism] key
-LLAMA3_LAYOUTS = ["single", "fsdp=4", "dp_replicate=2,fsdp=2", "tp=2,fsdp=2", "cp=2,fsdp=2", "cp=2,tp=2",
-                  "dp_replicate=4", "pp=2,fsdp=2"]
-DEEPSEEK_LAYOUTS = ["fsdp=4", "fsdp=4,ep=2", "fsdp=2,cp=2,ep=4", "fsdp=2,tp=2,ep=2,etp=2",
-                    "dp_replicate=2,fsdp=2,ep=2", "pp=2,fsdp=2,ep=2"]
+LLAMA3_LAYOUTS = [
+    "single",
+    "fsdp=4",
+    "dp_replicate=2,fsdp=2",
+    "tp=2,fsdp=2",
+    "cp=2,fsdp=2",
+    "cp=2,tp=2",
+    "dp_replicate=4",
+    "pp=2,fsdp=2",
+]
+DEEPSEEK_LAYOUTS = [
+    "fsdp=4",
+    "fsdp=4,ep=2",
+    "fsdp=2,cp=2,ep=4",
+    "fsdp=2,tp=2,ep=2,etp=2",
+    "dp_replicate=2,fsdp=2,ep=2",
+    "pp=2,fsdp=2,ep=2",
+]
 
 
 def _env() -> dict[str, str]:
@@ -44,8 +66,14 @@ def _env() -> dict[str, str]:
 
 
 def compare_loss(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.compare_loss", *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "tools.compare_loss", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _explain(proc: subprocess.CompletedProcess) -> str:
@@ -62,8 +90,10 @@ def _check_runs_used_their_layouts(summary: dict) -> None:
             assert parallelism[LONG_NAMES[short]] == value, (run["layout"], short)
         log = (folder / "train.log").read_text()
         d = run["degrees"]
-        assert (f"mesh: world={run['nproc']} pp={d['pp']} dp_replicate={d['dp_replicate']} dp_shard={d['dp_shard']} "
-                f"cp={d['cp']} tp={d['tp']} ep={d['ep']} etp={d['etp']}") in log
+        assert (
+            f"mesh: world={run['nproc']} pp={d['pp']} dp_replicate={d['dp_replicate']} dp_shard={d['dp_shard']} "
+            f"cp={d['cp']} tp={d['tp']} ep={d['ep']} etp={d['etp']}"
+        ) in log
         steps = [json.loads(l)["step"] for l in (folder / "metrics.jsonl").read_text().splitlines()]
         assert steps == list(range(1, STEPS + 1))
 
@@ -76,8 +106,10 @@ def _assert_all_agree(proc: subprocess.CompletedProcess, out: Path, layouts: lis
     for run in summary["runs"]:
         assert run["status"] in ("ok", "baseline"), run
         assert run["first_step_beyond"] is None
-        print(f"{run['layout']:<28} max rel loss diff {run['max_rel_diff']:.2e}  "
-              f"grad-norm rel diff {run['grad_norm_max_rel_diff']:.2e}  wall {run['wall_s']:.1f}s")
+        print(
+            f"{run['layout']:<28} max rel loss diff {run['max_rel_diff']:.2e}  "
+            f"grad-norm rel diff {run['grad_norm_max_rel_diff']:.2e}  wall {run['wall_s']:.1f}s"
+        )
     _check_runs_used_their_layouts(summary)
     assert f"step {STEPS}/{STEPS}" in proc.stdout  # progress was shown while the runs went
     assert (out / "loss_comparison.png").read_bytes()[:4] == b"\x89PNG"
@@ -87,16 +119,40 @@ def _assert_all_agree(proc: subprocess.CompletedProcess, out: Path, layouts: lis
 @pytest.fixture(scope="module")
 def llama3_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama3") / "cmp"
-    proc = compare_loss("--config", "train_configs/llama3.toml", "--steps", str(STEPS), "--out", str(out),
-                        "--timeout", "300", "--layouts", *LLAMA3_LAYOUTS, "--", *TINY)
+    proc = compare_loss(
+        "--config",
+        "train_configs/llama3.toml",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--timeout",
+        "300",
+        "--layouts",
+        *LLAMA3_LAYOUTS,
+        "--",
+        *TINY,
+    )
     return proc, out
 
 
 @pytest.fixture(scope="module")
 def deepseek_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepseek") / "cmp"
-    proc = compare_loss("--config", "train_configs/deepseek_v3.toml", "--steps", str(STEPS), "--out", str(out),
-                        "--timeout", "300", "--layouts", *DEEPSEEK_LAYOUTS, "--", *TINY)
+    proc = compare_loss(
+        "--config",
+        "train_configs/deepseek_v3.toml",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--timeout",
+        "300",
+        "--layouts",
+        *DEEPSEEK_LAYOUTS,
+        "--",
+        *TINY,
+    )
     return proc, out
 
 
@@ -117,9 +173,24 @@ def test_same_layout_twice_is_bitwise_equal(deepseek_comparison, tmp_path):
     _, seed_out = deepseek_comparison
     seed = seed_out / "seed" / "checkpoint" / "step-0"
     out = tmp_path / "cmp"
-    proc = compare_loss("--config", "train_configs/deepseek_v3.toml", "--steps", str(STEPS), "--out", str(out),
-                        "--seed-checkpoint", str(seed), "--assert-equal", "--timeout", "300",
-                        "--layouts", "fsdp=2,ep=2", "fsdp=2,ep=2", "--", *TINY)
+    proc = compare_loss(
+        "--config",
+        "train_configs/deepseek_v3.toml",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--seed-checkpoint",
+        str(seed),
+        "--assert-equal",
+        "--timeout",
+        "300",
+        "--layouts",
+        "fsdp=2,ep=2",
+        "fsdp=2,ep=2",
+        "--",
+        *TINY,
+    )
     assert proc.returncode == 0, _explain(proc)
     runs = json.loads((out / "summary.json").read_text())["runs"]
     assert [r["layout"] for r in runs] == ["fsdp=2,ep=2", "fsdp=2,ep=2#2"]
@@ -139,8 +210,9 @@ def test_grad_dump_matches_across_layouts(llama3_comparison, tmp_path):
 
     _, llama_out = llama3_comparison
     seed = str(llama_out / "seed" / "checkpoint" / "step-0")
-    plan = Plan(config=str(ROOT / "train_configs" / "llama3.toml"), steps=1, out=str(tmp_path), extra=TINY,
-                seed_checkpoint=seed)
+    plan = Plan(
+        config=str(ROOT / "train_configs" / "llama3.toml"), steps=1, out=str(tmp_path), extra=TINY, seed_checkpoint=seed
+    )
     dumps = []
     for i, text in enumerate(["single", "tp=2,fsdp=2"]):
         layout = parse_layout(text)
@@ -161,13 +233,29 @@ def test_grad_dump_matches_across_layouts(llama3_comparison, tmp_path):
 
 def test_bad_layout_is_rejected_before_anything_runs(tmp_path):
     out = tmp_path / "cmp"
-    proc = compare_loss("--config", "train_configs/deepseek_v3.toml", "--out", str(out),
-                        "--layouts", "fsdp=4", "fsdp=2,ep=2,tpp=2", timeout=120)
+    proc = compare_loss(
+        "--config",
+        "train_configs/deepseek_v3.toml",
+        "--out",
+        str(out),
+        "--layouts",
+        "fsdp=4",
+        "fsdp=2,ep=2,tpp=2",
+        timeout=120,
+    )
     assert proc.returncode == 2, _explain(proc)
     assert "layout 'fsdp=2,ep=2,tpp=2': unknown key 'tpp'; did you mean 'tp'?" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists()  # no seed checkpoint, no run folder
-    proc = compare_loss("--config", "train_configs/deepseek_v3.toml", "--out", str(out),
-                        "--layouts", "fsdp=4", "fsdp=2,ep=4", timeout=120)
+    proc = compare_loss(
+        "--config",
+        "train_configs/deepseek_v3.toml",
+        "--out",
+        str(out),
+        "--layouts",
+        "fsdp=4",
+        "fsdp=2,ep=4",
+        timeout=120,
+    )
     assert proc.returncode == 2 and "ep*etp = 4*1 = 4 does not divide dp_shard*cp*tp = 2*1*1 = 2" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()

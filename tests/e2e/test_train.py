@@ -17,10 +17,22 @@ LLAMA = ["--config", "llama3.toml", *FAST]
 def test_short_run_learns_and_writes_outputs(tmp_path):
     out = tmp_path / "run"
     res = run_train(
-        4, *LLAMA, "--training.steps", "40", "--job.dump_folder", str(out),
-        "--metrics.enable_tensorboard", "true", "--checkpoint.enable", "true",
-        "--checkpoint.interval", "20", "--checkpoint.keep_latest_k", "1",
-        "--lr_scheduler.warmup_steps", "4",
+        4,
+        *LLAMA,
+        "--training.steps",
+        "40",
+        "--job.dump_folder",
+        str(out),
+        "--metrics.enable_tensorboard",
+        "true",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "20",
+        "--checkpoint.keep_latest_k",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "4",
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = read_metrics(out)
@@ -40,8 +52,17 @@ def _steps(m, lo, hi):
 
 
 def test_kill_and_resume_is_bitwise_identical(tmp_path):
-    common = [*LLAMA, "--training.steps", "8", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "4", "--lr_scheduler.warmup_steps", "2"]
+    common = [
+        *LLAMA,
+        "--training.steps",
+        "8",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "2",
+    ]
     ref, crash = tmp_path / "ref", tmp_path / "crash"
     res = run_train(2, *common, "--job.dump_folder", str(ref))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -59,8 +80,17 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
 
 
 def test_resume_under_a_different_layout(tmp_path):
-    common = [*LLAMA, "--training.steps", "8", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "4", "--lr_scheduler.warmup_steps", "2"]
+    common = [
+        *LLAMA,
+        "--training.steps",
+        "8",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "2",
+    ]
     ref, resharded = tmp_path / "ref", tmp_path / "reshard"
     res = run_train(4, *common, "--job.dump_folder", str(ref))  # fsdp=4 all the way
     assert res.returncode == 0, res.stderr[-3000:]
@@ -79,8 +109,17 @@ def test_resume_under_a_different_layout(tmp_path):
 
 @pytest.mark.parametrize("save_pp, load_pp", [(2, 1), (1, 2)])
 def test_pipeline_checkpoint_loads_without_pipeline_and_back(tmp_path, save_pp, load_pp):
-    common = [*LLAMA, "--training.steps", "6", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "3", "--lr_scheduler.warmup_steps", "2"]
+    common = [
+        *LLAMA,
+        "--training.steps",
+        "6",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "3",
+        "--lr_scheduler.warmup_steps",
+        "2",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     res = run_train(2, *common, "--job.dump_folder", str(ref), "--parallelism.pp", str(load_pp))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -106,8 +145,17 @@ def test_rank_killed_while_a_checkpoint_is_written(tmp_path):
     from trainer.checkpoint import CheckpointManager, export_checkpoint
 
     # saves at 4, 8 and 10 (the last step); llama3.toml keeps the newest 2
-    common = [*LLAMA, "--training.steps", "10", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "4", "--lr_scheduler.warmup_steps", "2"]
+    common = [
+        *LLAMA,
+        "--training.steps",
+        "10",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "2",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     ckpt, tmp = run / "checkpoint", run / "checkpoint" / "step-8.tmp"
     res = run_train(2, *common, "--job.dump_folder", str(ref))
@@ -163,7 +211,11 @@ def test_rank_killed_while_a_checkpoint_is_written(tmp_path):
         (1, ["--training.steps", "ten"], "training.steps expects an int, got 'ten'"),
         (1, ["--parallelism.tp", "2"], "tp=2 does not divide world_size=1; legal tp values: 1"),
         (2, ["--parallelism.tp", "2", "--training.seq_len", "63"], "seq_len=63 is not divisible by 2"),
-        (2, ["--parallelism.cp", "2", "--training.seq_len", "66"], "seq_len=66 is not divisible by 4 = 2*cp: 2*cp (load-balanced context-parallel chunks)"),
+        (
+            2,
+            ["--parallelism.cp", "2", "--training.seq_len", "66"],
+            "seq_len=66 is not divisible by 4 = 2*cp: 2*cp (load-balanced context-parallel chunks)",
+        ),
         (1, ["--model.flavor", "debugmodle"], "debugmodle"),
     ],
 )
@@ -176,27 +228,63 @@ def test_bad_config_gives_a_clear_error(tmp_path, nproc, args, message):
 
 
 def test_bad_model_layout_combination(tmp_path):
-    res = run_train(2, "--config", "deepseek_v3.toml", *FAST, "--training.steps", "2",
-                    "--job.dump_folder", str(tmp_path), "--parallelism.ep", "2",
-                    "--model.vocab_size", "2048", "--parallelism.dp_shard", "1", "--parallelism.tp", "2",
-                    "--parallelism.enable_sequence_parallel", "false")
+    res = run_train(
+        2,
+        "--config",
+        "deepseek_v3.toml",
+        *FAST,
+        "--training.steps",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--parallelism.ep",
+        "2",
+        "--model.vocab_size",
+        "2048",
+        "--parallelism.dp_shard",
+        "1",
+        "--parallelism.tp",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "false",
+    )
     assert res.returncode != 0
     assert "needs sequence parallel" in res.stderr, res.stderr[-2000:]
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     # an absurd learning rate without clipping blows the weights up within a few steps
-    res = run_train(1, *LLAMA, "--training.steps", "6", "--job.dump_folder", str(tmp_path),
-                    "--parallelism.dp_shard", "1", "--optimizer.lr", "1e12",
-                    "--lr_scheduler.warmup_steps", "1", "--training.max_norm", "0")
+    res = run_train(
+        1,
+        *LLAMA,
+        "--training.steps",
+        "6",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--parallelism.dp_shard",
+        "1",
+        "--optimizer.lr",
+        "1e12",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--training.max_norm",
+        "0",
+    )
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert "non-finite" in res.stderr and "at step " in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
 
 
 def test_pipeline_with_activation_checkpointing_is_bitwise_unchanged(tmp_path):
-    common = [*LLAMA, "--training.steps", "3", "--parallelism.pp", "2",
-              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    common = [
+        *LLAMA,
+        "--training.steps",
+        "3",
+        "--parallelism.pp",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+    ]
     plain, ac = tmp_path / "plain", tmp_path / "ac"
     for folder, extra in ((plain, []), (ac, ["--activation_checkpoint.mode", "full"])):
         res = run_train(2, *common, "--job.dump_folder", str(folder), *extra)
@@ -209,10 +297,24 @@ def test_profiling_writes_traces_at_the_configured_steps(tmp_path):
     step's matmuls; memory snapshots are CUDA-only and the CPU run says so instead."""
     import json
 
-    res = run_train(2, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(tmp_path),
-                    "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
-                    "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1",
-                    "--profiling.enable_memory_snapshot", "true")
+    res = run_train(
+        2,
+        *LLAMA,
+        "--training.steps",
+        "4",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--profiling.enable_profiling",
+        "true",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.profiler_warmup",
+        "0",
+        "--profiling.profiler_active",
+        "1",
+        "--profiling.enable_memory_snapshot",
+        "true",
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     traces = tmp_path / "profile_traces"
     assert sorted(p.name for p in traces.iterdir()) == ["iteration_2", "iteration_4"]
@@ -233,8 +335,16 @@ def test_hung_rank_ends_the_job_within_the_train_timeout(tmp_path):
     import signal
 
     timeout_s = 5
-    job = Job(2, *LLAMA, "--training.steps", "500", "--job.dump_folder", str(tmp_path),
-              "--comm.train_timeout_seconds", str(timeout_s))
+    job = Job(
+        2,
+        *LLAMA,
+        "--training.steps",
+        "500",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--comm.train_timeout_seconds",
+        str(timeout_s),
+    )
     try:
         assert job.wait_for_output("step   3/500", 300), job.output[-3000:]
         os.kill(job.workers()[1], signal.SIGSTOP)
@@ -244,9 +354,9 @@ def test_hung_rank_ends_the_job_within_the_train_timeout(tmp_path):
     finally:
         job.close()
     assert job.proc.returncode != 0
-    assert f"a collective did not finish within comm.train_timeout_seconds = {timeout_s} s" in job.output, (
-        job.output[-3000:]
-    )
+    assert f"a collective did not finish within comm.train_timeout_seconds = {timeout_s} s" in job.output, job.output[
+        -3000:
+    ]
     assert "trainer/" not in job.output  # no traceback through our code (torchrun prints its own summary)
     # the 5 s timeout, torchrun's 30 s grace for the stopped worker, and slack for a loaded box
     assert elapsed < timeout_s + 30 + 25, f"the job took {elapsed:.0f} s to end"

@@ -17,8 +17,18 @@ LLAMA = ["--config", "llama3.toml", *FAST, "--parallelism.dp_shard", "1"]
 @pytest.fixture(scope="module")
 def run_with_two_checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpts") / "run"
-    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(folder),
-                    "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    res = run_train(
+        1,
+        *LLAMA,
+        "--training.steps",
+        "2",
+        "--job.dump_folder",
+        str(folder),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-1", "step-2"]
     return folder
@@ -41,14 +51,32 @@ def _one_clean_line(res, *needles):
 
 
 def test_missing_dataset_path(tmp_path):
-    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(tmp_path),
-                    "--training.dataset", "jsonl", "--training.dataset_path", str(tmp_path / "nope"))
+    res = run_train(
+        1,
+        *LLAMA,
+        "--training.steps",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.dataset",
+        "jsonl",
+        "--training.dataset_path",
+        str(tmp_path / "nope"),
+    )
     _one_clean_line(res, "training.dataset_path", str(tmp_path / "nope"), "does not exist", ".jsonl file")
 
 
 def test_missing_tokenizer_path(tmp_path):
-    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(tmp_path),
-                    "--model.tokenizer_path", str(tmp_path / "tok"))
+    res = run_train(
+        1,
+        *LLAMA,
+        "--training.steps",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--model.tokenizer_path",
+        str(tmp_path / "tok"),
+    )
     _one_clean_line(res, "model.tokenizer_path", str(tmp_path / "tok"), "use '' for the shipped tokenizer")
 
 
@@ -60,38 +88,66 @@ def test_unwritable_dump_folder(tmp_path):
 
 
 def test_missing_initial_load_path(tmp_path):
-    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(tmp_path / "run"),
-                    "--checkpoint.initial_load_path", str(tmp_path / "seed"))
-    _one_clean_line(res, "checkpoint.initial_load_path", str(tmp_path / "seed"), "does not exist",
-                    "point it at a complete checkpoint folder")
+    res = run_train(
+        1,
+        *LLAMA,
+        "--training.steps",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "seed"),
+    )
+    _one_clean_line(
+        res,
+        "checkpoint.initial_load_path",
+        str(tmp_path / "seed"),
+        "does not exist",
+        "point it at a complete checkpoint folder",
+    )
 
 
 def test_absent_load_step(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
-    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run),
-                    "--checkpoint.enable", "true", "--checkpoint.load_step", "7")
-    _one_clean_line(res, "no complete checkpoint for step 7", "available steps: [1, 2]",
-                    "checkpoint.load_step = -1")
+    res = run_train(
+        1,
+        *LLAMA,
+        "--training.steps",
+        "4",
+        "--job.dump_folder",
+        str(run),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.load_step",
+        "7",
+    )
+    _one_clean_line(res, "no complete checkpoint for step 7", "available steps: [1, 2]", "checkpoint.load_step = -1")
 
 
 def test_truncated_metadata(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
     meta = run / "checkpoint" / "step-2" / ".metadata"
     meta.write_bytes(meta.read_bytes()[:100])
-    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run),
-                    "--checkpoint.enable", "true")
-    _one_clean_line(res, str(run / "checkpoint" / "step-2"), "truncated or corrupt .metadata",
-                    "delete it, or set checkpoint.load_step to one of 1")
+    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
+    _one_clean_line(
+        res,
+        str(run / "checkpoint" / "step-2"),
+        "truncated or corrupt .metadata",
+        "delete it, or set checkpoint.load_step to one of 1",
+    )
 
 
 def test_truncated_shard_file(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
     (shard,) = (run / "checkpoint" / "step-2").glob("*.distcp")
     shard.write_bytes(shard.read_bytes()[:1000])
-    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run),
-                    "--checkpoint.enable", "true")
-    _one_clean_line(res, str(run / "checkpoint" / "step-2"), "truncated or corrupt shard file",
-                    "delete it, or set checkpoint.load_step to one of 1")
+    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
+    _one_clean_line(
+        res,
+        str(run / "checkpoint" / "step-2"),
+        "truncated or corrupt shard file",
+        "delete it, or set checkpoint.load_step to one of 1",
+    )
 
 
 def test_the_named_fix_works(tmp_path, run_with_two_checkpoints):
@@ -99,16 +155,25 @@ def test_the_named_fix_works(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
     meta = run / "checkpoint" / "step-2" / ".metadata"
     meta.write_bytes(meta.read_bytes()[:100])
-    res = run_train(1, *LLAMA, "--training.steps", "3", "--job.dump_folder", str(run),
-                    "--checkpoint.enable", "true", "--checkpoint.load_step", "1")
+    res = run_train(
+        1,
+        *LLAMA,
+        "--training.steps",
+        "3",
+        "--job.dump_folder",
+        str(run),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.load_step",
+        "1",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "at step 1" in res.stdout
 
 
 def test_a_complete_run_says_so_and_how_to_continue(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
-    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(run),
-                    "--checkpoint.enable", "true")
+    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "already complete (step 2 of training.steps = 2" in res.stdout, res.stdout[-2000:]
     assert "--training.steps" in res.stdout and f"delete {run}" in res.stdout

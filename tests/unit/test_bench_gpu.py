@@ -25,9 +25,24 @@ def test_bench_gpu_refuses_without_a_gpu():
 def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
     out = tmp_path / "gpu.json"
     res = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--modes", "eager", "--steps", "3",
-         "--warmup", "1", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu",
+            "--smoke",
+            "--modes",
+            "eager",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

@@ -55,8 +55,15 @@ def gloo(tmp_path):
 
 
 def loader():
-    return PackedDataLoader(SyntheticSource(0), ByteTokenizer(), seq_len=16, global_batch_size=2,
-                            local_batch_size=2, batch_rank=0, batch_degree=1)
+    return PackedDataLoader(
+        SyntheticSource(0),
+        ByteTokenizer(),
+        seq_len=16,
+        global_batch_size=2,
+        local_batch_size=2,
+        batch_rank=0,
+        batch_degree=1,
+    )
 
 
 def train_state(seed=0):
@@ -167,15 +174,22 @@ def test_pipeline_parts_load_into_a_different_layout(gloo, tmp_path):
     mgr = CheckpointManager(str(tmp_path))
     mgr.save(1, [stage0, stage1], opt)
     keys = checkpoint_keys(mgr.step_dir(1))
-    assert {"model.tok_embeddings.weight", "model.layers.0.ff.weight", "model.layers.1.ff.weight",
-            "model.output.weight", "optimizer.state.layers.1.ff.weight.exp_avg"} <= keys
+    assert {
+        "model.tok_embeddings.weight",
+        "model.layers.0.ff.weight",
+        "model.layers.1.ff.weight",
+        "model.output.weight",
+        "optimizer.state.layers.1.ff.weight.exp_avg",
+    } <= keys
     whole = Net()
     opt_whole = build_optimizer([whole], CFG)
     mgr.load([whole], opt_whole)
     assert torch.equal(whole.layers["1"].ff.weight, stage1.layers["1"].ff.weight)
     assert torch.equal(whole.tok_embeddings.weight, stage0.tok_embeddings.weight)
-    assert torch.equal(opt_whole.optimizers[0].state[whole.layers["1"].ff.weight]["exp_avg"],
-                       opt.optimizers[1].state[stage1.layers["1"].ff.weight]["exp_avg"])
+    assert torch.equal(
+        opt_whole.optimizers[0].state[whole.layers["1"].ff.weight]["exp_avg"],
+        opt.optimizers[1].state[stage1.layers["1"].ff.weight]["exp_avg"],
+    )
 
 
 def test_wrapper_prefixes_are_not_saved(gloo, tmp_path):

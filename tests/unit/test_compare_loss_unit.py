@@ -117,8 +117,11 @@ def test_parse_rejects(text, pattern):
     "text, pattern",
     [
         # the validate_degrees message, with the layout and its process count in front
-        ("tp=2,nproc=8", r"layout 'tp=2,nproc=8' \(nproc=8\): dp_replicate\*dp_shard\*cp\*tp\*pp = 1\*1\*1\*2\*1 = 2 "
-                         r"!= world_size=8.*use dp_shard=4 or dp_shard=-1"),
+        (
+            "tp=2,nproc=8",
+            r"layout 'tp=2,nproc=8' \(nproc=8\): dp_replicate\*dp_shard\*cp\*tp\*pp = 1\*1\*1\*2\*1 = 2 "
+            r"!= world_size=8.*use dp_shard=4 or dp_shard=-1",
+        ),
         ("fsdp=3,tp=2,nproc=4", r"dp_shard=3 does not divide world_size=4; legal dp_shard values: 1, 2, 4"),
         ("fsdp=2,ep=4", r"ep\*etp = 4\*1 = 4 does not divide dp_shard\*cp\*tp = 2\*1\*1 = 2"),
         ("tp=4,etp=2", r"etp=2 is not supported with tp=4"),
@@ -150,8 +153,9 @@ def test_extra_overrides_the_tool_owns_are_refused():
 
 def test_first_step_beyond_tolerance_and_max_differences(tmp_path):
     base = load_metrics(write_metrics(tmp_path / "a.jsonl", [8.0, 7.0, 6.0, 5.0]))
-    run = load_metrics(write_metrics(tmp_path / "b.jsonl", [8.0, 7.0 + 5e-6, 6.0 + 1e-4, 5.0 - 2e-4],
-                                     grad_norms=[1.0, 1.0, 1.1, 1.0]))
+    run = load_metrics(
+        write_metrics(tmp_path / "b.jsonl", [8.0, 7.0 + 5e-6, 6.0 + 1e-4, 5.0 - 2e-4], grad_norms=[1.0, 1.0, 1.1, 1.0])
+    )
     cmp = compare(base, run, rtol=1e-5, atol=1e-5, expected_steps=4)
     assert cmp.first_beyond == 3  # 5e-6 < 1e-5 + 7e-5; 1e-4 > 1e-5 + 6e-5
     assert cmp.first_beyond_metric == "loss"  # the grad norm is off at step 3 too; the loss is named
@@ -202,8 +206,10 @@ def test_exact_mode_demands_bitwise_equal_loss_and_grad_norm():
 def test_nan_loss_is_beyond_and_missing_steps_fail(tmp_path):
     base = records([8.0, 7.0, 6.0])
     path = tmp_path / "nan.jsonl"
-    path.write_text('{"step": 1, "loss": 8.0, "grad_norm": 1.0}\n{"step": 2, "loss": null, "grad_norm": null}\n'
-                    '{"step": 3, "loss": 6.0, "gr')  # killed mid-line: the partial record is skipped
+    path.write_text(
+        '{"step": 1, "loss": 8.0, "grad_norm": 1.0}\n{"step": 2, "loss": null, "grad_norm": null}\n'
+        '{"step": 3, "loss": 6.0, "gr'
+    )  # killed mid-line: the partial record is skipped
     run = load_metrics(path)
     assert sorted(run) == [1, 2]
     cmp = compare(base, run, rtol=1e-5, atol=1e-5, expected_steps=3)
@@ -249,8 +255,10 @@ def test_summary_rows_statuses_and_table(tmp_path):
 
 def test_run_streaming_logs_and_returns_the_exit_code(tmp_path):
     lines = []
-    code = ("import sys; print('step      1  loss   8.1005  grad_norm 1.0'); "
-            "print('error: boom', file=sys.stderr); sys.exit(3)")
+    code = (
+        "import sys; print('step      1  loss   8.1005  grad_norm 1.0'); "
+        "print('error: boom', file=sys.stderr); sys.exit(3)"
+    )
     rc = run_streaming([sys.executable, "-c", code], str(tmp_path / "run" / "log.txt"), lines.append)
     assert rc == 3
     assert STEP_LINE.search(lines[0]).groups() == ("1", "8.1005")
@@ -258,8 +266,9 @@ def test_run_streaming_logs_and_returns_the_exit_code(tmp_path):
     assert STEP_LINE.search("step  7/30  loss   5.2500  grad_norm 1.0").groups() == ("7", "5.2500")
     excerpt = log_excerpt(str(tmp_path / "run" / "log.txt"))
     assert "errors:" in excerpt and "error: boom" in excerpt
-    rc = run_streaming([sys.executable, "-c", "import time; time.sleep(30)"], str(tmp_path / "slow.txt"),
-                       lambda line: None, timeout=1)
+    rc = run_streaming(
+        [sys.executable, "-c", "import time; time.sleep(30)"], str(tmp_path / "slow.txt"), lambda line: None, timeout=1
+    )
     assert rc == 124 and "--timeout" in (tmp_path / "slow.txt").read_text()
 
 
@@ -288,8 +297,22 @@ def fake_runs(tmp_path, monkeypatch):
 
 
 def _main(out, seed, *args):
-    return main(["--config", "llama3", "--steps", "3", "--out", str(out), "--seed-checkpoint",
-                 str(seed), *args, "--", "--training.seq_len", "64"])
+    return main(
+        [
+            "--config",
+            "llama3",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+            "--seed-checkpoint",
+            str(seed),
+            *args,
+            "--",
+            "--training.seq_len",
+            "64",
+        ]
+    )
 
 
 def test_cli_exit_codes(tmp_path, fake_runs, capsys):
@@ -332,8 +355,10 @@ def test_cli_rejects_bad_layouts_before_running(tmp_path, monkeypatch, capsys):
         (["--layouts", "fsdp=4", "--baseline", "tp=2"], "--baseline 'tp=2' is not one of the layouts"),
         (["--layouts", "fsdp=4", "--", "--training.steps", "5"], "set by --steps"),
         (["--layouts", "fsdp=4", "--", "--training.seq_lne", "5"], "did you mean 'training.seq_len'"),
-        (["--layouts", "fsdp=4", "--", "--training.global_batch_size", "-1"],
-         "a different global batch for each layout"),
+        (
+            ["--layouts", "fsdp=4", "--", "--training.global_batch_size", "-1"],
+            "a different global batch for each layout",
+        ),
         (["--layouts", "fsdp=4", "--steps", "3", "--diagnose", "--diagnose-step", "4"], "between 1 and --steps (3)"),
     ]:
         rc = main(["--config", "llama3", "--out", str(out), *args])
@@ -347,8 +372,11 @@ def test_cli_rejects_bad_layouts_before_running(tmp_path, monkeypatch, capsys):
 
 def test_plot_is_written(tmp_path):
     base = records([8.0, 7.5, 7.0, 6.5])
-    runs = [("single", base), ("fsdp=4", records([8.0, 7.5, 7.0 + 3e-7, 6.5 - 1e-6])),
-            ("broken", records([8.0, float("nan"), 7.2, 6.9]))]
+    runs = [
+        ("single", base),
+        ("fsdp=4", records([8.0, 7.5, 7.0 + 3e-7, 6.5 - 1e-6])),
+        ("broken", records([8.0, float("nan"), 7.2, 6.9])),
+    ]
     path = plot_runs(str(tmp_path / "sub" / "plot.png"), runs, "single", rtol=1e-5, atol=1e-5)
     data = Path(path).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"

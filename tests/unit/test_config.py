@@ -27,8 +27,14 @@ def test_defaults_without_config_file():
 
 def test_expected_configs_are_shipped():
     names = {os.path.basename(p) for p in SHIPPED}
-    assert {"llama3.toml", "deepseek_v3.toml", "llama3_8b.toml", "llama3_70b.toml",
-            "deepseek_v3_16b.toml", "deepseek_v3_671b.toml"} <= names
+    assert {
+        "llama3.toml",
+        "deepseek_v3.toml",
+        "llama3_8b.toml",
+        "llama3_70b.toml",
+        "deepseek_v3_16b.toml",
+        "deepseek_v3_671b.toml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
@@ -59,18 +65,27 @@ def test_missing_config_lists_shipped_ones():
 
 
 def test_overrides_both_syntaxes_and_types():
-    cfg = load_config([
-        "--config", "llama3.toml",
-        "--training.steps", "7",
-        "--optimizer.lr=1e-3",
-        "--optimizer.betas", "0.8,0.9",
-        "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard=0",
-        "--job.name", "with spaces",
-        "--compile.components", "model",
-        "--model.vocab_size", "4096",
-        "--parallelism.pipeline_parallel_microbatches=none",
-    ])
+    cfg = load_config(
+        [
+            "--config",
+            "llama3.toml",
+            "--training.steps",
+            "7",
+            "--optimizer.lr=1e-3",
+            "--optimizer.betas",
+            "0.8,0.9",
+            "--checkpoint.enable",
+            "false",
+            "--metrics.enable_tensorboard=0",
+            "--job.name",
+            "with spaces",
+            "--compile.components",
+            "model",
+            "--model.vocab_size",
+            "4096",
+            "--parallelism.pipeline_parallel_microbatches=none",
+        ]
+    )
     assert cfg.training.steps == 7
     assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.betas == [0.8, 0.9]
     assert cfg.checkpoint.enable is False and cfg.metrics.enable_tensorboard is False
@@ -79,8 +94,9 @@ def test_overrides_both_syntaxes_and_types():
 
 
 def test_bare_bool_flag_means_true_and_last_override_wins():
-    cfg = load_config(["--checkpoint.create_seed_checkpoint", "--training.steps", "3", "--training.steps=4",
-                       "--checkpoint.enable"])
+    cfg = load_config(
+        ["--checkpoint.create_seed_checkpoint", "--training.steps", "3", "--training.steps=4", "--checkpoint.enable"]
+    )
     assert cfg.checkpoint.create_seed_checkpoint is True and cfg.checkpoint.enable is True
     assert cfg.training.steps == 4
 
@@ -91,13 +107,37 @@ def test_negative_number_is_a_value_not_a_flag():
 
 
 def test_parallelism_aliases():
-    cfg = load_config(["--model.name", "deepseek_v3", "--parallelism.tp", "2", "--parallelism.dp_shard=4",
-                       "--parallelism.dp_replicate", "2", "--parallelism.cp", "2", "--parallelism.pp", "2",
-                       "--parallelism.ep", "4", "--parallelism.etp", "1", "--training.local_batch_size", "4"])
+    cfg = load_config(
+        [
+            "--model.name",
+            "deepseek_v3",
+            "--parallelism.tp",
+            "2",
+            "--parallelism.dp_shard=4",
+            "--parallelism.dp_replicate",
+            "2",
+            "--parallelism.cp",
+            "2",
+            "--parallelism.pp",
+            "2",
+            "--parallelism.ep",
+            "4",
+            "--parallelism.etp",
+            "1",
+            "--training.local_batch_size",
+            "4",
+        ]
+    )
     p = cfg.parallelism
-    assert (p.tensor_parallel_degree, p.data_parallel_shard_degree, p.data_parallel_replicate_degree,
-            p.context_parallel_degree, p.pipeline_parallel_degree, p.expert_parallel_degree,
-            p.expert_tensor_parallel_degree) == (2, 4, 2, 2, 2, 4, 1)
+    assert (
+        p.tensor_parallel_degree,
+        p.data_parallel_shard_degree,
+        p.data_parallel_replicate_degree,
+        p.context_parallel_degree,
+        p.pipeline_parallel_degree,
+        p.expert_parallel_degree,
+        p.expert_tensor_parallel_degree,
+    ) == (2, 4, 2, 2, 2, 4, 1)
     assert "tp =" not in cfg.to_toml() and "tensor_parallel_degree = 2" in cfg.to_toml()
 
 
@@ -114,23 +154,32 @@ def test_parallelism_aliases():
         (["--training.steps"], "--training.steps needs a value (an int)"),
         (["--optimizer.name", "adamw"], "optimizer.name must be one of 'AdamW', got 'adamw'; did you mean 'AdamW'?"),
         (["--lr_scheduler.decay_style", "cosin"], "did you mean 'cosine'?"),
-        (["--model.flavor", "8b"], "model.flavor must be one of 'debugmodel', '8B', '70B', '405B' for model 'llama3', got '8b'; did you mean '8B'?"),
+        (
+            ["--model.flavor", "8b"],
+            "model.flavor must be one of 'debugmodel', '8B', '70B', '405B' for model 'llama3', got '8b'; did you mean '8B'?",
+        ),
         (["--training.local_batch_size", "0"], "training.local_batch_size must be > 0, got 0"),
         (["--training.seq_len", "-5"], "training.seq_len must be > 0, got -5"),
         (["--optimizer.lr", "-1"], "optimizer.lr must be a finite number >= 0, got -1.0"),
-        (["--training.global_batch_size", "10", "--training.local_batch_size", "4"],
-         "training.global_batch_size (10) must be a multiple of training.local_batch_size (4)"),
+        (
+            ["--training.global_batch_size", "10", "--training.local_batch_size", "4"],
+            "training.global_batch_size (10) must be a multiple of training.local_batch_size (4)",
+        ),
         (["--parallelism.ep", "2"], "expert parallelism (parallelism.ep/etp) needs an MoE model"),
         (["--training.dataset", "jsonl"], "training.dataset = 'jsonl' needs training.dataset_path"),
         (["--activation_checkpoint.selective_ac_option", "sometimes"], "must be 'op' or a positive integer N"),
         (["--compile.components", "model,los"], "did you mean 'loss'?"),
         (["positional"], "unexpected argument 'positional'"),
-        (["--parallelism.pp", "4", "--training.local_batch_size", "2"],
-         "training.local_batch_size (2) must be divisible by the pipeline microbatch count 4"),
+        (
+            ["--parallelism.pp", "4", "--training.local_batch_size", "2"],
+            "training.local_batch_size (2) must be divisible by the pipeline microbatch count 4",
+        ),
         (["--model.n_layers", "0"], "model.n_layers must be > 0 (or none for the flavor's), got 0"),
         (["--optimizer.implementation", "fusd"], "did you mean 'fused'?"),
-        (["--profiling.profile_freq", "3"],
-         "profiling.profile_freq (3) must be >= profiler_warmup + profiler_active (3 + 1)"),
+        (
+            ["--profiling.profile_freq", "3"],
+            "profiling.profile_freq (3) must be >= profiler_warmup + profiler_active (3 + 1)",
+        ),
     ],
 )
 def test_cli_errors_name_the_key_and_the_fix(argv, message):
@@ -171,8 +220,18 @@ def test_cli_overrides_toml(tmp_path):
 
 
 def test_to_toml_roundtrip(tmp_path):
-    cfg = load_config(["--config", "deepseek_v3.toml", "--parallelism.ep", "2", "--optimizer.eps", "1e-12",
-                       "--checkpoint.exclude_from_loading", "optimizer,rng"])
+    cfg = load_config(
+        [
+            "--config",
+            "deepseek_v3.toml",
+            "--parallelism.ep",
+            "2",
+            "--optimizer.eps",
+            "1e-12",
+            "--checkpoint.exclude_from_loading",
+            "optimizer,rng",
+        ]
+    )
     cfg.job.description = 'quote " backslash \\ tab \t newline \n unicode é'
     cfg.model.vocab_size = None
     text = cfg.to_toml()
@@ -180,14 +239,24 @@ def test_to_toml_roundtrip(tmp_path):
     path.write_text(text)
     again = load_config(["--config", str(path)])
     assert again.to_dict() == cfg.to_dict()
-    assert JobConfig.from_dict(cfg.to_dict() | {"model": {k: v for k, v in cfg.to_dict()["model"].items() if v is not None}}) == cfg
+    assert (
+        JobConfig.from_dict(
+            cfg.to_dict() | {"model": {k: v for k, v in cfg.to_dict()["model"].items() if v is not None}}
+        )
+        == cfg
+    )
 
 
 def test_gradient_accumulation_arithmetic_and_errors():
     assert gradient_accumulation_steps(16, 4, 4) == 1
     assert gradient_accumulation_steps(16, 2, 2) == 4
     assert gradient_accumulation_steps(-1, 4, 3) == 1
-    with pytest.raises(ConfigError, match=re.escape("training.global_batch_size (16) must be a positive multiple of batch degree (3) x training.local_batch_size (4) = 12; legal values: 12, 24, 36, 48")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "training.global_batch_size (16) must be a positive multiple of batch degree (3) x training.local_batch_size (4) = 12; legal values: 12, 24, 36, 48"
+        ),
+    ):
         gradient_accumulation_steps(16, 4, 3)
 
 

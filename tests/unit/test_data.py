@@ -22,8 +22,13 @@ SEQ = 32
 
 def loader(batch_rank=0, batch_degree=1, global_bs=8, local_bs=2, source=None, tok=TOK, seq=SEQ):
     return PackedDataLoader(
-        source or SyntheticSource(seed=3), tok, seq_len=seq, global_batch_size=global_bs,
-        local_batch_size=local_bs, batch_rank=batch_rank, batch_degree=batch_degree,
+        source or SyntheticSource(seed=3),
+        tok,
+        seq_len=seq,
+        global_batch_size=global_bs,
+        local_batch_size=local_bs,
+        batch_rank=batch_rank,
+        batch_degree=batch_degree,
     )
 
 
@@ -108,7 +113,12 @@ def test_layout_invariance(degree, local_bs):
 def test_grad_accum_and_divisibility_errors():
     assert loader(0, 2, 8, 2).grad_accum_steps == 2
     assert loader(0, 2, -1, 2).grad_accum_steps == 1
-    with pytest.raises(ConfigError, match=re.escape("training.global_batch_size (8) must be a positive multiple of batch degree (3) x training.local_batch_size (2) = 6")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "training.global_batch_size (8) must be a positive multiple of batch degree (3) x training.local_batch_size (2) = 6"
+        ),
+    ):
         loader(0, 3, 8, 2)
     with pytest.raises(ConfigError, match=re.escape("batch rank 2 must be in [0, batch degree 2)")):
         loader(2, 2)
@@ -204,8 +214,18 @@ def test_missing_dataset_path_errors(tmp_path):
 
 def test_build_dataloader_from_config(tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
-    cfg = load_config(["--config", "llama3.toml", "--training.dataset", "jsonl",
-                       "--training.dataset_path", str(tmp_path), "--training.seq_len", "8"])
+    cfg = load_config(
+        [
+            "--config",
+            "llama3.toml",
+            "--training.dataset",
+            "jsonl",
+            "--training.dataset_path",
+            str(tmp_path),
+            "--training.seq_len",
+            "8",
+        ]
+    )
     ld = build_dataloader(cfg, TOK, batch_rank=1, batch_degree=4)
-    x, y = next(ld)
+    x, _ = next(ld)
     assert x.shape == (4, 8) and ld.grad_accum_steps == 1 and ld.tokens_per_step == 16 * 8

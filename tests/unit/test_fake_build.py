@@ -4,12 +4,10 @@ equivalence with torchtitan 0.2.2's ParallelDims (the `peer` extra) for every sh
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from parallel_dims import ParallelDims
-from parallel_dims.layout import ONE_D_AXES
 
 TORCHTITAN_NAMES = ("pp", "batch", "loss", "dp_replicate", "fsdp", "cp", "tp", "ep", "efsdp", "etp")
 

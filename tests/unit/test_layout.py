@@ -30,9 +30,7 @@ def layouts(draw, max_log2_world=17):
     block = dps * cp * tp
     ep_choices = [e for e in range(1, block + 1) if block % (e * etp) == 0]
     ep = draw(st.sampled_from(ep_choices))
-    return validate_degrees(
-        dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp, world_size=world
-    )
+    return validate_degrees(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp, world_size=world)
 
 
 def _as_sets(groups: np.ndarray) -> set[frozenset]:

@@ -148,8 +148,7 @@ def test_size_one_axes_are_placeholders(builder):
 @pytest.mark.parametrize("builder", BUILDERS)
 def test_flatten_and_name_registry(builder):
     _fake_world(9, 16)
-    pd = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=2, pp=1, ep=1, etp=1, world_size=16,
-                      mesh_builder=builder)
+    pd = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=2, pp=1, ep=1, etp=1, world_size=16, mesh_builder=builder)
     pd.build_mesh("cpu")
     dp_cp = pd.flatten(["dp_shard", "cp"], "dp_cp")  # one stride: reuses the fsdp group
     assert dp_cp.mesh.tolist() == pd.get_mesh("fsdp").mesh.tolist() == [9, 11, 13, 15]
@@ -264,8 +263,7 @@ def test_cli_rejects_bad_builder(monkeypatch, capsys):
 
 
 OLD_TORCH_LINE = (
-    'error: meshtrain needs torch >= 2.11 (found 2.9.1); install a supported torch: '
-    'pip install "torch>=2.11,<2.16"'
+    'error: meshtrain needs torch >= 2.11 (found 2.9.1); install a supported torch: pip install "torch>=2.11,<2.16"'
 )
 
 
@@ -287,15 +285,23 @@ def test_missing_torch_gets_one_line_at_import():
     result = _run("import sys; sys.modules['torch'] = None; import parallel_dims")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
-        'error: meshtrain needs torch >= 2.11 (torch is not installed); install a supported '
+        "error: meshtrain needs torch >= 2.11 (torch is not installed); install a supported "
         'torch: pip install "torch>=2.11,<2.16"'
     )
 
 
 @pytest.mark.parametrize(
     "version, supported",
-    [("2.9.1", False), ("2.10.0+cu128", False), ("1.13.1", False), ("2.11.0+cu130", True),
-     ("2.13.0+cpu", True), ("2.15.0", True), ("2.16.0.dev20260101+cu130", True), ("weird", True)],
+    [
+        ("2.9.1", False),
+        ("2.10.0+cu128", False),
+        ("1.13.1", False),
+        ("2.11.0+cu130", True),
+        ("2.13.0+cpu", True),
+        ("2.15.0", True),
+        ("2.16.0.dev20260101+cu130", True),
+        ("weird", True),
+    ],
 )
 def test_supported_torch_versions(version, supported):
     message = unsupported_torch_message(version)

@@ -52,9 +52,7 @@ def _tokens(bs: int = 2, s: int = 64, vocab: int = 2048, seed: int = 0) -> torch
 
 
 def _moe_args(**overrides) -> DeepSeekV3Args:
-    base = dataclasses.replace(
-        deepseek_v3_flavors["debugmodel"], dim=32, moe_inter_dim=16, n_shared_experts=1
-    )
+    base = dataclasses.replace(deepseek_v3_flavors["debugmodel"], dim=32, moe_inter_dim=16, n_shared_experts=1)
     return dataclasses.replace(base, **overrides)
 
 
@@ -217,12 +215,8 @@ def test_init_writes_local_shard_of_dtensor():
     try:
         mesh = init_device_mesh("cpu", (2,))
         module = nn.Module()
-        module.sharded = nn.Parameter(
-            distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)], src_data_rank=None)
-        )
-        module.replicated = nn.Parameter(
-            distribute_tensor(torch.zeros(5, 3), mesh, [Replicate()], src_data_rank=None)
-        )
+        module.sharded = nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)], src_data_rank=None))
+        module.replicated = nn.Parameter(distribute_tensor(torch.zeros(5, 3), mesh, [Replicate()], src_data_rank=None))
         init_parameters(module, 11, lambda fqn, m, name: ParamInit.normal(0.02))
         full_sharded = full_init_tensor(ParamInit.normal(0.02), (6, 4), 11, "sharded")
         full_replicated = full_init_tensor(ParamInit.normal(0.02), (5, 3), 11, "replicated")
@@ -285,9 +279,7 @@ def test_rope_tables_match_reference_formulas(kind):
             else [1.0 / theta ** (i / dim) for i in range(0, dim, 2)]
         )
     table = compute_rope_table(dim, max_len, theta, scaling)
-    angles = torch.outer(
-        torch.arange(max_len, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64)
-    )
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64))
     torch.testing.assert_close(table[..., 0], angles.cos().float(), rtol=0, atol=1e-6)
     torch.testing.assert_close(table[..., 1], angles.sin().float(), rtol=0, atol=1e-6)
     if kind in ("llama3", "yarn"):  # the scaling actually changed something
@@ -526,7 +518,7 @@ def test_router_bias_changes_selection_not_weights():
     torch.manual_seed(0)
     router = TokenChoiceRouter(16, 8, top_k=2, route_norm=True, route_scale=1.5)
     x = torch.randn(20, 16)
-    w0, sel0, scores = router(x)
+    _, sel0, scores = router(x)
     bias = torch.zeros(8)
     bias[5] = 10.0
     w1, sel1, _ = router(x, bias)
@@ -544,9 +536,7 @@ def test_router_bias_changes_selection_not_weights():
 @pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
 def test_grouped_routing_keeps_only_the_best_groups(score_func):
     torch.manual_seed(0)
-    router = TokenChoiceRouter(
-        16, 8, top_k=2, num_groups=4, num_limited_groups=1, score_func=score_func
-    )
+    router = TokenChoiceRouter(16, 8, top_k=2, num_groups=4, num_limited_groups=1, score_func=score_func)
     x = torch.randn(50, 16)
     _, selected, scores = router(x)
     groups = selected // 2
@@ -882,9 +872,7 @@ class ToyAttention(DecoderAttention):  # plain multi-head attention
     def __init__(self, args: ToyArgs) -> None:
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq, self.wk, self.wv, self.wo = (
-            nn.Linear(args.dim, args.dim, bias=False) for _ in range(4)
-        )
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(args.dim, args.dim, bias=False) for _ in range(4))
         self.core = CausalAttentionCore()
 
     def forward(self, x, rope):
@@ -965,7 +953,7 @@ def test_toy_model_tensor_parallel_plan_comes_from_its_declarations(toy_register
     fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
     from torch.distributed.tensor import Replicate, Shard
 
-    from models.parallelize import ParallelizeOptions, parallelize_model
+    from models.parallelize import ParallelizeOptions
     from parallel_dims import ParallelDims
 
     if dist.is_initialized():

@@ -19,9 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from models.deepseek_v3.args import deepseek_v3_flavors
 from models.deepseek_v3.moe import GroupedExperts, MoE, grouped_mm_by_default
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm"
-)
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 
 DIM, HIDDEN = 32, 16  # 16-byte-aligned rows for float32, bfloat16 and float16
 
@@ -332,9 +330,7 @@ def test_low_precision_weights_set_the_compute_dtype():
 def _moe_args(**overrides):
     # Limited groups (the group mask), the sequence aux loss and a shared expert all on, so
     # every part of MoE.forward runs.
-    base = dataclasses.replace(
-        deepseek_v3_flavors["debugmodel"], dim=DIM, moe_inter_dim=HIDDEN, aux_loss_coeff=0.01
-    )
+    base = dataclasses.replace(deepseek_v3_flavors["debugmodel"], dim=DIM, moe_inter_dim=HIDDEN, aux_loss_coeff=0.01)
     return dataclasses.replace(base, **overrides)
 
 

@@ -94,17 +94,25 @@ def test_every_implementation_steps_mixed_layouts_like_the_for_loop(gloo, implem
     from torch.distributed.tensor import DTensor
 
     m = _mixed_layout_module()
-    ref = {n: nn.Parameter(p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())
-           for n, p in m.named_parameters()}
+    ref = {
+        n: nn.Parameter(p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())
+        for n, p in m.named_parameters()
+    }
     opt = build_optimizer([m], cfg("--optimizer.implementation", implementation))
     assert opt.implementation == implementation
     (adamw,) = opt.optimizers
     assert adamw.defaults["foreach"] is (implementation == "foreach")
     assert adamw.defaults["fused"] is (implementation == "fused")
     ref_opt = torch.optim.AdamW(
-        [{"params": [ref[n] for n in ("plain", "dp_shard", "dp_repl", "ep_shard")], "weight_decay": 0.1},
-         {"params": [ref["bias"]], "weight_decay": 0.0}],
-        lr=8e-4, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False,
+        [
+            {"params": [ref[n] for n in ("plain", "dp_shard", "dp_repl", "ep_shard")], "weight_decay": 0.1},
+            {"params": [ref["bias"]], "weight_decay": 0.0},
+        ],
+        lr=8e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+        fused=False,
     )
     for step in range(3):
         for n, p in m.named_parameters():
@@ -137,8 +145,16 @@ def test_auto_implementation():
 
 def _lrs(decay, steps=50, warmup=5, min_ratio=0.1):
     model = nn.Linear(2, 2)
-    c = cfg("--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup),
-            "--lr_scheduler.decay_style", decay, "--lr_scheduler.min_lr_ratio", str(min_ratio))
+    c = cfg(
+        "--training.steps",
+        str(steps),
+        "--lr_scheduler.warmup_steps",
+        str(warmup),
+        "--lr_scheduler.decay_style",
+        decay,
+        "--lr_scheduler.min_lr_ratio",
+        str(min_ratio),
+    )
     opt = build_optimizer([model], c)
     sched = build_lr_scheduler(opt, c)
     lrs = []
@@ -153,12 +169,12 @@ def _lrs(decay, steps=50, warmup=5, min_ratio=0.1):
 def test_cosine_schedule_key_points():
     lrs = _lrs("cosine")
     peak = 8e-4
-    assert lrs[0] == pytest.approx(peak / 5)          # step 1 of 5 warmup steps
+    assert lrs[0] == pytest.approx(peak / 5)  # step 1 of 5 warmup steps
     assert lrs[2] == pytest.approx(peak * 3 / 5)
-    assert lrs[4] == pytest.approx(peak)              # last warmup step reaches the peak
+    assert lrs[4] == pytest.approx(peak)  # last warmup step reaches the peak
     # decay runs from step index 4 (peak) to 49 (floor): index 26 is 22/45 of the way
     assert lrs[26] == pytest.approx(peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 22 / 45))))
-    assert lrs[-1] == pytest.approx(0.1 * peak)       # final step ends on the floor
+    assert lrs[-1] == pytest.approx(0.1 * peak)  # final step ends on the floor
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
@@ -215,5 +231,6 @@ def test_optimizer_state_dict_is_flat_fqn_keyed():
     model2 = Tiny()
     opt2 = build_optimizer([model2], cfg())
     opt2.load_state_dict(sd)
-    assert torch.equal(opt2.optimizers[0].state[model2.proj.weight]["exp_avg"],
-                       opt.optimizers[0].state[model.proj.weight]["exp_avg"])
+    assert torch.equal(
+        opt2.optimizers[0].state[model2.proj.weight]["exp_avg"], opt.optimizers[0].state[model.proj.weight]["exp_avg"]
+    )

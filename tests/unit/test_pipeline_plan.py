@@ -84,11 +84,7 @@ def legal_requests(
         n_layers = draw(st.integers(num_stages, num_stages + 40))
         if mode == "split_points":
             points = sorted(
-                draw(
-                    st.sets(
-                        st.integers(1, n_layers - 1), min_size=num_stages - 1, max_size=num_stages - 1
-                    )
-                )
+                draw(st.sets(st.integers(1, n_layers - 1), min_size=num_stages - 1, max_size=num_stages - 1))
             )
             kwargs["split_points"] = [_spell(draw, p) for p in points]
         elif mode == "stages_per_rank":
@@ -103,9 +99,7 @@ def legal_requests(
         if draw(st.booleans()):
             kwargs["local_batch_size"] = m * draw(st.integers(1, 4))
     kwargs.update(n_layers=n_layers, pp=pp)
-    kwargs["_expect"] = dict(
-        schedule=schedule, per_rank=per_rank, num_stages=num_stages, mode=mode, points=points
-    )
+    kwargs["_expect"] = dict(schedule=schedule, per_rank=per_rank, num_stages=num_stages, mode=mode, points=points)
     return kwargs
 
 
@@ -121,7 +115,7 @@ def _assert_plan_invariants(plan: StagePlan) -> None:
     assert len(plan.layer_ranges) == S
     assert plan.layer_ranges[0][0] == 0  # stage 0: embeddings side, starts at layer 0
     assert plan.layer_ranges[-1][1] == n  # last stage: head side, ends at n_layers
-    for (s0, e0), (s1, e1) in zip(plan.layer_ranges, plan.layer_ranges[1:]):
+    for (_, e0), (s1, _) in zip(plan.layer_ranges, plan.layer_ranges[1:]):
         assert e0 == s1
     assert all(e > s for s, e in plan.layer_ranges), plan.layer_ranges
     for layer in range(n):  # every layer in exactly one stage
@@ -224,9 +218,7 @@ def test_even_split_puts_leftover_layers_in_the_middle_first(request):
 
 
 @PROPS
-@given(
-    st.sampled_from(SCHEDULE_NAMES), st.integers(2, 16), st.integers(1, 64), st.integers(1, 4)
-)
+@given(st.sampled_from(SCHEDULE_NAMES), st.integers(2, 16), st.integers(1, 64), st.integers(1, 4))
 def test_bubble_fraction_in_unit_interval_and_falls_with_microbatches(schedule, pp, m, v):
     facts = SCHEDULE_FACTS[schedule]
     v = facts.stages_per_rank or max(v, 2)
@@ -243,9 +235,7 @@ def test_bubble_fraction_in_unit_interval_and_falls_with_microbatches(schedule, 
 @given(legal_requests(with_microbatches=True))
 def test_plan_bubble_fraction_is_the_schedules(request):
     plan = _plan(request)
-    assert plan.bubble_fraction == bubble_fraction(
-        plan.schedule, plan.pp, plan.n_microbatches, plan.stages_per_rank
-    )
+    assert plan.bubble_fraction == bubble_fraction(plan.schedule, plan.pp, plan.n_microbatches, plan.stages_per_rank)
 
 
 def test_plan_is_frozen_and_examples():
@@ -290,9 +280,7 @@ def _layers_per_stage_not_dividing(draw):
     lps = draw(st.integers(2, 9))
     n = draw(st.integers(1, 60).filter(lambda n: n % lps))
     r = {k: v for k, v in r.items() if k not in ("split_points", "stages_per_rank")}
-    return {**r, "n_layers": n, "layers_per_stage": lps}, [
-        f"layers_per_stage={lps} does not divide n_layers={n}"
-    ]
+    return {**r, "n_layers": n, "layers_per_stage": lps}, [f"layers_per_stage={lps} does not divide n_layers={n}"]
 
 
 def _non_positive_count(draw):
@@ -463,8 +451,9 @@ def test_a_broken_rule_raises_naming_it(rule, data):
 _POINT = re.compile(r"\s*(?:layers\.)?(\d+)\s*")
 
 
-def _legal(n_layers, pp, schedule, n_microbatches, local_batch_size, split_points,
-           layers_per_stage, stages_per_rank) -> bool:
+def _legal(
+    n_layers, pp, schedule, n_microbatches, local_batch_size, split_points, layers_per_stage, stages_per_rank
+) -> bool:
     """The documented rules, written out independently of plan.py's control flow."""
     by_lower = {n.lower(): n for n in SCHEDULE_NAMES}
     if schedule.lower() not in by_lower or pp < 2:
@@ -579,8 +568,12 @@ def test_split_model_follows_the_plan(request, data):
     plan = _plan(request)
     rank = data.draw(st.integers(0, plan.pp - 1))
     split = split_model(
-        Tiny(plan.n_layers), _FakePD(plan.pp, rank), plan.n_layers, request.get("split_points"),
-        request["schedule"], stages_per_rank=request.get("stages_per_rank"),
+        Tiny(plan.n_layers),
+        _FakePD(plan.pp, rank),
+        plan.n_layers,
+        request.get("split_points"),
+        request["schedule"],
+        stages_per_rank=request.get("stages_per_rank"),
         layers_per_stage=request.get("layers_per_stage"),
     )
     assert split.num_stages == plan.num_stages

@@ -35,8 +35,10 @@ def test_pipeline_stage_plan():
 
 def test_every_problem_in_one_error():
     bad = cfg(
-        "--parallelism.tp", "3",  # does not divide the world
-        "--model.vocab_size", "100",  # smaller than the tokenizer
+        "--parallelism.tp",
+        "3",  # does not divide the world
+        "--model.vocab_size",
+        "100",  # smaller than the tokenizer
     )
     with pytest.raises(ConfigError) as err:
         plan_job(bad, 8)
@@ -48,8 +50,7 @@ def test_every_problem_in_one_error():
 
 def test_model_layout_and_batch_rules_are_checked():
     with pytest.raises(ConfigError) as err:
-        plan_job(cfg("--parallelism.tp", "4", "--training.global_batch_size", "12",
-                     "--parallelism.dp_shard", "2"), 8)
+        plan_job(cfg("--parallelism.tp", "4", "--training.global_batch_size", "12", "--parallelism.dp_shard", "2"), 8)
     message = str(err.value)
     assert "tp=4 does not divide n_kv_heads=8" not in message  # 8 kv heads: tp=4 is legal
     assert "global_batch_size=12 is not divisible by the batch degree dp_replicate*dp_shard = 2" not in message
@@ -66,9 +67,23 @@ def test_describe_cli_prints_the_plan_of_a_config():
 
     root = Path(__file__).resolve().parents[2]
     res = subprocess.run(
-        [sys.executable, "-m", "parallel_dims", "--config", "llama3.toml", "--world-size", "4",
-         "--tp", "2", "--rank", "1", "--json"],
-        cwd=root, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "parallel_dims",
+            "--config",
+            "llama3.toml",
+            "--world-size",
+            "4",
+            "--tp",
+            "2",
+            "--rank",
+            "1",
+            "--json",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     info = json.loads(res.stdout)
@@ -79,7 +94,9 @@ def test_describe_cli_prints_the_plan_of_a_config():
     assert info["memory_gib"]["total"] == 16 * info["local_params"] / 2**30
     bad = subprocess.run(
         [sys.executable, "-m", "parallel_dims", "--config", "llama3.toml", "--world-size", "4", "--tp", "3"],
-        cwd=root, capture_output=True, text=True,
+        cwd=root,
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 2 and "a valid choice for world_size=4" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
         (dict(dp_shard=0, world_size=8), r"dp_shard=0 is invalid.*-1 to infer"),
         (dict(dp_shard=-2, world_size=8), r"dp_shard=-2 is invalid"),
         (dict(world_size=0), r"world_size=0 is invalid"),
-        (dict(dp_shard=3, world_size=8), r"dp_shard=3 does not divide world_size=8; legal dp_shard values: 1, 2, 4, 8, or -1"),
+        (
+            dict(dp_shard=3, world_size=8),
+            r"dp_shard=3 does not divide world_size=8; legal dp_shard values: 1, 2, 4, 8, or -1",
+        ),
         (
             dict(dp_replicate=2, dp_shard=2, tp=2, world_size=16),
             r"dp_replicate\*dp_shard\*cp\*tp\*pp = 2\*2\*1\*2\*1 = 8 != world_size=16.*use dp_shard=4 or dp_shard=-1",
@@ -37,9 +40,18 @@ ROOT = Path(__file__).resolve().parents[2]
             dict(dp_replicate=4, cp=4, world_size=8),
             r"dp_replicate\*cp\*tp\*pp = 4\*4\*1\*1 = 16 does not divide world_size=8",
         ),
-        (dict(dp_shard=4, tp=2, ep=3, world_size=8), r"ep\*etp = 3\*1 = 3 does not divide dp_shard\*cp\*tp = 4\*1\*2 = 8.*legal ep values with etp=1: 1, 2, 4, 8"),
-        (dict(dp_shard=2, tp=2, ep=4, etp=2, world_size=4), r"ep\*etp = 4\*2 = 8 does not divide dp_shard\*cp\*tp = 2\*1\*2 = 4.*legal ep values with etp=2: 1, 2"),
-        (dict(tp=4, etp=2, world_size=8), r"etp=2 is not supported with tp=4.*etp must be 1 or tp; legal etp values: 1, 4"),
+        (
+            dict(dp_shard=4, tp=2, ep=3, world_size=8),
+            r"ep\*etp = 3\*1 = 3 does not divide dp_shard\*cp\*tp = 4\*1\*2 = 8.*legal ep values with etp=1: 1, 2, 4, 8",
+        ),
+        (
+            dict(dp_shard=2, tp=2, ep=4, etp=2, world_size=4),
+            r"ep\*etp = 4\*2 = 8 does not divide dp_shard\*cp\*tp = 2\*1\*2 = 4.*legal ep values with etp=2: 1, 2",
+        ),
+        (
+            dict(tp=4, etp=2, world_size=8),
+            r"etp=2 is not supported with tp=4.*etp must be 1 or tp; legal etp values: 1, 4",
+        ),
     ],
 )
 def test_degree_rules(kwargs, pattern):
@@ -63,14 +75,42 @@ def test_infers_dp_shard():
 @pytest.mark.parametrize(
     "degrees, model, pattern",
     [
-        (dict(tp=4, world_size=4), dict(n_heads=6), r"tp=4 does not divide n_heads=6.*legal tp values for this model: 1, 2, 3, 6"),
-        (dict(tp=4, world_size=4), dict(n_heads=16, n_kv_heads=2), r"tp=4 does not divide n_kv_heads=2.*legal tp values: 1, 2"),
-        (dict(dp_shard=8, ep=8, world_size=8), dict(n_experts=12), r"ep=8 does not divide n_routed_experts=12.*legal ep values: 1, 2, 3, 4, 6, 12"),
-        (dict(dp_shard=1, cp=2, tp=2, world_size=4), dict(seq_len=100), r"seq_len=100 is not divisible by 8 = 2\*cp\*tp: 2\*cp"),
-        (dict(dp_shard=1, tp=4, world_size=4), dict(seq_len=30), r"seq_len=30 is not divisible by 4 = tp: tp \(sequence parallel"),
+        (
+            dict(tp=4, world_size=4),
+            dict(n_heads=6),
+            r"tp=4 does not divide n_heads=6.*legal tp values for this model: 1, 2, 3, 6",
+        ),
+        (
+            dict(tp=4, world_size=4),
+            dict(n_heads=16, n_kv_heads=2),
+            r"tp=4 does not divide n_kv_heads=2.*legal tp values: 1, 2",
+        ),
+        (
+            dict(dp_shard=8, ep=8, world_size=8),
+            dict(n_experts=12),
+            r"ep=8 does not divide n_routed_experts=12.*legal ep values: 1, 2, 3, 4, 6, 12",
+        ),
+        (
+            dict(dp_shard=1, cp=2, tp=2, world_size=4),
+            dict(seq_len=100),
+            r"seq_len=100 is not divisible by 8 = 2\*cp\*tp: 2\*cp",
+        ),
+        (
+            dict(dp_shard=1, tp=4, world_size=4),
+            dict(seq_len=30),
+            r"seq_len=30 is not divisible by 4 = tp: tp \(sequence parallel",
+        ),
         (dict(pp=4, world_size=4), dict(n_layers=3), r"n_layers=3 is fewer than the 4 pipeline stages.*use pp <= 3"),
-        (dict(dp_shard=4, world_size=4), dict(global_batch_size=6), r"global_batch_size=6 is not divisible by the batch degree dp_replicate\*dp_shard = 4"),
-        (dict(dp_shard=4, world_size=4), dict(global_batch_size=24, local_batch_size=4), r"local_batch_size=4 does not divide the 6 samples.*legal local_batch_size values: 1, 2, 3, 6"),
+        (
+            dict(dp_shard=4, world_size=4),
+            dict(global_batch_size=6),
+            r"global_batch_size=6 is not divisible by the batch degree dp_replicate\*dp_shard = 4",
+        ),
+        (
+            dict(dp_shard=4, world_size=4),
+            dict(global_batch_size=24, local_batch_size=4),
+            r"local_batch_size=4 does not divide the 6 samples.*legal local_batch_size values: 1, 2, 3, 6",
+        ),
     ],
 )
 def test_model_rules(degrees, model, pattern):
@@ -81,14 +121,13 @@ def test_model_rules(degrees, model, pattern):
 
 def test_model_rules_accept_good_layouts():
     d = validate_degrees(dp_shard=2, cp=2, tp=2, ep=4, pp=1, world_size=8)
-    check_model_layout(d, n_heads=16, n_kv_heads=8, n_experts=8, seq_len=64, n_layers=6,
-                       global_batch_size=8, local_batch_size=2)
+    check_model_layout(
+        d, n_heads=16, n_kv_heads=8, n_experts=8, seq_len=64, n_layers=6, global_batch_size=8, local_batch_size=2
+    )
 
 
 def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "parallel_dims", *args], cwd=ROOT, capture_output=True, text=True
-    )
+    return subprocess.run([sys.executable, "-m", "parallel_dims", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize(
@@ -108,8 +147,22 @@ def test_cli_rejects_bad_degrees(args, message):
 
 
 def test_cli_describes_layout():
-    result = _cli("--world-size", "64", "--dp-shard", "-1", "--cp", "2", "--tp", "4", "--ep", "8",
-                  "--rank", "5", "--gpus-per-node", "4")
+    result = _cli(
+        "--world-size",
+        "64",
+        "--dp-shard",
+        "-1",
+        "--cp",
+        "2",
+        "--tp",
+        "4",
+        "--ep",
+        "8",
+        "--rank",
+        "5",
+        "--gpus-per-node",
+        "4",
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "dense   mesh (pp=1, dp_replicate=1, dp_shard=8, cp=2, tp=4)" in out

@@ -65,30 +65,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", nargs="+", required=True, metavar="LAYOUT", help="layouts to compare (see below)")
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--baseline", help="name of the reference layout (default: the first)")
-    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
-                   help=f"relative loss tolerance per step (default {DEFAULT_RTOL:g}); a step is off when "
-                        "|loss - baseline| > atol + rtol*|baseline|. Measured fp32/CPU over 30 steps: <= 1.3e-7 "
-                        "(llama3 debug), <= 1.2e-6 (deepseek_v3 debug)")
-    p.add_argument("--atol", type=float, default=DEFAULT_ATOL,
-                   help=f"absolute tolerance per step, for the loss and the grad norm (default {DEFAULT_ATOL:g})")
-    p.add_argument("--grad-norm-rtol", type=float, default=DEFAULT_GRAD_NORM_RTOL,
-                   help=f"relative grad-norm tolerance per step (default {DEFAULT_GRAD_NORM_RTOL:g}; measured "
-                        "<= 2e-7 dense, <= 5e-6 MoE, where one token's expert choice can flip); the grad norm "
-                        "catches gradient-scale bugs that AdamW hides from the loss")
-    p.add_argument("--assert-equal", action="store_true",
-                   help="demand bitwise-equal losses and grad norms (reproducibility of one layout, e.g. "
-                        "--layouts fsdp=4 fsdp=4)")
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=DEFAULT_RTOL,
+        help=f"relative loss tolerance per step (default {DEFAULT_RTOL:g}); a step is off when "
+        "|loss - baseline| > atol + rtol*|baseline|. Measured fp32/CPU over 30 steps: <= 1.3e-7 "
+        "(llama3 debug), <= 1.2e-6 (deepseek_v3 debug)",
+    )
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=DEFAULT_ATOL,
+        help=f"absolute tolerance per step, for the loss and the grad norm (default {DEFAULT_ATOL:g})",
+    )
+    p.add_argument(
+        "--grad-norm-rtol",
+        type=float,
+        default=DEFAULT_GRAD_NORM_RTOL,
+        help=f"relative grad-norm tolerance per step (default {DEFAULT_GRAD_NORM_RTOL:g}; measured "
+        "<= 2e-7 dense, <= 5e-6 MoE, where one token's expert choice can flip); the grad norm "
+        "catches gradient-scale bugs that AdamW hides from the loss",
+    )
+    p.add_argument(
+        "--assert-equal",
+        action="store_true",
+        help="demand bitwise-equal losses and grad norms (reproducibility of one layout, e.g. --layouts fsdp=4 fsdp=4)",
+    )
     p.add_argument("--out", help="output folder (default outputs/compare_loss/<timestamp>)")
     p.add_argument("--plot", help="PNG path for the plot (default <out>/loss_comparison.png)")
     p.add_argument("--seed-checkpoint", help="reuse this seed checkpoint (a step-0 folder) instead of creating one")
     p.add_argument("--timeout", type=float, default=0, help="seconds after which a run is killed (default: none)")
-    p.add_argument("--diagnose", nargs="?", const="diverged", choices=("diverged", "all"),
-                   help="after the comparison, dump per-parameter gradients of the baseline and of each "
-                        "diverged layout ('all': every layout) and list the parameters that differ most")
-    p.add_argument("--diagnose-step", type=int, default=1,
-                   help="step whose gradients --diagnose compares (default 1: identical weights and data, so "
-                        "any difference is the layout's math; a later step, e.g. the first one beyond "
-                        "tolerance, retraces the compared runs exactly up to there)")
+    p.add_argument(
+        "--diagnose",
+        nargs="?",
+        const="diverged",
+        choices=("diverged", "all"),
+        help="after the comparison, dump per-parameter gradients of the baseline and of each "
+        "diverged layout ('all': every layout) and list the parameters that differ most",
+    )
+    p.add_argument(
+        "--diagnose-step",
+        type=int,
+        default=1,
+        help="step whose gradients --diagnose compares (default 1: identical weights and data, so "
+        "any difference is the layout's math; a later step, e.g. the first one beyond "
+        "tolerance, retraces the compared runs exactly up to there)",
+    )
     return p
 
 
@@ -97,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     try:
         if args.steps < 1:
@@ -116,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--out {out} already holds files; pick a new folder or delete it")
         if args.seed_checkpoint and not os.path.isdir(args.seed_checkpoint):
             raise UsageError(f"--seed-checkpoint {args.seed_checkpoint} is not a folder")
-        seed = (os.path.abspath(args.seed_checkpoint) if args.seed_checkpoint
-                else os.path.join(out, "seed", "checkpoint", "step-0"))
+        seed = (
+            os.path.abspath(args.seed_checkpoint)
+            if args.seed_checkpoint
+            else os.path.join(out, "seed", "checkpoint", "step-0")
+        )
         plan = Plan(config=config, steps=args.steps, out=out, extra=extra, seed_checkpoint=seed)
         preflight(plan, layouts)
     except ValueError as exc:  # UsageError and the config's ConfigError
@@ -142,12 +168,24 @@ def _compare(args: argparse.Namespace, plan: Plan, layouts: list[Layout], baseli
         runner.create_seed_checkpoint(plan, timeout)
     results = runner.run_layouts(plan, layouts, timeout)
     base_result = results[layouts.index(baseline)]
-    rows = summarize(results, base_result, rtol=args.rtol, atol=args.atol, grad_norm_rtol=args.grad_norm_rtol,
-                     exact=args.assert_equal, steps=args.steps)
+    rows = summarize(
+        results,
+        base_result,
+        rtol=args.rtol,
+        atol=args.atol,
+        grad_norm_rtol=args.grad_norm_rtol,
+        exact=args.assert_equal,
+        steps=args.steps,
+    )
 
-    tol = "bitwise equality (--assert-equal)" if args.assert_equal else (
-        f"|dloss| <= {args.atol:g} + {args.rtol:g}*|loss|, |dgrad_norm| <= {args.atol:g} + "
-        f"{args.grad_norm_rtol:g}*|grad_norm|")
+    tol = (
+        "bitwise equality (--assert-equal)"
+        if args.assert_equal
+        else (
+            f"|dloss| <= {args.atol:g} + {args.rtol:g}*|loss|, |dgrad_norm| <= {args.atol:g} + "
+            f"{args.grad_norm_rtol:g}*|grad_norm|"
+        )
+    )
     print(f"\nloss vs baseline {baseline.name} over {args.steps} steps; tolerance: {tol}")
     print(format_table(rows))
     plot_path = os.path.abspath(args.plot or os.path.join(out, "loss_comparison.png"))
@@ -156,15 +194,26 @@ def _compare(args: argparse.Namespace, plan: Plan, layouts: list[Layout], baseli
         plot_runs(plot_path, plotted, baseline.name, args.rtol, args.atol, exact=args.assert_equal)
         print(f"plot: {plot_path}")
     summary_path = write_summary(
-        out, config=plan.config, steps=args.steps, baseline=baseline.name, rtol=args.rtol, atol=args.atol,
-        grad_norm_rtol=args.grad_norm_rtol, assert_equal=args.assert_equal, extra_overrides=extra,
-        seed_checkpoint=seed, rows=rows,
+        out,
+        config=plan.config,
+        steps=args.steps,
+        baseline=baseline.name,
+        rtol=args.rtol,
+        atol=args.atol,
+        grad_norm_rtol=args.grad_norm_rtol,
+        assert_equal=args.assert_equal,
+        extra_overrides=extra,
+        seed_checkpoint=seed,
+        rows=rows,
     )
     print(f"summary: {summary_path}")
 
     if args.diagnose and base_result.ok:
-        wanted = [r.layout for r, row in zip(results, rows) if r is not base_result and r.ok
-                  and (args.diagnose == "all" or row["status"] != "ok")]
+        wanted = [
+            r.layout
+            for r, row in zip(results, rows)
+            if r is not base_result and r.ok and (args.diagnose == "all" or row["status"] != "ok")
+        ]
         if wanted:
             diagnose(plan, baseline, wanted, args.diagnose_step, timeout)
         else:

@@ -133,7 +133,13 @@ def mean_tps(records: dict[int, dict]) -> float | None:
 
 
 def summarize(
-    results: list[RunResult], baseline: RunResult, *, rtol: float, atol: float, exact: bool, steps: int,
+    results: list[RunResult],
+    baseline: RunResult,
+    *,
+    rtol: float,
+    atol: float,
+    exact: bool,
+    steps: int,
     grad_norm_rtol: float | None = None,
 ) -> list[dict]:
     """One row per run (baseline included) with the numbers the table and summary.json show."""
@@ -156,8 +162,15 @@ def summarize(
         elif not baseline.ok:
             row["status"] = "no baseline"
         else:
-            cmp = compare(baseline.records, res.records, rtol=rtol, atol=atol, grad_norm_rtol=grad_norm_rtol,
-                          exact=exact, expected_steps=steps)
+            cmp = compare(
+                baseline.records,
+                res.records,
+                rtol=rtol,
+                atol=atol,
+                grad_norm_rtol=grad_norm_rtol,
+                exact=exact,
+                expected_steps=steps,
+            )
             row.update(
                 max_abs_diff=cmp.max_abs,
                 max_rel_diff=cmp.max_rel,

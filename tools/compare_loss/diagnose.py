@@ -35,8 +35,9 @@ def run_grad_dump(plan: Plan, layout: Layout, folder: str, step: int, timeout: f
     return json_path, grads_path
 
 
-def compare_grad_dumps(baseline: dict, other: dict, baseline_grads: dict | None = None,
-                       other_grads: dict | None = None) -> list[dict]:
+def compare_grad_dumps(
+    baseline: dict, other: dict, baseline_grads: dict | None = None, other_grads: dict | None = None
+) -> list[dict]:
     """Per-parameter gradient differences, largest first.
 
     ``grad_rel`` = ||g - g_base|| / ||g_base|| needs the full gradients and catches what norms
@@ -99,7 +100,9 @@ def diagnose(plan: Plan, baseline: Layout, layouts: list[Layout], step: int, tim
         rows = compare_grad_dumps(base, other, base_grads, torch.load(paths[1], weights_only=True))
         with open(os.path.join(root, f"{i:02d}-{slug(layout.name)}", "grad_diff.json"), "w") as f:
             json.dump(rows, f, indent=1)
-        print(f"\n{layout.name} vs {baseline.name}: step {step} loss {other['loss']!r} vs {base['loss']!r}, "
-              f"grad norm {other['grad_norm']!r} vs {base['grad_norm']!r}; top parameters by relative "
-              f"gradient difference:")
+        print(
+            f"\n{layout.name} vs {baseline.name}: step {step} loss {other['loss']!r} vs {base['loss']!r}, "
+            f"grad norm {other['grad_norm']!r} vs {base['grad_norm']!r}; top parameters by relative "
+            f"gradient difference:"
+        )
         print(format_grad_rows(rows))

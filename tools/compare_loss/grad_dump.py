@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ class GradDumpTrainer(train_module.Trainer):
     dump_step = 1
     keep_grads = False
     norms: dict[str, float] | None = None
-    grads: dict[str, torch.Tensor] = {}
+    grads: ClassVar[dict[str, torch.Tensor]] = {}  # replaced (not mutated) per dump
     last_result = None
 
     def on_grads_ready(self, params) -> None:
@@ -89,7 +90,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         raise SystemExit(f"usage: {PROG} --out FILE.json [--grads FILE.pt] [--step K] -- <train.py arguments>")
     cut = argv.index("--")
-    return argv[:cut], argv[cut + 1:]
+    return argv[:cut], argv[cut + 1 :]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,9 @@ import difflib
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from parallel_dims import validate_degrees
 from parallel_dims.axes import AXES, DEGREE_NAMES, PROCESS_AXES

@@ -20,40 +20,73 @@ def fmt(x: float | None, spec: str = ".2e") -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    headers = ["layout", "nproc", "max|dloss|", "max rel", "first >tol", "final loss", "gnorm rel",
-               "tok/s/dev", "wall s", "status"]
+    headers = [
+        "layout",
+        "nproc",
+        "max|dloss|",
+        "max rel",
+        "first >tol",
+        "final loss",
+        "gnorm rel",
+        "tok/s/dev",
+        "wall s",
+        "status",
+    ]
     table = [headers]
     for r in rows:
         first = r.get("first_step_beyond")
-        table.append([
-            r["layout"],
-            str(r["nproc"]),
-            fmt(r.get("max_abs_diff")),
-            fmt(r.get("max_rel_diff")),
-            "-" if first is None else f"{first}" + (" (gnorm)" if r.get("first_beyond_metric") == "grad_norm" else ""),
-            fmt(r["final_loss"], ".6f"),
-            fmt(r.get("grad_norm_max_rel_diff")),
-            fmt(r["mean_tps"], ",.0f"),
-            f"{r['wall_s']:.1f}",
-            r["status"],
-        ])
+        table.append(
+            [
+                r["layout"],
+                str(r["nproc"]),
+                fmt(r.get("max_abs_diff")),
+                fmt(r.get("max_rel_diff")),
+                "-"
+                if first is None
+                else f"{first}" + (" (gnorm)" if r.get("first_beyond_metric") == "grad_norm" else ""),
+                fmt(r["final_loss"], ".6f"),
+                fmt(r.get("grad_norm_max_rel_diff")),
+                fmt(r["mean_tps"], ",.0f"),
+                f"{r['wall_s']:.1f}",
+                r["status"],
+            ]
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in table]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in table
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def write_summary(
-    out: str, *, config: str, steps: int, baseline: str, rtol: float, atol: float, grad_norm_rtol: float,
-    assert_equal: bool, extra_overrides: list[str], seed_checkpoint: str, rows: list[dict],
+    out: str,
+    *,
+    config: str,
+    steps: int,
+    baseline: str,
+    rtol: float,
+    atol: float,
+    grad_norm_rtol: float,
+    assert_equal: bool,
+    extra_overrides: list[str],
+    seed_checkpoint: str,
+    rows: list[dict],
 ) -> str:
     """``<out>/summary.json``: the settings of the comparison, one row per run and the verdict."""
     summary = {
-        "config": config, "steps": steps, "baseline": baseline, "rtol": rtol, "atol": atol,
+        "config": config,
+        "steps": steps,
+        "baseline": baseline,
+        "rtol": rtol,
+        "atol": atol,
         "grad_norm_rtol": grad_norm_rtol,
-        "assert_equal": assert_equal, "extra_overrides": extra_overrides, "seed_checkpoint": seed_checkpoint,
-        "runs": rows, "passed": passed(rows),
+        "assert_equal": assert_equal,
+        "extra_overrides": extra_overrides,
+        "seed_checkpoint": seed_checkpoint,
+        "runs": rows,
+        "passed": passed(rows),
     }
     path = os.path.join(out, "summary.json")
     with open(path, "w") as f:
@@ -61,8 +94,9 @@ def write_summary(
     return path
 
 
-def plot_runs(path: str, runs: list[tuple[str, dict[int, dict]]], baseline: str, rtol: float, atol: float,
-              exact: bool = False) -> str:
+def plot_runs(
+    path: str, runs: list[tuple[str, dict[int, dict]]], baseline: str, rtol: float, atol: float, exact: bool = False
+) -> str:
     """Loss curves on top; |loss - baseline| per step below on a log axis, with the tolerance.
 
     Correct layouts lie on top of each other in the upper panel (hence a dash pattern and marker
@@ -89,9 +123,15 @@ def plot_runs(path: str, runs: list[tuple[str, dict[int, dict]]], baseline: str,
         is_base = name == baseline
         color = f"C{i % 10}"
         top.plot(
-            steps, [num(records[s]["loss"]) for s in steps], color=color,
-            linestyle=styles[i % len(styles)], marker=markers[i % len(markers)], markevery=max(1, len(steps) // 8),
-            markersize=4, linewidth=2.5 if is_base else 1.2, label=name + (" (baseline)" if is_base else ""),
+            steps,
+            [num(records[s]["loss"]) for s in steps],
+            color=color,
+            linestyle=styles[i % len(styles)],
+            marker=markers[i % len(markers)],
+            markevery=max(1, len(steps) // 8),
+            markersize=4,
+            linewidth=2.5 if is_base else 1.2,
+            label=name + (" (baseline)" if is_base else ""),
         )
         if is_base:
             continue
@@ -99,13 +139,25 @@ def plot_runs(path: str, runs: list[tuple[str, dict[int, dict]]], baseline: str,
         diffs = [abs(num(records[s]["loss"]) - num(base[s]["loss"])) for s in common]
         diffs = [d if math.isfinite(d) else float("nan") for d in diffs]
         offset = (j - (others - 1) / 2) * nudge
-        bottom.plot([s + offset for s in common], [max(d, DIFF_FLOOR) for d in diffs], color=color,
-                    linestyle="none", marker=markers[i % len(markers)], markersize=4)
+        bottom.plot(
+            [s + offset for s in common],
+            [max(d, DIFF_FLOOR) for d in diffs],
+            color=color,
+            linestyle="none",
+            marker=markers[i % len(markers)],
+            markersize=4,
+        )
         j += 1
     bsteps = sorted(base)
     if not exact:
-        bottom.plot(bsteps, [atol + rtol * abs(num(base[s]["loss"])) for s in bsteps], color="black",
-                    linestyle="--", linewidth=1, label=f"tolerance {atol:g} + {rtol:g}*|loss|")
+        bottom.plot(
+            bsteps,
+            [atol + rtol * abs(num(base[s]["loss"])) for s in bsteps],
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"tolerance {atol:g} + {rtol:g}*|loss|",
+        )
     top.set_ylabel("loss")
     top.set_title(f"loss by layout (baseline: {baseline})")
     top.legend(fontsize=8)

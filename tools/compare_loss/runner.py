@@ -11,8 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tools.compare_loss.compare import load_metrics
 from tools.compare_loss.layouts import Layout, slug
@@ -41,12 +41,18 @@ class Plan:
             ["--config", self.config]
             + layout.train_args()
             + [
-                "--training.steps", str(self.steps),
-                "--metrics.log_freq", "1",
-                "--metrics.enable_jsonl", "true",
-                "--checkpoint.enable", "false",
-                "--checkpoint.initial_load_path", self.seed_checkpoint,
-                "--job.dump_folder", dump_folder,
+                "--training.steps",
+                str(self.steps),
+                "--metrics.log_freq",
+                "1",
+                "--metrics.enable_jsonl",
+                "true",
+                "--checkpoint.enable",
+                "false",
+                "--checkpoint.initial_load_path",
+                self.seed_checkpoint,
+                "--job.dump_folder",
+                dump_folder,
             ]
             + self.extra
         )
@@ -55,8 +61,16 @@ class Plan:
 def torchrun_cmd(nproc: int, script: str, args: list[str], module: bool = False) -> list[str]:
     """``script`` is a file, or with ``module`` a module that each worker runs like ``python -m``."""
     # `python -m torch.distributed.run` is torchrun without depending on PATH.
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *(["-m"] if module else []), script, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *(["-m"] if module else []),
+        script,
+        *args,
+    ]
 
 
 @dataclass
@@ -73,9 +87,7 @@ class RunResult:
         return self.returncode == 0
 
 
-def run_streaming(
-    cmd: list[str], log_path: str, on_line: Callable[[str], None], timeout: float | None = None
-) -> int:
+def run_streaming(cmd: list[str], log_path: str, on_line: Callable[[str], None], timeout: float | None = None) -> int:
     """Run ``cmd``, copy its merged stdout/stderr to ``log_path`` and hand each line to ``on_line``.
 
     The child gets its own session so a timeout or Ctrl-C stops torchrun *and* its workers
@@ -86,7 +98,12 @@ def run_streaming(
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=env,
             start_new_session=True,
         )
         timed_out = threading.Event()

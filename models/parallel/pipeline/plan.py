@@ -16,8 +16,8 @@ a rank runs depends on the schedule's style: ``loop`` (rank r runs r, r+pp, r+2p
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = [
     "DEFAULT_STAGES_PER_RANK",
@@ -68,9 +68,7 @@ def schedule_facts(name: str) -> tuple[str, ScheduleFacts]:
     by_lower = {k.lower(): k for k in SCHEDULE_FACTS}
     canonical = by_lower.get(str(name).lower())
     if canonical is None:
-        raise ValueError(
-            f"unknown pipeline schedule {name!r}; legal schedules: {', '.join(SCHEDULE_FACTS)}"
-        )
+        raise ValueError(f"unknown pipeline schedule {name!r}; legal schedules: {', '.join(SCHEDULE_FACTS)}")
     return canonical, SCHEDULE_FACTS[canonical]
 
 
@@ -88,9 +86,7 @@ def _split_point_index(point: int | str) -> int:
         return point
     match = re.fullmatch(r"\s*(?:layers\.)?(\d+)\s*", str(point))
     if match is None:
-        raise ValueError(
-            f"pipeline split point {point!r} is neither a layer index nor 'layers.<index>'"
-        )
+        raise ValueError(f"pipeline split point {point!r} is neither a layer index nor 'layers.<index>'")
     return int(match.group(1))
 
 
@@ -123,8 +119,7 @@ def stage_layer_ranges(
             )
         if any(b <= a for a, b in zip(points, points[1:])):
             raise ValueError(
-                f"pipeline split points {points} must be strictly increasing (every stage "
-                "needs at least one layer)"
+                f"pipeline split points {points} must be strictly increasing (every stage needs at least one layer)"
             )
         bounds = [0, *points, n_layers]
         return [(bounds[i], bounds[i + 1]) for i in range(num_stages)]
@@ -172,9 +167,7 @@ def resolve_num_stages(
     """Total stage count from whichever of split points / layers per stage / stages per rank
     is given, checked against what the schedule can run."""
     canonical, facts = schedule_facts(schedule)
-    return _resolve_num_stages(
-        canonical, facts, pp, n_layers, split_points, stages_per_rank, layers_per_stage
-    )
+    return _resolve_num_stages(canonical, facts, pp, n_layers, split_points, stages_per_rank, layers_per_stage)
 
 
 def _resolve_num_stages(
@@ -361,16 +354,10 @@ def plan_stages(
     canonical, facts = schedule_facts(schedule)
     _positive_int("pp", pp)
     if pp < 2:
-        raise ValueError(
-            f"pipeline parallelism needs pp >= 2, but pp={pp}; with pp=1 train the whole model"
-        )
-    num_stages = _resolve_num_stages(
-        canonical, facts, pp, n_layers, split_points, stages_per_rank, layers_per_stage
-    )
+        raise ValueError(f"pipeline parallelism needs pp >= 2, but pp={pp}; with pp=1 train the whole model")
+    num_stages = _resolve_num_stages(canonical, facts, pp, n_layers, split_points, stages_per_rank, layers_per_stage)
     ranges = stage_layer_ranges(n_layers, num_stages, split_points)
-    rank_stages = tuple(
-        tuple(stage_indices_for_rank(r, pp, num_stages, facts.style)) for r in range(pp)
-    )
+    rank_stages = tuple(tuple(stage_indices_for_rank(r, pp, num_stages, facts.style)) for r in range(pp))
     per_rank = num_stages // pp
     mb = rounds = bubble = None
     if n_microbatches is not None:

@@ -21,8 +21,8 @@ statically and check each stage's output against it (:class:`_CheckedStage`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,9 +43,9 @@ from torch.distributed.tensor import DTensor
 
 from models.parallel.pipeline.plan import (
     SCHEDULE_FACTS,
-    schedule_facts,
     _positive_int,
     check_microbatches,
+    schedule_facts,
     stage_indices_for_rank,
 )
 from models.parallel.tensor_parallel import loss_parallel_context
@@ -53,13 +53,13 @@ from parallel_dims import ParallelDims
 
 __all__ = [
     "SCHEDULES",
-    "ScheduleInfo",
     "Pipeline",
     "PipelineBoundaryError",
+    "ScheduleInfo",
     "build_pipeline_schedule",
     "pipeline_step",
-    "sum_loss_over_pp",
     "stage_activation_dtype",
+    "sum_loss_over_pp",
 ]
 
 
@@ -271,9 +271,7 @@ def build_pipeline_schedule(
     pipeline_stages = []
     for module, index in zip(stages, stage_indices):
         dim = module.args.dim
-        hidden = torch.empty(
-            mb, seq_local, dim, dtype=activation_dtype, device="meta", requires_grad=True
-        )
+        hidden = torch.empty(mb, seq_local, dim, dtype=activation_dtype, device="meta", requires_grad=True)
         first, last = index == 0, index == num_stages - 1
         inputs = torch.empty(mb, seq_local, dtype=torch.long, device="meta") if first else hidden
         # The last stage's output goes only to the loss, never over the wire; torch 2.13 reads

@@ -10,7 +10,8 @@ weights of an unpipelined one.
 from __future__ import annotations
 
 import copy
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from torch import nn
 
@@ -46,9 +47,7 @@ def _check_pipelinable(model: nn.Module) -> None:
         )
 
 
-def _carve_stage(
-    model: nn.Module, layer_range: tuple[int, int], is_first: bool, is_last: bool
-) -> nn.Module:
+def _carve_stage(model: nn.Module, layer_range: tuple[int, int], is_first: bool, is_last: bool) -> nn.Module:
     start, end = layer_range
     for key in list(model.layers.keys()):
         if not start <= int(key) < end:
@@ -83,10 +82,7 @@ def split_model(
     """
     schedule_facts(schedule)  # an unknown schedule is the first error, as before
     if pd.pp < 2:
-        raise ValueError(
-            f"split_model needs pipeline parallelism, but pp={pd.pp}; with pp=1 train the "
-            "whole model"
-        )
+        raise ValueError(f"split_model needs pipeline parallelism, but pp={pd.pp}; with pp=1 train the whole model")
     plan = plan_stages(
         n_layers,
         pd.pp,
@@ -104,8 +100,7 @@ def split_model(
         _check_pipelinable(full)
         if len(full.layers) != n_layers:
             raise ValueError(
-                f"n_layers={n_layers} but the model has {len(full.layers)} layers; pass the "
-                "model's own layer count"
+                f"n_layers={n_layers} but the model has {len(full.layers)} layers; pass the model's own layer count"
             )
         modules.append(_carve_stage(full, ranges[stage], stage == 0, stage == num_stages - 1))
     return StageSplit(modules, indices, num_stages, ranges)
