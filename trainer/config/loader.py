@@ -1,0 +1,315 @@
+"""Reading a job config (TOML file, then ``--section.key value`` overrides, typed and checked
+key by key with suggestions for misspelled keys) and writing one back as TOML.
+
+The parser is hand-written (rather than argparse/tyro) so that misspelled keys fail loudly
+instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import types
+import typing
+from typing import Any
+
+from trainer.config.schema import (
+    ALIASES,
+    CONFIG_DIR,
+    PARALLELISM_ALIASES,
+    SECTIONS,
+    ConfigError,
+    JobConfig,
+)
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - exercised only on Python < 3.11
+    import tomli as tomllib
+
+
+# ------------------------------------------------------------------ typed coercion
+
+# `Optional[X]` and `X | None` have different origins (typing.Union vs types.UnionType)
+_UNION_ORIGINS = (typing.Union, types.UnionType)
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_TYPE_NAMES = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}
+_LIST_NAMES = {int: "ints", float: "floats", bool: "bools", str: "strings"}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return f"a comma-separated list of {_LIST_NAMES[inner]}"
+    if origin in _UNION_ORIGINS:
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return f"{_TYPE_NAMES[inner]} or none"
+    return _TYPE_NAMES[tp]
+
+
+def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Convert a TOML value or a CLI string to the field type, or raise a ConfigError."""
+
+    def bad() -> ConfigError:
+        return ConfigError(f"{key} expects {_describe(tp)}, got {value!r}")
+
+    origin = typing.get_origin(tp)
+    if origin in _UNION_ORIGINS:  # Optional[X], X | None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+            return None
+        try:
+            return _coerce(key, inner, value, from_cli)
+        except ConfigError:
+            raise bad() from None
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, str):
+            items = [v.strip() for v in value.split(",")] if value.strip() else []
+            return [_coerce(key, inner, v, True) for v in items]
+        if not isinstance(value, (list, tuple)):
+            raise bad()
+        try:
+            return [_coerce(key, inner, v, from_cli) for v in value]
+        except ConfigError:
+            raise bad() from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and from_cli and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad()
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and from_cli:
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str) and from_cli:
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        # selective_ac_option = 2 in TOML is natural to write; keep the field a string.
+        if isinstance(value, int) and not isinstance(value, bool) and key.endswith("selective_ac_option"):
+            return str(value)
+        raise bad()
+    raise TypeError(f"unsupported config field type {tp!r} for {key}")  # programming error
+
+
+# --------------------------------------------------------------------- key lookup
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)] + [
+        f"{s}.{a}" for s, al in ALIASES.items() for a in al
+    ]
+
+
+def _leaf_hint(name: str, prefix: str = "") -> str:
+    """Suggest section.key for a key given without its section."""
+    keys = _all_keys()
+    close = difflib.get_close_matches(name, [k.split(".", 1)[1] for k in keys], n=1, cutoff=0.6)
+    full = [k for k in keys if close and k.endswith("." + close[0])]
+    return f"; did you mean '{prefix}{full[0]}'?" if full else ""
+
+
+def _resolve_key(section: str, key: str) -> tuple[str, str]:
+    """Map (section, key or alias) to the canonical pair, or raise with a suggestion."""
+    if section not in SECTIONS:
+        close = difflib.get_close_matches(section, list(SECTIONS), n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}.{key}'?" if close else f"valid sections: {', '.join(SECTIONS)}"
+        raise ConfigError(f"unknown section '{section}'; {hint}")
+    key = ALIASES.get(section, {}).get(key, key)
+    names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    if key not in names:
+        candidates = names + list(ALIASES.get(section, {}))
+        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+        if close:
+            hint = f"did you mean '{section}.{close[0]}'?"
+        else:
+            hint = f"valid keys in [{section}]: {', '.join(names)}"
+        raise ConfigError(f"unknown key '{section}.{key}'; {hint}")
+    return section, key
+
+
+def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool) -> None:
+    section, key = _resolve_key(section, key)
+    tp = _field_types(SECTIONS[section])[key]
+    setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", tp, value, from_cli))
+
+
+def apply_mapping(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{source}: top-level key '{section}' must be inside a [section] table{_leaf_hint(section)}"
+            )
+        for key, value in values.items():
+            _set(cfg, section, key, value, from_cli=False)
+
+
+# ------------------------------------------------------------------------ loading
+
+
+def resolve_config_path(path: str) -> str:
+    """Find a config: as given, else a bare name (with or without .toml) in train_configs/."""
+    candidates = [path]
+    if os.sep not in path and "/" not in path:
+        candidates.append(os.path.join(CONFIG_DIR, path))
+        if not path.endswith(".toml"):
+            candidates.append(os.path.join(CONFIG_DIR, path + ".toml"))
+    for c in candidates:
+        if os.path.isfile(c):
+            return c
+    available = sorted(f for f in os.listdir(CONFIG_DIR) if f.endswith(".toml")) if os.path.isdir(CONFIG_DIR) else []
+    raise ConfigError(
+        f"config file '{path}' not found (looked at: {', '.join(candidates)}); "
+        f"pass a path or one of the shipped configs: {', '.join(available) or 'none'}"
+    )
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Defaults < ``--config FILE`` < ``--section.key value`` overrides, then validate.
+
+    ``argv`` excludes the program name (defaults to ``sys.argv[1:]``). ``-h``/``--help``
+    prints every key with its default and exits.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path: str | None = None
+    overrides: list[tuple[str, str, Any]] = []  # (arg as typed, dotted key, raw value)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(format_help())
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; options look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            value = argv[i + 1] if has_value else None
+            i += 1 if has_value else 0
+        i += 1
+        if name in ("config", "job.config_file"):
+            if value is None:
+                raise ConfigError("--config needs a path, e.g. --config llama3.toml")
+            config_path = value
+            continue
+        if "." not in name:
+            hint = _leaf_hint(name, prefix="--") or "; options look like --section.key value"
+            raise ConfigError(f"unknown option '--{name}'{hint}")
+        overrides.append((arg, name, value))
+
+    cfg = JobConfig()
+    if config_path is not None:
+        resolved = resolve_config_path(config_path)
+        apply_mapping(cfg, load_toml(resolved), source=resolved)
+    for _arg, name, value in overrides:
+        section, key = name.split(".", 1)
+        section_c, key_c = _resolve_key(section, key)
+        tp = _field_types(SECTIONS[section_c])[key_c]
+        if value is None:
+            if tp is not bool:
+                raise ConfigError(f"--{section_c}.{key_c} needs a value ({_describe(tp)})")
+            value = "true"
+        _set(cfg, section_c, key_c, value, from_cli=True)
+    cfg.validate()
+    return cfg
+
+
+def format_help() -> str:
+    lines = ["usage: train.py [--config FILE] [--section.key VALUE ...]", ""]
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            extra = f" (one of: {', '.join(map(str, choices))})" if choices else ""
+            lines.append(f"  --{section}.{f.name} = {default!r}{extra}\n      {f.metadata.get('help', '')}")
+        lines.append("")
+    lines.append("aliases: " + ", ".join(f"--parallelism.{a} -> {k}" for a, k in PARALLELISM_ALIASES.items()))
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------- TOML writing
+
+
+def _toml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)  # always has '.', 'e' or both, which TOML requires of floats
+    if isinstance(v, str):
+        out = []
+        for ch in v:
+            if ch == "\\":
+                out.append("\\\\")
+            elif ch == '"':
+                out.append('\\"')
+            elif ch == "\n":
+                out.append("\\n")
+            elif ch == "\t":
+                out.append("\\t")
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04x}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_scalar(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} value {v!r} as TOML")
+
+
+def dump_toml(data: dict[str, dict[str, Any]], header: str = "") -> str:
+    """Minimal writer for one level of tables of scalars/lists; None values are omitted
+    (TOML has no null) and therefore fall back to their default when read back."""
+    lines = [f"# {header}"] if header else []
+    for section, values in data.items():
+        if lines:
+            lines.append("")
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                lines.append(f"# {key} = none (unset)")
+            else:
+                lines.append(f"{key} = {_toml_scalar(value)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,333 @@
+"""The configuration schema: one dataclass per TOML section, with each key's default, help text
+and (for enums) legal values, and :class:`JobConfig` that holds them all.
+
+Validation of values lives in :mod:`trainer.config.validate`; reading TOML and command lines
+and writing TOML in :mod:`trainer.config.loader`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any
+
+from models.registry import model_names
+from parallel_dims.axes import AXES
+
+# trainer/config/schema.py -> the repository root, three levels up
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG_DIR = os.path.join(REPO_ROOT, "train_configs")
+
+PARALLELISM_ALIASES: dict[str, str] = {a.name: a.config_key for a in AXES}
+ALIASES: dict[str, dict[str, str]] = {"parallelism": PARALLELISM_ALIASES}
+
+
+class ConfigError(ValueError):
+    """A configuration value or key the trainer cannot run with."""
+
+
+def _opt(default: Any, help: str, *, choices: tuple | None = None) -> Any:
+    """Field with help text and, for enums, the legal values.
+
+    Mutable defaults are copied per instance so two configs never share a list.
+    """
+    metadata = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class Job:
+    name: str = _opt("default", "Run name, shown in logs.")
+    dump_folder: str = _opt("./outputs", "Run folder; relative checkpoint/TensorBoard/metrics paths live under it.")
+    description: str = _opt("", "Free-form description, recorded with the resolved config.")
+
+
+@dataclass
+class Model:
+    name: str = _opt("llama3", "Model family (models/registry.py).", choices=tuple(model_names()))
+    flavor: str = _opt("debugmodel", "Size preset of the model family.")
+    tokenizer_path: str = _opt(
+        "",
+        "'' = the tokenizer shipped in assets/tokenizer, 'bytes' = byte-level tokenizer, "
+        "otherwise a tokenizer.json file or a folder containing one.",
+    )
+    vocab_size: int | None = _opt(None, "Override the flavor's vocabulary size; must be >= the tokenizer's vocab size.")
+    n_layers: int | None = _opt(
+        None,
+        "Override the flavor's number of transformer layers (e.g. a real-size model with a "
+        "few layers for benchmarks); none = the flavor's.",
+    )
+
+
+@dataclass
+class Training:
+    global_batch_size: int = _opt(
+        -1,
+        "Samples per optimizer step across all data-parallel ranks; -1 = local_batch_size "
+        "x batch degree (no gradient accumulation).",
+    )
+    local_batch_size: int = _opt(8, "Micro-batch size per rank (samples per forward/backward).")
+    seq_len: int = _opt(2048, "Tokens per sample.")
+    steps: int = _opt(10000, "Optimizer steps to train for.")
+    max_norm: float = _opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping.")
+    seed: int = _opt(0, "Seed for parameter init and the synthetic corpus.")
+    deterministic: bool = _opt(False, "Use deterministic kernels (slower).")
+    dataset: str = _opt(
+        "synthetic",
+        "'synthetic' (built-in generated corpus), 'text' (.txt file or folder), "
+        "'jsonl' (.jsonl file or folder, field 'text').",
+        choices=("synthetic", "text", "jsonl"),
+    )
+    dataset_path: str = _opt("", "File or folder for the 'text' and 'jsonl' datasets.")
+
+    def resolve_global_batch_size(self, batch_degree: int) -> int:
+        return resolve_global_batch_size(self.global_batch_size, self.local_batch_size, batch_degree)
+
+    def gradient_accumulation_steps(self, batch_degree: int) -> int:
+        """Derived, not a key: it depends on the batch degree, known only at launch."""
+        return gradient_accumulation_steps(self.global_batch_size, self.local_batch_size, batch_degree)
+
+
+@dataclass
+class Optimizer:
+    name: str = _opt("AdamW", "Optimizer class.", choices=("AdamW",))
+    lr: float = _opt(8e-4, "Peak learning rate.")
+    betas: list[float] = _opt([0.9, 0.95], "Adam (beta1, beta2).")
+    eps: float = _opt(1e-8, "Adam epsilon.")
+    weight_decay: float = _opt(0.1, "Decoupled weight decay for matrices (>= 2-D parameters).")
+    implementation: str = _opt(
+        "auto",
+        "AdamW kernels: 'fused' (one kernel per parameter group; CUDA and CPU), 'foreach' "
+        "(multi-tensor), 'for-loop' (one parameter at a time), 'auto' = fused on GPU, "
+        "foreach on CPU.",
+        choices=("auto", "fused", "foreach", "for-loop"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _opt(200, "Steps of linear warmup to the peak lr.")
+    decay_style: str = _opt("cosine", "Shape of the decay after warmup.", choices=("cosine", "linear", "constant"))
+    min_lr_ratio: float = _opt(0.1, "Final lr as a fraction of the peak (ignored by 'constant').")
+
+
+# One field per parallel axis, derived from parallel_dims/axes.py (key, default, help, alias).
+_ParallelismDegrees = make_dataclass(
+    "_ParallelismDegrees",
+    [(a.config_key, int, _opt(a.default, f"{a.help} (alias {a.name}).")) for a in AXES],
+)
+
+
+@dataclass
+class Parallelism(_ParallelismDegrees):
+    fsdp_reshard_after_forward: str = _opt(
+        "default",
+        "Free gathered params after forward: 'default' = yes except the last (PP: no).",
+        choices=("default", "always", "never"),
+    )
+    mixed_precision_param: str = _opt(
+        "float32", "Compute dtype of FSDP-gathered params.", choices=("float32", "bfloat16")
+    )
+    mixed_precision_reduce: str = _opt("float32", "Dtype of gradient reduce-scatter.", choices=("float32", "bfloat16"))
+    enable_sequence_parallel: bool = _opt(True, "Shard norm/dropout activations over TP ranks.")
+    enable_loss_parallel: bool = _opt(True, "Compute the loss on vocab-sharded logits under TP.")
+    pipeline_parallel_schedule: str = _opt(
+        "1F1B",
+        "torch.distributed.pipelining schedule name.",
+        choices=("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    )
+    pipeline_parallel_microbatches: int | None = _opt(
+        None,
+        "Pipeline microbatches per local batch; must divide training.local_batch_size. "
+        "none = pipeline_parallel_degree.",
+    )
+    pipeline_parallel_layers_per_stage: int | None = _opt(
+        None, "Transformer layers per (virtual) stage; none = split evenly."
+    )
+    pipeline_parallel_split_points: list[str] = _opt(
+        [], "Explicit stage boundaries as module FQNs, e.g. layers.4,layers.8."
+    )
+
+    def pipeline_microbatches(self) -> int:
+        return self.pipeline_parallel_microbatches or self.pipeline_parallel_degree
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _opt("none", "Recompute activations in backward.", choices=("none", "full", "selective"))
+    selective_ac_option: str = _opt(
+        "op",
+        "'op' = per-op selective AC; an integer N = checkpoint every N-th transformer block.",
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = _opt(False, "torch.compile the components below.")
+    components: list[str] = _opt(["model", "loss"], "What to compile: model, loss.")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _opt(False, "Save resumable checkpoints and resume from the latest one.")
+    folder: str = _opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
+    interval: int = _opt(500, "Save every N steps (the last step is always saved).")
+    keep_latest_k: int = _opt(10, "Keep the newest K checkpoints; 0 keeps all.")
+    load_step: int = _opt(-1, "Step to resume from; -1 = latest found in the folder.")
+    create_seed_checkpoint: bool = _opt(
+        False, "Only initialise the model, save it as step-0 and exit (run with 1 process)."
+    )
+    initial_load_path: str = _opt("", "Checkpoint folder to initialise from when the run folder has no checkpoint yet.")
+    initial_load_model_only: bool = _opt(
+        True, "Take only model weights from initial_load_path (not optimizer/data state)."
+    )
+    export_dtype: str = _opt("float32", "Dtype of exported weights.", choices=("float32", "bfloat16", "float16"))
+    last_save_model_only: bool = _opt(
+        False,
+        "At the final step write consolidated weights (export_dtype) instead of a resumable checkpoint.",
+    )
+    exclude_from_loading: list[str] = _opt(
+        [], "Parts not restored on resume: optimizer, lr_scheduler, dataloader, rng."
+    )
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _opt(10, "Log every N steps (step 1 is always logged).")
+    enable_tensorboard: bool = _opt(False, "Write TensorBoard scalars (rank 0).")
+    save_tb_folder: str = _opt("tb", "TensorBoard folder, relative to job.dump_folder.")
+    enable_jsonl: bool = _opt(True, "Append one JSON object per logged step to metrics.jsonl.")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _opt(False, "Record torch profiler traces (Chrome/Perfetto JSON, one file per rank).")
+    save_traces_folder: str = _opt(
+        "profile_traces", "Trace folder, relative to job.dump_folder: iteration_N/rankR_trace.json."
+    )
+    profile_freq: int = _opt(10, "Profile (and snapshot memory) every N steps: steps N, 2N, ... are recorded.")
+    profiler_warmup: int = _opt(3, "Steps the profiler runs unrecorded before each recorded window.")
+    profiler_active: int = _opt(1, "Steps recorded in each window (ending at a multiple of profile_freq).")
+    enable_memory_snapshot: bool = _opt(
+        False,
+        "Record CUDA allocator history and dump a snapshot (open it at pytorch.org/memory_viz) "
+        "every profile_freq steps and on out-of-memory; GPU only.",
+    )
+    save_memory_snapshot_folder: str = _opt(
+        "memory_snapshot",
+        "Snapshot folder, relative to job.dump_folder: iteration_N/rankR_memory_snapshot.pickle.",
+    )
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = _opt(300, "Process-group timeout until the first step.")
+    train_timeout_seconds: int = _opt(100, "Collective timeout once training runs.")
+
+
+SECTIONS: dict[str, type] = {
+    "job": Job,
+    "model": Model,
+    "training": Training,
+    "optimizer": Optimizer,
+    "lr_scheduler": LRScheduler,
+    "parallelism": Parallelism,
+    "activation_checkpoint": ActivationCheckpoint,
+    "compile": Compile,
+    "checkpoint": Checkpoint,
+    "metrics": Metrics,
+    "profiling": Profiling,
+    "comm": Comm,
+}
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            name: {f.name: _copy_value(getattr(getattr(self, name), f.name)) for f in dataclasses.fields(cls)}
+            for name, cls in SECTIONS.items()
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        """Build and validate from a nested ``{section: {key: value}}`` mapping (e.g. TOML)."""
+        from trainer.config.loader import apply_mapping
+
+        cfg = cls()
+        apply_mapping(cfg, data, source="config")
+        cfg.validate()
+        return cfg
+
+    def to_toml(self) -> str:
+        from trainer.config.loader import dump_toml
+
+        return dump_toml(self.to_dict(), header="Resolved job config; load it with --config <file>.")
+
+    def resolve_path(self, path: str) -> str:
+        """Relative output paths are anchored at job.dump_folder so one run = one folder."""
+        return path if os.path.isabs(path) else os.path.join(self.job.dump_folder, path)
+
+    def validate(self) -> None:
+        """Raise ConfigError for the first value the trainer could not run with."""
+        from trainer.config.validate import validate_config
+
+        validate_config(self)
+
+
+def _copy_value(v: Any) -> Any:
+    return list(v) if isinstance(v, list) else v
+
+
+# ---------------------------------------------------------------- batch-size arithmetic
+
+
+def resolve_global_batch_size(global_batch_size: int, local_batch_size: int, batch_degree: int) -> int:
+    if batch_degree < 1:
+        raise ConfigError(f"batch degree must be >= 1, got {batch_degree}")
+    if global_batch_size == -1:
+        return local_batch_size * batch_degree
+    return global_batch_size
+
+
+def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, batch_degree: int) -> int:
+    """Micro-batches each rank runs per optimizer step.
+
+    The global batch G is split into D contiguous per-rank slices of G/D samples, each
+    consumed as micro-batches of local_batch_size, so G must be a multiple of
+    D * local_batch_size.
+    """
+    g = resolve_global_batch_size(global_batch_size, local_batch_size, batch_degree)
+    unit = batch_degree * local_batch_size
+    if g <= 0 or g % unit != 0:
+        legal = ", ".join(str(unit * k) for k in range(1, 5))
+        msg = (
+            f"training.global_batch_size ({g}) must be a positive multiple of batch degree "
+            f"({batch_degree}) x training.local_batch_size ({local_batch_size}) = {unit}; "
+            f"legal values: {legal}, ..."
+        )
+        if g > 0 and g % batch_degree == 0:
+            per_rank = g // batch_degree
+            divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+            msg += f"; or keep it and set training.local_batch_size to one of {divisors}"
+        raise ConfigError(msg)
+    return g // unit

@@ -1,0 +1,166 @@
+"""Validation of one :class:`~trainer.config.schema.JobConfig`'s values (enum choices, ranges,
+model names and flavors from the model registry) and the batch-size arithmetic.
+
+What depends on the world size (degrees, divisibility by the batch degree, the model against the
+layout) is checked once, by the job plan (:func:`trainer.plan.plan_job`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any
+
+from models.registry import flavor_names, has_experts
+from trainer.config.schema import (
+    SECTIONS,
+    ConfigError,
+    JobConfig,
+)
+
+
+def validate_config(cfg: JobConfig) -> None:
+    """Raise ConfigError for the first value the trainer could not run with."""
+    for name, cls in SECTIONS.items():
+        section = getattr(cfg, name)
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            value = getattr(section, f.name)
+            if choices is not None and value not in choices:
+                raise ConfigError(_choice_message(f"{name}.{f.name}", value, choices))
+    _validate_values(cfg)
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def _validate_values(cfg: JobConfig) -> None:
+    def need(cond: bool, message: str) -> None:
+        if not cond:
+            raise ConfigError(message)
+
+    t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
+
+    flavors = tuple(flavor_names(cfg.model.name))
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(_choice_message("model.flavor", cfg.model.flavor, flavors, f" for model '{cfg.model.name}'"))
+    need(
+        cfg.model.vocab_size is None or cfg.model.vocab_size > 0,
+        f"model.vocab_size must be > 0 (or none for the flavor default), got {cfg.model.vocab_size}",
+    )
+    need(
+        cfg.model.n_layers is None or cfg.model.n_layers > 0,
+        f"model.n_layers must be > 0 (or none for the flavor's), got {cfg.model.n_layers}",
+    )
+
+    need(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
+    need(
+        t.global_batch_size > 0 or t.global_batch_size == -1,
+        f"training.global_batch_size must be > 0 or -1 (= local_batch_size x batch degree), got {t.global_batch_size}",
+    )
+    if t.global_batch_size > 0:
+        need(
+            t.global_batch_size % t.local_batch_size == 0,
+            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"training.local_batch_size ({t.local_batch_size})",
+        )
+    need(t.seq_len > 0, f"training.seq_len must be > 0, got {t.seq_len}")
+    need(t.steps > 0, f"training.steps must be > 0, got {t.steps}")
+    need(t.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {t.max_norm}")
+    need(
+        t.dataset == "synthetic" or t.dataset_path != "",
+        f"training.dataset = '{t.dataset}' needs training.dataset_path (a file or folder)",
+    )
+
+    need(o.lr >= 0 and math.isfinite(o.lr), f"optimizer.lr must be a finite number >= 0, got {o.lr}")
+    need(
+        len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
+        f"optimizer.betas must be two numbers in [0, 1), got {o.betas}",
+    )
+    need(o.eps > 0, f"optimizer.eps must be > 0, got {o.eps}")
+    need(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+
+    need(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
+    need(0.0 <= s.min_lr_ratio <= 1.0, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
+
+    # the degrees themselves are validated (with the fix) by the job plan, which knows the
+    # world size: trainer/plan.py -> parallel_dims.validate_degrees
+    if not has_experts(cfg.model.name, cfg.model.flavor):
+        need(
+            p.expert_parallel_degree == 1 and p.expert_tensor_parallel_degree == 1,
+            f"expert parallelism (parallelism.ep/etp) needs an MoE model; model.name = "
+            f"'{cfg.model.name}' has no experts: set parallelism.ep = 1 and parallelism.etp = 1",
+        )
+    if p.pipeline_parallel_microbatches is not None:
+        need(
+            p.pipeline_parallel_microbatches > 0,
+            f"parallelism.pipeline_parallel_microbatches must be > 0, got {p.pipeline_parallel_microbatches}",
+        )
+    if p.pipeline_parallel_degree > 1:
+        m = p.pipeline_microbatches()
+        need(
+            t.local_batch_size % m == 0,
+            f"training.local_batch_size ({t.local_batch_size}) must be divisible by the pipeline "
+            f"microbatch count {m} (parallelism.pipeline_parallel_microbatches, default = "
+            f"pipeline_parallel_degree)",
+        )
+    if p.pipeline_parallel_layers_per_stage is not None:
+        need(
+            p.pipeline_parallel_layers_per_stage > 0,
+            f"parallelism.pipeline_parallel_layers_per_stage must be > 0, got {p.pipeline_parallel_layers_per_stage}",
+        )
+        need(
+            not p.pipeline_parallel_split_points,
+            "set either parallelism.pipeline_parallel_layers_per_stage or "
+            "parallelism.pipeline_parallel_split_points, not both",
+        )
+
+    ac = cfg.activation_checkpoint
+    if ac.selective_ac_option != "op":
+        need(
+            ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0,
+            f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
+            f"(checkpoint every N-th block), got '{ac.selective_ac_option}'",
+        )
+
+    for comp in cfg.compile.components:
+        if comp not in ("model", "loss"):
+            raise ConfigError(_choice_message("compile.components entry", comp, ("model", "loss")))
+
+    c = cfg.checkpoint
+    need(c.interval > 0, f"checkpoint.interval must be > 0, got {c.interval}")
+    need(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
+    need(c.load_step >= -1, f"checkpoint.load_step must be >= 0 or -1 (latest), got {c.load_step}")
+    excludable = ("optimizer", "lr_scheduler", "dataloader", "rng")
+    for part in c.exclude_from_loading:
+        if part not in excludable:
+            raise ConfigError(_choice_message("checkpoint.exclude_from_loading entry", part, excludable))
+
+    need(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
+    prof = cfg.profiling
+    need(
+        prof.profiler_warmup >= 0 and prof.profiler_active >= 1,
+        f"profiling.profiler_warmup must be >= 0 and profiling.profiler_active >= 1, got "
+        f"{prof.profiler_warmup} and {prof.profiler_active}",
+    )
+    need(
+        prof.profile_freq >= prof.profiler_warmup + prof.profiler_active,
+        f"profiling.profile_freq ({prof.profile_freq}) must be >= profiler_warmup + "
+        f"profiler_active ({prof.profiler_warmup} + {prof.profiler_active}): each recorded "
+        f"window fits inside one period; raise profile_freq or lower the other two",
+    )
+    need(
+        cfg.comm.init_timeout_seconds > 0 and cfg.comm.train_timeout_seconds > 0,
+        "comm.init_timeout_seconds and comm.train_timeout_seconds must be > 0",
+    )
+
+
+def _choice_message(key: str, value: Any, choices: tuple, context: str = "") -> str:
+    msg = f"{key} must be one of {', '.join(repr(c) for c in choices)}{context}, got {value!r}"
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
+    if not close:  # case-only typos such as 'adamw' are below difflib's cutoff
+        close = [c for c in map(str, choices) if c.lower() == str(value).lower()]
+    if close:
+        msg += f"; did you mean {close[0]!r}?"
+    return msg
