@@ -19,6 +19,7 @@ What is compared, and why each catches something different:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 
@@ -27,11 +28,11 @@ import torch.nn.functional as F
 
 from models.common.sequence import load_balanced_shard
 from models.parallel.tensor_parallel import loss_parallel_context
-from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
-from models.registry import build_model
-from parallel_dims import ParallelDims
-from parallel_dims.axes import DEGREE_NAMES
+from models.parallelize import parallelize_model
+from parallel_dims.axes import AXES, DEGREE_NAMES
+from trainer.config import load_config
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
+from trainer.plan import JobPlan, plan_job
 
 SEED = 1234
 LR = 1e-3
@@ -48,10 +49,44 @@ GRAD_RTOL = 5e-6  # per tensor: max abs error / max |reference grad|
 WEIGHT_ATOL = 5e-5
 
 
-def small_overrides(model_name: str) -> dict:
-    if model_name == "llama3":
-        return dict(n_layers=2, vocab_size=512, max_seq_len=64)
-    return dict(n_layers=3, vocab_size=512, max_seq_len=64)
+VOCAB = 512
+
+
+def small_layers(model_name: str) -> int:
+    return 2 if model_name == "llama3" else 3
+
+
+def harness_plan(
+    model_name: str,
+    degrees: dict,
+    global_bs: int,
+    seq_len: int,
+    opts_kwargs: dict | None = None,
+    *,
+    n_layers: int | None = None,
+    local_bs: int | None = None,
+    config: tuple[str, ...] = (),
+) -> JobPlan:
+    """The trainer's job plan (:func:`trainer.plan.plan_job`) of one harness case: the same
+    validation, degrees, model args (``debugmodel`` with ``n_layers`` layers and a 512-token
+    vocabulary) and parallelize options as a real run of that config. ``local_bs`` defaults to
+    the whole per-rank slice (no accumulation); ``opts_kwargs`` are ParallelizeOptions fields
+    on top of the config's; ``config`` adds ``--section.key value`` arguments."""
+    d = full_degrees(**degrees)
+    batch_degree = d["dp_replicate"] * d["dp_shard"]
+    argv = [
+        *("--model.name", model_name, "--model.flavor", "debugmodel"),
+        *("--model.n_layers", str(n_layers or small_layers(model_name)), "--model.vocab_size", str(VOCAB)),
+        *("--training.seq_len", str(seq_len), "--training.global_batch_size", str(global_bs)),
+        *("--training.local_batch_size", str(local_bs or global_bs // batch_degree)),
+        *config,
+    ]
+    for axis in AXES:
+        argv += [f"--parallelism.{axis.name}", str(d[axis.name])]
+    plan = plan_job(load_config(argv), world_size_of(degrees), tokenizer_vocab=VOCAB)
+    if opts_kwargs:
+        plan = dataclasses.replace(plan, parallelize=dataclasses.replace(plan.parallelize, **opts_kwargs))
+    return plan
 
 
 def full_degrees(**degrees: int) -> dict:
@@ -109,7 +144,9 @@ def reference_step(model_name: str, global_bs: int, seq_len: int, max_norm: floa
     """The unsharded model on one process. Cached: several layouts of one launch share it
     (callers only read the result)."""
     torch.manual_seed(0)
-    model = build_model(model_name, "debugmodel", device="cpu", **small_overrides(model_name))
+    plan = harness_plan(model_name, {}, global_bs, seq_len)
+    with torch.device("cpu"):
+        model = plan.model.model_cls(plan.model_args)
     model.init_weights(SEED)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     inputs, labels = make_batch(global_bs, seq_len, model.args.vocab_size)
@@ -142,11 +179,13 @@ def run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len,
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
-    pd = ParallelDims(world_size=world_size, **degrees)
+    plan = harness_plan(model_name, degrees, global_bs, seq_len, opts_kwargs)
+    if plan.world_size != world_size:
+        raise ValueError(f"degrees {degrees} need {plan.world_size} ranks, the launch has {world_size}")
+    pd, opts = plan.parallel_dims, plan.parallelize
     pd.build_mesh("cpu")
-    opts = ParallelizeOptions(**opts_kwargs)
-    model = build_model(model_name, "debugmodel", device="meta", **small_overrides(model_name))
-    check_model_fits_layout(model.args, pd, seq_len=seq_len, sequence_parallel=opts.sequence_parallel)
+    with torch.device("meta"):
+        model = plan.model.model_cls(plan.model_args)
     parallelize_model(model, pd, opts)
     model.to_empty(device="cpu")
     model.init_weights(SEED)

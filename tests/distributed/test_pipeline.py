@@ -35,7 +35,7 @@ from models.parallel.pipeline import (
     stage_layer_ranges,
 )
 from models.registry import build_model
-from tests.distributed.parallel_harness import SEED, _optimizer, make_batch, small_overrides
+from tests.distributed.parallel_harness import SEED, VOCAB, _optimizer, harness_plan, make_batch
 from tools.launcher import run_distributed
 
 GLOBAL_BS, SEQ, N_MICROBATCHES, MAX_NORM = 8, 32, 4, 1.0
@@ -46,8 +46,22 @@ WEIGHT_ATOL = 1e-6
 ADAM_WELL_CONDITIONED = 1e-6
 
 
-def _overrides(model_name: str) -> dict:
-    return {**small_overrides(model_name), "n_layers": N_LAYERS}
+def _plan(model_name: str, degrees: dict, schedule: str, opts_kwargs: dict, accum_steps: int, n_microbatches: int):
+    """The trainer's job plan of one case (validated like a real run's config)."""
+    batch_degree = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
+    return harness_plan(
+        model_name,
+        degrees,
+        GLOBAL_BS,
+        SEQ,
+        opts_kwargs,
+        n_layers=N_LAYERS,
+        local_bs=GLOBAL_BS // batch_degree // accum_steps,
+        config=(
+            *("--parallelism.pipeline_parallel_schedule", schedule),
+            *("--parallelism.pipeline_parallel_microbatches", str(n_microbatches)),
+        ),
+    )
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -73,7 +87,9 @@ def _moe_counts(module) -> dict:
 def _reference(model_name: str) -> dict:
     """The unsplit model on one process: same seed, same global batch, same step."""
     torch.manual_seed(0)
-    model = build_model(model_name, "debugmodel", device="cpu", **_overrides(model_name))
+    spec = harness_plan(model_name, {}, GLOBAL_BS, SEQ, n_layers=N_LAYERS).model
+    with torch.device("cpu"):
+        model = spec.model_cls(spec.args)
     model.init_weights(SEED)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     inputs, labels = make_batch(GLOBAL_BS, SEQ, model.args.vocab_size)
@@ -116,10 +132,9 @@ def _errors(initial: dict, grads: dict, weights: dict, ref: dict) -> dict:
 
 
 def _one_step(
-    pd,
+    plan,
     model_name: str,
     schedule: str,
-    opts_kwargs: dict,
     ref: dict,
     accum_steps: int = 1,
     n_microbatches: int = N_MICROBATCHES,
@@ -130,13 +145,13 @@ def _one_step(
 
     from models.common.sequence import load_balanced_shard
     from models.parallel.pipeline import pipeline_step, stage_activation_dtype, sum_loss_over_pp
-    from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
+    from models.parallelize import parallelize_model
     from trainer.grad_clip import clip_grad_norm_, finalize_grads
 
     torch.manual_seed(0)
-    opts = ParallelizeOptions(**opts_kwargs)
-    meta = build_model(model_name, "debugmodel", device="meta", **_overrides(model_name))
-    check_model_fits_layout(meta.args, pd, seq_len=SEQ, sequence_parallel=opts.sequence_parallel)
+    pd, opts = plan.parallel_dims, plan.parallelize
+    with torch.device("meta"):
+        meta = plan.model.model_cls(plan.model_args)
     split = split_model(meta, pd, N_LAYERS, None, schedule)
     for module in split.modules:
         parallelize_model(module, pd, opts)
@@ -208,10 +223,19 @@ def _layouts_worker(rank, world_size, cases, schedule_checks=()):
     for model_name, degrees, schedule, opts_kwargs, *step_kwargs in cases:
         if model_name not in refs:
             refs[model_name] = _reference(model_name)
-        pd = ParallelDims(world_size=world_size, **degrees)
-        pd.build_mesh("cpu")
         extra = step_kwargs[0] if step_kwargs else {}
-        out.append(_one_step(pd, model_name, schedule, opts_kwargs, refs[model_name], **extra))
+        plan = _plan(
+            model_name,
+            degrees,
+            schedule,
+            opts_kwargs,
+            extra.get("accum_steps", 1),
+            extra.get("n_microbatches", N_MICROBATCHES),
+        )
+        if plan.world_size != world_size:
+            raise ValueError(f"degrees {degrees} need {plan.world_size} ranks, the launch has {world_size}")
+        plan.parallel_dims.build_mesh("cpu")
+        out.append(_one_step(plan, model_name, schedule, refs[model_name], **extra))
     messages = []
     if schedule_checks:
         pd = ParallelDims(world_size=world_size, **_degrees())
@@ -367,8 +391,7 @@ class _FakePD:
 
 
 def _meta(n_layers: int = N_LAYERS):
-    overrides = {**_overrides("llama3"), "n_layers": n_layers}
-    return build_model("llama3", "debugmodel", device="meta", **overrides)
+    return build_model("llama3", "debugmodel", device="meta", n_layers=n_layers, vocab_size=VOCAB, max_seq_len=64)
 
 
 @pytest.mark.parametrize(
