@@ -510,16 +510,27 @@ def build_source(cfg: JobConfig) -> DocumentSource:
     return FileSource(t.dataset_path, t.dataset)
 
 
-def build_dataloader(cfg: JobConfig, tokenizer, batch_rank: int, batch_degree: int) -> PackedDataLoader:
-    """``batch_rank``/``batch_degree``: this rank's coordinate and the size of the batch
-    (data-parallel: dp_replicate x dp_shard) dimension of the device mesh."""
+def build_dataloader(
+    cfg: JobConfig, tokenizer, batch_rank: int, batch_degree: int | None = None, *, batch=None
+) -> PackedDataLoader:
+    """``batch_rank``: this rank's coordinate in the batch (data-parallel: dp_replicate x
+    dp_shard) dimension of the device mesh. ``batch``: the job plan's
+    :class:`~trainer.plan.BatchPlan` (what the trainer passes: the batch is resolved once, by
+    the plan); without it, ``batch_degree`` and the config's batch keys."""
     t = cfg.training
+    if batch is not None:
+        global_batch_size, local_batch_size = batch.global_batch_size, batch.local_batch_size
+        batch_degree, seq_len = batch.batch_degree, batch.seq_len
+    elif batch_degree is None:
+        raise TypeError("build_dataloader needs the job plan's batch plan or a batch_degree")
+    else:
+        global_batch_size, local_batch_size, seq_len = t.global_batch_size, t.local_batch_size, t.seq_len
     return PackedDataLoader(
         build_source(cfg),
         tokenizer,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        local_batch_size=t.local_batch_size,
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        local_batch_size=local_batch_size,
         batch_rank=batch_rank,
         batch_degree=batch_degree,
     )

@@ -209,9 +209,7 @@ class Trainer:
                 loss_parallel=self.loss_parallel,
             )
 
-        self.data = build_dataloader(
-            cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch_degree=self.plan.batch.batch_degree
-        )
+        self.data = build_dataloader(cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch=self.plan.batch)
         self.optimizer = build_optimizer(self.model_parts, cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.checkpoint = CheckpointManager.from_config(cfg)
