@@ -21,7 +21,9 @@ from torch import nn
 from models.common.args import DecoderArgs
 from models.common.decoder import Decoder
 from models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
+from models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from models.llama3 import Llama3, llama3_flavors
+from models.llama3.hf_adapter import Llama3HFAdapter
 from models.parallelize import parallelize_model
 
 __all__ = [
@@ -170,5 +172,5 @@ def build_model(name: str, flavor: str, device: torch.device | str = "meta", **a
 
 
 # One line per model.
-register_model("llama3", Llama3, llama3_flavors)
-register_model("deepseek_v3", DeepSeekV3, deepseek_v3_flavors)
+register_model("llama3", Llama3, llama3_flavors, hf_state_dict_adapter=Llama3HFAdapter)
+register_model("deepseek_v3", DeepSeekV3, deepseek_v3_flavors, hf_state_dict_adapter=DeepSeekV3HFAdapter)

@@ -787,6 +787,7 @@ def test_both_models_are_the_shared_decoder_shell():
 
 
 def test_registry_contract_for_every_registered_model():
+    from models.common.hf_adapter import HFStateDictAdapter
     from models.parallelize import parallelize_model
     from models.registry import flavor_names, has_experts, model_names
     from trainer.metrics import training_flops_per_token
@@ -808,7 +809,8 @@ def test_registry_contract_for_every_registered_model():
             with pytest.raises(TypeError):
                 spec.flavors["x"] = spec.args  # read-only view of the flavor table
             assert spec.parallelize_fn is parallelize_model
-            assert spec.hf_state_dict_adapter is None
+            assert issubclass(spec.hf_state_dict_adapter, HFStateDictAdapter)
+            assert spec.hf_state_dict_adapter.model_name == name
             model = build_model(name, flavor)  # meta
             moes = spec.moe_layers(model)
             assert bool(moes) == spec.has_experts == has_experts(name, flavor)

@@ -1,0 +1,465 @@
+"""Hugging Face state-dict adapters: our parameter names and layouts <-> a ``transformers``
+checkpoint's, per model, reached through the registry (``register_model(...,
+hf_state_dict_adapter=Cls)``; :func:`get_hf_adapter`).
+
+A model's adapter subclasses :class:`HFStateDictAdapter` and lists, for its args, one entry
+per tensor of our state dict (:meth:`HFStateDictAdapter._entries`):
+
+* :class:`Plain`: same tensor under another name;
+* :class:`RopeRows`: rows of a query/key projection, permuted per head between the interleaved
+  rotary layout (channels ``2i, 2i + 1`` form a pair: Meta's checkpoints and our
+  ``models/common/rope.py``) and the half-split layout (pair ``i`` is channels ``i`` and
+  ``i + head_dim / 2``: ``transformers``' ``rotate_half``);
+* :class:`Stacked`: our ``[E, a, b]`` expert tensor is ``E`` checkpoint tensors ``[a, b]``;
+* :class:`Absent`: a tensor the checkpoint format has no place for, loaded as a constant
+  (and refused on export unless it still holds that constant).
+
+The base class turns those entries into :meth:`~HFStateDictAdapter.to_hf`,
+:meth:`~HFStateDictAdapter.from_hf`, :meth:`~HFStateDictAdapter.hf_keys` and the shard-wise
+:meth:`~HFStateDictAdapter.from_hf_local`; the model adapter adds ``hf_config`` (the
+``config.json`` of a flavor) and the config check.
+
+Tensors are full (unsharded) and keep their dtype; dtype conversion is the caller's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.common.args import DecoderArgs
+
+__all__ = [
+    "Absent",
+    "ConfigField",
+    "HFConfigMismatch",
+    "HFStateDictAdapter",
+    "Plain",
+    "RopeRows",
+    "Stacked",
+    "get_hf_adapter",
+    "half_split_to_interleaved",
+    "interleaved_to_half_split",
+]
+
+Read = Callable[[str, "tuple[slice, ...] | None"], Tensor]
+
+
+class HFConfigMismatch(ValueError):
+    """A ``config.json`` that does not describe the chosen model/flavor. ``mismatches`` holds
+    ``(field, config.json value, our value)`` for every field that differs; the message names
+    them all on one line, with the fix."""
+
+    def __init__(self, message: str, mismatches: list[tuple[str, Any, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.mismatches = list(mismatches or [])
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary layouts
+
+
+def interleaved_to_half_split(w: Tensor, n_heads: int) -> Tensor:
+    """Rows of a q/k projection ``[n_heads * head_dim, cols]`` from the interleaved rotary
+    layout to the half-split one (per head: row ``2i + c`` -> row ``c * head_dim / 2 + i``)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def half_split_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
+    """Inverse of :func:`interleaved_to_half_split`."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# entries
+
+
+@dataclass(frozen=True)
+class Plain:
+    """``ours`` is ``hf`` unchanged."""
+
+    ours: str
+    hf: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RopeRows:
+    """``ours`` (interleaved rotary rows) is ``hf`` (half-split rows) permuted per head;
+    ``shape`` is ``(n_heads * head_dim, cols)``."""
+
+    ours: str
+    hf: str
+    shape: tuple[int, int]
+    n_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape[0] // self.n_heads
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """``ours`` ``[E, a, b]`` is ``torch.stack([hf[0], ..., hf[E-1]])`` (each ``[a, b]``, same
+    orientation: no transposition)."""
+
+    ours: str
+    hf: tuple[str, ...]
+    shape: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Absent:
+    """``ours`` has no counterpart in the checkpoint format: loads as ``fill`` and can be
+    exported only while it still equals ``fill`` (``why`` explains, for the error)."""
+
+    ours: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: float
+    why: str
+
+
+Entry = Plain | RopeRows | Stacked | Absent
+
+
+def _hf_keys_of(entry: Entry) -> tuple[str, ...]:
+    if isinstance(entry, Stacked):
+        return entry.hf
+    if isinstance(entry, Absent):
+        return ()
+    return (entry.hf,)
+
+
+def _norm_slices(slices: tuple[slice, ...], shape: tuple[int, ...], key: str) -> tuple[slice, ...]:
+    slices = tuple(slices)
+    if len(slices) > len(shape) or not all(isinstance(s, slice) for s in slices):
+        raise ValueError(f"{key}: local_slices must be at most {len(shape)} slice objects, got {slices!r}.")
+    return slices + (slice(None),) * (len(shape) - len(slices))
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json helpers shared by the model adapters
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One compared ``config.json`` field: its name there, its value there, ours, the name of
+    our field (for the message) and whether it is a shape (what :meth:`infer_flavor` uses)."""
+
+    field: str
+    theirs: Any
+    ours: Any
+    our_name: str
+    shape: bool = True
+
+
+def rope_config(config: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """``(rope_theta, scaling)`` from a ``config.json`` in either format: transformers < 5
+    (``rope_theta`` + ``rope_scaling``) or >= 5 (``rope_parameters`` with ``rope_theta`` and
+    ``rope_type`` inside). ``scaling`` is None for plain RoPE, else a dict with ``rope_type``."""
+    params = config.get("rope_parameters")
+    theta = config.get("rope_theta")
+    scaling = config.get("rope_scaling")
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", theta)
+        scaling = dict(params)
+    if not isinstance(scaling, Mapping):
+        return theta, None
+    scaling = dict(scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    scaling["rope_type"] = rope_type
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    return theta, scaling
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equality for config values: floats compare with a relative 1e-9 (JSON round trips of
+    decimal literals are exact, but a value may come in as int or float)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+# ---------------------------------------------------------------------------------------------
+# the adapter
+
+
+class HFStateDictAdapter:
+    """Base of the per-model adapters; see the module docstring. Subclasses set
+    ``hf_architecture`` and ``model_type`` (per instance where the flavor decides them) and
+    implement :meth:`_entries`, :meth:`hf_config`, :meth:`_config_fields` (and, for extra
+    rules, :meth:`_config_problems`)."""
+
+    hf_architecture: str = ""
+    model_type: str = ""
+    # our model name in the registry, for messages
+    model_name: str = ""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        self.args = args
+        self._entry_table: dict[str, Entry] | None = None
+        self._hf_table: dict[str, tuple[Entry, int]] | None = None
+
+    @property
+    def _by_ours(self) -> dict[str, Entry]:
+        """our key -> entry, built on first use (config checks never need it)."""
+        if self._entry_table is None:
+            self._entry_table = {e.ours: e for e in self._entries()}
+        return self._entry_table
+
+    @property
+    def _hf_to_entry(self) -> dict[str, tuple[Entry, int]]:
+        if self._hf_table is None:
+            self._hf_table = {k: (e, i) for e in self._by_ours.values() for i, k in enumerate(_hf_keys_of(e))}
+        return self._hf_table
+
+    # ------------------------------------------------------------------ what a model supplies
+    def _entries(self) -> Iterable[Entry]:
+        raise NotImplementedError
+
+    def hf_config(self, dtype: str = "bfloat16") -> dict:
+        raise NotImplementedError
+
+    def _config_fields(self, config: Mapping[str, Any]) -> list[ConfigField]:
+        """Fields compared one to one (shapes and the rest)."""
+        raise NotImplementedError
+
+    def _config_problems(self, config: Mapping[str, Any]) -> list[tuple[str, Any, Any, str]]:
+        """Extra non-shape problems: ``(field, config.json value, ours, explanation)``."""
+        return []
+
+    def is_ignored_hf_key(self, hf_key: str) -> bool:
+        """Checkpoint keys that carry nothing we load (e.g. old ``rotary_emb.inv_freq``
+        buffers); :meth:`from_hf` skips them instead of calling them unexpected."""
+        return hf_key.endswith("rotary_emb.inv_freq")
+
+    # ------------------------------------------------------------------ introspection
+    def our_keys(self) -> dict[str, tuple[int, ...]]:
+        """Every key of our state dict for this flavor -> its shape."""
+        return {k: tuple(e.shape) for k, e in self._by_ours.items()}
+
+    def hf_keys(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint key this flavor expects -> its shape."""
+        out: dict[str, tuple[int, ...]] = {}
+        for e in self._by_ours.values():
+            if isinstance(e, Stacked):
+                for k in e.hf:
+                    out[k] = tuple(e.shape[1:])
+            elif not isinstance(e, Absent):
+                out[e.hf] = tuple(e.shape)
+        return out
+
+    def hf_keys_for(self, our_key: str) -> tuple[str, ...]:
+        """The checkpoint keys our tensor ``our_key`` is made of (empty for a tensor the
+        format does not hold)."""
+        return _hf_keys_of(self._entry(our_key))
+
+    def keep_in_fp32(self, hf_key: str) -> bool:
+        """Whether an exporter should write ``hf_key`` in float32 whatever the export dtype
+        (transformers keeps these in float32)."""
+        return False
+
+    def _entry(self, our_key: str) -> Entry:
+        try:
+            return self._by_ours[our_key]
+        except KeyError:
+            raise ValueError(
+                f"{our_key!r} is not a tensor of {self.model_name or type(self).__name__}'s state dict for these args."
+            ) from None
+
+    # ------------------------------------------------------------------ conversion
+    def to_hf(self, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Our full state dict -> the checkpoint's keys and layouts (dtypes unchanged). Every
+        returned tensor owns its storage or is one of the inputs, so a safetensors writer
+        never sees two names sharing memory."""
+        unexpected = sorted(set(state_dict) - set(self._by_ours))
+        if unexpected:
+            raise ValueError(
+                f"to_hf: unexpected key(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} in the state "
+                f"dict; expected the full state dict of this {self.model_name} flavor."
+            )
+        out: dict[str, Tensor] = {}
+        for our_key, e in self._by_ours.items():
+            if our_key not in state_dict:
+                raise ValueError(f"to_hf: missing key {our_key!r} in the state dict.")
+            t = state_dict[our_key]
+            if tuple(t.shape) != tuple(e.shape):
+                raise ValueError(f"to_hf: {our_key!r} has shape {tuple(t.shape)}, expected {tuple(e.shape)}.")
+            if isinstance(e, Plain):
+                out[e.hf] = t
+            elif isinstance(e, RopeRows):
+                out[e.hf] = interleaved_to_half_split(t, e.n_heads)
+            elif isinstance(e, Stacked):
+                for i, k in enumerate(e.hf):
+                    out[k] = t[i].clone()
+            else:
+                if t.device.type != "meta" and not bool((t == e.fill).all()):
+                    raise ValueError(f"to_hf: {our_key!r} cannot be exported: {e.why}")
+        return out
+
+    def from_hf(self, hf_state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """A checkpoint's full state dict -> ours. Raises ValueError naming the key for a
+        missing key, a wrong shape or an unexpected key."""
+        unexpected = sorted(k for k in hf_state_dict if k not in self._hf_to_entry and not self.is_ignored_hf_key(k))
+        if unexpected:
+            raise ValueError(
+                f"from_hf: unexpected key(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} in the "
+                f"checkpoint; it is not a {self.hf_architecture} checkpoint of this flavor's shapes."
+            )
+        expected = self.hf_keys()
+
+        def get(k: str) -> Tensor:
+            if k not in hf_state_dict:
+                raise ValueError(f"from_hf: missing key {k!r} in the checkpoint.")
+            t = hf_state_dict[k]
+            if tuple(t.shape) != expected[k]:
+                raise ValueError(f"from_hf: {k!r} has shape {tuple(t.shape)}, expected {expected[k]}.")
+            return t
+
+        out: dict[str, Tensor] = {}
+        for our_key, e in self._by_ours.items():
+            if isinstance(e, Plain):
+                out[our_key] = get(e.hf)
+            elif isinstance(e, RopeRows):
+                out[our_key] = half_split_to_interleaved(get(e.hf), e.n_heads)
+            elif isinstance(e, Stacked):
+                out[our_key] = torch.stack([get(k) for k in e.hf])
+            else:
+                out[our_key] = torch.full(e.shape, e.fill, dtype=e.dtype)
+        return out
+
+    def from_hf_local(self, our_key: str, local_slices: tuple[slice, ...], read: Read) -> Tensor:
+        """Our tensor ``our_key`` restricted to ``local_slices`` (one slice per dim of our full
+        tensor), reading through ``read(hf_key, slices or None)`` only what it needs: a plain
+        tensor's slice, the heads that a row range of a permuted q/k touches, the experts in
+        the slice of a stacked tensor. Equals ``from_hf(full)[our_key][local_slices]``."""
+        e = self._entry(our_key)
+        sl = _norm_slices(local_slices, tuple(e.shape), our_key)
+        if isinstance(e, Plain):
+            return read(e.hf, sl)
+        if isinstance(e, Absent):
+            return torch.full(e.shape, e.fill, dtype=e.dtype)[sl]
+        if isinstance(e, Stacked):
+            experts = range(*sl[0].indices(e.shape[0]))
+            if len(experts) == 0:
+                probe = read(e.hf[0], (slice(0, 0), slice(0, 0)))
+                n1 = len(range(*sl[1].indices(e.shape[1])))
+                n2 = len(range(*sl[2].indices(e.shape[2])))
+                return torch.empty((0, n1, n2), dtype=probe.dtype, device=probe.device)
+            return torch.stack([read(e.hf[i], sl[1:]) for i in experts])
+        # RopeRows: read the whole heads the rows touch, un-permute them, then cut the rows.
+        rows = range(*sl[0].indices(e.shape[0]))
+        hd = e.head_dim
+        if len(rows) == 0:
+            return read(e.hf, (slice(0, 0), sl[1]))
+        h0 = min(rows[0], rows[-1]) // hd
+        h1 = max(rows[0], rows[-1]) // hd + 1
+        block = read(e.hf, (slice(h0 * hd, h1 * hd), sl[1]))
+        block = half_split_to_interleaved(block, h1 - h0)
+        base = h0 * hd
+        if rows.step == 1:
+            return block[rows.start - base : rows.stop - base]
+        return block[torch.tensor([r - base for r in rows], dtype=torch.long, device=block.device)]
+
+    # ------------------------------------------------------------------ config.json
+    def _unsupported(self) -> str | None:
+        """Why these args have no Hugging Face equivalent (None if they have one)."""
+        return None
+
+    def _architecture_problem(self, config: Mapping[str, Any]) -> str | None:
+        archs = config.get("architectures") or []
+        model_type = config.get("model_type")
+        if model_type == self.model_type and (not archs or self.hf_architecture in archs):
+            return None
+        return (
+            f"config.json is a {'/'.join(archs) or '?'} checkpoint (model_type {model_type!r}); model "
+            f"{self.model_name!r} with these args loads {self.hf_architecture} (model_type {self.model_type!r}). "
+            "Pick the model that matches the checkpoint."
+        )
+
+    def _mismatches(self, config: Mapping[str, Any], shapes_only: bool = False) -> list[tuple[str, Any, Any, str]]:
+        out = []
+        for f in self._config_fields(config):
+            if shapes_only and not f.shape:
+                continue
+            if not same_value(f.theirs, f.ours):
+                out.append((f.field, f.theirs, f.ours, f.our_name))
+        if not shapes_only:
+            out.extend(self._config_problems(config))
+        return out
+
+    def check_hf_config(self, config: Mapping[str, Any]) -> None:
+        """Raise :class:`HFConfigMismatch` naming every field of ``config`` (a parsed
+        ``config.json``) that differs from these args, with both values and the fix."""
+        problem = self._unsupported()
+        if problem:
+            raise HFConfigMismatch(problem)
+        problem = self._architecture_problem(config)
+        if problem:
+            raise HFConfigMismatch(
+                problem,
+                [("model_type", config.get("model_type"), self.model_type)],
+            )
+        mismatches = self._mismatches(config)
+        if mismatches:
+            parts = [
+                f"{field}={theirs!r} in config.json vs {ours!r} here ({why})" for field, theirs, ours, why in mismatches
+            ]
+            raise HFConfigMismatch(
+                f"config.json does not match this {self.model_name} flavor: {'; '.join(parts)}. Pick the flavor "
+                "(and overrides) matching the checkpoint, or omit the flavor to infer it from config.json.",
+                [(f, t, o) for f, t, o, _ in mismatches],
+            )
+
+    @classmethod
+    def infer_flavor(cls, config: Mapping[str, Any], flavors: Mapping[str, DecoderArgs]) -> str | None:
+        """The flavor whose shapes match ``config`` (vocab_size ignored when no flavor matches
+        it, since callers override it from the tokenizer); None if none or several match.
+        Only shapes are compared: rope, eps and routing details are check_hf_config's."""
+        matches: list[tuple[str, bool]] = []
+        for name, args in flavors.items():
+            try:
+                adapter = cls(args)
+            except ValueError:
+                continue
+            if adapter._architecture_problem(config) is not None:
+                continue
+            mism = adapter._mismatches(config, shapes_only=True)
+            rest = [m for m in mism if m[0] != "vocab_size"]
+            if not rest:
+                matches.append((name, not mism))
+        exact = [n for n, vocab_ok in matches if vocab_ok]
+        if len(exact) == 1:
+            return exact[0]
+        if not exact and len(matches) == 1:
+            return matches[0][0]
+        return None
+
+
+def get_hf_adapter(model_name: str, args: DecoderArgs) -> HFStateDictAdapter:
+    """The registered adapter of ``model_name`` for ``args`` (the flavor's args after
+    overrides). ValueError if the model has none."""
+    from models.registry import flavor_names, get_model_spec
+
+    spec = get_model_spec(model_name, flavor_names(model_name)[0])
+    cls = spec.hf_state_dict_adapter
+    if cls is None:
+        raise ValueError(
+            f"Model {model_name!r} has no Hugging Face state-dict adapter, so it cannot load or save Hugging Face "
+            "checkpoints; register one with register_model(..., hf_state_dict_adapter=...) (see "
+            "models/common/hf_adapter.py)."
+        )
+    return cls(args)

@@ -1,0 +1,157 @@
+"""Llama 3 <-> Hugging Face ``LlamaForCausalLM`` (the layout of the published Llama 3.x
+``model.safetensors`` folders).
+
+Names map one to one; the only layout change is in ``wq``/``wk``: our attention rotates
+adjacent channel pairs (Meta's interleaved layout, ``models/common/rope.py``) and
+``transformers`` rotates the two halves of each head (``rotate_half``), so their rows are
+permuted per head (:class:`~models.common.hf_adapter.RopeRows`), with ``n_heads`` for ``wq``
+and ``n_kv_heads`` for ``wk``. Our Llama 3.1 rope scaling is fixed at Meta's values (factor 8,
+low 1, high 4, original 8192, ``Llama3RopeScaling``'s defaults); ``use_rope_scaling`` turns it
+on or off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import fields
+from typing import Any
+
+from models.common.hf_adapter import (
+    ConfigField,
+    Entry,
+    HFStateDictAdapter,
+    Plain,
+    RopeRows,
+    rope_config,
+    same_value,
+)
+from models.common.rope import Llama3RopeScaling
+from models.llama3.args import Llama3Args
+
+__all__ = ["Llama3HFAdapter"]
+
+_LLAMA31_CONTEXT = 131072
+_META_VOCAB = 128256  # Meta's Llama 3 tokenizer: <|begin_of_text|> 128000, <|end_of_text|> 128001
+
+
+def _llama3_scaling() -> dict[str, Any]:
+    d = {f.name: f.default for f in fields(Llama3RopeScaling)}
+    return {
+        "rope_type": "llama3",
+        "factor": float(d["scale_factor"]),
+        "low_freq_factor": float(d["low_freq_factor"]),
+        "high_freq_factor": float(d["high_freq_factor"]),
+        "original_max_position_embeddings": int(d["original_max_position_embeddings"]),
+    }
+
+
+class Llama3HFAdapter(HFStateDictAdapter):
+    hf_architecture = "LlamaForCausalLM"
+    model_type = "llama"
+    model_name = "llama3"
+
+    args: Llama3Args
+
+    def _entries(self) -> Iterable[Entry]:
+        a = self.args
+        dim, hd = a.dim, a.head_dim
+        ffn = a.ffn_hidden_dim
+        yield Plain("tok_embeddings.weight", "model.embed_tokens.weight", (a.vocab_size, dim))
+        for i in range(a.n_layers):
+            o, h = f"layers.{i}.", f"model.layers.{i}."
+            yield Plain(o + "attention_norm.weight", h + "input_layernorm.weight", (dim,))
+            yield RopeRows(o + "attention.wq.weight", h + "self_attn.q_proj.weight", (a.n_heads * hd, dim), a.n_heads)
+            yield RopeRows(o + "attention.wk.weight", h + "self_attn.k_proj.weight", (a.kv_heads * hd, dim), a.kv_heads)
+            yield Plain(o + "attention.wv.weight", h + "self_attn.v_proj.weight", (a.kv_heads * hd, dim))
+            yield Plain(o + "attention.wo.weight", h + "self_attn.o_proj.weight", (dim, a.n_heads * hd))
+            yield Plain(o + "ffn_norm.weight", h + "post_attention_layernorm.weight", (dim,))
+            yield Plain(o + "feed_forward.w1.weight", h + "mlp.gate_proj.weight", (ffn, dim))
+            yield Plain(o + "feed_forward.w2.weight", h + "mlp.down_proj.weight", (dim, ffn))
+            yield Plain(o + "feed_forward.w3.weight", h + "mlp.up_proj.weight", (ffn, dim))
+        yield Plain("norm.weight", "model.norm.weight", (dim,))
+        yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
+
+    def hf_config(self, dtype: str = "bfloat16") -> dict:
+        a = self.args
+        config: dict[str, Any] = {
+            "architectures": [self.hf_architecture],
+            "model_type": self.model_type,
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": _llama3_scaling() if a.use_rope_scaling else None,
+            # with Llama 3.1's scaling, the context it was made for (transformers warns when the
+            # original 8192 is not below it); our max_seq_len is only the training table length
+            "max_position_embeddings": max(a.max_seq_len, _LLAMA31_CONTEXT) if a.use_rope_scaling else a.max_seq_len,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "initializer_range": 0.02,
+            "pretraining_tp": 1,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "torch_dtype": dtype,
+        }
+        if a.vocab_size == _META_VOCAB:
+            config["bos_token_id"] = 128000
+            config["eos_token_id"] = 128001
+        return config
+
+    def _config_fields(self, config: Mapping[str, Any]) -> list[ConfigField]:
+        a = self.args
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads")
+        head_dim = config.get("head_dim")
+        if head_dim is None and isinstance(config.get("hidden_size"), int) and isinstance(heads, int) and heads:
+            head_dim = config["hidden_size"] // heads
+        theta, _ = rope_config(config)
+        return [
+            ConfigField("hidden_size", config.get("hidden_size"), a.dim, "dim"),
+            ConfigField("num_hidden_layers", config.get("num_hidden_layers"), a.n_layers, "n_layers"),
+            ConfigField("num_attention_heads", heads, a.n_heads, "n_heads"),
+            ConfigField("num_key_value_heads", heads if kv is None else kv, a.kv_heads, "n_kv_heads"),
+            ConfigField("head_dim", head_dim, a.head_dim, "dim // n_heads"),
+            ConfigField(
+                "intermediate_size",
+                config.get("intermediate_size"),
+                a.ffn_hidden_dim,
+                "ffn_hidden_dim from dim, multiple_of, ffn_dim_multiplier",
+            ),
+            ConfigField("vocab_size", config.get("vocab_size"), a.vocab_size, "vocab_size"),
+            ConfigField("rms_norm_eps", config.get("rms_norm_eps"), a.norm_eps, "norm_eps", shape=False),
+            ConfigField("rope_theta", theta, a.rope_theta, "rope_theta", shape=False),
+        ]
+
+    def _config_problems(self, config: Mapping[str, Any]) -> list[tuple[str, Any, Any, str]]:
+        a = self.args
+        out: list[tuple[str, Any, Any, str]] = []
+        _, scaling = rope_config(config)
+        ours = _llama3_scaling() if a.use_rope_scaling else None
+        if scaling is None or ours is None:
+            if (scaling is None) != (ours is None):
+                out.append(("rope_scaling", scaling, ours, "use_rope_scaling; Llama 3.0 has none, 3.1+ has llama3"))
+        else:
+            theirs = {k: scaling.get(k) for k in ours}
+            if any(not same_value(theirs[k], ours[k]) for k in ours):
+                out.append(
+                    ("rope_scaling", theirs, ours, "our llama3 rope scaling is fixed at Meta's Llama 3.1 values")
+                )
+        for field, default, want in (
+            ("hidden_act", "silu", "silu"),
+            ("attention_bias", False, False),
+            ("mlp_bias", False, False),
+            ("tie_word_embeddings", False, False),
+        ):
+            value = config.get(field, default)
+            if not same_value(value, want):
+                out.append((field, value, want, "not supported by our Llama"))
+        if config.get("quantization_config"):
+            out.append(("quantization_config", "present", None, "dequantize the checkpoint first"))
+        return out
