@@ -10,13 +10,16 @@ reductions summed over the ``loss`` mesh.
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -37,11 +40,19 @@ from trainer.checkpoint import (
     CheckpointManager,
     export_consolidated,
     load_checkpoint,
+    model_state_dict,
     save_seed_checkpoint,
 )
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data import build_dataloader
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
+from trainer.hf_checkpoint import (
+    HFCheckpoint,
+    export_dcp_to_hf,
+    hf_adapter_for,
+    load_hf_into_model,
+    validate_hf_checkpoint,
+)
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
@@ -49,6 +60,8 @@ from trainer.profiling import StepProfiler
 from trainer.tokenizer import load_tokenizer
 
 __all__ = ["Trainer", "TrainingDiverged", "main"]
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
@@ -160,6 +173,9 @@ class Trainer:
         self.pd = self.plan.parallel_dims
         spec = self.plan.model
         opts = self.plan.parallelize
+        # a Hugging Face folder to start from is checked (config.json against the flavor and
+        # overrides, every tensor's shape from the headers) before anything is built
+        self._hf_initial: HFCheckpoint | None = self._check_hf_initial_load()
         with torch.device("meta"):
             model = spec.model_cls(spec.args)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -216,6 +232,21 @@ class Trainer:
         self.step = 0
 
     # ---------------------------------------------------------------- setup helpers
+    def _hf_context(self) -> str:
+        return f"model {self.cfg.model.name}/{self.cfg.model.flavor} (with this run's overrides)"
+
+    def _check_hf_initial_load(self) -> HFCheckpoint | None:
+        c = self.cfg.checkpoint
+        if not (c.initial_load_in_hf and c.initial_load_path):
+            return None
+        if c.enable and CheckpointManager.from_config(self.cfg).list_steps():
+            return None  # the run resumes from its own checkpoint; initial_load_path is unused
+        adapter = hf_adapter_for(self.cfg.model.name, self.plan.model.args)
+        try:
+            return validate_hf_checkpoint(c.initial_load_path, adapter, self._hf_context())
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint.initial_load_path (initial_load_in_hf = true): {exc}") from None
+
     def resume(self) -> None:
         cfg = self.cfg
         extra = None
@@ -231,6 +262,23 @@ class Trainer:
         if extra:
             self.step = int(extra["step"])
             _log(f"resumed from {self.checkpoint.folder} at step {self.step}")
+        elif cfg.checkpoint.initial_load_path and cfg.checkpoint.initial_load_in_hf:
+            path = cfg.checkpoint.initial_load_path
+            try:
+                stats = load_hf_into_model(
+                    self.model_parts,
+                    path,
+                    cfg.model.name,
+                    self.plan.model.args,
+                    context=self._hf_context(),
+                    checkpoint=self._hf_initial,
+                )
+            except CheckpointError as exc:
+                raise CheckpointError(f"checkpoint.initial_load_path (initial_load_in_hf = true): {exc}") from None
+            _log(
+                f"loaded initial weights from Hugging Face folder {path} ({stats.tensors} tensors; rank 0 read "
+                f"{stats.elements_read:,} elements for its {stats.local_elements:,})"
+            )
         elif cfg.checkpoint.initial_load_path:
             path = cfg.checkpoint.initial_load_path
             try:
@@ -240,9 +288,11 @@ class Trainer:
                     extra = load_checkpoint(path, self.model_parts, self.optimizer, self.lr_scheduler, self.data)
                     self.step = int(extra.get("step", 0))
             except CheckpointError as exc:
+                hf = os.path.isfile(os.path.join(path, "config.json"))
                 raise CheckpointError(
                     f"checkpoint.initial_load_path: {exc}; point it at a complete checkpoint "
                     f"folder (a step-N folder with a .metadata file), or unset it"
+                    + ("; it looks like a Hugging Face folder: set checkpoint.initial_load_in_hf = true" if hf else "")
                 ) from exc.__cause__
             _log(f"loaded initial weights from {path}")
 
@@ -397,21 +447,60 @@ class Trainer:
                     )
                     steps_since_log = 0
                 last = self.step == cfg.training.steps
+                saved = None
                 if cfg.checkpoint.enable and self.checkpoint.should_save(self.step, last):
-                    self._save(last)
+                    saved = self._save(last)
+                    metrics.reset_timer()
+                if last and cfg.checkpoint.last_save_in_hf:
+                    self._save_hf(saved)
                     metrics.reset_timer()
 
-    def _save(self, last: bool) -> None:
+    def _save_hf(self, dcp_step_dir: str | None) -> str:
+        """The final weights as a Hugging Face folder ``<checkpoint.folder>/step-N-hf``,
+        converted from the step-N checkpoint just written or, without one, from a temporary
+        DCP save (every rank writes its shards; the conversion is spread over the ranks)."""
         cfg = self.cfg
+        folder = cfg.resolve_path(cfg.checkpoint.folder)
+        out = os.path.join(folder, f"step-{self.step}-hf")
+        tmp_dcp = None
+        if dcp_step_dir is None:
+            tmp_dcp = CheckpointManager(folder).step_dir(self.step) + "-hf.dcp.tmp"
+            if self.rank == 0:
+                os.makedirs(folder, exist_ok=True)
+                if os.path.exists(tmp_dcp):
+                    shutil.rmtree(tmp_dcp)
+            dist.barrier()
+            dcp.save({"model": model_state_dict(self.model_parts)}, checkpoint_id=tmp_dcp)
+            dist.barrier()
+            dcp_step_dir = tmp_dcp
+        export_dcp_to_hf(
+            dcp_step_dir,
+            out,
+            cfg.model.name,
+            self.plan.model.args,
+            dtype=cfg.checkpoint.export_dtype,
+            progress=lambda msg: logger.info("hf export: %s", msg),
+        )
+        if tmp_dcp is not None and self.rank == 0:
+            shutil.rmtree(tmp_dcp, ignore_errors=True)
+        _log(f"wrote Hugging Face folder {out} ({cfg.checkpoint.export_dtype})")
+        return out
+
+    def _save(self, last: bool) -> str | None:
+        """Returns the resumable step-N folder written, or None for a consolidated export."""
+        cfg = self.cfg
+        if last and cfg.checkpoint.last_save_model_only and cfg.checkpoint.last_save_in_hf:
+            return None  # the Hugging Face folder replaces the consolidated export
         if last and cfg.checkpoint.last_save_model_only:
             path = cfg.resolve_path(os.path.join(cfg.checkpoint.folder, f"model-step-{self.step}.pt"))
             export_consolidated(self.model_parts, path, cfg.checkpoint.export_dtype)
             _log(f"exported consolidated weights to {path}")
-            return
+            return None
         path = self.checkpoint.save(
             self.step, self.model_parts, self.optimizer, self.lr_scheduler, self.data, extra={"step": self.step}
         )
         _log(f"saved checkpoint {path}")
+        return path
 
 
 def create_seed_checkpoint(cfg: JobConfig) -> str:

@@ -55,7 +55,8 @@ class Model:
     tokenizer_path: str = _opt(
         "",
         "'' = the tokenizer shipped in assets/tokenizer, 'bytes' = byte-level tokenizer, "
-        "otherwise a tokenizer.json file or a folder containing one.",
+        "otherwise a tokenizer.json file, Meta's tiktoken tokenizer.model, or a folder holding either "
+        "(tokenizer.json first, then tokenizer.model, then original/tokenizer.model).",
     )
     vocab_size: int | None = _opt(None, "Override the flavor's vocabulary size; must be >= the tokenizer's vocab size.")
     n_layers: int | None = _opt(
@@ -81,10 +82,11 @@ class Training:
     dataset: str = _opt(
         "synthetic",
         "'synthetic' (built-in generated corpus), 'text' (.txt file or folder), "
-        "'jsonl' (.jsonl file or folder, field 'text').",
-        choices=("synthetic", "text", "jsonl"),
+        "'jsonl' (.jsonl file or folder, field 'text'), 'tokens' (token shards written by "
+        "scripts/tokenize_dataset.py: each rank reads only its own samples).",
+        choices=("synthetic", "text", "jsonl", "tokens"),
     )
-    dataset_path: str = _opt("", "File or folder for the 'text' and 'jsonl' datasets.")
+    dataset_path: str = _opt("", "File or folder for the 'text' and 'jsonl' datasets; the shards folder for 'tokens'.")
 
     def resolve_global_batch_size(self, batch_degree: int) -> int:
         return resolve_global_batch_size(self.global_batch_size, self.local_batch_size, batch_degree)
@@ -187,10 +189,23 @@ class Checkpoint:
     initial_load_model_only: bool = _opt(
         True, "Take only model weights from initial_load_path (not optimizer/data state)."
     )
+    initial_load_in_hf: bool = _opt(
+        False,
+        "initial_load_path is a Hugging Face folder (config.json + model.safetensors or "
+        "model.safetensors.index.json and shards): its config.json is checked against the model "
+        "flavor and overrides, then each rank reads only its shard of every tensor, in any layout.",
+    )
     export_dtype: str = _opt("float32", "Dtype of exported weights.", choices=("float32", "bfloat16", "float16"))
     last_save_model_only: bool = _opt(
         False,
         "At the final step write consolidated weights (export_dtype) instead of a resumable checkpoint.",
+    )
+    last_save_in_hf: bool = _opt(
+        False,
+        "At the final step also write the model as a Hugging Face folder (transformers' "
+        "from_pretrained loads it; export_dtype) to <dump_folder>/<checkpoint.folder>/step-N-hf; "
+        "works without checkpoint.enable. With checkpoint.enable the resumable step-N is still "
+        "written, unless last_save_model_only, where the folder replaces the .pt export.",
     )
     exclude_from_loading: list[str] = _opt(
         [], "Parts not restored on resume: optimizer, lr_scheduler, dataloader, rng."

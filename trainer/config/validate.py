@@ -132,6 +132,17 @@ def _validate_values(cfg: JobConfig) -> None:
     need(c.interval > 0, f"checkpoint.interval must be > 0, got {c.interval}")
     need(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
     need(c.load_step >= -1, f"checkpoint.load_step must be >= 0 or -1 (latest), got {c.load_step}")
+    if c.initial_load_in_hf:
+        need(
+            c.initial_load_path != "",
+            "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path: the Hugging Face "
+            "folder (config.json + model.safetensors) to start from",
+        )
+        need(
+            c.initial_load_model_only,
+            "checkpoint.initial_load_in_hf = true loads model weights only (a Hugging Face folder has no "
+            "optimizer or data state): set checkpoint.initial_load_model_only = true",
+        )
     excludable = ("optimizer", "lr_scheduler", "dataloader", "rng")
     for part in c.exclude_from_loading:
         if part not in excludable:

@@ -1,0 +1,247 @@
+"""Convert weights between Hugging Face folders and our DCP checkpoints, offline, one process.
+
+    python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR --model llama3 [--flavor 8B]
+    python scripts/convert_hf.py to-hf DCP_STEP_DIR OUT_DIR --model llama3 [--flavor 8B] [--dtype bfloat16]
+
+``to-dcp`` reads a Hugging Face folder (config.json + model.safetensors, or
+model.safetensors.index.json + shards) and writes a DCP folder that
+``--checkpoint.initial_load_path OUT_DIR`` accepts (model weights only, float32 like our master
+weights). The flavor is inferred from config.json when ``--flavor`` is omitted; config.json is
+checked against the flavor before any weight is read. Tensors are converted one at a time as
+DCP writes them (about one tensor in memory; the safetensors files are memory-mapped).
+
+``to-hf`` reads the model weights of a DCP folder (a run's ``checkpoint/step-N`` or a to-dcp
+output) and writes a folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads:
+config.json, sharded safetensors (``--max-shard-size``) with an index. The flavor is inferred
+from the stored shapes when ``--flavor`` is omitted. It holds one layer (ours and Hugging Face's)
+plus one shard file's tensors in memory at a time.
+
+``--n-layers``, ``--vocab-size`` and ``--max-seq-len`` are the overrides a run may have used
+(``model.n_layers``, ``model.vocab_size``, ``training.seq_len`` longer than the flavor's
+``max_seq_len``, which decides DeepSeek's YaRN in config.json).
+
+Progress goes to stderr. Bad input is one ``error:`` line on stderr, exit code 2, and nothing is
+written (OUT_DIR is created only when the conversion completes: the work happens in
+``OUT_DIR.tmp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.registry import flavor_names, get_model_spec, model_names
+from trainer.checkpoint import CheckpointError
+from trainer.hf_checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES,
+    _dcp_model_meta,
+    convert_hf_to_dcp,
+    export_dcp_to_hf,
+    open_hf_checkpoint,
+    parse_size,
+)
+
+
+class UsageError(ValueError):
+    """Bad input: printed as one line, exit code 2."""
+
+
+def _progress(start: float):
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _adapter_cls(model: str):
+    cls = get_model_spec(model, flavor_names(model)[0]).hf_state_dict_adapter
+    if cls is None:
+        raise UsageError(f"model {model!r} has no Hugging Face adapter; models with one: {_hf_models()}")
+    return cls
+
+
+def _hf_models() -> str:
+    return ", ".join(m for m in model_names() if get_model_spec(m, flavor_names(m)[0]).hf_state_dict_adapter)
+
+
+def _args(model: str, flavor: str, ns: argparse.Namespace, **extra):
+    spec = get_model_spec(model, flavor)
+    overrides = dict(extra)
+    if ns.n_layers is not None:
+        overrides["n_layers"] = ns.n_layers
+    if ns.vocab_size is not None:
+        overrides["vocab_size"] = ns.vocab_size
+    if ns.max_seq_len is not None:
+        overrides["max_seq_len"] = max(spec.args.max_seq_len, ns.max_seq_len)
+    args = dataclasses.replace(spec.args, **overrides)
+    try:
+        args.validate()
+    except ValueError as exc:
+        raise UsageError(f"{model}/{flavor} with overrides {overrides}: {exc}") from None
+    return args
+
+
+def _check_model_and_flavor(ns) -> None:
+    if ns.model not in model_names():
+        raise UsageError(f"unknown --model {ns.model!r}; choose one of {', '.join(model_names())}")
+    if ns.flavor is not None and ns.flavor not in flavor_names(ns.model):
+        raise UsageError(
+            f"unknown --flavor {ns.flavor!r} for {ns.model}; choose one of {', '.join(flavor_names(ns.model))}"
+        )
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """OUT_DIR must not exist (or be an empty folder) and its parent must be writable."""
+    out = os.path.abspath(out_dir)
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise UsageError(f"OUT_DIR {out_dir} already exists and is not empty: choose a new folder or delete it")
+    parent = os.path.dirname(out)
+    probe = parent
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"OUT_DIR {out_dir} cannot be created ({probe} is not a writable folder): choose another")
+
+
+def to_dcp(ns) -> str:
+    _check_model_and_flavor(ns)
+    cls = _adapter_cls(ns.model)
+    _check_out_dir(ns.out_dir)
+    ckpt = open_hf_checkpoint(ns.hf_dir)  # structure and headers; no weights
+    flavor = ns.flavor
+    if flavor is None:
+        flavors = get_model_spec(ns.model, flavor_names(ns.model)[0]).flavors
+        flavor = cls.infer_flavor(ckpt.config, flavors)
+        if flavor is None:
+            try:  # another architecture altogether says so, naming both
+                cls(flavors[flavor_names(ns.model)[0]]).check_hf_config(ckpt.config)
+            except ValueError as exc:
+                if getattr(exc, "mismatches", None) and exc.mismatches[0][0] == "model_type":
+                    raise UsageError(f"{ns.hf_dir}/config.json: {exc}") from None
+            raise UsageError(
+                f"cannot infer the {ns.model} flavor of {ns.hf_dir}/config.json (no single flavor matches its "
+                f"shapes: hidden_size={ckpt.config.get('hidden_size')}, num_hidden_layers="
+                f"{ckpt.config.get('num_hidden_layers')}); pass --flavor (one of {', '.join(flavors)}) and the "
+                f"overrides it needs (--n-layers, --vocab-size)"
+            )
+    args = _args(ns.model, flavor, ns)
+    if ns.vocab_size is None and ns.flavor is None and ckpt.config.get("vocab_size") != args.vocab_size:
+        # infer_flavor matched every shape but the vocabulary, which runs override anyway
+        args = dataclasses.replace(args, vocab_size=int(ckpt.config["vocab_size"]))
+        print(
+            f"note: vocab_size {args.vocab_size} from config.json (flavor {flavor} has "
+            f"{get_model_spec(ns.model, flavor).args.vocab_size}); train with --model.vocab_size {args.vocab_size}",
+            file=sys.stderr,
+        )
+    say = _progress(time.monotonic())
+    out = convert_hf_to_dcp(
+        ns.hf_dir, ns.out_dir, ns.model, args, context=f"{ns.model}/{flavor} (--flavor)", progress=say
+    )
+    say(f"done: {out} (use it as --checkpoint.initial_load_path; model {ns.model}, flavor {flavor})")
+    return out
+
+
+def _infer_flavor_from_dcp(ns, meta) -> tuple[str, dict]:
+    """The flavor whose tensor shapes equal the checkpoint's, with vocab_size and n_layers
+    taken from the checkpoint (runs override both)."""
+    extra: dict = {}
+    if "tok_embeddings.weight" in meta and ns.vocab_size is None:
+        extra["vocab_size"] = int(meta["tok_embeddings.weight"][0][0])
+    layers = [int(m.group(1)) for k in meta if (m := re.match(r"^layers\.(\d+)\.", k))]
+    if layers and ns.n_layers is None:
+        extra["n_layers"] = max(layers) + 1
+    cls = _adapter_cls(ns.model)
+    candidates = [ns.flavor] if ns.flavor else flavor_names(ns.model)
+    matches = []
+    for flavor in candidates:
+        try:
+            args = _args(ns.model, flavor, ns, **extra)
+            keys = cls(args).our_keys()
+        except (UsageError, ValueError):
+            continue
+        if keys.keys() == meta.keys() and all(tuple(meta[k][0]) == tuple(s) for k, s in keys.items()):
+            matches.append(flavor)
+    if ns.flavor:
+        return ns.flavor, extra
+    if len(matches) != 1:
+        found = "no flavor matches" if not matches else f"several flavors match ({', '.join(matches)})"
+        raise UsageError(
+            f"cannot infer the {ns.model} flavor of {ns.dcp_dir}: {found} its tensor shapes; pass --flavor (one of "
+            f"{', '.join(flavor_names(ns.model))})"
+        )
+    return matches[0], extra
+
+
+def to_hf(ns) -> str:
+    _check_model_and_flavor(ns)
+    _adapter_cls(ns.model)
+    _check_out_dir(ns.out_dir)
+    try:
+        max_shard = parse_size(ns.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(f"--max-shard-size: {exc}") from None
+    meta = _dcp_model_meta(ns.dcp_dir)
+    flavor, extra = _infer_flavor_from_dcp(ns, meta)
+    args = _args(ns.model, flavor, ns, **extra)
+    say = _progress(time.monotonic())
+    say(f"{ns.dcp_dir} -> {ns.out_dir}: {ns.model}/{flavor}, {len(meta)} tensors, {ns.dtype}")
+    out = export_dcp_to_hf(
+        ns.dcp_dir, ns.out_dir, ns.model, args, dtype=ns.dtype, max_shard_bytes=max_shard, progress=say
+    )
+    say(f"done: {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Convert between Hugging Face folders and meshtrain DCP checkpoints (one process).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", required=True, help=f"registered model: {', '.join(model_names())}")
+        p.add_argument("--flavor", default=None, help="model flavor; inferred when omitted")
+        p.add_argument("--n-layers", type=int, default=None, help="model.n_layers override of the run")
+        p.add_argument("--vocab-size", type=int, default=None, help="model.vocab_size override of the run")
+        p.add_argument(
+            "--max-seq-len", type=int, default=None, help="training.seq_len of the run, if above the flavor's"
+        )
+
+    p = sub.add_parser("to-dcp", help="Hugging Face folder -> DCP folder for checkpoint.initial_load_path")
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    common(p)
+    p.set_defaults(run=to_dcp)
+
+    p = sub.add_parser("to-hf", help="DCP step folder -> Hugging Face folder")
+    p.add_argument("dcp_dir", metavar="DCP_STEP_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    common(p)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--max-shard-size",
+        default=str(DEFAULT_MAX_SHARD_BYTES),
+        help="largest safetensors file, e.g. 5GB, 500MB (default 5 GiB)",
+    )
+    p.set_defaults(run=to_hf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        ns.run(ns)
+    except (UsageError, CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
