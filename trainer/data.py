@@ -15,6 +15,12 @@ the data order depend on the layout.
 
 The resume state is the position of the next unconsumed step in the stream (sample index
 plus a document cursor and token offset), identical on all ranks and independent of D.
+
+``training.dataset = "tokens"`` reads the same stream from token shards written once by
+``scripts/tokenize_dataset.py`` (:mod:`trainer.token_dataset`): window k is addressed
+directly, so a rank reads only its own samples (O(its tokens), independent of D); the
+step -> samples arithmetic and the resume state (a sample index and token position) are
+the same.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import numpy as np
 import torch
 
 from trainer.config import ConfigError, JobConfig, gradient_accumulation_steps, resolve_global_batch_size
+from trainer.token_dataset import TokenDataset
 
 logger = logging.getLogger(__name__)
 
@@ -424,7 +431,7 @@ class PackedDataLoader:
 
     def __init__(
         self,
-        source: DocumentSource,
+        source: DocumentSource | TokenDataset,
         tokenizer,
         *,
         seq_len: int,
@@ -444,7 +451,11 @@ class PackedDataLoader:
         self.rank_samples = self.global_batch_size // batch_degree
         self.tokens_per_step = self.global_batch_size * seq_len  # global, for throughput
         self.source_name = source.name
-        self._stream = PackedStream(source, tokenizer, seq_len)
+        if isinstance(source, TokenDataset):  # pre-tokenized: read by address
+            source.check_tokenizer(tokenizer)
+            self._stream = source.stream(seq_len)
+        else:
+            self._stream = PackedStream(source, tokenizer, seq_len)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._step_start: dict[str, Any] | None = None
 
@@ -503,10 +514,12 @@ class PackedDataLoader:
         self._step_start = None
 
 
-def build_source(cfg: JobConfig) -> DocumentSource:
+def build_source(cfg: JobConfig) -> DocumentSource | TokenDataset:
     t = cfg.training
     if t.dataset == "synthetic":
         return SyntheticSource(t.seed)
+    if t.dataset == "tokens":
+        return TokenDataset(t.dataset_path)
     return FileSource(t.dataset_path, t.dataset)
 
 
