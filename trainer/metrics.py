@@ -1,5 +1,8 @@
 """Per-step training metrics: console line, TensorBoard scalars and ``metrics.jsonl``.
 
+Validation results are records of their own in the same file (``validation_loss``,
+``validation_perplexity``, no ``loss`` key), written after the training record of their step.
+
 Only rank 0 writes (the trainer reduces loss/grad-norm across ranks before logging), so
 N ranks do not produce N copies. The JSONL file is flushed after every line: when a run
 crashes or is killed, the file still holds every step logged so far and stays parseable.
@@ -150,10 +153,14 @@ class MetricsLogger:
         grad_norm: float,
         lr: float,
         num_tokens: int,
-        extra: dict[str, float] | None = None,
+        data_wait_s: float | None = None,
+        extra: dict[str, float | str] | None = None,
     ) -> dict[str, Any] | None:
         """``num_tokens``: global tokens trained since the previous ``log`` call (all ranks,
-        e.g. steps_since_last_log * global_batch_size * seq_len). Returns the record on rank 0."""
+        e.g. steps_since_last_log * global_batch_size * seq_len). ``data_wait_s``: seconds the
+        training loop waited for data per step (mean since the previous ``log`` call; rank 0's),
+        shown as ``data X ms``: when it is a large part of the step, data is the bottleneck.
+        Returns the record on rank 0."""
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         self._last_time = now
@@ -173,12 +180,14 @@ class MetricsLogger:
             mem_name + "_gib": mem,
             "time": time.time(),
         }
+        if data_wait_s is not None:
+            record["data_wait_s"] = float(data_wait_s)
         if self.flops_per_token is not None:
             record["tflops"] = self.flops_per_token * tps / 1e12
             if self.peak_flops:
                 record["mfu_pct"] = 100.0 * self.flops_per_token * tps / self.peak_flops
         if extra:
-            record.update({k: float(v) for k, v in extra.items()})
+            record.update({k: v if isinstance(v, str) else float(v) for k, v in extra.items()})
 
         if eta is not None:
             record["eta_s"] = eta
@@ -191,6 +200,8 @@ class MetricsLogger:
             f"{where}  loss {record['loss']:8.4f}  grad_norm {record['grad_norm']:8.4f}  "
             f"lr {record['lr']:.3e}  tps {tps:10,.0f}  {mem_name} {mem:6.2f}GiB"
         )
+        if "data_wait_s" in record:
+            line += f"  data {1e3 * record['data_wait_s']:7.1f}ms"
         if "tflops" in record:
             line += f"  tflops {record['tflops']:7.2f}"
         if "mfu_pct" in record:
@@ -198,7 +209,38 @@ class MetricsLogger:
         if eta is not None:
             line += f"  eta {format_duration(eta)}"
         print(line, flush=True)
+        self._write(step, record)
+        return record
 
+    def log_validation(
+        self, step: int, *, loss: float, steps: int, tokens: int, seconds: float
+    ) -> dict[str, Any] | None:
+        """One evaluation after training step ``step``: its loss (token-weighted mean over
+        ``steps`` validation steps of ``tokens`` tokens in all) and perplexity = exp(loss).
+        Its own metrics.jsonl record (``validation_loss``, ``validation_perplexity``, no
+        ``loss``), TensorBoard scalars of the same names, and a console line. Returns the
+        record on rank 0."""
+        if self.rank != 0:
+            return None
+        perplexity = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
+        record: dict[str, Any] = {
+            "step": step,
+            "validation_loss": float(loss),
+            "validation_perplexity": perplexity,
+            "validation_steps": int(steps),
+            "validation_tokens": int(tokens),
+            "validation_s": float(seconds),
+            "time": time.time(),
+        }
+        print(
+            f"validation at step {step}: loss {loss:8.4f}  perplexity {perplexity:10.4f}  "
+            f"({steps} steps, {tokens:,} tokens, {seconds:.2f}s)",
+            flush=True,
+        )
+        self._write(step, record)
+        return record
+
+    def _write(self, step: int, record: dict[str, Any]) -> None:
         if self._jsonl is not None:
             self._jsonl.write(
                 json.dumps(
@@ -212,7 +254,6 @@ class MetricsLogger:
                 if k not in ("step", "time") and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
-        return record
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -39,6 +39,7 @@ __all__ = [
     "parallel_dims_from_config",
     "parallelize_options",
     "plan_job",
+    "validation_batch",
 ]
 
 
@@ -80,7 +81,7 @@ def parallel_dims_from_config(cfg: JobConfig, world_size: int) -> ParallelDims:
 
 def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict[str, Any]:
     """The model args the config changes: the vocabulary (>= the tokenizer's), the RoPE table
-    length (>= seq_len) and, with ``model.n_layers``, the depth."""
+    length (>= seq_len, and >= validation.seq_len when validation is on) and, with ``model.n_layers``, the depth."""
     spec = get_model_spec(cfg.model.name, cfg.model.flavor)
     vocab = cfg.model.vocab_size or spec.args.vocab_size
     if vocab < tokenizer_vocab:
@@ -90,7 +91,9 @@ def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict[str, Any]:
         )
     overrides: dict[str, Any] = {
         "vocab_size": vocab,
-        "max_seq_len": max(spec.args.max_seq_len, cfg.training.seq_len),
+        "max_seq_len": max(
+            spec.args.max_seq_len, cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0
+        ),
     }
     if cfg.model.n_layers is not None:
         overrides["n_layers"] = cfg.model.n_layers
@@ -141,6 +144,8 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None
     batch = None
     if pd is not None:
         batch = attempt(lambda: _batch_plan(cfg, pd))
+        if cfg.validation.enable:
+            attempt(lambda: validation_batch(cfg, pd.size("batch")))
     stages = None
     if pd is not None and pd.pp > 1 and spec is not None:
         stages = attempt(
@@ -182,6 +187,24 @@ def _batch_plan(cfg: JobConfig, pd: ParallelDims) -> BatchPlan:
         grad_accum_steps=gradient_accumulation_steps(t.global_batch_size, t.local_batch_size, batch_degree),
         seq_len=t.seq_len,
     )
+
+
+def validation_batch(cfg: JobConfig, batch_degree: int) -> tuple[int, int]:
+    """(global validation batch, micro-batches per rank per validation step) of
+    ``[validation]`` on ``batch_degree`` batch ranks; ConfigError naming the validation keys."""
+    v = cfg.validation
+    g = v.global_batch_size if v.global_batch_size > 0 else v.local_batch_size * batch_degree
+    unit = batch_degree * v.local_batch_size
+    if g % unit:
+        per_rank = [
+            d for d in range(1, g // batch_degree + 1) if g % batch_degree == 0 and (g // batch_degree) % d == 0
+        ]
+        raise ConfigError(
+            f"validation.global_batch_size ({g}) must be a multiple of batch degree ({batch_degree}) x "
+            f"validation.local_batch_size ({v.local_batch_size}) = {unit}; set it to a multiple of {unit}"
+            + (f", or set validation.local_batch_size to one of {per_rank}" if per_rank else "")
+        )
+    return g, g // unit
 
 
 # ------------------------------------------------------------------ dry run and printing

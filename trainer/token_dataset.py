@@ -122,7 +122,7 @@ class TokenDataset:
     name = "tokens"
 
     def __init__(self, path: str, *, verify: bool = False, option: str = "training.dataset_path"):
-        self.path = path
+        self.path, self.option = path, option
         index_path = os.path.join(path, INDEX_NAME)
         if not os.path.isdir(path):
             raise ConfigError(
@@ -234,7 +234,7 @@ class TokenDataset:
         if not same_tokenizer(self.fingerprint, run):
             where = getattr(tokenizer, "path", None) or "bytes"
             raise ConfigError(
-                f"training.dataset_path '{self.path}' was tokenized with {describe_fingerprint(self.fingerprint)} "
+                f"{self.option} '{self.path}' was tokenized with {describe_fingerprint(self.fingerprint)} "
                 f"but this run's tokenizer (model.tokenizer_path -> {where}) is {describe_fingerprint(run)}; set "
                 f"model.tokenizer_path to the shards' tokenizer, or re-tokenize with this one: python {SCRIPT} "
                 f"INPUT... --out NEW_FOLDER --tokenizer {where}"

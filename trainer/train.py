@@ -9,6 +9,7 @@ reductions summed over the ``loss`` mesh.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -35,6 +36,7 @@ from models.parallel.pipeline import (
 from models.parallel.tensor_parallel import loss_parallel_context
 from models.registry import build_model
 from parallel_dims import default_backend, default_device_type
+from parallel_dims.comm_record import record_comms, write_records
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -44,7 +46,8 @@ from trainer.checkpoint import (
     save_seed_checkpoint,
 )
 from trainer.config import ConfigError, JobConfig, load_config
-from trainer.data import build_dataloader
+from trainer.data import build_dataloader, wrap_loader
+from trainer.fake_backend import FakeStepMeter, init_fake_process_group, is_fake_backend, prepare_fake_config
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.hf_checkpoint import (
     HFCheckpoint,
@@ -58,6 +61,7 @@ from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.profiling import StepProfiler
 from trainer.tokenizer import load_tokenizer
+from trainer.validation import Validator
 
 __all__ = ["Trainer", "TrainingDiverged", "main"]
 
@@ -69,7 +73,8 @@ class TrainingDiverged(RuntimeError):
 
 
 def _log(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    # a fake-backend run is one process playing any rank: it prints
+    if not dist.is_initialized() or dist.get_rank() == 0 or is_fake_backend():
         print(msg, flush=True)
 
 
@@ -82,6 +87,15 @@ def init_distributed(cfg: JobConfig) -> torch.device:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    if not dist.is_initialized() and cfg.comm.mode == "fake_backend":
+        # one rank of a comm.fake_world_size job in this process (trainer/fake_backend.py)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                f"comm.mode = 'fake_backend' runs one process that plays rank comm.fake_rank of "
+                f"comm.fake_world_size ranks, but this launch started {os.environ['WORLD_SIZE']} "
+                f"processes: use python train.py (or torchrun --nproc_per_node=1)"
+            )
+        init_fake_process_group(cfg.comm.fake_world_size, cfg.comm.fake_rank)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
         if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: a world of one
@@ -158,9 +172,13 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+        self.fake = cfg.comm.mode == "fake_backend"
+        fake_notes = prepare_fake_config(cfg) if self.fake else []
         self.device = init_distributed(cfg)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        for note in fake_notes:
+            _log(note)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -225,11 +243,29 @@ class Trainer:
                 loss_parallel=self.loss_parallel,
             )
 
-        self.data = build_dataloader(cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch=self.plan.batch)
+        # the next step's micro-batches are prepared on a background thread (training.prefetch)
+        self.data = wrap_loader(
+            build_dataloader(cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch=self.plan.batch),
+            cfg.training.prefetch,
+            self.device,
+        )
+        self.validator = None
+        if cfg.validation.enable:
+            self.validator = Validator(
+                cfg,
+                self.tokenizer,
+                self.pd,
+                self.model_parts,
+                self.loss_fn,
+                self.device,
+                loss_parallel=self.loss_parallel,
+                train_pipeline=self.pipeline,
+            )
         self.optimizer = build_optimizer(self.model_parts, cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.checkpoint = CheckpointManager.from_config(cfg)
         self.step = 0
+        self._fake_meter = FakeStepMeter(cfg, self.device, self.pd.degrees.as_dict()) if self.fake else None
 
     # ---------------------------------------------------------------- setup helpers
     def _hf_context(self) -> str:
@@ -348,7 +384,8 @@ class Trainer:
         # it. The optimizer's kernels are queued right after, and the next step's data is
         # prepared on the host while they run.
         loss_value, norm_value = torch.stack([loss_total, grad_norm.to(loss_total)]).tolist()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        # fake-backend values are meaningless (no-op collectives): no divergence check there
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)) and not self.fake:
             raise TrainingDiverged(
                 f"non-finite {'loss' if not math.isfinite(loss_value) else 'gradient norm'} at step "
                 f"{self.step + 1} (loss={loss_value}, grad_norm={norm_value}); the run is "
@@ -365,6 +402,38 @@ class Trainer:
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
         not yet clipped); tools such as tools/compare_loss/grad_dump.py override it."""
+        if self._fake_meter is not None:
+            self._fake_meter.note_grads(params)
+
+    @contextlib.contextmanager
+    def _instruments(self, step: int):
+        """Around one training step: the collective recorder on ``comm.record_step`` (writes
+        ``<dump_folder>/comm_rank<R>.json``) and, in a fake-backend run, the step's compute time
+        and peak memory. Yields the dict of fields the step adds to its metrics record."""
+        extra: dict = {}
+        record = step == self.cfg.comm.record_step
+        meter = self._fake_meter
+        if meter is not None:
+            meter.start()
+        with record_comms(self.pd) if record else contextlib.nullcontext() as recorder:
+            yield extra
+        if recorder is not None:
+            write_records(
+                recorder,
+                os.path.join(self.cfg.job.dump_folder, f"comm_rank{self.rank}.json"),
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                comm_mode=self.cfg.comm.mode,
+                degrees=self.pd.degrees.as_dict(),
+            )
+            _log(f"recorded the collectives of step {step}: {self.cfg.job.dump_folder}/comm_rank<R>.json")
+        if meter is not None:
+            entry = meter.stop(step, recorded=record)
+            if not meter.state.get("param_bytes"):
+                meter.note_state(self.model_parts, self.optimizer)
+            meter.write()
+            extra.update(meter.metrics(entry))
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Sum of the per-rank partial losses over every rank that holds different tokens."""
@@ -408,7 +477,7 @@ class Trainer:
                 f.write(cfg.to_toml())
         metrics = MetricsLogger(
             run_folder,
-            self.rank,
+            0 if self.fake else self.rank,  # a fake-backend run logs as the rank it plays
             cfg,
             world_size=self.world_size,
             # TFLOPs/MFU only mean something on accelerators
@@ -423,14 +492,17 @@ class Trainer:
             f"{cfg.training.local_batch_size} per rank"
         )
         steps_since_log = 0
+        data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False
         profiler = StepProfiler(cfg.profiling, run_folder, self.rank, self.device, first_step=self.step)
-        with metrics, profiler:
+        with metrics, profiler, self.data:
             for message in profiler.messages:
                 _log(message)
             while self.step < last_step:
                 microbatches = self.data.next_step()
-                result = self.train_step(microbatches)
+                data_wait += self.data.wait_s
+                with self._instruments(self.step + 1) as step_extra:
+                    result = self.train_step(microbatches)
                 self.step += 1
                 if not timeout_applied:
                     apply_train_timeout(cfg.comm.train_timeout_seconds)
@@ -444,8 +516,16 @@ class Trainer:
                         grad_norm=result.grad_norm,
                         lr=result.lr,
                         num_tokens=steps_since_log * self.data.tokens_per_step,
+                        data_wait_s=data_wait / steps_since_log,
+                        extra=step_extra or None,
                     )
-                    steps_since_log = 0
+                    steps_since_log, data_wait = 0, 0.0
+                if self.validator is not None and self.validator.should_run(self.step):
+                    val = self.validator.validate()
+                    metrics.log_validation(
+                        self.step, loss=val.loss, steps=val.steps, tokens=val.tokens, seconds=val.seconds
+                    )
+                    metrics.reset_timer()
                 last = self.step == cfg.training.steps
                 saved = None
                 if cfg.checkpoint.enable and self.checkpoint.should_save(self.step, last):
@@ -541,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         # bad input (config, degrees vs world size, model vs layout) or divergence: a clear
         # message from every rank that hit it, no traceback
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0 or not isinstance(exc, ValueError):
+        if rank == 0 or not isinstance(exc, ValueError) or is_fake_backend():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, ValueError) else 1
     except Exception as exc:

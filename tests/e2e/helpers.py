@@ -299,10 +299,21 @@ def run_until(nproc: int, marker: str, *args: str, timeout: float = 600) -> str:
     return out
 
 
-def metric_records(folder: str | Path) -> list[dict]:
-    """Every record of metrics.jsonl in the order written (a resumed run appends to it)."""
+def all_records(folder: str | Path) -> list[dict]:
+    """Every record of metrics.jsonl (training steps and evaluations) in the order written."""
     with open(Path(folder) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def metric_records(folder: str | Path) -> list[dict]:
+    """Every training-step record of metrics.jsonl in the order written (a resumed run appends
+    to it); evaluation records (``validation_loss``, no ``loss``) are left out."""
+    return [rec for rec in all_records(folder) if "loss" in rec]
+
+
+def validation_records(folder: str | Path) -> dict[int, dict]:
+    """step -> the evaluation logged after that training step."""
+    return {rec["step"]: rec for rec in all_records(folder) if "validation_loss" in rec}
 
 
 def read_metrics(folder: str | Path) -> dict[int, dict]:

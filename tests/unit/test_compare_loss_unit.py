@@ -17,7 +17,9 @@ from tools.compare_loss.compare import (
     DEFAULT_RTOL,
     beyond_tolerance,
     compare,
+    compare_validation,
     load_metrics,
+    load_validation,
     mean_tps,
     passed,
     summarize,
@@ -253,6 +255,39 @@ def test_summary_rows_statuses_and_table(tmp_path):
     assert [r["status"] for r in rows] == ["FAILED (exit 1)", "no baseline"] and not passed(rows)
 
 
+def _with_validation(res, losses):
+    """Append evaluation records (as the trainer writes them, after their step's record)."""
+    path = Path(res.folder) / "metrics.jsonl"
+    with open(path, "a") as f:
+        for step, loss in losses.items():
+            f.write(json.dumps({"step": step, "validation_loss": loss, "validation_perplexity": math.exp(loss)}) + "\n")
+    res.records, res.validation = load_metrics(str(path)), load_validation(str(path))
+    return res
+
+
+def test_validation_curves_are_compared_with_the_loss_tolerance(tmp_path):
+    base = _with_validation(_result(tmp_path, "fsdp=4", [8.0, 7.0, 6.0]), {2: 7.5, 3: 6.5})
+    # the evaluation records do not replace the training records of their steps
+    assert [base.records[s]["loss"] for s in (1, 2, 3)] == [8.0, 7.0, 6.0] and sorted(base.validation) == [2, 3]
+    good = _with_validation(_result(tmp_path, "tp=2,fsdp=2", [8.0, 7.0, 6.0]), {2: 7.5 + 1e-6, 3: 6.5})
+    bad = _with_validation(_result(tmp_path, "pp=2", [8.0, 7.0, 6.0]), {2: 7.5, 3: 6.6})  # training equal
+    short = _with_validation(_result(tmp_path, "tp=2", [8.0, 7.0, 6.0]), {2: 7.5})
+    rows = summarize([base, good, bad, short], base, rtol=1e-5, atol=1e-5, exact=False, steps=3)
+    assert [r["status"] for r in rows] == ["baseline", "ok", "DIVERGED", "INCOMPLETE (1 evaluations missing)"]
+    assert rows[1]["validation_max_rel_diff"] == pytest.approx(1e-6 / 7.5) and rows[1]["final_validation_loss"] == 6.5
+    assert rows[2]["validation_first_step_beyond"] == 3 and rows[2]["first_step_beyond"] is None
+    assert rows[3]["validation_missing_steps"] == [3]
+    lines = format_table(rows).splitlines()
+    assert "val rel" in lines[0] and "val >tol" in lines[0]
+    assert lines[4].startswith("pp=2") and " 3 " in lines[4]
+    cmp = compare_validation(base.validation, good.validation, rtol=0, atol=0, exact=True)
+    assert cmp.first_beyond == 2 and not cmp.within
+    # no validation anywhere: no validation keys, the table as before
+    single = _result(tmp_path, "single", [8.0])
+    plain = summarize([single], single, rtol=1e-5, atol=1e-5, exact=False, steps=1)
+    assert "validation_steps" not in plain[0] and "val rel" not in format_table(plain)
+
+
 def test_run_streaming_logs_and_returns_the_exit_code(tmp_path):
     lines = []
     code = (
@@ -360,6 +395,10 @@ def test_cli_rejects_bad_layouts_before_running(tmp_path, monkeypatch, capsys):
             "a different global batch for each layout",
         ),
         (["--layouts", "fsdp=4", "--steps", "3", "--diagnose", "--diagnose-step", "4"], "between 1 and --steps (3)"),
+        (
+            ["--layouts", "fsdp=4", "--", "--validation.enable", "--validation.steps", "2"],
+            "a different validation set for each layout",
+        ),
     ]:
         rc = main(["--config", "llama3", "--out", str(out), *args])
         assert rc == 2, args

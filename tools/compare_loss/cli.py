@@ -188,6 +188,11 @@ def _compare(args: argparse.Namespace, plan: Plan, layouts: list[Layout], baseli
     )
     print(f"\nloss vs baseline {baseline.name} over {args.steps} steps; tolerance: {tol}")
     print(format_table(rows))
+    if base_result.validation:
+        print(
+            f"validation loss (columns 'val rel', 'val >tol') compared at steps {sorted(base_result.validation)} "
+            "by the same loss tolerance"
+        )
     plot_path = os.path.abspath(args.plot or os.path.join(out, "loss_comparison.png"))
     plotted = [(r.layout.name, r.records) for r in results if r.records]
     if base_result.records:

@@ -14,6 +14,12 @@ micro-batch or a mis-sharded weight moves the loss by far more, and a gradient o
 factor, which AdamW hides from the loss, moves the grad norm by that factor from step 1. Run-to-run
 reproducibility of ONE layout is exact, so ``--assert-equal`` demands bitwise-equal losses and
 gradient norms.
+
+Validation curves (runs with ``[validation]`` enabled: the records with ``validation_loss`` in
+metrics.jsonl) are compared by the same loss rule at every step the runs evaluated; a layout whose
+validation loss is beyond tolerance, or that misses an evaluation the baseline has, fails too.
+For the validation sets to be the same, ``validation.global_batch_size`` must be fixed (the
+preflight refuses -1, as it does for training).
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ DEFAULT_ATOL = 1e-5
 DEFAULT_GRAD_NORM_RTOL = 1e-4
 
 
-def load_metrics(path: str) -> dict[int, dict]:
-    """step -> record from a metrics.jsonl; a truncated last line (killed run) is skipped."""
-    records: dict[int, dict] = {}
+def _read_records(path: str) -> list[dict]:
+    """Every record of a metrics.jsonl; a truncated last line (killed run) is skipped."""
+    out = []
     try:
         with open(path) as f:
             for line in f:
@@ -44,10 +50,22 @@ def load_metrics(path: str) -> dict[int, dict]:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                records[int(rec["step"])] = rec
+                if isinstance(rec, dict) and "step" in rec:
+                    out.append(rec)
     except OSError:
         pass
-    return records
+    return out
+
+
+def load_metrics(path: str) -> dict[int, dict]:
+    """step -> training record from a metrics.jsonl (evaluation records are left out)."""
+    return {int(rec["step"]): rec for rec in _read_records(path) if "validation_loss" not in rec}
+
+
+def load_validation(path: str) -> dict[int, dict]:
+    """step -> evaluation record (``validation_loss``, ``validation_perplexity``) from a
+    metrics.jsonl; empty when the run had no ``[validation]``."""
+    return {int(rec["step"]): rec for rec in _read_records(path) if "validation_loss" in rec}
 
 
 def num(value) -> float:
@@ -126,6 +144,39 @@ def compare(
     return Comparison(steps, max_abs, max_rel, first, first_metric, gn_rel, missing)
 
 
+@dataclass
+class ValidationComparison:
+    """A layout's validation losses against the baseline's, at the steps both evaluated."""
+
+    steps: list[int]
+    max_abs: float
+    max_rel: float
+    first_beyond: int | None
+    missing_steps: list[int]  # evaluations present in only one of the runs
+
+    @property
+    def within(self) -> bool:
+        return self.first_beyond is None and not self.missing_steps
+
+
+def compare_validation(
+    baseline: dict[int, dict], run: dict[int, dict], *, rtol: float, atol: float, exact: bool = False
+) -> ValidationComparison:
+    """The loss rule of :func:`compare` (or bitwise equality) on ``validation_loss``."""
+    steps = sorted(set(baseline) & set(run))
+    missing = sorted(set(baseline) ^ set(run))
+    max_abs = max_rel = 0.0
+    first = None
+    for step in steps:
+        b, r = num(baseline[step]["validation_loss"]), num(run[step]["validation_loss"])
+        diff = abs(r - b) if math.isfinite(r - b) else math.inf
+        max_abs, max_rel = max(max_abs, diff), max(max_rel, relative(diff, b))
+        off = not r == b if exact else beyond_tolerance(r, b, rtol, atol)
+        if off and first is None:
+            first = step
+    return ValidationComparison(steps, max_abs, max_rel, first, missing)
+
+
 def mean_tps(records: dict[int, dict]) -> float | None:
     """Tokens/s per device, excluding step 1 (compilation, allocator and gloo warm-up)."""
     values = [num(r.get("tps")) for s, r in records.items() if s > 1 and r.get("tps") is not None]
@@ -179,12 +230,27 @@ def summarize(
                 grad_norm_max_rel_diff=cmp.grad_norm_max_rel,
                 missing_steps=cmp.missing_steps,
             )
+            val = None
+            if baseline.validation or res.validation:
+                val = compare_validation(baseline.validation, res.validation, rtol=rtol, atol=atol, exact=exact)
+                last = max(res.validation) if res.validation else None
+                row.update(
+                    validation_steps=val.steps,
+                    final_validation_loss=num(res.validation[last]["validation_loss"]) if last else None,
+                    validation_max_abs_diff=val.max_abs,
+                    validation_max_rel_diff=val.max_rel,
+                    validation_first_step_beyond=val.first_beyond,
+                    validation_missing_steps=val.missing_steps,
+                )
             if cmp.missing_steps:
                 row["status"] = f"INCOMPLETE ({len(cmp.missing_steps)} steps missing)"
+            elif val is not None and val.missing_steps:
+                row["status"] = f"INCOMPLETE ({len(val.missing_steps)} evaluations missing)"
             elif res is baseline:
                 row["status"] = "baseline"
             else:
-                row["status"] = "ok" if cmp.within else ("NOT EQUAL" if exact else "DIVERGED")
+                within = cmp.within and (val is None or val.within)
+                row["status"] = "ok" if within else ("NOT EQUAL" if exact else "DIVERGED")
         rows.append(row)
     return rows
 

@@ -51,6 +51,7 @@ CONTROLLED_KEYS = {
     "checkpoint.enable": "compare_loss (runs do not save checkpoints)",
     "checkpoint.initial_load_path": "--seed-checkpoint (or the seed checkpoint compare_loss creates)",
     "checkpoint.create_seed_checkpoint": "compare_loss",
+    "comm.mode": "compare_loss (it compares real runs: a fake-backend run's losses are meaningless)",
 }
 
 
@@ -202,6 +203,13 @@ def preflight(plan: Plan, layouts: list[Layout]) -> None:
             "training.global_batch_size = -1 means local_batch_size x batch degree, a different global "
             "batch for each layout, so the losses would not be comparable; set it, e.g. "
             f"-- --training.global_batch_size {base.training.local_batch_size * 4}"
+        )
+    if base.validation.enable and base.validation.global_batch_size == -1:
+        raise UsageError(
+            "validation.global_batch_size = -1 means validation.local_batch_size x batch degree, a "
+            "different validation set for each layout, so the validation losses would not be "
+            "comparable; set it, e.g. -- --validation.global_batch_size "
+            f"{base.validation.local_batch_size * 4}"
         )
     try:
         vocab = load_tokenizer(base.model.tokenizer_path).vocab_size

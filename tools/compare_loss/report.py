@@ -32,9 +32,14 @@ def format_table(rows: list[dict]) -> str:
         "wall s",
         "status",
     ]
+    with_validation = any("validation_steps" in r for r in rows)
+    if with_validation:  # validation loss vs the baseline's: max relative difference, first step off
+        headers[-3:-3] = ["val rel", "val >tol"]
     table = [headers]
     for r in rows:
         first = r.get("first_step_beyond")
+        vfirst = r.get("validation_first_step_beyond")
+        validation = [fmt(r.get("validation_max_rel_diff")), "-" if vfirst is None else str(vfirst)]
         table.append(
             [
                 r["layout"],
@@ -46,6 +51,7 @@ def format_table(rows: list[dict]) -> str:
                 else f"{first}" + (" (gnorm)" if r.get("first_beyond_metric") == "grad_norm" else ""),
                 fmt(r["final_loss"], ".6f"),
                 fmt(r.get("grad_norm_max_rel_diff")),
+                *(validation if with_validation else []),
                 fmt(r["mean_tps"], ",.0f"),
                 f"{r['wall_s']:.1f}",
                 r["status"],

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tools.compare_loss.compare import load_metrics
+from tools.compare_loss.compare import load_metrics, load_validation
 from tools.compare_loss.layouts import Layout, slug
 from trainer.config import REPO_ROOT
 
@@ -47,6 +47,8 @@ class Plan:
                 "1",
                 "--metrics.enable_jsonl",
                 "true",
+                "--comm.mode",
+                "default",
                 "--checkpoint.enable",
                 "false",
                 "--checkpoint.initial_load_path",
@@ -81,6 +83,7 @@ class RunResult:
     wall_s: float
     log_path: str
     records: dict[int, dict] = field(default_factory=dict)
+    validation: dict[int, dict] = field(default_factory=dict)  # step -> evaluation, if any
 
     @property
     def ok(self) -> bool:
@@ -221,6 +224,7 @@ def run_layouts(plan: Plan, layouts: list[Layout], timeout: float | None) -> lis
         )
         result = RunResult(layout, folder, rc, time.perf_counter() - start, log_path)
         result.records = load_metrics(os.path.join(folder, "metrics.jsonl"))
+        result.validation = load_validation(os.path.join(folder, "metrics.jsonl"))
         progress.finish("done" if rc == 0 else f"FAILED (exit {rc}); log: {log_path}")
         if rc != 0:
             print(log_excerpt(log_path), file=sys.stderr, flush=True)

@@ -49,6 +49,7 @@ from trainer.config.schema import (
     Parallelism,
     Profiling,
     Training,
+    Validation,
     gradient_accumulation_steps,
     resolve_global_batch_size,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "Parallelism",
     "Profiling",
     "Training",
+    "Validation",
     "apply_mapping",
     "dump_toml",
     "format_help",

@@ -87,6 +87,12 @@ class Training:
         choices=("synthetic", "text", "jsonl", "tokens"),
     )
     dataset_path: str = _opt("", "File or folder for the 'text' and 'jsonl' datasets; the shards folder for 'tokens'.")
+    prefetch: bool = _opt(
+        True,
+        "Prepare the next step's micro-batches on a background thread while the current step "
+        "runs (on GPU: pinned memory, non-blocking copies); same samples and resume state. "
+        "false = on the training thread.",
+    )
 
     def resolve_global_batch_size(self, batch_degree: int) -> int:
         return resolve_global_batch_size(self.global_batch_size, self.local_batch_size, batch_degree)
@@ -244,6 +250,50 @@ class Profiling:
 class Comm:
     init_timeout_seconds: int = _opt(300, "Process-group timeout until the first step.")
     train_timeout_seconds: int = _opt(100, "Collective timeout once training runs.")
+    mode: str = _opt(
+        "default",
+        "'default' = real collectives; 'fake_backend' = run ONE rank (comm.fake_rank) of a "
+        "comm.fake_world_size-rank job in this single process, on torch's fake backend: the "
+        "layout is built and the model parallelized as on the cluster, collectives are no-ops; "
+        "reports this rank's peak memory and compute time per step (loss values are meaningless).",
+        choices=("default", "fake_backend"),
+    )
+    fake_world_size: int | None = _opt(
+        None, "comm.mode = 'fake_backend': the world size (number of GPUs) of the job to simulate."
+    )
+    fake_rank: int = _opt(0, "comm.mode = 'fake_backend': the rank of that job this process plays.")
+    record_step: int = _opt(
+        0,
+        "Record every collective of training step N on every rank (kind, mesh, count, bytes) and "
+        "write <dump_folder>/comm_rank<R>.json; 0 = off. Recording slows that step.",
+    )
+
+
+@dataclass
+class Validation:
+    enable: bool = _opt(False, "Evaluate on held-out data every `freq` steps and at the last step.")
+    dataset: str = _opt(
+        "synthetic",
+        "Validation data, the same kinds as training.dataset ('synthetic' draws from another seed "
+        "than training, so it is held out).",
+        choices=("synthetic", "text", "jsonl", "tokens"),
+    )
+    dataset_path: str = _opt("", "File or folder for 'text'/'jsonl'; the shards folder for 'tokens'.")
+    local_batch_size: int = _opt(8, "Validation micro-batch size per rank (samples per forward).")
+    global_batch_size: int = _opt(
+        -1,
+        "Validation samples per validation step across all data-parallel ranks, like "
+        "training.global_batch_size; -1 = local_batch_size x batch degree. Set it to compare "
+        "validation losses across layouts (the same samples whatever the batch degree).",
+    )
+    seq_len: int = _opt(2048, "Tokens per validation sample.")
+    freq: int = _opt(10, "Evaluate after every `freq` training steps (and after the last one).")
+    steps: int = _opt(
+        -1,
+        "Validation steps per evaluation (each reads validation.local_batch_size x batch degree "
+        "samples, from the start of the validation data every time); -1 = one pass over a "
+        "'tokens' dataset (the other datasets have no end: give a number).",
+    )
 
 
 SECTIONS: dict[str, type] = {
@@ -259,6 +309,7 @@ SECTIONS: dict[str, type] = {
     "metrics": Metrics,
     "profiling": Profiling,
     "comm": Comm,
+    "validation": Validation,
 }
 
 
@@ -276,6 +327,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

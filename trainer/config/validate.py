@@ -165,6 +165,103 @@ def _validate_values(cfg: JobConfig) -> None:
         cfg.comm.init_timeout_seconds > 0 and cfg.comm.train_timeout_seconds > 0,
         "comm.init_timeout_seconds and comm.train_timeout_seconds must be > 0",
     )
+    _validate_comm(cfg, need)
+    if cfg.validation.enable:
+        _validate_validation(cfg, need)
+
+
+def _validate_validation(cfg: JobConfig, need) -> None:
+    v, p = cfg.validation, cfg.parallelism
+    need(v.freq > 0, f"validation.freq must be > 0 (evaluate every N training steps), got {v.freq}")
+    need(
+        v.local_batch_size > 0,
+        f"validation.local_batch_size must be > 0 (samples per rank per validation step), got {v.local_batch_size}",
+    )
+    need(
+        v.global_batch_size > 0 or v.global_batch_size == -1,
+        f"validation.global_batch_size must be > 0 or -1 (= validation.local_batch_size x batch degree), "
+        f"got {v.global_batch_size}",
+    )
+    if v.global_batch_size > 0:
+        need(
+            v.global_batch_size % v.local_batch_size == 0,
+            f"validation.global_batch_size ({v.global_batch_size}) must be a multiple of "
+            f"validation.local_batch_size ({v.local_batch_size})",
+        )
+    need(v.seq_len > 0, f"validation.seq_len must be > 0, got {v.seq_len}")
+    need(
+        v.steps > 0 or v.steps == -1,
+        f"validation.steps must be > 0, or -1 for one pass over a 'tokens' dataset, got {v.steps}",
+    )
+    need(
+        v.steps != -1 or v.dataset == "tokens",
+        f"validation.steps = -1 means one pass over the validation data, but validation.dataset = "
+        f"'{v.dataset}' has no end (it starts over); set validation.steps to a number of steps, e.g. "
+        f"--validation.steps 10, or use a 'tokens' dataset",
+    )
+    need(
+        v.dataset == "synthetic" or v.dataset_path != "",
+        f"validation.dataset = '{v.dataset}' needs validation.dataset_path (a file or folder"
+        + (", the shards folder written by scripts/tokenize_dataset.py)" if v.dataset == "tokens" else ")"),
+    )
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    divisor = (tp if p.enable_sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+    need(
+        v.seq_len % divisor == 0,
+        f"validation.seq_len ({v.seq_len}) must be divisible by {divisor}, like training.seq_len (context "
+        f"parallelism splits the sequence into 2*cp chunks, sequence parallelism over tp); set it to a "
+        f"multiple of {divisor}",
+    )
+    if p.pipeline_parallel_degree > 1:
+        need(
+            p.pipeline_parallel_schedule != "ZBVZeroBubble",
+            "validation.enable = true with parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble': torch's "
+            "ZBV schedule has no forward-only (eval) path, which validation runs; use another schedule "
+            "(e.g. 'Interleaved1F1B', 'InterleavedZeroBubble', '1F1B') or set validation.enable = false",
+        )
+        m = p.pipeline_microbatches()
+        need(
+            v.local_batch_size % m == 0,
+            f"validation.local_batch_size ({v.local_batch_size}) must be divisible by the pipeline "
+            f"microbatch count {m} (parallelism.pipeline_parallel_microbatches, default = "
+            f"pipeline_parallel_degree): the validation batch runs through the same pipeline schedule",
+        )
+
+
+def _validate_comm(cfg: JobConfig, need) -> None:
+    c = cfg.comm
+    need(
+        c.record_step >= 0,
+        f"comm.record_step must be >= 0 (a training step to record collectives of, 0 = off), got {c.record_step}",
+    )
+    need(
+        c.record_step <= cfg.training.steps,
+        f"comm.record_step ({c.record_step}) is after the last step (training.steps = {cfg.training.steps}): "
+        f"choose a step in 1 .. {cfg.training.steps}, or 0 to record nothing",
+    )
+    if c.mode != "fake_backend":
+        need(
+            c.fake_world_size is None and c.fake_rank == 0,
+            "comm.fake_world_size and comm.fake_rank are used only with comm.mode = 'fake_backend' "
+            "(one rank of a larger job, no real collectives): add --comm.mode fake_backend, or remove them",
+        )
+        return
+    w = c.fake_world_size
+    need(
+        w is not None and w >= 1,
+        f"comm.mode = 'fake_backend' needs comm.fake_world_size, the number of ranks (GPUs) of the job "
+        f"to simulate, >= 1; got {w}: e.g. --comm.fake_world_size 64",
+    )
+    need(
+        0 <= c.fake_rank < w,
+        f"comm.fake_rank ({c.fake_rank}) must be a rank of the simulated job: 0 .. {w - 1} "
+        f"(comm.fake_world_size = {w})",
+    )
+    need(
+        not cfg.checkpoint.create_seed_checkpoint,
+        "checkpoint.create_seed_checkpoint writes real initial weights on one process; it cannot run "
+        "with comm.mode = 'fake_backend': drop one of the two",
+    )
 
 
 def _choice_message(key: str, value: Any, choices: tuple, context: str = "") -> str:

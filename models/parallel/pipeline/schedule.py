@@ -113,6 +113,19 @@ class PipelineBoundaryError(ValueError):
     """A stage's output does not match the metadata its pipeline was built with."""
 
 
+def _on_fake_backend(group) -> bool:
+    return group is not None and dist.get_backend(group) == "fake"
+
+
+def _zero_buffers(recv_infos: dict) -> None:
+    with torch.no_grad():
+        for infos in recv_infos.values():
+            for info in infos:
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor):
+                    buffer.zero_()
+
+
 class _CheckedStage(PipelineStage):
     """A ``PipelineStage`` that checks what it sends: the tensor must match the metadata the
     receiving stage allocated its buffer from, or gloo/NCCL would fail obscurely (or hang).
@@ -123,6 +136,36 @@ class _CheckedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._boundary_shape = tuple(boundary.shape)
         self._boundary_dtype = boundary.dtype
+
+    # On torch's fake backend (comm.mode = "fake_backend": one rank of a larger job in one
+    # process) a receive leaves its buffer as it was, so torch's warm-up vote, in which every
+    # stage says whether its metadata is static, would read 0 ("dynamic") and go on to exchange
+    # shapes as objects, reading garbage sizes. Every _CheckedStage has static metadata, so the
+    # vote's outcome is known: static.
+    def _warmup_forward_vote(self, has_backward, received_acc=None):
+        if _on_fake_backend(self.group):
+            return torch.ones(1, dtype=torch.int32, device=self.device)
+        return super()._warmup_forward_vote(has_backward, received_acc=received_acc)
+
+    def _warmup_backward_result(self, received_result=None):
+        if _on_fake_backend(self.group):
+            return torch.ones(1, dtype=torch.int32, device=self.device)
+        return super()._warmup_backward_result(received_result=received_result)
+
+    # ... and the receive buffers (torch.empty) would hand the stages uninitialized memory,
+    # which can be NaN and turns every value NaN within a step; on the fake backend they are
+    # zeroed once, when torch allocates them.
+    def _prepare_forward_infra(self, *args, **kwargs):
+        out = super()._prepare_forward_infra(*args, **kwargs)
+        if _on_fake_backend(self.group):
+            _zero_buffers(getattr(self, "args_recv_info", {}))
+        return out
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        out = super()._prepare_backward_infra(*args, **kwargs)
+        if _on_fake_backend(self.group):
+            _zero_buffers(getattr(self, "grad_recv_info", {}))
+        return out
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         output = super().forward_maybe_with_nosync(*args, **kwargs)
@@ -328,9 +371,13 @@ def pipeline_step(
     inputs: torch.Tensor | None,
     labels: torch.Tensor | None,
     global_token_count: int | float | torch.Tensor,
+    *,
+    forward_only: bool = False,
 ) -> torch.Tensor | None:
     """Forward and backward of one local batch through the pipeline; gradients accumulate into
     the stage parameters (call once per gradient-accumulation step, then clip and step).
+    ``forward_only``: the schedule's forward-only path (``schedule.eval``: the same stages and
+    micro-batches, no backward; call it under ``torch.no_grad()``), for evaluation.
 
     ``inputs``/``labels``: this rank's ``[local_batch_size, seq_len / cp]`` token ids and
     targets (the same slice every pp rank of a pipeline would read; only the ranks holding the
@@ -364,7 +411,8 @@ def pipeline_step(
     pipe.token_loss.global_token_count = global_token_count
     try:
         with loss_parallel_context(pipe.loss_parallel):
-            pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            run = pipe.schedule.eval if forward_only else pipe.schedule.step
+            run(*args, target=target, losses=losses, return_outputs=False)
     except RuntimeError as exc:
         # torch wraps errors raised in a stage's forward in a RuntimeError; surface ours as the
         # ValueError it is (the trainer reports ValueErrors as user errors, without traceback)

@@ -1,0 +1,227 @@
+"""``[comm] mode = "fake_backend"``: one rank of any layout, measured on one device.
+
+``python train.py --config X.toml --comm.mode fake_backend --comm.fake_world_size 64
+--comm.fake_rank 17`` runs rank 17 of a 64-rank job in this one process: the default process
+group is torch's ``fake`` backend with that rank and world size, so ``ParallelDims`` builds the
+same meshes, the model is split and parallelized exactly as on the cluster, the data loader
+reads that rank's slice of the global batch, and every tensor the rank holds has its real shape,
+dtype and storage. Every collective returns at once without moving data (name taken from
+torchtitan's ``comm.mode``; torchtitan reads the world size and rank from ``NGPU``/``RANK``, we
+read them from the config).
+
+What the fake collectives leave in their outputs (torch 2.13, ``FakeProcessGroup``):
+
+* all-reduce, broadcast: the local input unchanged (the loss is this rank's partial sum, the
+  gradient norm this rank's share);
+* all-gather: the local input copied into every rank's slot; reduce-scatter: this rank's chunk
+  of the input;
+* all-to-all with equal splits: the input copied. EP's token-count exchange is one, so each rank
+  "receives" the counts it sends, and the uneven token all-to-all that follows receives exactly
+  as many rows as it sends, filled from its own rows: **balanced routing**, each rank's experts
+  process as many tokens as the rank routes, with the local routing's per-expert spread;
+* send/recv: nothing is written to the receive buffer. Pipeline stages
+  (``models/parallel/pipeline/schedule.py``) therefore answer torch's first-step warm-up vote
+  themselves (their stage metadata is static; the vote's zero-filled receive would otherwise
+  switch torch to exchanging shapes as objects and read garbage sizes) and zero their receive
+  buffers once, so a stage computes on zero activations and gradients from its neighbours.
+
+So shapes, memory and compute are those of the real rank (for MoE under the balanced-routing
+assumption) and the values are not: **loss and gradient norm are meaningless**. The divergence
+check (non-finite loss or norm stops the run) is off, the metrics record carries
+``comm_mode = "fake_backend"``, and the loss-comparison tool refuses such records. Checkpoint
+reading and writing are off (no weights worth keeping; DCP's cross-rank planning needs real
+collectives), and the run writes to ``<job.dump_folder>/fake_backend/world<W>_rank<R>/`` so a
+real run's folder is never touched.
+
+Per step it reports this rank's compute time (the training step's wall time, synchronized on
+GPU; with no-op collectives that is compute plus local overhead) and peak memory (GPU: peak
+allocated bytes of the step; CPU: peak resident set size of the process during the step), in
+the console, in ``metrics.jsonl`` (``fake_step_time_s``, ``fake_peak_memory_gib``,
+``fake_memory_kind``) and in ``fake_backend_report.json`` with the rank's parameter, gradient
+and optimizer-state bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["FAKE_NOTE", "FakeStepMeter", "init_fake_process_group", "is_fake_backend", "prepare_fake_config"]
+
+FAKE_NOTE = (
+    "comm.mode = fake_backend: collectives are no-ops, so loss and grad_norm are meaningless and the "
+    "divergence check is off; step time = this rank's compute time, peak memory = this rank's"
+)
+
+
+def init_fake_process_group(world_size: int, rank: int) -> None:
+    """The default process group on torch's ``fake`` backend: this process is ``rank`` of
+    ``world_size``."""
+    from parallel_dims.parallel_dims import _register_fake_backend
+
+    _register_fake_backend()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def is_fake_backend() -> bool:
+    """Whether this process's default group is the fake backend (a fake-backend run)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def prepare_fake_config(cfg) -> list[str]:
+    """Point the run at its own folder and turn off checkpoint I/O (in place); return the notes
+    to log. Idempotent."""
+    c = cfg.comm
+    notes = [FAKE_NOTE]
+    sub = os.path.join("fake_backend", f"world{c.fake_world_size}_rank{c.fake_rank}")
+    if not os.path.normpath(cfg.job.dump_folder).endswith(os.path.normpath(sub)):
+        cfg.job.dump_folder = os.path.join(cfg.job.dump_folder, sub)
+    notes.append(f"comm.mode = fake_backend: this run writes to {cfg.job.dump_folder}")
+    ck = cfg.checkpoint
+    off = []
+    if ck.enable:
+        ck.enable = False
+        off.append("checkpoint.enable")
+    if ck.initial_load_path:
+        ck.initial_load_path = ""
+        off.append("checkpoint.initial_load_path")
+    if ck.last_save_in_hf:
+        ck.last_save_in_hf = False
+        off.append("checkpoint.last_save_in_hf")
+    if off:
+        notes.append(
+            f"comm.mode = fake_backend: checkpoint reading and writing are off ({', '.join(off)} ignored): "
+            f"the run starts from the seed's initial weights and keeps nothing"
+        )
+    return notes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
+
+
+def _reset_cpu_peak() -> bool:
+    """Reset the kernel's peak-RSS mark of this process (Linux >= 4.0); False if unavailable."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _cpu_peak_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class FakeStepMeter:
+    """Times the training step and takes its peak memory; keeps the rank's state bytes and
+    writes ``fake_backend_report.json``."""
+
+    def __init__(self, cfg, device: torch.device, degrees: dict[str, int]) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.world_size = cfg.comm.fake_world_size
+        self.rank = cfg.comm.fake_rank
+        self.degrees = degrees
+        self.path = os.path.join(cfg.job.dump_folder, "fake_backend_report.json")
+        self.steps: list[dict[str, Any]] = []
+        self.state: dict[str, int] = {}
+        self._t0 = 0.0
+        self._cpu_peak_ok = False
+
+    @property
+    def memory_kind(self) -> str:
+        return "cuda_max_alloc" if self.device.type == "cuda" else "cpu_peak_rss"
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._cpu_peak_ok = _reset_cpu_peak()
+        self._t0 = time.perf_counter()
+
+    def stop(self, step: int, *, recorded: bool = False) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - self._t0
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = _cpu_peak_bytes() if self._cpu_peak_ok else None
+        entry = {
+            "step": step,
+            "step_time_s": seconds,
+            "peak_memory_gib": None if peak is None else peak / 2**30,
+            "memory_kind": self.memory_kind,
+        }
+        if recorded:
+            entry["comm_recorded"] = True  # the recorder slowed this step
+        self.steps.append(entry)
+        peak_text = "n/a" if peak is None else f"{peak / 2**30:.3f} GiB"
+        print(
+            f"fake_backend rank {self.rank} of {self.world_size}: step {step} compute {seconds:.3f}s, "
+            f"peak memory {peak_text} ({self.memory_kind})" + (" [collectives recorded]" if recorded else ""),
+            flush=True,
+        )
+        return entry
+
+    def note_grads(self, params) -> None:
+        self.state["grad_bytes"] = _bytes([p.grad for p in params])
+
+    def note_state(self, model_parts, optimizer) -> None:
+        params = [p for part in model_parts for p in part.parameters()]
+        self.state["local_params"] = sum(_local(p).numel() for p in params)
+        self.state["param_bytes"] = _bytes(params)
+        optimizers = getattr(optimizer, "optimizers", [optimizer])  # trainer.optim.Optimizers: one per part
+        states = [s[k] for opt in optimizers for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
+        self.state["optimizer_bytes"] = _bytes(states)
+
+    def metrics(self, entry: dict[str, Any]) -> dict[str, float | str]:
+        """The fields this step adds to the metrics record."""
+        out: dict[str, float | str] = {
+            "comm_mode": "fake_backend",
+            "fake_world_size": float(self.world_size),
+            "fake_rank": float(self.rank),
+            "fake_step_time_s": entry["step_time_s"],
+            "fake_memory_kind": entry["memory_kind"],
+        }
+        if entry["peak_memory_gib"] is not None:
+            out["fake_peak_memory_gib"] = entry["peak_memory_gib"]
+        return out
+
+    def write(self) -> None:
+        report = {
+            "comm_mode": "fake_backend",
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "degrees": self.degrees,
+            "device": str(self.device),
+            "note": FAKE_NOTE,
+            **self.state,
+            "steps": self.steps,
+        }
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, self.path)

@@ -1,0 +1,171 @@
+"""Held-out evaluation (``[validation]``): every ``validation.freq`` training steps and after the
+last one, ``validation.steps`` forward-only steps over the validation data under the run's own
+layout, reporting loss and perplexity.
+
+The loss is computed and reduced exactly like the training loss (docs/design.md section 5): each
+rank sums its token losses, divides by the validation step's global token count (every step has
+the same one; the steps are then averaged), the pipeline's last stage hands its sum to every pp
+rank, and the result is summed over the ``loss`` mesh; so it is the mean over every validation
+token, the same number on every layout (up to
+float32 summation order). Every evaluation starts the validation data from its beginning: it
+sees the same samples each time, so successive values are comparable.
+
+Evaluation changes nothing the training depends on: no gradients, the modules' train/eval mode
+restored, MoE routing statistics (which feed the expert-bias update) put back as they were, and
+the training data loader untouched. With pipeline parallelism it runs a second schedule of the
+same class over the same stage modules, built for the validation batch shape, through the
+schedule's forward-only path (``schedule.eval``); ZBVZeroBubble has none and the config refuses
+it with validation on (trainer/config/validate.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.common.sequence import load_balanced_shard
+from models.parallel.pipeline import (
+    Pipeline,
+    build_pipeline_schedule,
+    pipeline_step,
+    stage_activation_dtype,
+    sum_loss_over_pp,
+)
+from models.parallel.tensor_parallel import loss_parallel_context
+from parallel_dims import ParallelDims
+from trainer.config import ConfigError, JobConfig
+from trainer.data import PackedDataLoader, build_validation_dataloader
+
+__all__ = ["ValidationResult", "Validator", "one_pass_steps"]
+
+
+@dataclass
+class ValidationResult:
+    loss: float  # token-weighted mean cross-entropy over the evaluation
+    steps: int
+    tokens: int  # global validation tokens evaluated
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if math.isfinite(self.loss) and self.loss < 700 else math.inf
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def one_pass_steps(cfg: JobConfig, data: PackedDataLoader) -> int:
+    """``validation.steps = -1`` (a 'tokens' dataset): the full validation batches in one pass
+    over the shards (a partial last batch is left out: every step has the same token count)."""
+    v = cfg.validation
+    samples = len(data._stream.dataset) // (v.seq_len + 1)
+    steps = samples // data.global_batch_size
+    if steps < 1:
+        raise ConfigError(
+            f"validation.dataset_path '{v.dataset_path}' holds {samples} validation samples of "
+            f"validation.seq_len + 1 = {v.seq_len + 1} tokens, fewer than one validation batch of "
+            f"{data.global_batch_size}; lower validation.global_batch_size (or local_batch_size) or "
+            f"validation.seq_len, or use more validation data"
+        )
+    return steps
+
+
+class Validator:
+    """Built once by the trainer (``validation.enable``); ``should_run(step)`` says when,
+    ``validate()`` evaluates (a collective: every rank calls it at the same steps)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        tokenizer,
+        pd: ParallelDims,
+        model_parts: list[nn.Module],
+        loss_fn,
+        device: torch.device,
+        *,
+        loss_parallel: bool,
+        train_pipeline: Pipeline | None = None,
+    ):
+        v = cfg.validation
+        self.cfg, self.pd, self.model_parts, self.device = cfg, pd, model_parts, device
+        self.loss_fn, self.loss_parallel = loss_fn, loss_parallel
+        self.freq, self.last_step = v.freq, cfg.training.steps
+        self.data: PackedDataLoader = build_validation_dataloader(
+            cfg, tokenizer, batch_rank=pd.coordinate("batch"), batch_degree=pd.size("batch")
+        )
+        self._start = self.data.state_dict()  # every evaluation starts here
+        self.steps = v.steps if v.steps > 0 else one_pass_steps(cfg, self.data)
+        self.tokens_per_step = self.data.tokens_per_step
+        self.pipeline = None
+        if train_pipeline is not None:
+            # same schedule class, stages and micro-batch count; the validation batch shape
+            self.pipeline = build_pipeline_schedule(
+                train_pipeline.modules,
+                [stage.stage_index for stage in train_pipeline.stages],
+                pd,
+                train_pipeline.schedule_name,
+                train_pipeline.n_microbatches,
+                loss_fn,
+                local_batch_size=v.local_batch_size,
+                seq_len=v.seq_len,
+                activation_dtype=stage_activation_dtype(cfg.parallelism.mixed_precision_param),
+                loss_parallel=loss_parallel,
+            )
+
+    def should_run(self, step: int) -> bool:
+        return step % self.freq == 0 or step == self.last_step
+
+    def _shard_for_cp(self, t: torch.Tensor) -> torch.Tensor:
+        return load_balanced_shard(t, 1, self.pd.coordinate("cp"), self.pd.size("cp"))
+
+    @torch.no_grad()
+    def validate(self) -> ValidationResult:
+        start = time.perf_counter()
+        self.data.load_state_dict(self._start)
+        moes = [moe for part in self.model_parts for moe in part.moe_layers()]
+        routing = [moe.tokens_per_expert.clone() for moe in moes]
+        modes = [part.training for part in self.model_parts]
+        for part in self.model_parts:
+            part.eval()
+        try:
+            loss_sum = self._evaluate()
+        finally:
+            for part, mode in zip(self.model_parts, modes):
+                part.train(mode)
+            for moe, counts in zip(moes, routing):
+                moe.tokens_per_expert.copy_(counts)
+        if self.pipeline is not None:
+            loss_sum = sum_loss_over_pp(loss_sum, self.pd.get_optional_mesh("pp"), self.device)
+        loss_mesh = self.pd.get_optional_mesh("loss")
+        if loss_mesh is not None:
+            dist.all_reduce(loss_sum, group=loss_mesh.get_group())
+        loss = loss_sum.item() / self.steps  # each step's sum is that step's token-weighted mean
+        return ValidationResult(loss, self.steps, self.steps * self.tokens_per_step, time.perf_counter() - start)
+
+    def _evaluate(self) -> torch.Tensor:
+        """This rank's share of the sum over steps of each step's loss (token losses / the
+        step's global token count); on pp ranks without the last stage, zero."""
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        global_tokens = self.tokens_per_step
+        model = self.model_parts[0]
+        for _ in range(self.steps):
+            for inputs, labels in self.data.next_step():
+                inputs = self._shard_for_cp(inputs).to(self.device, non_blocking=True)
+                labels = self._shard_for_cp(labels).to(self.device, non_blocking=True)
+                if self.pipeline is not None:
+                    part = pipeline_step(self.pipeline, inputs, labels, global_tokens, forward_only=True)
+                    if part is not None:
+                        loss_sum += _full(part).float()
+                    continue
+                with loss_parallel_context(self.loss_parallel):
+                    logits = model(inputs)
+                    loss = self.loss_fn(logits, labels) / global_tokens
+                loss_sum += _full(loss).float()
+        return loss_sum
