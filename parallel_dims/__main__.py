@@ -3,6 +3,9 @@
     python -m parallel_dims --world-size 4096 --dp-shard -1 --cp 2 --tp 8 --pp 4 --ep 64 \
         --rank 17 --gpus-per-node 8 [--json]
 
+``python -m parallel_dims plan --model M --flavor F --world-size N ...`` runs the layout planner
+instead (``tools/planner``: every valid layout ranked by estimated tokens/s per GPU).
+
 The meshes are really built, for the chosen rank, on torch's ``fake`` backend (no GPU, no other
 processes), and checked against the layout layer. The output names the mesh builder used
 (``layout`` or ``portable``; ``MESHTRAIN_MESH_BUILDER`` forces one). Invalid degrees print the
@@ -207,7 +210,18 @@ def plan(args) -> tuple[dict, str]:
     return info, format_plan(job, dry)
 
 
+def _layout_planner(argv: list[str]) -> int:
+    """``python -m parallel_dims plan ...``: the layout planner (tools/planner), imported only
+    here: parallel_dims itself imports nothing from models, trainer or tools."""
+    from tools.planner.cli import main as planner_main
+
+    return planner_main(argv)
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plan":
+        return _layout_planner(argv[1:])
     args = _parse(argv)
     try:
         if args.config:

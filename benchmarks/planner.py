@@ -1,0 +1,155 @@
+"""The layout planner's ranking against measured step times on CPU (issue 15, item 3).
+
+Six layouts of the llama3 debug model on 2 gloo processes (train.py through torchrun, one
+thread per process) are timed, and the planner estimates each one with a CPU profile measured
+in the same run: the compute rate is the FLOP/s a 1-process, 1-thread train.py run achieves
+(efficiency 1), the network is gloo on this host (bandwidth and latency from timed all-reduces of
+two sizes between 2 processes). Reported: measured and predicted step times, their ratio per
+layout, both rankings and Spearman's rank correlation; ``rank_match`` says whether the orders
+agree exactly. On 2 shared cores the measured times are noisy: compare the ranking, not the
+absolute ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ, GLOBAL_BATCH, LOCAL_BATCH, STEPS, WARMUP = 256, 8, 4, 8, 3
+LAYOUTS = {
+    "fsdp2": {"dp_shard": 2},
+    "hsdp_replicate2": {"dp_replicate": 2, "dp_shard": 1},
+    "tp2": {"dp_shard": 1, "tp": 2},
+    "cp2": {"dp_shard": 1, "cp": 2},
+    "pp2_1f1b": {"dp_shard": 1, "pp": 2},
+    "fsdp2_full_ac": {"dp_shard": 2, "ac": "full"},
+}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _train(nproc: int, settings: dict) -> float:
+    """Median step time (s) of ``train.py`` after the warm-up steps."""
+    args = [
+        "--config", "llama3.toml", "--training.seq_len", str(SEQ), "--training.global_batch_size",
+        str(GLOBAL_BATCH), "--training.local_batch_size", str(LOCAL_BATCH), "--training.steps", str(STEPS),
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
+    ]  # fmt: skip
+    for key, value in settings.items():
+        if key == "ac":
+            args += ["--activation_checkpoint.mode", value]
+        else:
+            args += [f"--parallelism.{key}", str(value)]
+    if nproc == 1:
+        cmd = [sys.executable, "train.py"]
+    else:
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([*cmd, *args, "--job.dump_folder", d], cwd=ROOT, check=True, capture_output=True, env=_env())
+        records = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    return statistics.median(r["elapsed_s"] for r in records if r["step"] > WARMUP)
+
+
+def _gloo_times(rank: int, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for nbytes in (1024, 8 * 2**20):
+        t = torch.zeros(nbytes // 4)
+        for _ in range(3):
+            dist.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(10):
+            dist.all_reduce(t)
+        out[nbytes] = (time.perf_counter() - start) / 10
+    return out
+
+
+def cpu_profile() -> dict:
+    """Compute rate and gloo link figures of this host, as planner hardware keys."""
+    from tools.launcher import run_distributed
+    from tools.planner.inventory import model_flops
+
+    step = _train(1, {"dp_shard": 1})
+    flops_tok, _ = model_flops("llama3", "debugmodel", SEQ, max_seq_len=2048)
+    rate = flops_tok * GLOBAL_BATCH * SEQ / step
+    times = run_distributed(_gloo_times, 2, env=_env())[0]
+    small, big = times[1024], times[8 * 2**20]
+    # ring all-reduce over 2 ranks: latency = base + 2 hops, bytes moved = size (2 * (n-1)/n)
+    bw = (8 * 2**20 - 1024) / max(big - small, 1e-9)
+    return {
+        "peak_flops_fp32": rate,
+        "peak_flops_bf16": rate,
+        "memory_gib": 64.0,
+        "reserve_gib": 0.0,
+        "intra_node_gbps": bw / 1e9,
+        "intra_node_hop_us": small * 1e6 / 2,
+        "base_latency_us": 0.0,
+    }
+
+
+def _spearman(a: list[str], b: list[str]) -> float:
+    n = len(a)
+    pos = {name: i for i, name in enumerate(b)}
+    d2 = sum((i - pos[name]) ** 2 for i, name in enumerate(a))
+    return 1 - 6 * d2 / (n * (n * n - 1))
+
+
+def run() -> dict:
+    import dataclasses
+
+    from parallel_dims.layout import validate_degrees
+    from tools.planner.collectives import LayoutChoice
+    from tools.planner.estimate import Job, estimate
+    from tools.planner.hardware import load_hardware
+
+    profile = cpu_profile()
+    hw = dataclasses.replace(load_hardware("h100"), name="cpu", **profile)
+    job = Job("llama3", "debugmodel", 2, 2, SEQ, GLOBAL_BATCH, hw, 1.0, "float32", "float32")
+    rows = {}
+    for name, settings in LAYOUTS.items():
+        degrees = {k: v for k, v in settings.items() if k != "ac"}
+        d = validate_degrees(world_size=2, **degrees)
+        choice = LayoutChoice(
+            global_batch=GLOBAL_BATCH, local_batch=LOCAL_BATCH, seq_len=SEQ,
+            schedule="1F1B" if d.pp > 1 else None, n_microbatches=d.pp if d.pp > 1 else None,
+            ac=settings.get("ac", "none"), param_dtype="float32", reduce_dtype="float32",
+        )  # fmt: skip
+        predicted = estimate(job, d, choice).time["total"]
+        measured = _train(2, settings)
+        rows[name] = {
+            "measured_step_s": round(measured, 4),
+            "predicted_step_s": round(predicted, 4),
+            "predicted_over_measured": round(predicted / measured, 3),
+        }
+    by_measured = sorted(rows, key=lambda n: rows[n]["measured_step_s"])
+    by_predicted = sorted(rows, key=lambda n: rows[n]["predicted_step_s"])
+    result = {
+        "profile": {k: round(v, 3) if isinstance(v, float) else v for k, v in profile.items()},
+        "layouts": rows,
+        "ranking_measured": by_measured,
+        "ranking_predicted": by_predicted,
+        "spearman": round(_spearman(by_measured, by_predicted), 3),
+        "rank_match": by_measured == by_predicted,
+    }
+    print(
+        f"planner: measured order {by_measured}; predicted {by_predicted}; spearman {result['spearman']}",
+        file=sys.stderr,
+    )
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(), indent=1))

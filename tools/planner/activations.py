@@ -1,0 +1,168 @@
+"""Activation memory per micro-batch, derived from what the model code saves for backward.
+
+Every term below is a tensor autograd (or activation checkpointing) keeps alive from the end
+of the forward to the backward, read off the forward code of ``models/common`` (RMSNorm,
+SwiGLU), ``models/llama3/model.py`` (GQA attention, RoPE), ``models/deepseek_v3`` (MLA, MoE)
+and torch's derivative formulas; checked term by term against
+:func:`tools.planner.measure.measure_activations` on CPU (exact for the debug models in float32
+and bfloat16, ``tests/unit/test_planner.py``). Notation, per rank and micro-batch: ``b``
+sequences of ``s = seq_len / cp`` local tokens, ``T = b*s``; ``Tn = T / tp`` tokens where
+sequence parallelism shards them (norms, residual stream, MoE routing), ``T`` inside attention
+and the MLP; ``a`` bytes per activation element (the FSDP compute dtype); 4 = float32.
+
+* RMSNorm keeps its float32 input (``x.float()``; in float32 the input itself), the float32
+  ``rsqrt`` (``4 Tn``) and the normalized tensor before the gain (``a Tn D``); the residual
+  stream itself is kept only through these.
+* GQA attention: the projections' input (``a T D``, the norm output or, under TP, its
+  all-gathered copy), rotated q, k and v after head repetition (rotation multiplies by
+  constant RoPE rows, which saves no copy of q/k), the SDPA output and its float32
+  log-sum-exp (``4 b heads s``). Under CP the gathered K and V hold the whole sequence.
+* MLA: q and k after the rope concatenation, v padded to the q/k head dim (for the fused
+  kernel), the padded SDPA output and the sliced copy for ``wo``, plus the KV latent norm.
+* SwiGLU: ``w1`` output, its SiLU, ``w3`` output and their product (``4 a T F``).
+* MoE: router scores (float32 sigmoid/softmax), top-k indices, weights, the sort order and
+  token index (int64), the gathered expert input (``a Tk D``), the experts' SwiGLU on the
+  routed rows (``4 a Tk H``, ``Tk = Tn * top_k`` rows, balanced routing over ep assumed) and
+  the float32 weighted combine (``8 Tk D``), and the shared experts' SwiGLU.
+* Full AC keeps only each block's input (``a Tn D``); the backward recomputes one block at a
+  time, so the peak adds one block's no-AC activations (reported as ``recompute``).
+* Selective AC (``op``) keeps each block's input and the outputs of every matmul, grouped
+  matmul, SDPA and collective (``models/parallel/activation_checkpoint.py``: ``_SAVE_OPS``).
+* Outside the blocks: the final norm and its output, the logits (``a T V/tp``, kept by the
+  train step) and the float32 log-softmax of the loss (``4 T V/tp``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ActivationEstimate", "activation_bytes"]
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    layers: int  # bytes held by this rank's transformer layers
+    head: int  # final norm, logits and loss buffers (last stage only)
+    recompute: int  # transient peak of recomputing one block in backward (full AC)
+
+    @property
+    def held(self) -> int:
+        return self.layers + self.head
+
+
+def _norm(tn: int, d: int, a: int) -> int:
+    return 4 * tn * d + 4 * tn + a * tn * d
+
+
+def _gqa(args, t: int, b: int, s: int, tp: int, cp: int, a: int, ac: str) -> int:
+    nh, nkv, hd = args.n_heads // tp, args.kv_heads // tp, args.head_dim
+    qw, kvw = nh * hd, nkv * hd
+    if ac == "selective":  # q, k, v, o projections + SDPA output and lse
+        return a * t * (qw + 2 * kvw) + a * t * qw + 4 * b * nh * s + a * t * args.dim
+    rep_w = qw if nh != nkv else kvw
+    kv = 2 * a * t * rep_w * cp  # CP: K/V gathered over the whole sequence
+    return a * t * args.dim + a * t * qw + kv + a * t * qw + 4 * b * nh * s
+
+
+def _mla(args, t: int, b: int, s: int, tp: int, cp: int, a: int, ac: str) -> int:
+    nh = args.n_heads // tp
+    qk, r, rope, vd, nope = (
+        args.qk_head_dim,
+        args.kv_lora_rank,
+        args.qk_rope_head_dim,
+        args.v_head_dim,
+        args.qk_nope_head_dim,
+    )
+    q_lora = args.q_lora_rank
+    if ac == "selective":
+        out = a * t * (r + rope) + a * t * nh * (nope + vd) + a * t * nh * qk + 4 * b * nh * s + a * t * args.dim
+        out += a * t * nh * qk if q_lora == 0 else a * t * q_lora + a * t * nh * qk
+        return out
+    held = a * t * args.dim  # projections' input
+    if q_lora:
+        held += 4 * t * q_lora + 4 * t + 2 * a * t * q_lora  # q latent norm (float32 input, rsqrt, ...)
+    held += a * t * nh * qk  # q after the rope concatenation
+    held += 4 * t * (r + rope) if a == 4 else 4 * t * r  # kv latent norm's float32 input
+    held += 4 * t + 2 * a * t * r  # kv norm rsqrt, normalized latent, norm output
+    held += a * t * nh * qk * cp  # k (gathered under CP)
+    held += (a * t * nh * qk if vd < qk else a * t * nh * (nope + vd)) * cp  # v (padded)
+    held += 4 * b * nh * s + a * t * nh * qk  # lse, SDPA output (padded)
+    held += a * t * nh * vd if vd < qk else 0  # the sliced copy fed to wo
+    return held
+
+
+def _swiglu(t: int, hidden: int, a: int, ac: str, dim: int) -> int:
+    if ac == "selective":  # w1, w3, w2 outputs
+        return 2 * a * t * hidden + a * t * dim
+    return 4 * a * t * hidden
+
+
+def _moe(args, tn: int, tp: int, etp: int, a: int, ac: str) -> int:
+    k, e, d = args.n_activated_experts, args.n_routed_experts, args.dim
+    h = args.moe_inter_dim // etp
+    hs = args.moe_inter_dim * args.n_shared_experts // tp
+    tk = tn * k
+    shared = _swiglu(tn, hs, a, ac, d) if args.n_shared_experts else 0
+    if ac == "selective":  # gate, grouped GEMMs, shared experts' matmuls
+        return a * tn * e + 2 * a * tk * h + a * tk * d + shared
+    routing = 4 * tn * e + 8 * tk + 4 * tk + 4 * tn + 8 * tk + 8 * tk + tk + 4 * e
+    experts = a * tk * d + 4 * a * tk * h + 8 * tk * d + 4 * tk
+    return routing + experts + shared
+
+
+def layer_bytes(args, layer: int, b: int, seq_len: int, tp: int, cp: int, etp: int, sp: bool, a: int, ac: str) -> int:
+    """Bytes one transformer layer holds for backward (see the module docstring)."""
+    s = seq_len // cp
+    t = b * s
+    tn = t // tp if (sp and tp > 1) else t
+    d = args.dim
+    if ac == "full":
+        return a * tn * d
+    mla = hasattr(args, "kv_lora_rank")
+    attn = (_mla if mla else _gqa)(args, t, b, s, tp, cp, a, ac)
+    moe = args.has_experts and layer >= getattr(args, "n_dense_layers", 0)
+    gathered = tp > 1 and sp  # all-gathered copies of the norm outputs
+    if ac == "selective":
+        held = a * tn * d + attn  # block input + matmul/SDPA outputs
+        if moe:
+            held += _moe(args, tn, tp, etp, a, ac)
+        else:
+            hidden = (args.ffn_hidden_dim if not mla else args.inter_dim) // tp
+            held += _swiglu(t, hidden, a, ac, d)
+        if gathered:  # collective outputs are saved too: 2 all-gathers, 2 reduce-scatters
+            held += 2 * a * t * d + 2 * a * tn * d
+        return held
+    held = 2 * _norm(tn, d, a) + attn
+    if moe:
+        held += a * tn * d + _moe(args, tn, tp, etp, a, ac)  # + the router/shared input
+    else:
+        hidden = (args.ffn_hidden_dim if not mla else args.inter_dim) // tp
+        held += a * t * d + _swiglu(t, hidden, a, ac, d)
+    return held
+
+
+def head_bytes(args, b: int, seq_len: int, tp: int, cp: int, sp: bool, a: int) -> int:
+    t = b * (seq_len // cp)
+    tn = t // tp if (sp and tp > 1) else t
+    v = args.vocab_size // tp
+    return _norm(tn, args.dim, a) + a * t * args.dim + a * t * v + 4 * t * v
+
+
+def activation_bytes(
+    args, layers, b: int, seq_len: int, *, tp: int = 1, cp: int = 1, etp: int = 1, sp: bool = True,
+    act_bytes: int = 2, ac: str = "none", head: bool = True,
+) -> ActivationEstimate:  # fmt: skip
+    """Activations of one micro-batch of ``b`` sequences on one rank holding ``layers`` (and
+    the head when ``head``)."""
+    # layers of one kind (dense / MoE) hold the same bytes: compute one of each
+    first_moe = getattr(args, "n_dense_layers", 0) if args.has_experts else None
+    kinds: dict[bool, list[int]] = {}
+    for i in layers:
+        kinds.setdefault(first_moe is not None and i >= first_moe, []).append(i)
+    total = recompute = 0
+    for members in kinds.values():
+        total += len(members) * layer_bytes(args, members[0], b, seq_len, tp, cp, etp, sp, act_bytes, ac)
+        if ac == "full":
+            recompute = max(recompute, layer_bytes(args, members[0], b, seq_len, tp, cp, etp, sp, act_bytes, "none"))
+    h = head_bytes(args, b, seq_len, tp, cp, sp, act_bytes) if head else 0
+    return ActivationEstimate(total, h, recompute)

@@ -1,0 +1,228 @@
+"""``python -m parallel_dims plan`` / ``python -m tools.planner``: rank every valid layout of a
+model on a cluster by estimated tokens/s per GPU within the GPU's memory.
+
+    python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 \\
+        --gpus-per-node 8 --gpu h100 --seq-len 8192 --global-batch 512 [--top 10] [--json] [--toml PATH]
+
+Exit codes: 0 a plan was printed; 1 no layout fits (the output names the smallest world size
+that would); 2 bad input (unknown model, flavor or GPU: the valid choices are listed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .estimate import Estimate, Job, plan_layouts, smallest_world_size, summarize_losers
+from .hardware import GIB, load_hardware
+
+__all__ = ["main", "toml_snippet"]
+
+_ASSUMPTIONS = [
+    "memory: fp32 master params, grads and AdamW (2 fp32 states), FSDP2 padding included; "
+    "gathered compute-dtype params and unsharded grads in flight; activations per micro-batch "
+    "from the model code x the micro-batches the schedule keeps in flight; logits + fp32 loss buffers",
+    "compute: the trainer's FLOPs per token (model.flops_per_token) x tokens per GPU / "
+    "(peak x efficiency); full AC adds one forward of the blocks; selective AC recomputes no matmul",
+    "communication: ring all-gather / reduce-scatter / all-reduce, torch's DTensor cost model "
+    "(torch/distributed/tensor/_collective_utils.py); an axis whose groups cross nodes uses the "
+    "inter-node figures",
+    "overlap: FSDP all-gathers, reduce-scatters and HSDP all-reduces hide behind compute except "
+    "the first and the last; TP, CP, EP, PP and loss collectives are exposed",
+    "bubble: the schedule's textbook idle fraction (models/parallel/pipeline/plan.py bubble_fraction)",
+]
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m parallel_dims plan",
+        description="Rank every valid layout of a model on a cluster by estimated tokens/s per GPU.",
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--flavor", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100", help="h100, h200, a100, b200")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--toml", metavar="PATH", help="write the winner as a config snippet")
+    p.add_argument(
+        "--efficiency", "--mfu", type=float, default=0.5, dest="efficiency",
+        help="achieved fraction of the GPU's peak FLOP/s for the compute (default 0.5)",
+    )  # fmt: skip
+    p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="FSDP compute dtype (mixed_precision_param; default bfloat16, as the shipped real-size configs)")  # fmt: skip
+    p.add_argument("--reduce-dtype", default="float32", choices=("bfloat16", "float32"))
+    p.add_argument("--reserve-gib", type=float, default=None, help="GPU memory kept free (default 6 GiB)")
+    p.add_argument("--memory-gib", type=float, default=None, help="override the GPU's memory")
+    p.add_argument("--profile", metavar="FILE", help="JSON with hardware keys overriding the GPU table")
+    p.add_argument("--ac", nargs="*", choices=("none", "selective", "full"), help="AC modes to consider (default all)")
+    return p.parse_args(argv)
+
+
+def _job(args) -> Job:
+    from models.registry import flavor_names, model_names
+
+    if args.model not in model_names():
+        raise ValueError(f"unknown model {args.model!r}; valid models: {', '.join(model_names())}")
+    if args.flavor not in flavor_names(args.model):
+        raise ValueError(
+            f"unknown flavor {args.flavor!r} for model {args.model!r}; valid flavors: "
+            f"{', '.join(flavor_names(args.model))}"
+        )
+    for name in ("world_size", "gpus_per_node", "seq_len", "global_batch", "top"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    hw = load_hardware(args.gpu, args.profile, reserve_gib=args.reserve_gib, memory_gib=args.memory_gib)
+    return Job(
+        args.model, args.flavor, args.world_size, args.gpus_per_node, args.seq_len, args.global_batch, hw,
+        args.efficiency, args.param_dtype, args.reduce_dtype,
+    )  # fmt: skip
+
+
+def toml_snippet(e: Estimate, job: Job) -> str:
+    """The layout as the trainer's config sections (merge into a config, or pass with
+    ``--config``): degrees, FSDP and pipeline settings, AC, and the batch split."""
+    from parallel_dims.axes import AXES
+
+    d, c = e.degrees, e.choice
+    lines = [
+        f"# layout planner: {job.model}/{job.flavor} on {job.world_size} x {job.hardware.name} "
+        f"({job.gpus_per_node} per node), seq_len {job.seq_len}, global batch {job.global_batch}",
+        f"# estimate: {e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {e.memory['total'] / GIB:.1f} GiB per GPU",
+        "[parallelism]",
+    ]
+    lines += [f"{a.config_key} = {getattr(d, a.name)}" for a in AXES]
+    lines += [
+        f'fsdp_reshard_after_forward = "{c.reshard}"',
+        f'mixed_precision_param = "{c.param_dtype}"',
+        f'mixed_precision_reduce = "{c.reduce_dtype}"',
+        "enable_sequence_parallel = true",
+        "enable_loss_parallel = true",
+    ]
+    if d.pp > 1:
+        lines += [
+            f'pipeline_parallel_schedule = "{c.schedule}"',
+            f"pipeline_parallel_microbatches = {c.n_microbatches}",
+        ]
+    lines += [
+        "",
+        "[activation_checkpoint]",
+        f'mode = "{c.ac}"',
+        "",
+        "[training]",
+        f"global_batch_size = {c.global_batch}",
+        f"local_batch_size = {c.local_batch}",
+        f"seq_len = {c.seq_len}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _row(i: int, e: Estimate) -> str:
+    d, c = e.degrees, e.choice
+    sched = f"{c.schedule}/{c.n_microbatches}" if d.pp > 1 else "-"
+    return (
+        f"{i:>3} {e.tokens_per_s_per_gpu:>9,.0f} {e.time['total']:>8.2f}  {d.dp_replicate:>3} {d.dp_shard:>4} "
+        f"{d.cp:>3} {d.tp:>3} {d.pp:>3} {d.ep:>3} {d.etp:>3}  {sched:<24}{c.local_batch:>4} x {e.grad_accum:<3}"
+        f"{c.ac:<10}{c.reshard:<8}{e.memory['total'] / GIB:>7.1f}  {','.join(e.crosses_nodes) or '-'}"
+    )
+
+
+def _breakdown(e: Estimate) -> list[str]:
+    m = {k: v / GIB for k, v in e.memory.items()}
+    t = e.time
+    comm = ", ".join(f"{k} {v:.3f}" for k, v in sorted(t["comm"].items(), key=lambda kv: -kv[1]))
+    return [
+        f"      memory GiB: params {m['params']:.2f} + grads {m['grads']:.2f} + optimizer {m['optimizer']:.2f} + "
+        f"gathered params {m['gathered_params']:.2f} + unsharded grads {m['unsharded_grads']:.2f} + "
+        f"activations {m['activations']:.2f} = {m['total']:.2f}",
+        f"      time s: compute {t['compute']:.3f} + recompute {t['recompute']:.3f} + exposed comm "
+        f"{t['comm_exposed_fsdp'] + t['comm_exposed_other']:.3f} + bubble {t['bubble']:.3f} "
+        f"= {t['total']:.3f}; comm per axis (before overlap): {comm or 'none'}",
+    ]
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    try:
+        job = _job(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ac = tuple(args.ac) if args.ac else ("none", "selective", "full")
+    start = time.perf_counter()
+    result = plan_layouts(job, ac_modes=ac)
+    elapsed = time.perf_counter() - start
+    ests = result.estimates
+    fitting = [e for e in ests if e.fits]
+    hw = job.hardware
+    if not fitting:
+        smallest = smallest_world_size(job)
+        where = (
+            f"the smallest world size that fits is {smallest} ({smallest // job.gpus_per_node} nodes of "
+            f"{job.gpus_per_node})"
+            if smallest
+            else f"nothing fits up to {64 * job.world_size} GPUs"
+        )
+        msg = (
+            f"no layout of {job.model}/{job.flavor} fits {job.world_size} x {hw.name} "
+            f"({hw.memory_gib:g} GiB - {hw.reserve_gib:g} GiB reserve) at seq_len {job.seq_len}, global batch "
+            f"{job.global_batch}: {result.layouts:,} valid layouts, all out of memory; {where}"
+        )
+        if args.json:
+            print(json.dumps({"fits": False, "layouts": result.layouts, "smallest_world_size": smallest,
+                              "message": msg}, indent=1))  # fmt: skip
+        else:
+            print(msg)
+        return 1
+    top = fitting[: args.top]
+    reasons = summarize_losers(result, job, len(top))
+    if args.toml:
+        with open(args.toml, "w") as f:
+            f.write(toml_snippet(top[0], job))
+    if args.json:
+        print(json.dumps({
+            "model": job.model, "flavor": job.flavor, "world_size": job.world_size,
+            "gpus_per_node": job.gpus_per_node, "gpu": hw.name, "seq_len": job.seq_len,
+            "global_batch": job.global_batch, "efficiency": job.efficiency, "layouts": result.layouts,
+            "fitting": len(fitting), "assumptions": _ASSUMPTIONS,
+            "top": [e.as_json() for e in top], "losing_reasons": dict(reasons.most_common()),
+        }, indent=1))  # fmt: skip
+        return 0
+    tokens = job.global_batch * job.seq_len
+    print(
+        f"layout plan: {job.model}/{job.flavor} on {job.world_size} x {hw.name} ({job.gpus_per_node} per node), "
+        f"seq_len {job.seq_len}, global batch {job.global_batch} ({tokens:,} tokens/step)"
+    )
+    print(
+        f"hardware: {hw.peak_flops(job.param_dtype) / 1e12:.0f} TFLOP/s peak ({job.param_dtype}) x efficiency "
+        f"{job.efficiency:.2f}; {hw.memory_gib:g} GiB - {hw.reserve_gib:g} GiB reserve; links {hw.intra_node_gbps:g} GB/s, "
+        f"{hw.intra_node_hop_us:g} us/hop in a node, {hw.inter_node_gbps:.1f} GB/s, {hw.inter_node_hop_us:g} us/hop across"
+    )
+    print(
+        f"{result.layouts:,} valid layouts ({len(fitting):,} fit), searched in {elapsed:.1f} s; top {len(top)} by "
+        f"estimated tokens/s per GPU:\n"
+    )
+    print(
+        f"{'#':>3} {'tok/s/GPU':>9} {'step s':>8}  {'dpr':>3} {'dps':>4} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} "
+        f"{'etp':>3}  {'schedule/microbatches':<24}{'lbs x acc':<10}{'ac':<10}{'reshard':<8}{'GiB':>6}  crosses nodes"
+    )
+    for i, e in enumerate(top, 1):
+        print(_row(i, e))
+        for line in _breakdown(e):
+            print(line)
+    print("\nwhy the other layouts lost: " + "; ".join(f"{r} {n:,}" for r, n in reasons.most_common()))
+    print("assumptions:\n" + "\n".join(f"  - {a}" for a in _ASSUMPTIONS))
+    if args.toml:
+        print(f"\nwrote the winner to {args.toml}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The collectives one rank issues in one training step, predicted from the layout.
+
+Record convention (what :func:`predict_collectives` returns and what a recorder must match):
+
+* one record per distinct ``(kind, mesh, bytes)``: ``{"kind", "mesh", "count", "bytes"}``;
+* ``kind``: ``all_gather`` | ``reduce_scatter`` | ``all_reduce`` | ``all_to_all`` | ``send_recv``;
+* ``mesh``: the ``ParallelDims`` name of the process group the call runs on: ``fsdp`` /
+  ``efsdp`` (FSDP2's shard dimension for dense / expert parameters), ``dp_replicate`` (HSDP's
+  gradient all-reduce), ``tp``, ``cp``, ``ep``, ``etp``, ``pp``, ``loss``;
+* ``bytes``: the buffer ONE call carries on this rank: all-gather its OUTPUT (the gathered
+  buffer), reduce-scatter its INPUT (the full buffer before scattering), all-reduce the
+  tensor, all-to-all the input this rank sends, send/recv one message; ``count``: calls per
+  optimizer step;
+* only groups with more than one rank (a size-1 axis has a placeholder group and moves no
+  data; a recorder should drop them).
+
+Exact by construction (sizes from :mod:`tools.planner.inventory`, whose shard sizes the tests
+check against the real sharded model): FSDP2's all-gathers (one per FSDP group per unshard,
+parameters cast to the compute dtype, dim 0 padded to the shard count) and reduce-scatters
+(gradients in the reduce dtype, padded), HSDP's all-reduce of the reduce-scattered shard,
+the loss all-reduce over ``loss``, the pipeline loss sum and grad-norm sum over ``pp``, the
+grad-norm all-reduces over each sharded mesh dimension (one float32 scalar per distinct
+gradient sharding; exact for tp = 1, see below), and the MoE load counts over ``loss`` and
+``tp``.
+
+Modelled, not yet checked against a recording: the activation collectives of TP/SP (per layer
+and micro-batch: all-gather of the attention and MLP inputs, reduce-scatter of their outputs,
+mirrored in backward, re-issued by full-AC recomputation), loss parallel's small all-reduces,
+TP-sharded norm-weight gradient reductions (not listed), CP's K/V all-gather and its backward
+reduce-scatter, EP's token all-to-alls (their sizes depend on routing: balanced routing is
+assumed), PP activations and gradients. Grad-norm reductions are listed per distinct
+``(mesh dims, placements)``; ``trainer/grad_clip.py`` groups by mesh *object*, and FSDP2 + TP
+creates several equal 2-D meshes, so with tp > 1 it issues more of these 4-byte all-reduces.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+__all__ = ["LayoutChoice", "predict_collectives"]
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """Everything besides the degrees that changes what a step runs."""
+
+    global_batch: int
+    local_batch: int  # sequences per micro-batch per rank (training.local_batch_size)
+    seq_len: int
+    schedule: str | None = None  # pp > 1
+    n_microbatches: int | None = None  # pipeline micro-batches per local batch
+    ac: str = "none"
+    reshard: str = "default"  # fsdp_reshard_after_forward
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_dtype != "float32" or self.reduce_dtype != "float32"
+
+
+def grad_accum_steps(choice: LayoutChoice, degrees) -> int:
+    return choice.global_batch // (degrees.dp_replicate * degrees.dp_shard * choice.local_batch)
+
+
+def stage_layers(params_args, degrees, choice: LayoutChoice, rank: int, layout):
+    """[(layers, has_embed, has_head)] of the pipeline stages ``rank`` runs."""
+    n_layers = params_args.n_layers
+    if degrees.pp == 1:
+        return [(range(n_layers), True, True)], None
+    return _stages(n_layers, degrees.pp, choice.schedule, choice.n_microbatches, choice.local_batch,
+                   layout.coordinate("pp", rank))  # fmt: skip
+
+
+@lru_cache(maxsize=65536)
+def _stages(n_layers: int, pp: int, schedule: str, m: int, local_batch: int, pp_rank: int):
+    from models.parallel.pipeline.plan import plan_stages
+
+    plan = plan_stages(n_layers, pp, schedule, m, local_batch)
+    stages = []
+    for s in plan.rank_stages[pp_rank]:
+        lo, hi = plan.layer_ranges[s]
+        stages.append((range(lo, hi), s == 0, s == plan.num_stages - 1))
+    return stages, plan
+
+
+def _fsdp_reshard(policy: str, pp: bool, size: int) -> bool:
+    from models.parallel.fsdp import reshard_policy
+
+    return reshard_policy(policy, pp, size)
+
+
+def predict_collectives(
+    model: str, flavor: str, degrees, choice: LayoutChoice, rank: int = 0, layout=None, **overrides
+):
+    """Collectives ``rank`` issues in one optimizer step (see the module docstring), as a list
+    of records sorted by mesh, kind and bytes."""
+    from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
+
+    _, args = model_inventory(model, flavor, **overrides)
+    layout = layout or cached_layout(degrees)
+    d = degrees
+    pb, rb = _BYTES[choice.param_dtype], _BYTES[choice.reduce_dtype]
+    a = pb  # activations are in the compute dtype
+    accum = grad_accum_steps(choice, d)
+    stages, plan = stage_layers(args, d, choice, rank, layout)
+    pp = d.pp > 1
+    m = choice.n_microbatches if pp else 1
+    mb = choice.local_batch // m  # sequences per forward
+    forwards = accum * m  # forward passes per stage per step
+    syncs = accum if pp else 1  # gradient reductions per FSDP group per step
+    rec: Counter = Counter()
+    has_moe = args.has_experts
+    dense_size, expert_size, separate = fsdp_meshes(d, has_moe, choice.mixed)
+
+    key = tuple(sorted(overrides.items()))
+    for layers, embed, head in stages:
+        groups = stage_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head)
+        last_block = f"layers.{max(layers)}" if len(layers) else None
+        for g in groups:
+            if g.name is None:
+                continue
+            if g.size > 1:
+                flag = g.name not in ("head", last_block) and _fsdp_reshard(choice.reshard, pp, g.size)
+                gathers = accum if pp else accum * (2 if flag else 1)
+                rec[("all_gather", g.mesh, g.unsharded * pb)] += gathers
+                rec[("reduce_scatter", g.mesh, g.unsharded * rb)] += syncs
+            if d.dp_replicate > 1:
+                rec[("all_reduce", "dp_replicate", g.shard * rb)] += syncs
+
+        if d.tp > 1:
+            s_local = choice.seq_len // d.cp
+            t = mb * s_local
+            full = a * t * args.dim
+            recompute = 1 if choice.ac == "full" else 0
+            n = len(layers)
+            if choice.sequence_parallel:
+                # forward: AG attn input, AG mlp/shared-expert input, RS of both outputs;
+                # backward mirrors (RS, AG); full AC re-runs the forward ones
+                rec[("all_gather", "tp", full)] += forwards * n * (2 + 2 + 2 * recompute)
+                rec[("reduce_scatter", "tp", full)] += forwards * n * (2 + 2 + 2 * recompute)
+                if embed:  # Rowwise embedding: RS forward, AG backward
+                    rec[("reduce_scatter", "tp", full)] += forwards
+                    rec[("all_gather", "tp", full)] += forwards
+                if head:  # Colwise output on sequence-sharded input: AG forward, RS backward
+                    rec[("all_gather", "tp", full)] += forwards
+                    rec[("reduce_scatter", "tp", full)] += forwards
+            else:
+                # forward: all-reduce of the attention and MLP outputs; backward: of their
+                # input gradients
+                rec[("all_reduce", "tp", full)] += forwards * n * (4 + 2 * recompute)
+            if head and choice.loss_parallel:
+                # loss parallel: max, sum-exp and target-logit all-reduces over [tokens] fp32
+                rec[("all_reduce", "tp", 4 * t)] += forwards * 3
+
+        if d.cp > 1:
+            s_local = choice.seq_len // d.cp
+            t = mb * s_local
+            kv = _kv_bytes_per_token(args, d.tp) * a * t * d.cp  # gathered packed K and V
+            n = len(layers)
+            recompute = 1 if choice.ac == "full" else 0
+            rec[("all_gather", "cp", kv)] += forwards * n * (1 + recompute)
+            rec[("reduce_scatter", "cp", kv)] += forwards * n
+
+        moe_layers = [i for i in layers if args.has_experts and i >= getattr(args, "n_dense_layers", 0)]
+        if moe_layers and d.ep > 1:
+            tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
+            rows = tn * args.n_activated_experts * a * args.dim  # balanced routing assumed
+            n = len(moe_layers)
+            recompute = 1 if choice.ac == "full" else 0
+            rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * n * (1 + recompute)
+            # dispatch + combine forward, their backward all-to-alls
+            rec[("all_to_all", "ep", rows)] += forwards * n * (4 + 2 * recompute)
+
+        if pp and plan is not None:
+            t = mb * (choice.seq_len // d.cp)
+            msg = a * t * args.dim  # full-sequence activations between stages (SP gathers them)
+            if not embed:
+                rec[("send_recv", "pp", msg)] += forwards * 2  # recv activation, send its grad
+            if not head:
+                rec[("send_recv", "pp", msg)] += forwards * 2  # send activation, recv grad
+
+    # once per step
+    loss_size = d.dp_replicate * d.dp_shard * d.cp
+    if loss_size > 1:
+        rec[("all_reduce", "loss", 4)] += 1
+    if pp:
+        rec[("all_reduce", "pp", 4)] += 2  # grad-norm squares, loss sum over stages
+    for mesh in _grad_norm_meshes(d, has_moe, dense_size, expert_size, separate, choice):
+        rec[("all_reduce", mesh, 4)] += 1
+    if has_moe:
+        n_moe = sum(1 for layers, _, _ in stages for i in layers if i >= getattr(args, "n_dense_layers", 0))
+        if n_moe:
+            counts = 4 * n_moe * args.n_routed_experts
+            for mesh, size in (("loss", loss_size), ("tp", d.tp)):
+                if size > 1:
+                    rec[("all_reduce", mesh, counts)] += 1
+    return [
+        {"kind": k, "mesh": mesh, "count": c, "bytes": int(b)}
+        for (k, mesh, b), c in sorted(rec.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))
+        if c
+    ]
+
+
+def _kv_bytes_per_token(args, tp: int) -> int:
+    """Elements of K plus V per token after head repetition (what the CP core gathers)."""
+    if hasattr(args, "kv_lora_rank"):
+        return 2 * (args.n_heads // tp) * args.qk_head_dim  # v padded to the q/k head dim
+    return 2 * (args.n_heads // tp) * args.head_dim
+
+
+def _grad_norm_meshes(d, has_moe, dense_size, expert_size, separate, choice) -> list[str]:
+    """One float32 all-reduce per sharded mesh dimension of each distinct gradient sharding
+    (``trainer/grad_clip.py``: the sum of squares of a sharded DTensor is partial on its
+    sharded dimensions)."""
+    meshes: list[str] = []
+    if dense_size is not None and dense_size > 1:
+        meshes.append("fsdp")
+    if d.tp > 1:
+        meshes.append("tp")  # TP-sharded weights (colwise / rowwise / embeddings)
+    if separate and expert_size is not None:
+        if expert_size > 1:
+            meshes.append("efsdp")
+        if d.ep > 1:
+            meshes.append("ep")
+        if d.etp > 1:
+            meshes.append("etp")
+    return meshes

@@ -1,0 +1,447 @@
+"""Enumerate every valid layout of a job, estimate each one's memory and step time, rank them.
+
+Validity comes from the code the trainer runs, never from rules restated here:
+``parallel_dims.validate_degrees`` (through ``ParallelDims``), the model rules
+(``models.parallelize.check_model_fits_layout``: heads and KV heads vs tp, experts vs ep,
+seq_len vs cp and tp, layers vs pp, experts need sequence parallel under tp), the batch rules
+(``ParallelDims.check_model`` and ``trainer.config.gradient_accumulation_steps``) and the
+pipeline rules (``models.parallel.pipeline.plan_stages``: stage counts per schedule,
+micro-batch counts). ``trainer.plan.plan_job`` runs the same checks; the tests feed emitted
+layouts back through it.
+
+Estimates, per rank (the worst rank: coordinate 0 of every axis, first and last pipeline
+stage) -- every assumption is also printed with the result:
+
+* memory: fp32 parameters and gradients (FSDP2's padded chunks), AdamW's two fp32 states
+  (unpadded), the compute-dtype copies FSDP gathers (the three largest groups when resharding
+  after forward: the current one, the prefetched one and the kept last block or head; every
+  group otherwise), unsharded gradients (two groups in flight; all of them
+  while gradient accumulation or pipeline micro-batches defer the reduce-scatter),
+  activations (:mod:`tools.planner.activations`) times the micro-batches a schedule keeps in
+  flight (1F1B-like: min(m, pp) on the first stage; GPipe / LoopedBFS: all m; interleaved:
+  its warm-up chunks), the logits and loss buffers; ``fits`` when the total is at most the
+  GPU's memory minus the reserve;
+* time: compute = the trainer's FLOPs per token x tokens per GPU per step / (peak x
+  efficiency), plus one forward of the blocks under full AC; communication = every collective
+  of :func:`tools.planner.collectives.predict_collectives` priced by the ring model of
+  :mod:`tools.planner.hardware` (inter-node figures for an axis whose groups cross nodes,
+  ``RankLayout.crosses_nodes``); FSDP's all-gathers, reduce-scatters and HSDP all-reduces
+  overlap with compute except the first all-gather and the last reduce-scatter (exposed: the
+  larger of those two and what exceeds the compute time); TP, CP, EP, PP and loss
+  collectives are exposed (not overlapped); pipeline bubble = the textbook fraction of the
+  schedule (``bubble_fraction``) of the busy time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from models.parallel.pipeline.plan import bubble_fraction as bubble_fraction_of
+
+from .activations import activation_bytes
+from .collectives import LayoutChoice, grad_accum_steps, predict_collectives, stage_layers
+from .hardware import GIB, Hardware, collective_seconds
+from .inventory import cached_layout, fsdp_meshes, model_flops, model_inventory, stage_summary
+
+__all__ = ["Estimate", "Job", "PlanResult", "enumerate_layouts", "estimate", "plan_layouts", "smallest_world_size"]
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+AC_MODES = ("none", "selective", "full")
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+FSDP_OVERLAPPED = ("fsdp", "efsdp", "dp_replicate")
+
+
+@dataclass(frozen=True)
+class Job:
+    model: str
+    flavor: str
+    world_size: int
+    gpus_per_node: int
+    seq_len: int
+    global_batch: int
+    hardware: Hardware
+    efficiency: float = 0.5  # achieved fraction of peak FLOP/s for the compute
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+
+    @property
+    def overrides(self) -> dict:
+        return _overrides(self.model, self.flavor, self.seq_len)
+
+
+@lru_cache(maxsize=64)
+def _overrides_cached(model: str, flavor: str, seq_len: int) -> tuple:
+    from models.registry import get_model_spec
+
+    args = get_model_spec(model, flavor).args
+    # trainer.plan.model_overrides: the RoPE table covers seq_len
+    return (("max_seq_len", max(args.max_seq_len, seq_len)),)
+
+
+def _overrides(model: str, flavor: str, seq_len: int) -> dict:
+    return dict(_overrides_cached(model, flavor, seq_len))
+
+
+@dataclass
+class Estimate:
+    degrees: object
+    choice: LayoutChoice
+    memory: dict[str, float]  # bytes
+    fits: bool
+    time: dict  # seconds: compute, recompute, comm {axis: s}, bubble, total
+    tokens_per_s_per_gpu: float
+    crosses_nodes: list[str]
+    bubble_fraction: float
+    grad_accum: int
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        d = self.degrees
+        c = self.choice
+        return {
+            "degrees": {k: v for k, v in d.as_dict().items()} | {"efsdp": d.efsdp},
+            "schedule": c.schedule,
+            "n_microbatches": c.n_microbatches,
+            "local_batch_size": c.local_batch,
+            "grad_accum_steps": self.grad_accum,
+            "ac": c.ac,
+            "fsdp_reshard_after_forward": c.reshard,
+            "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
+            "fits": self.fits,
+            "step_time_s": {
+                "compute": round(self.time["compute"], 6),
+                "recompute": round(self.time["recompute"], 6),
+                "comm": {k: round(v, 6) for k, v in self.time["comm"].items()},
+                "bubble": round(self.time["bubble"], 6),
+                "total": round(self.time["total"], 6),
+            },
+            "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 2),
+            "crosses_nodes": self.crosses_nodes,
+            "bubble_fraction": round(self.bubble_fraction, 4),
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _check(fn) -> bool:
+    try:
+        fn()
+        return True
+    except ValueError:
+        return False
+
+
+def enumerate_degrees(job: Job, args):
+    """Every set of degrees valid for the model on ``job.world_size`` ranks (the layout and
+    model rules, checked by the real code)."""
+    from models.parallelize import check_model_fits_layout
+    from parallel_dims import ParallelDims
+
+    w = job.world_size
+    seen = []
+    for tp in _divisors(w):
+        for cp in _divisors(w // tp):
+            for pp in _divisors(w // (tp * cp)):
+                rest = w // (tp * cp * pp)
+                for dp_rep in _divisors(rest):
+                    dp_shard = rest // dp_rep
+                    block = dp_shard * cp * tp
+                    eps = _divisors(block) if args.has_experts else [1]
+                    etps = sorted({1, tp}) if args.has_experts else [1]
+                    for ep in eps:
+                        for etp in etps:
+                            if block % (ep * etp):
+                                continue
+                            try:
+                                pd = ParallelDims(
+                                    dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp,
+                                    ep=ep, etp=etp, world_size=w,
+                                )  # fmt: skip
+                                check_model_fits_layout(args, pd, job.seq_len, True)
+                            except ValueError:
+                                continue
+                            seen.append(pd.degrees)
+    return seen
+
+
+def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHEDULES):
+    """The schedule / micro-batch / AC / reshard choices valid for ``degrees``."""
+    from models.parallel.pipeline.plan import plan_stages
+    from parallel_dims.model_rules import check_model_layout
+    from trainer.config import gradient_accumulation_steps
+
+    d = degrees
+    batch = d.dp_replicate * d.dp_shard
+    if not _check(lambda: check_model_layout(d, global_batch_size=job.global_batch)):
+        return
+    per_rank = job.global_batch // batch
+    for lb in _divisors(per_rank):
+        if not _check(lambda lb=lb: gradient_accumulation_steps(job.global_batch, lb, batch)):
+            continue
+        pipe: list[tuple[str | None, int | None]] = [(None, None)]
+        if d.pp > 1:
+            pipe = []
+            for sched in schedules:
+                for m in sorted({d.pp, 2 * d.pp, 4 * d.pp, lb} & set(_divisors(lb))):
+                    if _check(lambda sched=sched, m=m, lb=lb: plan_stages(args.n_layers, d.pp, sched, m, lb)):
+                        pipe.append((sched, m))
+        reshards = ("default", "never") if d.pp == 1 and d.dp_shard * d.cp > 1 else ("default",)
+        for sched, m in pipe:
+            for ac in ac_modes:
+                for reshard in reshards:
+                    yield LayoutChoice(
+                        global_batch=job.global_batch, local_batch=lb, seq_len=job.seq_len, schedule=sched,
+                        n_microbatches=m, ac=ac, reshard=reshard, param_dtype=job.param_dtype,
+                        reduce_dtype=job.reduce_dtype,
+                    )  # fmt: skip
+
+
+@lru_cache(maxsize=4096)
+def _crossing(degrees, gpus_per_node: int) -> dict[str, bool]:
+    layout = cached_layout(degrees)
+    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "efsdp", "fsdp", "loss")
+    return {n: layout.size(n) > 1 and layout.crosses_nodes(n, gpus_per_node) for n in names}
+
+
+def _in_flight(choice: LayoutChoice, pp: int, plan) -> tuple[float, int]:
+    """(micro-batches of this rank's layers held at the activation peak, logits held)."""
+    if pp == 1:
+        return 1.0, 1
+    m, v = choice.n_microbatches, plan.stages_per_rank
+    if choice.schedule in ("GPipe", "LoopedBFS"):
+        return float(m), m
+    if v == 1:
+        return float(min(m, pp)), 1
+    # interleaved warm-up on the first rank: (v-1)*pp + 2*(pp-1) + 1 chunks of 1/v of its layers
+    chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1)
+    return chunks / v, 1
+
+
+def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[str, float]:
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    layout = cached_layout(degrees)
+    d = degrees
+    pb, rb = _BYTES[choice.param_dtype], _BYTES[choice.reduce_dtype]
+    stages, plan = stage_layers(args, d, choice, rank, layout)
+    accum = grad_accum_steps(choice, d)
+    m = choice.n_microbatches if d.pp > 1 else 1
+    mb = choice.local_batch // m
+    dense_size, expert_size, _ = fsdp_meshes(d, args.has_experts, choice.mixed)
+    padded = local = 0
+    gathered_groups: dict = {}
+    key = tuple(sorted(job.overrides.items()))
+    for layers, embed, head in stages:
+        for g in stage_summary(job.model, job.flavor, key, d, rank, choice.mixed, layers, embed, head):
+            padded += g.shard
+            local += g.local
+            gathered_groups[(g.name, layers.start)] = g.tp_local
+    sharded = any(size is not None and size > 1 for size in (dense_size, expert_size))
+    cast = sharded or (choice.mixed and pb != 4)
+    biggest = sorted(gathered_groups.values(), reverse=True)
+    unsharded_total = sum(biggest)
+    keeps_all = d.pp > 1 or choice.reshard == "never" or not sharded
+    if cast:
+        gathered = unsharded_total * pb if keeps_all else (sum(biggest[:3])) * pb
+    else:
+        gathered = 0
+    grads_unsharded = sum(biggest[:2]) * pb if sharded else 0
+    if sharded and (accum > 1 or m > 1):
+        grads_unsharded = unsharded_total * rb  # accumulated while the reduce-scatter waits
+    act_bytes = _BYTES[choice.param_dtype]
+    held_layers = 0.0
+    head_b = recompute = 0
+    for layers, _embed, head in stages:
+        est = activation_bytes(
+            args, layers, mb, job.seq_len, tp=d.tp, cp=d.cp, etp=d.etp, act_bytes=act_bytes, ac=choice.ac, head=head
+        )
+        held_layers += est.layers
+        head_b += est.head
+        recompute = max(recompute, est.recompute)
+    layers_factor, logits_held = _in_flight(choice, d.pp, plan)
+    activations = held_layers * layers_factor + head_b * logits_held + recompute
+    mem = {
+        "params": 4 * padded,
+        "grads": 4 * padded,
+        "optimizer": 8 * local,
+        "gathered_params": gathered,
+        "unsharded_grads": grads_unsharded,
+        "activations": activations,
+    }
+    mem["total"] = sum(mem.values())
+    return mem
+
+
+def estimate(job: Job, degrees, choice: LayoutChoice) -> Estimate:
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    d = degrees
+    layout = cached_layout(d)
+    hw = job.hardware
+    stride_pp = d.world_size // d.pp
+    ranks = sorted({0, (d.pp - 1) * stride_pp})
+    mems = [memory_for_rank(job, d, choice, r) for r in ranks]
+    mem = max(mems, key=lambda x: x["total"])
+    fits = mem["total"] <= hw.usable_gib * GIB
+    # compute
+    flops_tok, out_params = model_flops(job.model, job.flavor, job.seq_len, **job.overrides)
+    tokens = job.global_batch * job.seq_len
+    rate = hw.peak_flops(choice.param_dtype) * job.efficiency
+    compute = flops_tok * tokens / d.world_size / rate
+    recompute = (flops_tok - 6 * out_params) / 3 * tokens / d.world_size / rate if choice.ac == "full" else 0.0
+    busy = compute + recompute
+    # communication, from the busiest stage's rank
+    crossing = _crossing(d, job.gpus_per_node)
+    comm: dict[str, float] = {}
+    fsdp_total = fsdp_first = 0.0
+    records = max(
+        (predict_collectives(job.model, job.flavor, d, choice, r, layout, **job.overrides) for r in ranks),
+        key=lambda recs: sum(x["count"] * x["bytes"] for x in recs),
+    )
+    for r in records:
+        size = layout.size(r["mesh"])
+        one = collective_seconds(r["kind"], r["bytes"], size, crossing.get(r["mesh"], False), hw)
+        total = one * r["count"]
+        if r["mesh"] in FSDP_OVERLAPPED:
+            fsdp_total += total
+            fsdp_first = max(fsdp_first, one)
+            comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
+        else:
+            comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
+    exposed_fsdp = max(2 * fsdp_first, fsdp_total - busy) if fsdp_total else 0.0
+    exposed_other = sum(v for k, v in comm.items() if k not in FSDP_OVERLAPPED)
+    bubble_fraction = 0.0
+    if d.pp > 1:
+        _, plan = stage_layers(args, d, choice, 0, layout)
+        bubble_fraction = plan.bubble_fraction or 0.0
+        if plan.schedule == "ZBVZeroBubble":
+            # the textbook ZB-V figure is 0 (F = B = W and enough micro-batches); with few
+            # micro-batches the fill/drain remains: priced like the interleaved zero-bubble
+            # schedule with its 2 stages per rank, (p-1) / (6m + p-1)
+            bubble_fraction = bubble_fraction_of("InterleavedZeroBubble", d.pp, choice.n_microbatches, 2)
+    work = busy + exposed_other
+    bubble = work * bubble_fraction / (1 - bubble_fraction) if bubble_fraction < 1 else math.inf
+    total = work + exposed_fsdp + bubble
+    time = {
+        "compute": compute,
+        "recompute": recompute,
+        "comm": comm,
+        "comm_exposed_fsdp": exposed_fsdp,
+        "comm_exposed_other": exposed_other,
+        "bubble": bubble,
+        "total": total,
+    }
+    return Estimate(
+        degrees=d,
+        choice=choice,
+        memory=mem,
+        fits=fits,
+        time=time,
+        tokens_per_s_per_gpu=tokens / total / d.world_size,
+        crosses_nodes=[
+            k for k, v in crossing.items() if v and k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
+        ],
+        bubble_fraction=bubble_fraction,
+        grad_accum=grad_accum_steps(choice, d),
+    )
+
+
+def enumerate_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES):
+    """Every (degrees, choice) pair valid for ``job``."""
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    for degrees in enumerate_degrees(job, args):
+        for choice in enumerate_choices(job, degrees, args, ac_modes, schedules):
+            yield degrees, choice
+
+
+@dataclass
+class PlanResult:
+    estimates: list[Estimate]  # best first: fitting layouts by tokens/s per GPU, then the rest
+    pruned_oom: int  # layouts whose parameters, gradients and optimizer state alone do not fit
+
+    @property
+    def layouts(self) -> int:
+        return len(self.estimates) + self.pruned_oom
+
+
+def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES) -> PlanResult:
+    """Every valid layout of ``job``, estimated and ranked. Degrees whose training state
+    (fp32 parameters, gradients, AdamW) alone exceeds the usable memory are counted as out of
+    memory without estimating each of their choices."""
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    usable = job.hardware.usable_gib * GIB
+    ests: list[Estimate] = []
+    pruned = 0
+    for degrees in enumerate_degrees(job, args):
+        choices = list(enumerate_choices(job, degrees, args, ac_modes, schedules))
+        if not choices:
+            continue
+        stride_pp = degrees.world_size // degrees.pp
+        static = max(
+            sum(memory_for_rank(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
+            for r in sorted({0, (degrees.pp - 1) * stride_pp})
+        )
+        if static > usable:
+            pruned += len(choices)
+            continue
+        ests.extend(estimate(job, degrees, c) for c in choices)
+    ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
+    return PlanResult(ests, pruned)
+
+
+def losing_reason(e: Estimate, best: Estimate, job: Job) -> str:
+    """Why ``e`` ranks below ``best``: out of memory, or the cost that grew the most."""
+    if not e.fits:
+        return "out of memory"
+    deltas = {
+        "pipeline bubble": e.time["bubble"] - best.time["bubble"],
+        "activation recompute": e.time["recompute"] - best.time["recompute"],
+        "compute": e.time["compute"] - best.time["compute"],
+    }
+    for axis in set(e.time["comm"]) | set(best.time["comm"]):
+        mine = e.time["comm"].get(axis, 0.0)
+        theirs = best.time["comm"].get(axis, 0.0)
+        if axis in FSDP_OVERLAPPED:
+            mine = mine if e.time["comm_exposed_fsdp"] else 0.0
+            theirs = theirs if best.time["comm_exposed_fsdp"] else 0.0
+            share_e = e.time["comm_exposed_fsdp"] / max(sum(e.time["comm"].get(a, 0) for a in FSDP_OVERLAPPED), 1e-30)
+            share_b = best.time["comm_exposed_fsdp"] / max(
+                sum(best.time["comm"].get(a, 0) for a in FSDP_OVERLAPPED), 1e-30
+            )
+            mine, theirs = mine * share_e, theirs * share_b
+        crosses = axis in e.crosses_nodes or (axis == "fsdp" and "dp_shard" in e.crosses_nodes)
+        deltas[f"{axis} communication{' across nodes' if crosses else ''}"] = mine - theirs
+    reason, worst = max(deltas.items(), key=lambda kv: kv[1])
+    return reason if worst > 0 else "same estimate, ranked lower"
+
+
+def summarize_losers(result: PlanResult, job: Job, top: int) -> Counter:
+    """How many layouts below the ``top`` lost for each reason."""
+    ests = result.estimates
+    if not ests or not ests[0].fits:
+        return Counter({"out of memory": result.layouts})
+    best = ests[0]
+    reasons = Counter(losing_reason(e, best, job) for e in ests[top:])
+    if result.pruned_oom:
+        reasons["out of memory"] += result.pruned_oom
+    return reasons
+
+
+def smallest_world_size(job: Job, limit_factor: int = 64) -> int | None:
+    """The smallest world size (a multiple of gpus per node above ``job.world_size``) on which
+    some layout fits, searching only the least-memory choices (full AC; every degree, batch
+    split and schedule still enumerated); None up to ``limit_factor`` x the world size."""
+    import dataclasses
+
+    w = job.world_size
+    step = job.gpus_per_node
+    start = (w // step + 1) * step
+    for candidate in range(start, max(start, w * limit_factor) + 1, step):
+        j = dataclasses.replace(job, world_size=candidate)
+        for d, c in enumerate_layouts(j, ac_modes=("full",), schedules=("1F1B", "GPipe")):
+            if estimate(j, d, c).fits:
+                return candidate
+    return None

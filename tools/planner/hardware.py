@@ -1,0 +1,129 @@
+"""GPUs and networks the planner prices layouts on, and the ring cost model of a collective.
+
+Peak FLOP/s come from the trainer's own table (``trainer/metrics.py`` ``PEAK_FLOPS``: dense,
+no sparsity; float32 matmuls run as TF32). Memory sizes are the parts' HBM capacities.
+
+The network defaults are PyTorch's collective cost model for DTensor redistribution,
+``torch/distributed/tensor/_collective_utils.py`` (``MeshTopoInfo.build_from_mesh`` and
+``allgather_cost`` / ``reduce_scatter_cost`` / ``allreduce_cost``, torch 2.13):
+
+* inside a node: bus bandwidth 87.7 GB/s and 0.6 us per ring hop (NVLink);
+* a group that crosses nodes: bandwidth x 0.22 (19.3 GB/s) and 2.7 us per hop;
+* every collective: a 6.6 us base latency (NCCL's ring base latency, ``baseLat`` in
+  ``torch/_inductor/comm_analysis.py``);
+* ring algorithms: all-gather and reduce-scatter move ``bytes * (n-1)/n`` per rank over
+  ``n-1`` hops, all-reduce twice that (reduce-scatter + all-gather), where ``bytes`` is the
+  full buffer (all-gather output, reduce-scatter input, all-reduce tensor).
+
+A GPU entry may override them, and ``--profile FILE`` (JSON with any of the keys of
+:class:`Hardware`) overrides everything, e.g. a measured CPU profile for the ranking check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+__all__ = ["GPUS", "Hardware", "collective_seconds", "load_hardware"]
+
+GIB = 2**30
+
+# torch/distributed/tensor/_collective_utils.py, MeshTopoInfo.build_from_mesh
+TORCH_INTRA_NODE_GBPS = 87.7
+TORCH_INTRA_NODE_HOP_US = 0.6
+TORCH_INTER_NODE_BW_FACTOR = 0.22
+TORCH_INTER_NODE_HOP_US = 2.7
+TORCH_BASE_LATENCY_US = 6.6
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU kind and its network. Bandwidths in GB/s (1e9 bytes/s), latencies in us."""
+
+    name: str
+    peak_flops_bf16: float
+    peak_flops_fp32: float
+    memory_gib: float
+    # memory the planner keeps free: CUDA context, NCCL buffers, allocator fragmentation
+    reserve_gib: float = 6.0
+    intra_node_gbps: float = TORCH_INTRA_NODE_GBPS
+    intra_node_hop_us: float = TORCH_INTRA_NODE_HOP_US
+    inter_node_gbps: float = TORCH_INTRA_NODE_GBPS * TORCH_INTER_NODE_BW_FACTOR
+    inter_node_hop_us: float = TORCH_INTER_NODE_HOP_US
+    base_latency_us: float = TORCH_BASE_LATENCY_US
+
+    def peak_flops(self, dtype: str) -> float:
+        return self.peak_flops_bf16 if dtype in ("bfloat16", "float16") else self.peak_flops_fp32
+
+    @property
+    def usable_gib(self) -> float:
+        return self.memory_gib - self.reserve_gib
+
+
+def _gpu_table() -> dict[str, Hardware]:
+    from trainer.metrics import PEAK_FLOPS
+
+    def entry(name: str, key: str, memory_gib: float) -> Hardware:
+        peak = PEAK_FLOPS[key]
+        return Hardware(name, peak["bfloat16"], peak["float32"], memory_gib)
+
+    return {
+        "h100": entry("h100", "H100", 80.0),  # SXM, 80 GB HBM3
+        "h200": entry("h200", "H200", 141.0),
+        "a100": entry("a100", "A100", 80.0),  # the 80 GB part
+        "b200": entry("b200", "B200", 180.0),
+    }
+
+
+GPUS: dict[str, Hardware] = {}
+
+
+def gpu_names() -> list[str]:
+    if not GPUS:
+        GPUS.update(_gpu_table())
+    return sorted(GPUS)
+
+
+def load_hardware(gpu: str, profile: str | None = None, **overrides) -> Hardware:
+    """The named GPU (``h100``, ``h200``, ``a100``, ``b200``), then the keys of the JSON
+    ``profile`` file, then ``overrides`` (None values ignored). Raises ValueError for an
+    unknown GPU or profile key, naming the legal ones."""
+    names = gpu_names()
+    key = gpu.lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown gpu {gpu!r}; valid gpus: {', '.join(names)} (or --profile FILE)")
+    hw = GPUS[key]
+    changes = {}
+    if profile:
+        with open(profile) as f:
+            changes.update(json.load(f))
+    changes.update({k: v for k, v in overrides.items() if v is not None})
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise ValueError(f"unknown hardware key(s) {unknown} in the profile; valid keys: {', '.join(sorted(fields))}")
+    return dataclasses.replace(hw, **changes)
+
+
+def collective_seconds(kind: str, nbytes: float, group_size: int, crosses_nodes: bool, hw: Hardware) -> float:
+    """Ring cost of one collective over ``group_size`` ranks (torch's formulas, see the module
+    docstring). ``nbytes``: the full buffer (all-gather output, reduce-scatter input,
+    all-reduce tensor, all-to-all input, send/recv message)."""
+    if group_size <= 1 and kind != "send_recv":
+        return 0.0
+    bw = (hw.inter_node_gbps if crosses_nodes else hw.intra_node_gbps) * 1e9
+    hop = hw.inter_node_hop_us if crosses_nodes else hw.intra_node_hop_us
+    n = group_size
+    if kind in ("all_gather", "reduce_scatter"):
+        hops, moved = n - 1, nbytes * (n - 1) / n
+    elif kind == "all_reduce":
+        hops, moved = 2 * (n - 1), 2 * nbytes * (n - 1) / n
+    elif kind == "all_to_all":
+        # pairwise exchange: each rank sends (n-1)/n of its buffer, n-1 steps
+        hops, moved = n - 1, nbytes * (n - 1) / n
+    elif kind == "send_recv":
+        hops, moved = 1, nbytes
+    else:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    return (hw.base_latency_us + hops * hop) * 1e-6 + moved / bw

@@ -1,0 +1,247 @@
+"""Every parameter of a model and how the real parallelize code shards it, as integers.
+
+:func:`model_inventory` builds the model once on the meta device (no memory) and lists its
+parameters with the facts the appliers use: which FSDP group wraps it
+(``models/parallel/fsdp.py``: each block, each block's routed experts when they have their own
+mesh, the embeddings, norm + output as one group), which dimension tensor parallelism splits
+(read from what the model declares: ``tp_colwise`` / ``tp_rowwise`` of the attention and the
+feed-forward modules, ``models/parallel/tensor_parallel.py``), and for routed experts the
+expert-parallel and expert-TP dimensions (``models/parallel/expert_parallel.py``: ``Shard(0)`` on
+ep, ``w1``/``w3`` ``Shard(1)`` and ``w2`` ``Shard(2)`` on etp).
+
+:func:`rank_shards` then gives, for one rank of one layout, every parameter's local shard:
+DTensor sharding follows ``torch.chunk`` (the first ranks get ``ceil(n/k)`` rows), and FSDP2 pads
+dim 0 of the (TP/EP-local) tensor to a multiple of its shard-mesh size and keeps the padded
+chunk (``_get_dim0_padded_size`` in ``torch/distributed/fsdp/_fully_shard``): a parameter's
+storage is the padded chunk, its local tensor (what AdamW's ``zeros_like`` copies) the unpadded
+one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+__all__ = ["GroupSummary", "ParamInfo", "ParamShard", "chunk_len", "model_inventory", "rank_shards", "stage_summary"]
+
+# models/parallel/expert_parallel.py apply_expert_parallel: the etp-sharded dim of each weight
+_ETP_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
+def chunk_len(n: int, k: int, i: int) -> int:
+    """Length of chunk ``i`` of ``torch.chunk`` of ``n`` rows into ``k`` (DTensor ``Shard``)."""
+    if k == 1:
+        return n
+    c = math.ceil(n / k)
+    return max(0, min(c, n - i * c))
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    fqn: str
+    shape: tuple[int, ...]
+    layer: int | None  # transformer layer, None for embeddings / head
+    group: str  # FSDP group: "layers.<i>", "layers.<i>.experts", "tok_embeddings", "head"
+    tp_dim: int | None  # dimension TP splits (None: replicated over tp)
+    expert: bool  # a routed expert weight (ep/etp sharded, expert FSDP mesh)
+    moe_layer: bool  # lives in a MoE block
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    info: ParamInfo
+    local_shape: tuple[int, ...]  # TP/EP-local shape (what FSDP shards)
+    fsdp_size: int  # shard-mesh size of its FSDP group (1: no sharding)
+    fsdp_group: str | None  # group name, None when FSDP does not wrap it
+    fsdp_mesh: str | None  # "fsdp" or "efsdp" (+ "dp_replicate" under HSDP)
+    local_numel: int  # this rank's unpadded shard
+    padded_numel: int  # this rank's storage (FSDP padded chunk)
+
+    @property
+    def tp_local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def padded_unsharded_numel(self) -> int:
+        """Rows padded to a multiple of the FSDP shard size (the reduce-scatter input, the
+        all-gather output)."""
+        return self.padded_numel * self.fsdp_size
+
+
+@lru_cache(maxsize=16)
+def _inventory(model: str, flavor: str, overrides: tuple) -> tuple[tuple[ParamInfo, ...], object]:
+    import dataclasses
+
+    import torch
+
+    from models.registry import get_model_spec
+
+    spec = get_model_spec(model, flavor)
+    args = dataclasses.replace(spec.args, **dict(overrides))
+    args.validate()
+    with torch.device("meta"):
+        m = spec.model_cls(args)
+    infos: list[ParamInfo] = []
+    for name, p in m.tok_embeddings.named_parameters():
+        infos.append(ParamInfo(f"tok_embeddings.{name}", tuple(p.shape), None, "tok_embeddings", 0, False, False))
+    for lid, block in m.layers.items():
+        i = int(lid)
+        tp_dims: dict[str, int] = {}
+        att = block.attention
+        for n in att.tp_colwise:
+            tp_dims[f"attention.{n}.weight"] = 0
+        tp_dims[f"attention.{att.tp_rowwise}.weight"] = 1
+        ffns = []
+        if block.moe_enabled:
+            if block.moe.shared_experts is not None:
+                ffns.append(("moe.shared_experts", block.moe.shared_experts))
+        else:
+            ffns.append(("feed_forward", block.feed_forward))
+        for prefix, ffn in ffns:
+            for n in ffn.tp_colwise:
+                tp_dims[f"{prefix}.{n}.weight"] = 0
+            tp_dims[f"{prefix}.{ffn.tp_rowwise}.weight"] = 1
+        for name, p in block.named_parameters():
+            expert = block.moe_enabled and name.startswith("moe.experts.")
+            group = f"layers.{i}.experts" if expert else f"layers.{i}"
+            infos.append(
+                ParamInfo(
+                    f"layers.{i}.{name}",
+                    tuple(p.shape),
+                    i,
+                    group,
+                    None if expert else tp_dims.get(name),
+                    expert,
+                    block.moe_enabled,
+                )
+            )
+    for name, p in m.norm.named_parameters():
+        infos.append(ParamInfo(f"norm.{name}", tuple(p.shape), None, "head", None, False, False))
+    for name, p in m.output.named_parameters():
+        infos.append(ParamInfo(f"output.{name}", tuple(p.shape), None, "head", 0, False, False))
+    return tuple(infos), args
+
+
+def model_inventory(model: str, flavor: str, **overrides):
+    """``(params, args)``: the model's parameters as :class:`ParamInfo` (meta build, cached)
+    and its args with ``overrides`` (e.g. ``max_seq_len``, ``vocab_size``, ``n_layers``)."""
+    return _inventory(model, flavor, tuple(sorted(overrides.items())))
+
+
+def fsdp_meshes(degrees, has_moe: bool, mixed: bool) -> tuple[int | None, int | None, bool]:
+    """(dense shard size or None, expert shard size or None, experts wrapped separately) as
+    ``models/parallelize.py`` + ``ParallelDims.fsdp_mesh_for`` decide them: a mesh exists
+    with HSDP or a shard axis > 1 (experts also whenever ep > 1), or as the size-1 mesh when
+    mixed precision is on; experts get their own group when ep, etp or tp > 1."""
+    d = degrees
+    fsdp = d.dp_shard * d.cp
+    dense = fsdp if (d.dp_replicate > 1 or fsdp > 1 or mixed) else None
+    separate = has_moe and (d.ep > 1 or d.etp > 1 or d.tp > 1)
+    expert = None
+    if separate:
+        efsdp = d.efsdp
+        expert = efsdp if (d.dp_replicate > 1 or efsdp > 1 or d.ep > 1 or mixed) else None
+    return dense, expert, separate
+
+
+def rank_shards(params, degrees, layout, rank: int, mixed: bool, layers=None, embed=True, head=True):
+    """This rank's :class:`ParamShard` of every parameter it holds: ``layers`` (an iterable
+    of layer indices, None = all) plus the embeddings / head when ``embed`` / ``head``."""
+    d = degrees
+    has_moe = any(p.expert for p in params)
+    dense, expert, separate = fsdp_meshes(d, has_moe, mixed)
+    coord = {n: layout.coordinate(n, rank) for n in ("tp", "fsdp", "ep", "etp", "efsdp")}
+    keep = None if layers is None else set(layers)
+    out = []
+    for p in params:
+        if p.layer is None:
+            if (p.group == "tok_embeddings" and not embed) or (p.group == "head" and not head):
+                continue
+        elif keep is not None and p.layer not in keep:
+            continue
+        shape = list(p.shape)
+        if p.expert:
+            if d.ep > 1 or d.etp > 1:
+                shape[0] = chunk_len(shape[0], d.ep, coord["ep"])
+                if d.etp > 1:
+                    leaf = p.fqn.rsplit(".", 1)[-1]
+                    k = _ETP_DIM[leaf]
+                    shape[k] = chunk_len(shape[k], d.etp, coord["etp"])
+            size, group, mesh_name, c = expert, p.group, "efsdp", coord["efsdp"]
+            if not separate:
+                size, group, mesh_name, c = dense, p.group.rsplit(".", 1)[0], "fsdp", coord["fsdp"]
+        else:
+            if p.tp_dim is not None and d.tp > 1:
+                shape[p.tp_dim] = chunk_len(shape[p.tp_dim], d.tp, coord["tp"])
+            size, group, mesh_name, c = dense, p.group, "fsdp", coord["fsdp"]
+        rest = math.prod(shape[1:])
+        if size is None:
+            local = padded = math.prod(shape)
+            group = mesh_name = None
+            size = 1
+        else:
+            local = chunk_len(shape[0], size, c) * rest
+            padded = math.ceil(shape[0] / size) * rest
+        out.append(ParamShard(p, tuple(shape), size, group, mesh_name, local, padded))
+    return out
+
+
+@lru_cache(maxsize=16)
+def _flops(model: str, flavor: str, seq_len: int, overrides: tuple) -> tuple[float, int]:
+    import dataclasses
+
+    import torch
+
+    from models.registry import get_model_spec
+
+    spec = get_model_spec(model, flavor)
+    args = dataclasses.replace(spec.args, **dict(overrides))
+    with torch.device("meta"):
+        m = spec.model_cls(args)
+    return spec.flops_per_token(m, seq_len), m.output.weight.numel()
+
+
+def model_flops(model: str, flavor: str, seq_len: int, **overrides) -> tuple[float, int]:
+    """(training FLOPs per token by the trainer's formula, ``model.flops_per_token``; output
+    projection parameters)."""
+    return _flops(model, flavor, seq_len, tuple(sorted(overrides.items())))
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One FSDP group (or the unwrapped parameters, ``name`` None) of one rank's stage."""
+
+    name: str | None
+    mesh: str | None  # "fsdp" / "efsdp"
+    size: int  # shard-mesh size
+    unsharded: int  # sum of padded unsharded numels (all-gather output, reduce-scatter input)
+    shard: int  # sum of padded local numels (storage)
+    local: int  # sum of unpadded local numels (what AdamW copies)
+    tp_local: int  # sum of TP/EP-local numels (the gathered compute copy)
+
+
+@lru_cache(maxsize=65536)
+def stage_summary(model, flavor, overrides: tuple, degrees, rank, mixed, layers, embed, head) -> tuple:
+    """:func:`rank_shards` summed per FSDP group (cached: planning asks for the same stage of
+    the same degrees many times)."""
+    params, _ = _inventory(model, flavor, overrides)
+    groups: dict = {}
+    for s in rank_shards(params, degrees, cached_layout(degrees), rank, mixed, layers, embed, head):
+        g = groups.setdefault(s.fsdp_group, [s.fsdp_mesh, s.fsdp_size, 0, 0, 0, 0])
+        g[2] += s.padded_unsharded_numel
+        g[3] += s.padded_numel
+        g[4] += s.local_numel
+        g[5] += s.tp_local_numel
+    return tuple(GroupSummary(name, *vals) for name, vals in groups.items())
+
+
+@lru_cache(maxsize=4096)
+def cached_layout(degrees):
+    from parallel_dims.layout import RankLayout
+
+    return RankLayout(degrees)
