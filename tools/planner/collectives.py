@@ -14,23 +14,36 @@ Record convention (what :func:`predict_collectives` returns and what a recorder 
 * only groups with more than one rank (a size-1 axis has a placeholder group and moves no
   data; a recorder should drop them).
 
-Exact by construction (sizes from :mod:`tools.planner.inventory`, whose shard sizes the tests
-check against the real sharded model): FSDP2's all-gathers (one per FSDP group per unshard,
+Checked exactly against a recorded training step (``tests/distributed/test_planner_comm.py``:
+every rank of every layout of the CPU proof matrix, 4 gloo ranks, fp32, no AC, sequence and loss
+parallel on, 1F1B, gradient accumulation 2): FSDP2's all-gathers (one per FSDP group per unshard,
 parameters cast to the compute dtype, dim 0 padded to the shard count) and reduce-scatters
-(gradients in the reduce dtype, padded), HSDP's all-reduce of the reduce-scattered shard,
-the loss all-reduce over ``loss``, the pipeline loss sum and grad-norm sum over ``pp``, the
-grad-norm all-reduces over each sharded mesh dimension (one float32 scalar per distinct
-gradient sharding; exact for tp = 1, see below), and the MoE load counts over ``loss`` and
-``tp``.
+(gradients in the reduce dtype, padded; sizes from :mod:`tools.planner.inventory`), HSDP's
+all-reduce of the reduce-scattered shard, the loss all-reduce over ``loss``, the pipeline loss
+sum and grad-norm sum over ``pp`` and the stage-boundary send/recv, TP/SP's activation
+collectives (forward: all-gather of the attention and MLP inputs, reduce-scatter of their
+outputs; backward: all-gather of the output gradients and ONE ALL-REDUCE PER COLUMN-WISE
+PROJECTION of its input gradient -- the block input enters as a local tensor, so DTensor
+all-reduces each projection's Partial input gradient instead of one reduce-scatter of their
+sum), MLA's rope-key gradient all-reduce, loss parallel's three all-reduces per forward, the
+all-reduce of the Partial gradients of tp-replicated weights (SP norms, the router gate) once
+per gradient sync, CP's K/V all-gather and backward reduce-scatter, the grad-norm all-reduces
+(see below), the MoE load counts over ``loss`` and ``tp``, EP's count exchange and ETP's count
+all-gather, and the NUMBER of EP/ETP token all-to-alls. Their bytes depend on routing: the
+records assume balanced routing, which the test checks summed over the world (every row sent is
+received), not per rank.
 
-Modelled, not yet checked against a recording: the activation collectives of TP/SP (per layer
-and micro-batch: all-gather of the attention and MLP inputs, reduce-scatter of their outputs,
-mirrored in backward, re-issued by full-AC recomputation), loss parallel's small all-reduces,
-TP-sharded norm-weight gradient reductions (not listed), CP's K/V all-gather and its backward
-reduce-scatter, EP's token all-to-alls (their sizes depend on routing: balanced routing is
-assumed), PP activations and gradients. Grad-norm reductions are listed per distinct
-``(mesh dims, placements)``; ``trainer/grad_clip.py`` groups by mesh *object*, and FSDP2 + TP
-creates several equal 2-D meshes, so with tp > 1 it issues more of these 4-byte all-reduces.
+Grad-norm reductions: ``trainer/grad_clip.py`` groups gradients by mesh OBJECT and placements
+and all-reduces each group's sum of squares over every sharded mesh dimension. With tp = etp = 1
+that is one group per FSDP mesh; under TP/ETP the gradients of DTensor parameters carry one mesh
+object per distinct (global shape, placements) (torch 2.13), so the trainer issues one 4-byte
+all-reduce per such group and dimension (7 on fsdp and 6 on tp for the llama3 debug model at
+tp = 2) where one per mesh dimension would do. The records model what the trainer does.
+
+Modelled, not yet checked: mixed precision (the dtype of the tp-replicated weights' gradient
+all-reduce: the compute dtype, or the reduce dtype once FSDP2 accumulated it), full-AC
+recomputation, TP without sequence parallel, loss parallel off, TP or CP inside a pipeline
+stage, schedules other than 1F1B, CP without TP.
 """
 
 from __future__ import annotations
@@ -142,9 +155,20 @@ def predict_collectives(
             n = len(layers)
             if choice.sequence_parallel:
                 # forward: AG attn input, AG mlp/shared-expert input, RS of both outputs;
-                # backward mirrors (RS, AG); full AC re-runs the forward ones
+                # backward: AG (of the outputs' RS); full AC re-runs the forward ones. The
+                # backward of the input all-gathers is NOT a reduce-scatter: the block's input
+                # enters as a local tensor (PrepareModuleInput(use_local_output=True)), so every
+                # column-wise projection's input gradient is all-reduced on its own (its
+                # Replicate DTensor input gets a Partial gradient) and the sum is then sliced
                 rec[("all_gather", "tp", full)] += forwards * n * (2 + 2 + 2 * recompute)
-                rec[("reduce_scatter", "tp", full)] += forwards * n * (2 + 2 + 2 * recompute)
+                rec[("reduce_scatter", "tp", full)] += forwards * n * (2 + 2 * recompute)
+                for i in layers:
+                    for width in _colwise_inputs(model, flavor, key, i):
+                        rec[("all_reduce", "tp", a * t * width)] += forwards
+                    # MLA's rope key: computed by replicated weights, its gradient all-reduced
+                    # (attention.tp_grad_syncs, models/parallel/tensor_parallel.py)
+                    if hasattr(args, "qk_rope_head_dim"):
+                        rec[("all_reduce", "tp", a * t * args.qk_rope_head_dim)] += forwards
                 if embed:  # Rowwise embedding: RS forward, AG backward
                     rec[("reduce_scatter", "tp", full)] += forwards
                     rec[("all_gather", "tp", full)] += forwards
@@ -158,6 +182,15 @@ def predict_collectives(
             if head and choice.loss_parallel:
                 # loss parallel: max, sum-exp and target-logit all-reduces over [tokens] fp32
                 rec[("all_reduce", "tp", 4 * t)] += forwards * 3
+            # replicated weights fed sequence-sharded tokens (SP norms, the MoE router gate):
+            # their Partial gradients are all-reduced once per gradient sync (FSDP2's
+            # post-backward redistributes them before reducing; without FSDP finalize_grads
+            # does, once per step), in the dtype the gradient is held in then
+            accumulated = (m > 1) if pp else (accum > 1)
+            gb = rb if (accumulated and choice.mixed and rb != pb) else pb
+            partial_syncs = syncs if dense_size is not None else 1
+            for numel in _tp_partial_grads(model, flavor, key, layers, head, choice.sequence_parallel):
+                rec[("all_reduce", "tp", gb * numel)] += partial_syncs
 
         if d.cp > 1:
             s_local = choice.seq_len // d.cp
@@ -169,6 +202,7 @@ def predict_collectives(
             rec[("reduce_scatter", "cp", kv)] += forwards * n
 
         moe_layers = [i for i in layers if args.has_experts and i >= getattr(args, "n_dense_layers", 0)]
+        tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
         if moe_layers and d.ep > 1:
             tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
             rows = tn * args.n_activated_experts * a * args.dim  # balanced routing assumed
@@ -177,6 +211,15 @@ def predict_collectives(
             rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * n * (1 + recompute)
             # dispatch + combine forward, their backward all-to-alls
             rec[("all_to_all", "ep", rows)] += forwards * n * (4 + 2 * recompute)
+        if moe_layers and d.etp > 1:
+            n = len(moe_layers)
+            recompute = 1 if choice.ac == "full" else 0
+            # the received counts gathered over etp (int64 [etp * n_routed_experts])
+            rec[("all_gather", "etp", 8 * d.etp * args.n_routed_experts)] += forwards * n * (1 + recompute)
+            # the rows repeated to / gathered back from the etp peers, forward and backward
+            # (sizes depend on routing; ``etp`` x the rows this rank received over ep)
+            etp_rows = d.etp * tn * args.n_activated_experts * a * args.dim
+            rec[("all_to_all", "etp", etp_rows)] += forwards * n * (4 + 2 * recompute)
 
         if pp and plan is not None:
             t = mb * (choice.seq_len // d.cp)
@@ -192,7 +235,11 @@ def predict_collectives(
         rec[("all_reduce", "loss", 4)] += 1
     if pp:
         rec[("all_reduce", "pp", 4)] += 2  # grad-norm squares, loss sum over stages
-    for mesh in _grad_norm_meshes(d, has_moe, dense_size, expert_size, separate, choice):
+    if d.tp > 1 or d.etp > 1:
+        meshes = _grad_norm_groups_tp(model, flavor, key, d, stages, dense_size, expert_size, separate, choice)
+    else:
+        meshes = _grad_norm_meshes(d, has_moe, dense_size, expert_size, separate, choice)
+    for mesh in meshes:
         rec[("all_reduce", mesh, 4)] += 1
     if has_moe:
         n_moe = sum(1 for layers, _, _ in stages for i in layers if i >= getattr(args, "n_dense_layers", 0))
@@ -206,6 +253,86 @@ def predict_collectives(
         for (k, mesh, b), c in sorted(rec.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))
         if c
     ]
+
+
+def _params(model, flavor, key):
+    from .inventory import model_inventory
+
+    return model_inventory(model, flavor, **dict(key))[0]
+
+
+@lru_cache(maxsize=4096)
+def _colwise_inputs(model, flavor, key, layer: int) -> tuple[int, ...]:
+    """Input width of every column-wise TP projection of transformer layer ``layer``
+    (attention heads, dense or shared-expert feed-forward)."""
+    return tuple(p.shape[1] for p in _params(model, flavor, key) if p.layer == layer and p.tp_dim == 0 and not p.expert)
+
+
+def _replicated_on_tp(p, sp: bool) -> bool:
+    """Weights models/parallel/tensor_parallel.py makes Replicate DTensors on tp: the norms
+    under sequence parallel (SequenceParallel), the MoE router gate."""
+    if p.tp_dim is not None or p.expert:
+        return False
+    name = p.fqn.rsplit(".", 1)[0]
+    norm = name == "norm" or name.endswith(".attention_norm") or name.endswith(".ffn_norm")
+    return (sp and norm) or name.endswith(".moe.router.gate")
+
+
+@lru_cache(maxsize=4096)
+def _tp_partial_grads(model, flavor, key, layers, head: bool, sp: bool) -> tuple[int, ...]:
+    """Element counts of this stage's tp-replicated weights (their gradients come out Partial)."""
+    keep = set(layers)
+    return tuple(
+        p.numel
+        for p in _params(model, flavor, key)
+        if _replicated_on_tp(p, sp) and ((p.layer in keep) if p.layer is not None else (head and p.group == "head"))
+    )
+
+
+def _grad_norm_groups_tp(model, flavor, key, d, stages, dense_size, expert_size, separate, choice) -> list[str]:
+    """The grad-norm all-reduces under tp > 1 or etp > 1, as ``trainer/grad_clip.py`` issues
+    them: it groups gradients by mesh OBJECT and placements, and (measured on torch 2.13)
+    the gradients of TP/EP DTensor parameters carry one mesh object per distinct (global
+    shape, placements), while all FSDP-only parameters share the 1-D fsdp mesh. Each group's
+    sum of squares is all-reduced over every sharded mesh dimension of size > 1. (One
+    all-reduce per mesh dimension would do; the extra 4-byte all-reduces are the trainer's.)"""
+    sp = choice.sequence_parallel
+    keep = {i for layers, _, _ in stages for i in layers}
+    embed = any(e for _, e, _ in stages)
+    head = any(h for _, _, h in stages)
+    groups: set = set()
+    plain = False  # an FSDP-only parameter (the 1-D fsdp mesh)
+    for p in _params(model, flavor, key):
+        if p.layer is not None and p.layer not in keep:
+            continue
+        if p.layer is None and not ((p.group == "tok_embeddings" and embed) or (p.group == "head" and head)):
+            continue
+        if p.expert and separate:
+            from .inventory import _ETP_DIM
+
+            etp_dim = _ETP_DIM.get(p.fqn.rsplit(".", 1)[-1]) if d.etp > 1 else None
+            groups.add(("expert", p.shape, etp_dim))
+        elif d.tp > 1 and (p.tp_dim is not None or _replicated_on_tp(p, sp)):
+            groups.add(("dense", p.shape, p.tp_dim))
+        else:
+            plain = True
+    meshes: list[str] = []
+    if plain and dense_size is not None and dense_size > 1:
+        meshes.append("fsdp")
+    for kind, _, dim in sorted(groups, key=str):
+        if kind == "dense":
+            if dense_size is not None and dense_size > 1:
+                meshes.append("fsdp")
+            if dim is not None:
+                meshes.append("tp")
+        else:
+            if expert_size is not None and expert_size > 1:
+                meshes.append("efsdp")
+            if d.ep > 1:
+                meshes.append("ep")
+            if dim is not None:
+                meshes.append("etp")
+    return meshes
 
 
 def _kv_bytes_per_token(args, tp: int) -> int:
