@@ -101,6 +101,18 @@ def _declared_tp(module: nn.Module, role: str) -> tuple[tuple[str, ...], str]:
     return tuple(colwise), rowwise
 
 
+def _input_stays_dtensor(module: nn.Module, colwise: tuple[str, ...], rowwise: str) -> bool:
+    """Whether ``module``'s input can stay a Replicate DTensor: true when every parameter it
+    holds belongs to a column-wise or the row-wise projection (then every consumer of the
+    input is a DTensor-aware projection). Its column-wise projections' input gradients are
+    then Partial DTensors that autograd sums, and the input's redistribution turns that sum
+    into one reduce-scatter (sequence parallel) or one all-reduce, instead of one all-reduce
+    per projection, which a local input costs. Modules with replicated plain weights fed the
+    input (MLA's low-rank parts) need it as a local tensor."""
+    owners = set(colwise) | {rowwise}
+    return all(name.split(".", 1)[0] in owners for name, _ in module.named_parameters())
+
+
 def _attention_plan(attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     """The projections that produce heads (``attention.tp_colwise``) are split column-wise,
     the output projection (``attention.tp_rowwise``) row-wise; everything else (e.g. MLA's
@@ -108,11 +120,11 @@ def _attention_plan(attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     colwise, rowwise = _declared_tp(attention, "attention")
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
-        # x -> full sequence, replicated, local tensor: every projection below sees all tokens.
+        # x -> full sequence, replicated: every projection below sees all tokens.
         "": PrepareModuleInput(
             input_layouts=(seq, None),
             desired_input_layouts=(Replicate(), None),
-            use_local_output=True,
+            use_local_output=not _input_stays_dtensor(attention, colwise, rowwise),
         ),
         rowwise: RowwiseParallel(output_layouts=seq),
     }
@@ -124,7 +136,11 @@ def _feed_forward_plan(ffn: nn.Module, token_dim: int, sp: bool) -> dict[str, Pa
     colwise, rowwise = _declared_tp(ffn, "feed-forward")
     seq = Shard(token_dim) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
+        "": PrepareModuleInput(
+            input_layouts=(seq,),
+            desired_input_layouts=(Replicate(),),
+            use_local_output=not _input_stays_dtensor(ffn, colwise, rowwise),
+        )
     }
     plan.update({name: ColwiseParallel() for name in colwise})
     plan[rowwise] = RowwiseParallel(output_layouts=seq)

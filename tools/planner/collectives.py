@@ -156,15 +156,21 @@ def predict_collectives(
             if choice.sequence_parallel:
                 # forward: AG attn input, AG mlp/shared-expert input, RS of both outputs;
                 # backward: AG (of the outputs' RS); full AC re-runs the forward ones. The
-                # backward of the input all-gathers is NOT a reduce-scatter: the block's input
-                # enters as a local tensor (PrepareModuleInput(use_local_output=True)), so every
-                # column-wise projection's input gradient is all-reduced on its own (its
-                # Replicate DTensor input gets a Partial gradient) and the sum is then sliced
+                # backward of an input all-gather depends on how the module takes its input
+                # (models/parallel/tensor_parallel.py _input_stays_dtensor): a module whose
+                # every weight is TP-split keeps it a Replicate DTensor, its projections'
+                # Partial input gradients are summed and reduce-scattered once; a module with
+                # replicated weights (MLA) takes it as a local tensor, so every column-wise
+                # projection's input gradient is all-reduced on its own
                 rec[("all_gather", "tp", full)] += forwards * n * (2 + 2 + 2 * recompute)
                 rec[("reduce_scatter", "tp", full)] += forwards * n * (2 + 2 * recompute)
                 for i in layers:
-                    for width in _colwise_inputs(model, flavor, key, i):
-                        rec[("all_reduce", "tp", a * t * width)] += forwards
+                    for stays_dtensor, widths in _colwise_modules(model, flavor, key, i):
+                        if stays_dtensor:
+                            rec[("reduce_scatter", "tp", full)] += forwards
+                        else:
+                            for width in widths:
+                                rec[("all_reduce", "tp", a * t * width)] += forwards
                     # MLA's rope key: computed by replicated weights, its gradient all-reduced
                     # (attention.tp_grad_syncs, models/parallel/tensor_parallel.py)
                     if hasattr(args, "qk_rope_head_dim"):
@@ -176,9 +182,17 @@ def predict_collectives(
                     rec[("all_gather", "tp", full)] += forwards
                     rec[("reduce_scatter", "tp", full)] += forwards
             else:
-                # forward: all-reduce of the attention and MLP outputs; backward: of their
-                # input gradients
-                rec[("all_reduce", "tp", full)] += forwards * n * (4 + 2 * recompute)
+                # forward: all-reduce of the attention and MLP outputs (again under full AC);
+                # backward: of their input gradients, once per module whose input stays a
+                # DTensor, else once per column-wise projection (as above)
+                rec[("all_reduce", "tp", full)] += forwards * n * (2 + 2 * recompute)
+                for i in layers:
+                    for stays_dtensor, widths in _colwise_modules(model, flavor, key, i):
+                        if stays_dtensor:
+                            rec[("all_reduce", "tp", full)] += forwards
+                        else:
+                            for width in widths:
+                                rec[("all_reduce", "tp", a * t * width)] += forwards
             if head and choice.loss_parallel:
                 # loss parallel: max, sum-exp and target-logit all-reduces over [tokens] fp32
                 rec[("all_reduce", "tp", 4 * t)] += forwards * 3
@@ -262,10 +276,17 @@ def _params(model, flavor, key):
 
 
 @lru_cache(maxsize=4096)
-def _colwise_inputs(model, flavor, key, layer: int) -> tuple[int, ...]:
-    """Input width of every column-wise TP projection of transformer layer ``layer``
-    (attention heads, dense or shared-expert feed-forward)."""
-    return tuple(p.shape[1] for p in _params(model, flavor, key) if p.layer == layer and p.tp_dim == 0 and not p.expert)
+def _colwise_modules(model, flavor, key, layer: int) -> tuple[tuple[bool, tuple[int, ...]], ...]:
+    """The TP-split modules of transformer layer ``layer`` (attention, dense or shared-expert
+    feed-forward): whether its input stays a DTensor (every weight of the module TP-split:
+    tensor_parallel._input_stays_dtensor) and the input width of each column-wise projection."""
+    params = [p for p in _params(model, flavor, key) if p.layer == layer and not p.expert]
+    out = []
+    for prefix in sorted({p.fqn.rsplit(".", 2)[0] for p in params if p.tp_dim == 0}):
+        inside = [p for p in params if p.fqn.startswith(prefix + ".")]
+        widths = tuple(p.shape[1] for p in inside if p.tp_dim == 0)
+        out.append((all(p.tp_dim is not None for p in inside), widths))
+    return tuple(out)
 
 
 def _replicated_on_tp(p, sp: bool) -> bool:
