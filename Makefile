@@ -38,7 +38,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 	MESHTRAIN_MESH_BUILDER=portable $(PY) -m pytest -q tests/unit/test_fake_build.py \
 		tests/distributed/test_parallel_dims_gloo.py tests/distributed/test_parallelize_equivalence.py
 
