@@ -2,9 +2,10 @@
 
 ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails once grads live on
 different meshes (dense params on ``[fsdp, tp]``, experts on ``[efsdp, ep]``, plain tensors).
-Here grads are grouped by their DTensor spec, each group's sum of squares is reduced by DTensor
-itself (``full_tensor`` sums over sharded dims and not over replicated ones), the groups are
-added as plain scalars, and pipeline stages are summed over ``pp``. The result equals the
+Here each gradient's local sum of squares is summed over the process groups it is sharded on
+(not over replicated dimensions), gradients sharded over the same groups sharing one
+all-reduce per group, the results are added as plain scalars, and pipeline stages are summed
+over ``pp``. The result equals the
 single-process norm of the whole model's gradient.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 __all__ = ["clip_grad_norm_", "finalize_grads", "grad_norm"]
 
@@ -31,38 +32,55 @@ def finalize_grads(params: Iterable[torch.Tensor]) -> None:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def _spec_key(t: torch.Tensor):
-    if isinstance(t, DTensor):
-        return (id(t.device_mesh), t.placements)
-    return ("local", t.device)
+def _reduction_dims(g: DTensor) -> tuple[tuple[tuple[int, ...], DeviceMesh, int], ...]:
+    """The mesh dimensions over which the sum of squares of ``g``'s local shard is a partial
+    sum: those on which ``g`` is sharded (size > 1), each with the ranks of its group (the key
+    that makes equal groups of different mesh objects one group)."""
+    mesh = g.device_mesh
+    return tuple(
+        (tuple(dist.get_process_group_ranks(mesh.get_group(dim))), mesh, dim)
+        for dim, placement in enumerate(g.placements)
+        if not placement.is_replicate() and mesh.size(dim) > 1
+    )
 
 
-def _sum_partial(t: DTensor) -> torch.Tensor:
-    """The full value of a scalar DTensor: its local value summed over the mesh dimensions on
-    which it is a partial sum. What ``full_tensor()`` does, one all-reduce per such dimension,
-    without DTensor's merging of several dimensions into one flattened collective (which
-    torch 2.11 cannot do on a mesh with a size-1 dimension, e.g. FSDP's trivial mesh x tp)."""
-    local = t.to_local().clone()
-    for dim, placement in enumerate(t.placements):
-        if isinstance(placement, Partial) and t.device_mesh.size(dim) > 1:
-            if placement.reduce_op != "sum":
-                raise ValueError(f"gradient norm squares are sums, got a {placement} placement")
-            dist.all_reduce(local, group=t.device_mesh.get_group(dim))
-    return local
+def _all_reduce_on(sq: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
+    # its own frame: the collective recorder (parallel_dims/comm_record.py) names the group
+    # from the mesh among the caller's locals
+    dist.all_reduce(sq, group=mesh.get_group(dim))
 
 
 def grad_norm(params: Iterable[torch.Tensor], pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """Global L2 norm of the grads of ``params`` (float32 scalar, same value on every rank)."""
-    groups: dict = defaultdict(list)
+    """Global L2 norm of the grads of ``params`` (float32 scalar, same value on every rank).
+
+    Each gradient's local sum of squares is a partial sum over the groups it is sharded on;
+    gradients with the same groups (whatever mesh object they carry: FSDP2 and TP create
+    several equal meshes) are summed locally and all-reduced once per group, so the step
+    issues one 4-byte all-reduce per distinct (sharding groups, group) pair, not one per mesh
+    object."""
+    by_groups: dict = defaultdict(list)
+    reducers: dict = {}
     for p in params:
-        if p.grad is not None:
-            groups[_spec_key(p.grad)].append(p.grad)
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(isinstance(pl, Partial) for pl in g.placements):  # a square is not linear
+                g = g.redistribute(
+                    g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements]
+                )
+            dims = _reduction_dims(g)
+            key = tuple(ranks for ranks, _, _ in dims)
+            reducers.setdefault(key, [(mesh, dim) for _, mesh, dim in dims])
+            by_groups[key].append(g.to_local())
+        else:
+            by_groups[("local", g.device)].append(g)
     total = None
-    for grads in groups.values():
-        squares = [g.float().pow(2).sum() for g in grads]
-        sq = torch.stack(squares).sum() if len(squares) > 1 else squares[0]
-        if isinstance(sq, DTensor):
-            sq = _sum_partial(sq)
+    for key, grads in by_groups.items():
+        squares = [t.float().pow(2).sum() for t in grads]
+        sq = torch.stack(squares).sum() if len(squares) > 1 else squares[0].clone()
+        for mesh, dim in reducers.get(key, ()):
+            _all_reduce_on(sq, mesh, dim)
         total = sq if total is None else total + sq.to(total.device)
     if total is None:
         total = torch.zeros((), dtype=torch.float32)

@@ -19,10 +19,9 @@ Each layout is one real 4-rank launch (``tools.launcher.run_distributed``) train
 2 sequences per rank (gradient accumulation is part of what is checked), recording step 2
 (steady state: step 1 also runs the pipeline's one-off shape exchange). One launch per layout,
 not all layouts in one launch: several Trainers in one process share DTensor's sharding caches,
-so later layouts' gradients carry mesh objects of earlier ones, and ``trainer/grad_clip.py``
-(which groups gradients by mesh object) then issues extra grad-norm all-reduces, some on
-process groups of a previous layout. A training job builds one Trainer per process, so a fresh
-launch per layout is what a job does.
+so later layouts' gradients can carry mesh objects (and process groups) of earlier ones, and the
+recorded collectives would then name groups of a previous layout. A training job builds one
+Trainer per process, so a fresh launch per layout is what a job does.
 """
 
 from __future__ import annotations

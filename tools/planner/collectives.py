@@ -22,10 +22,10 @@ parameters cast to the compute dtype, dim 0 padded to the shard count) and reduc
 all-reduce of the reduce-scattered shard, the loss all-reduce over ``loss``, the pipeline loss
 sum and grad-norm sum over ``pp`` and the stage-boundary send/recv, TP/SP's activation
 collectives (forward: all-gather of the attention and MLP inputs, reduce-scatter of their
-outputs; backward: all-gather of the output gradients and ONE ALL-REDUCE PER COLUMN-WISE
-PROJECTION of its input gradient -- the block input enters as a local tensor, so DTensor
-all-reduces each projection's Partial input gradient instead of one reduce-scatter of their
-sum), MLA's rope-key gradient all-reduce, loss parallel's three all-reduces per forward, the
+outputs; backward: all-gather of the output gradients and, for the input gradient, one
+reduce-scatter per module whose weights are all TP-split (its input stays a DTensor, so the
+projections' Partial gradients are summed first) or one all-reduce per column-wise projection
+of a module that takes its input as a local tensor (MLA)), MLA's rope-key gradient all-reduce, loss parallel's three all-reduces per forward, the
 all-reduce of the Partial gradients of tp-replicated weights (SP norms, the router gate) once
 per gradient sync, CP's K/V all-gather and backward reduce-scatter, the grad-norm all-reduces
 (see below), the MoE load counts over ``loss`` and ``tp``, EP's count exchange and ETP's count
@@ -33,12 +33,9 @@ all-gather, and the NUMBER of EP/ETP token all-to-alls. Their bytes depend on ro
 records assume balanced routing, which the test checks summed over the world (every row sent is
 received), not per rank.
 
-Grad-norm reductions: ``trainer/grad_clip.py`` groups gradients by mesh OBJECT and placements
-and all-reduces each group's sum of squares over every sharded mesh dimension. With tp = etp = 1
-that is one group per FSDP mesh; under TP/ETP the gradients of DTensor parameters carry one mesh
-object per distinct (global shape, placements) (torch 2.13), so the trainer issues one 4-byte
-all-reduce per such group and dimension (7 on fsdp and 6 on tp for the llama3 debug model at
-tp = 2) where one per mesh dimension would do. The records model what the trainer does.
+Grad-norm reductions: ``trainer/grad_clip.py`` sums the squares of the gradients sharded over
+the same groups (compared by ranks, whatever mesh object they carry) and all-reduces each such
+sum once per group: one 4-byte all-reduce per distinct (groups, group) pair.
 
 Modelled, not yet checked: mixed precision (the dtype of the tp-replicated weights' gradient
 all-reduce: the compute dtype, or the reduce dtype once FSDP2 accumulated it), full-AC
@@ -249,11 +246,7 @@ def predict_collectives(
         rec[("all_reduce", "loss", 4)] += 1
     if pp:
         rec[("all_reduce", "pp", 4)] += 2  # grad-norm squares, loss sum over stages
-    if d.tp > 1 or d.etp > 1:
-        meshes = _grad_norm_groups_tp(model, flavor, key, d, stages, dense_size, expert_size, separate, choice)
-    else:
-        meshes = _grad_norm_meshes(d, has_moe, dense_size, expert_size, separate, choice)
-    for mesh in meshes:
+    for mesh in _grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
         rec[("all_reduce", mesh, 4)] += 1
     if has_moe:
         n_moe = sum(1 for layers, _, _ in stages for i in layers if i >= getattr(args, "n_dense_layers", 0))
@@ -310,50 +303,38 @@ def _tp_partial_grads(model, flavor, key, layers, head: bool, sp: bool) -> tuple
     )
 
 
-def _grad_norm_groups_tp(model, flavor, key, d, stages, dense_size, expert_size, separate, choice) -> list[str]:
-    """The grad-norm all-reduces under tp > 1 or etp > 1, as ``trainer/grad_clip.py`` issues
-    them: it groups gradients by mesh OBJECT and placements, and (measured on torch 2.13)
-    the gradients of TP/EP DTensor parameters carry one mesh object per distinct (global
-    shape, placements), while all FSDP-only parameters share the 1-D fsdp mesh. Each group's
-    sum of squares is all-reduced over every sharded mesh dimension of size > 1. (One
-    all-reduce per mesh dimension would do; the extra 4-byte all-reduces are the trainer's.)"""
-    sp = choice.sequence_parallel
+def _grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
+    """The grad-norm all-reduces, as ``trainer/grad_clip.py`` issues them: each gradient's sum
+    of squares is partial over the groups of the mesh dimensions it is sharded on (size > 1);
+    gradients with the same groups (compared by ranks) share one float32 all-reduce per
+    group. Dense weights: FSDP's shard group, plus tp for TP-split weights (norms and the
+    router gate are Replicate on tp); routed experts in their own FSDP group: efsdp, ep, and
+    etp for the etp-split weights; otherwise in the dense FSDP group."""
+    from .inventory import _ETP_DIM
+
     keep = {i for layers, _, _ in stages for i in layers}
     embed = any(e for _, e, _ in stages)
     head = any(h for _, _, h in stages)
-    groups: set = set()
-    plain = False  # an FSDP-only parameter (the 1-D fsdp mesh)
+
+    def ranks(name):
+        return tuple(layout.group(name, rank))
+
+    keys: dict = {}  # ranks of each group -> the mesh names, in first-seen order
     for p in _params(model, flavor, key):
         if p.layer is not None and p.layer not in keep:
             continue
         if p.layer is None and not ((p.group == "tok_embeddings" and embed) or (p.group == "head" and head)):
             continue
         if p.expert and separate:
-            from .inventory import _ETP_DIM
-
-            etp_dim = _ETP_DIM.get(p.fqn.rsplit(".", 1)[-1]) if d.etp > 1 else None
-            groups.add(("expert", p.shape, etp_dim))
-        elif d.tp > 1 and (p.tp_dim is not None or _replicated_on_tp(p, sp)):
-            groups.add(("dense", p.shape, p.tp_dim))
+            names = [n for n, size in (("efsdp", expert_size or 1), ("ep", d.ep)) if size > 1]
+            if d.etp > 1 and _ETP_DIM.get(p.fqn.rsplit(".", 1)[-1]) is not None:
+                names.append("etp")
         else:
-            plain = True
-    meshes: list[str] = []
-    if plain and dense_size is not None and dense_size > 1:
-        meshes.append("fsdp")
-    for kind, _, dim in sorted(groups, key=str):
-        if kind == "dense":
-            if dense_size is not None and dense_size > 1:
-                meshes.append("fsdp")
-            if dim is not None:
-                meshes.append("tp")
-        else:
-            if expert_size is not None and expert_size > 1:
-                meshes.append("efsdp")
-            if d.ep > 1:
-                meshes.append("ep")
-            if dim is not None:
-                meshes.append("etp")
-    return meshes
+            names = ["fsdp"] if (dense_size or 1) > 1 else []
+            if d.tp > 1 and p.tp_dim is not None and not p.expert:
+                names.append("tp")
+        keys.setdefault(tuple(ranks(n) for n in names), names)
+    return [name for names in keys.values() for name in names]
 
 
 def _kv_bytes_per_token(args, tp: int) -> int:
@@ -361,22 +342,3 @@ def _kv_bytes_per_token(args, tp: int) -> int:
     if hasattr(args, "kv_lora_rank"):
         return 2 * (args.n_heads // tp) * args.qk_head_dim  # v padded to the q/k head dim
     return 2 * (args.n_heads // tp) * args.head_dim
-
-
-def _grad_norm_meshes(d, has_moe, dense_size, expert_size, separate, choice) -> list[str]:
-    """One float32 all-reduce per sharded mesh dimension of each distinct gradient sharding
-    (``trainer/grad_clip.py``: the sum of squares of a sharded DTensor is partial on its
-    sharded dimensions)."""
-    meshes: list[str] = []
-    if dense_size is not None and dense_size > 1:
-        meshes.append("fsdp")
-    if d.tp > 1:
-        meshes.append("tp")  # TP-sharded weights (colwise / rowwise / embeddings)
-    if separate and expert_size is not None:
-        if expert_size > 1:
-            meshes.append("efsdp")
-        if d.ep > 1:
-            meshes.append("ep")
-        if d.etp > 1:
-            meshes.append("etp")
-    return meshes
