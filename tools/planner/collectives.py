@@ -310,31 +310,67 @@ def _grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_siz
     group. Dense weights: FSDP's shard group, plus tp for TP-split weights (norms and the
     router gate are Replicate on tp); routed experts in their own FSDP group: efsdp, ep, and
     etp for the etp-split weights; otherwise in the dense FSDP group."""
-    from .inventory import _ETP_DIM
-
-    keep = {i for layers, _, _ in stages for i in layers}
+    layers = tuple(sorted({i for layers, _, _ in stages for i in layers}))
     embed = any(e for _, e, _ in stages)
     head = any(h for _, _, h in stages)
-
-    def ranks(name):
-        return tuple(layout.group(name, rank))
-
+    name_sets = _grad_norm_name_sets(
+        model,
+        flavor,
+        key,
+        layers,
+        embed,
+        head,
+        separate,
+        (dense_size or 1) > 1,
+        (expert_size or 1) > 1,
+        d.tp > 1,
+        d.ep > 1,
+        d.etp > 1,
+    )
+    if len(name_sets) < 2:  # nothing to merge
+        return [name for names in name_sets for name in names]
     keys: dict = {}  # ranks of each group -> the mesh names, in first-seen order
+    for names in name_sets:
+        keys.setdefault(tuple(_group_ranks(d, n, rank, layout) for n in names), names)
+    return [name for names in keys.values() for name in names]
+
+
+_GROUP_RANKS: dict = {}
+
+
+def _group_ranks(degrees, name: str, rank: int, layout) -> tuple[int, ...]:
+    """``layout.group(name, rank)`` as a tuple, memoized per (degrees, name, rank)."""
+    k = (degrees, name, rank)
+    if k not in _GROUP_RANKS:
+        if len(_GROUP_RANKS) > 65536:
+            _GROUP_RANKS.clear()
+        _GROUP_RANKS[k] = tuple(layout.group(name, rank))
+    return _GROUP_RANKS[k]
+
+
+@lru_cache(maxsize=4096)
+def _grad_norm_name_sets(model, flavor, key, layers, embed, head, separate, fsdp, efsdp, tp, ep, etp):
+    """The distinct tuples of mesh names the gradients of this rank's parameters are sharded
+    over (size > 1), in parameter order."""
+    from .inventory import _ETP_DIM
+
+    keep = set(layers)
+    out: dict = {}
     for p in _params(model, flavor, key):
         if p.layer is not None and p.layer not in keep:
             continue
         if p.layer is None and not ((p.group == "tok_embeddings" and embed) or (p.group == "head" and head)):
             continue
         if p.expert and separate:
-            names = [n for n, size in (("efsdp", expert_size or 1), ("ep", d.ep)) if size > 1]
-            if d.etp > 1 and _ETP_DIM.get(p.fqn.rsplit(".", 1)[-1]) is not None:
+            names = [n for n, on in (("efsdp", efsdp), ("ep", ep)) if on]
+            if etp and _ETP_DIM.get(p.fqn.rsplit(".", 1)[-1]) is not None:
                 names.append("etp")
         else:
-            names = ["fsdp"] if (dense_size or 1) > 1 else []
-            if d.tp > 1 and p.tp_dim is not None and not p.expert:
+            names = ["fsdp"] if fsdp else []
+            if tp and p.tp_dim is not None and not p.expert:
                 names.append("tp")
-        keys.setdefault(tuple(ranks(n) for n in names), names)
-    return [name for names in keys.values() for name in names]
+        out.setdefault(tuple(names), None)
+    return tuple(out)
 
 
 def _kv_bytes_per_token(args, tp: int) -> int:
