@@ -41,6 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker 
 
 import numpy as np
 
+from trainer.checkpoint import _fsync_dir
 from trainer.config import ConfigError
 from trainer.token_dataset import (
     DTYPES,
@@ -324,19 +325,6 @@ def encoded_units(
 
 
 # ------------------------------------------------------------------------- the writer
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: str, data: bytes) -> None:
