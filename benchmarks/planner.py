@@ -23,13 +23,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, GLOBAL_BATCH, LOCAL_BATCH, STEPS, WARMUP = 256, 8, 4, 8, 3
+# name: (degrees and AC mode, the rank whose compute the fake backend measures: the busiest one)
 LAYOUTS = {
-    "fsdp2": {"dp_shard": 2},
-    "hsdp_replicate2": {"dp_replicate": 2, "dp_shard": 1},
-    "tp2": {"dp_shard": 1, "tp": 2},
-    "cp2": {"dp_shard": 1, "cp": 2},
-    "pp2_1f1b": {"dp_shard": 1, "pp": 2},
-    "fsdp2_full_ac": {"dp_shard": 2, "ac": "full"},
+    "fsdp2": ({"dp_shard": 2}, 0),
+    "hsdp_replicate2": ({"dp_replicate": 2, "dp_shard": 1}, 0),
+    "tp2": ({"dp_shard": 1, "tp": 2}, 0),
+    "cp2": ({"dp_shard": 1, "cp": 2}, 0),
+    "pp2_1f1b": ({"dp_shard": 1, "pp": 2}, 1),  # the last stage also runs the output projection
+    "fsdp2_full_ac": ({"dp_shard": 2, "ac": "full"}, 0),
 }
 
 
@@ -39,8 +40,10 @@ def _env() -> dict:
     return env
 
 
-def _train(nproc: int, settings: dict) -> float:
-    """Median step time (s) of ``train.py`` after the warm-up steps."""
+def _train(nproc: int, settings: dict, fake_rank: int | None = None) -> dict:
+    """Step times of ``train.py`` after the warm-up steps: ``{"median", "min"}`` seconds (a
+    fake-backend run of ``fake_rank``: its compute time per step, and ``"cpu"``, the median CPU
+    time of the process per step)."""
     args = [
         "--config", "llama3.toml", "--training.seq_len", str(SEQ), "--training.global_batch_size",
         str(GLOBAL_BATCH), "--training.local_batch_size", str(LOCAL_BATCH), "--training.steps", str(STEPS),
@@ -51,14 +54,31 @@ def _train(nproc: int, settings: dict) -> float:
             args += ["--activation_checkpoint.mode", value]
         else:
             args += [f"--parallelism.{key}", str(value)]
+    if fake_rank is not None:
+        args += [
+            "--comm.mode",
+            "fake_backend",
+            "--comm.fake_world_size",
+            str(nproc),
+            "--comm.fake_rank",
+            str(fake_rank),
+        ]
+        nproc = 1
     if nproc == 1:
         cmd = [sys.executable, "train.py"]
     else:
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     with tempfile.TemporaryDirectory() as d:
         subprocess.run([*cmd, *args, "--job.dump_folder", d], cwd=ROOT, check=True, capture_output=True, env=_env())
-        records = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
-    return statistics.median(r["elapsed_s"] for r in records if r["step"] > WARMUP)
+        (path,) = Path(d).rglob("metrics.jsonl")
+        records = [json.loads(line) for line in path.open() if line.strip()]
+    steps = [r for r in records if r["step"] > WARMUP]
+    key = "fake_step_time_s" if fake_rank is not None else "elapsed_s"
+    times = [r[key] for r in steps]
+    out = {"median": statistics.median(times), "min": min(times)}
+    if fake_rank is not None:
+        out["cpu"] = statistics.median(r["fake_cpu_time_s"] for r in steps)
+    return out
 
 
 def _gloo_times(rank: int, world_size: int) -> dict:
@@ -70,24 +90,42 @@ def _gloo_times(rank: int, world_size: int) -> dict:
         t = torch.zeros(nbytes // 4)
         for _ in range(3):
             dist.all_reduce(t)
-        start = time.perf_counter()
-        for _ in range(10):
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
             dist.all_reduce(t)
-        out[nbytes] = (time.perf_counter() - start) / 10
+            times.append(time.perf_counter() - start)
+        out[nbytes] = statistics.median(times)
     return out
 
 
-def cpu_profile() -> dict:
-    """Compute rate and gloo link figures of this host, as planner hardware keys."""
-    from tools.launcher import run_distributed
-    from tools.planner.inventory import model_flops
+def _choice(settings: dict, world_size: int = 2):
+    from parallel_dims.layout import validate_degrees
+    from tools.planner.collectives import LayoutChoice
 
-    step = _train(1, {"dp_shard": 1})
-    flops_tok, _ = model_flops("llama3", "debugmodel", SEQ, max_seq_len=2048)
-    rate = flops_tok * GLOBAL_BATCH * SEQ / step
+    degrees = {k: v for k, v in settings.items() if k != "ac"}
+    d = validate_degrees(world_size=world_size, **degrees)
+    choice = LayoutChoice(
+        global_batch=GLOBAL_BATCH, local_batch=LOCAL_BATCH, seq_len=SEQ,
+        schedule="1F1B" if d.pp > 1 else None, n_microbatches=d.pp if d.pp > 1 else None,
+        ac=settings.get("ac", "none"), param_dtype="float32", reduce_dtype="float32",
+    )  # fmt: skip
+    return d, choice
+
+
+def cpu_profile() -> dict:
+    """Compute rate and gloo link figures of this host, as planner hardware keys: the matmul
+    FLOP/s of a 1-process, 1-thread train.py step (the planner's own FLOP count of that step
+    over its median time), and bandwidth and latency from 2-process all-reduces of two sizes."""
+    from tools.launcher import run_distributed
+    from tools.planner.compute import rank_matmul_flops
+
+    step = _train(1, {"dp_shard": 1})["median"]
+    d, choice = _choice({"dp_shard": 1}, world_size=1)
+    rate = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["total"] / step
     times = run_distributed(_gloo_times, 2, env=_env())[0]
     small, big = times[1024], times[8 * 2**20]
-    # ring all-reduce over 2 ranks: latency = base + 2 hops, bytes moved = size (2 * (n-1)/n)
+    # ring all-reduce over 2 ranks: latency = 2 hops, bytes moved = size (2 * (n-1)/n)
     bw = (8 * 2**20 - 1024) / max(big - small, 1e-9)
     return {
         "peak_flops_fp32": rate,
@@ -110,8 +148,6 @@ def _spearman(a: list[str], b: list[str]) -> float:
 def run() -> dict:
     import dataclasses
 
-    from parallel_dims.layout import validate_degrees
-    from tools.planner.collectives import LayoutChoice
     from tools.planner.estimate import Job, estimate
     from tools.planner.hardware import load_hardware
 
@@ -119,20 +155,21 @@ def run() -> dict:
     hw = dataclasses.replace(load_hardware("h100"), name="cpu", **profile)
     job = Job("llama3", "debugmodel", 2, 2, SEQ, GLOBAL_BATCH, hw, 1.0, "float32", "float32")
     rows = {}
-    for name, settings in LAYOUTS.items():
-        degrees = {k: v for k, v in settings.items() if k != "ac"}
-        d = validate_degrees(world_size=2, **degrees)
-        choice = LayoutChoice(
-            global_batch=GLOBAL_BATCH, local_batch=LOCAL_BATCH, seq_len=SEQ,
-            schedule="1F1B" if d.pp > 1 else None, n_microbatches=d.pp if d.pp > 1 else None,
-            ac=settings.get("ac", "none"), param_dtype="float32", reduce_dtype="float32",
-        )  # fmt: skip
-        predicted = estimate(job, d, choice).time["total"]
+    for name, (settings, busiest) in LAYOUTS.items():
+        d, choice = _choice(settings)
+        est = estimate(job, d, choice).time
+        predicted_compute = est["compute"] + est["recompute"]
+        fake = _train(2, settings, fake_rank=busiest)
         measured = _train(2, settings)
         rows[name] = {
-            "measured_step_s": round(measured, 4),
-            "predicted_step_s": round(predicted, 4),
-            "predicted_over_measured": round(predicted / measured, 3),
+            "measured_step_s": round(measured["median"], 4),
+            "measured_step_min_s": round(measured["min"], 4),
+            "predicted_step_s": round(est["total"], 4),
+            "predicted_over_measured": round(est["total"] / measured["median"], 3),
+            "fake_backend_compute_s": round(fake["median"], 4),
+            "fake_backend_cpu_s": round(fake["cpu"], 4),
+            "predicted_compute_s": round(predicted_compute, 4),
+            "predicted_over_fake_compute": round(predicted_compute / fake["median"], 3),
         }
     by_measured = sorted(rows, key=lambda n: rows[n]["measured_step_s"])
     by_predicted = sorted(rows, key=lambda n: rows[n]["predicted_step_s"])

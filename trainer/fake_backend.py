@@ -34,10 +34,11 @@ collectives), and the run writes to ``<job.dump_folder>/fake_backend/world<W>_ra
 real run's folder is never touched.
 
 Per step it reports this rank's compute time (the training step's wall time, synchronized on
-GPU; with no-op collectives that is compute plus local overhead) and peak memory (GPU: peak
-allocated bytes of the step; CPU: peak resident set size of the process during the step), in
-the console, in ``metrics.jsonl`` (``fake_step_time_s``, ``fake_peak_memory_gib``,
-``fake_memory_kind``) and in ``fake_backend_report.json`` with the rank's parameter, gradient
+GPU; with no-op collectives that is compute plus local overhead), the CPU time the process
+spent in the step (all its threads; on a CPU host shared with other work this is the steadier
+measure of the rank's compute) and peak memory (GPU: peak allocated bytes of the step; CPU:
+peak resident set size of the process during the step), in the console, in ``metrics.jsonl``
+(``fake_step_time_s``, ``fake_cpu_time_s``, ``fake_peak_memory_gib``, ``fake_memory_kind``) and in ``fake_backend_report.json`` with the rank's parameter, gradient
 and optimizer-state bytes.
 """
 
@@ -147,6 +148,7 @@ class FakeStepMeter:
         self.steps: list[dict[str, Any]] = []
         self.state: dict[str, int] = {}
         self._t0 = 0.0
+        self._cpu0 = 0.0
         self._cpu_peak_ok = False
 
     @property
@@ -159,12 +161,14 @@ class FakeStepMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._cpu_peak_ok = _reset_cpu_peak()
+        self._cpu0 = time.process_time()
         self._t0 = time.perf_counter()
 
     def stop(self, step: int, *, recorded: bool = False) -> dict[str, Any]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - self._t0
+        cpu_seconds = time.process_time() - self._cpu0
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
@@ -172,6 +176,7 @@ class FakeStepMeter:
         entry = {
             "step": step,
             "step_time_s": seconds,
+            "cpu_time_s": cpu_seconds,
             "peak_memory_gib": None if peak is None else peak / 2**30,
             "memory_kind": self.memory_kind,
         }
@@ -204,6 +209,7 @@ class FakeStepMeter:
             "fake_world_size": float(self.world_size),
             "fake_rank": float(self.rank),
             "fake_step_time_s": entry["step_time_s"],
+            "fake_cpu_time_s": entry["cpu_time_s"],
             "fake_memory_kind": entry["memory_kind"],
         }
         if entry["peak_memory_gib"] is not None:

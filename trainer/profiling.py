@@ -130,6 +130,12 @@ class StepProfiler:
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm"}
 
 
+def _local_shard(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _shape(t: Any) -> tuple[int, ...]:
     return tuple(t.shape)
 
@@ -180,17 +186,24 @@ class MatmulCensus(TorchDispatchMode):
     """Adds up the FLOPs of matmul-class ops per dtype while active.
 
     A dispatch mode sees ops after autocast and FSDP's parameter casts, so the dtypes are the
-    ones the kernels really ran in; DTensor ops are seen once, at their global shapes (the
-    shares per dtype are what matters). Use as a context manager around forward+backward."""
+    ones the kernels really ran in. A DTensor op is seen once, before DTensor runs it on the
+    local shards; by default it counts at its global shapes (the shares per dtype are what
+    matters), with ``local=True`` at the shapes of the arguments' local shards: the FLOPs this
+    rank computes (exact for the tensor-parallel matmuls, whose inputs the TP plan lays out
+    before the op so DTensor runs it on the shards as they are). Use as a context manager
+    around forward+backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, local: bool = False) -> None:
         super().__init__()
+        self.local = local
         self.flops: Counter[torch.dtype] = Counter()
         self.calls: Counter[tuple[str, torch.dtype]] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if self.local:
+            args = tuple(_local_shard(a) for a in args)
         counted = _matmul_flops(name, args)
         if counted is not None:
             flops, dtype = counted
@@ -207,8 +220,20 @@ class MatmulCensus(TorchDispatchMode):
         total = self.total_flops
         return self.flops[dtype] / total if total else 0.0
 
+    def write(self, path: str, **meta: Any) -> None:
+        """``meta`` (step, rank, ...) and :meth:`summary` as one JSON object at ``path``,
+        written to a temporary name first (a reader never sees half a file)."""
+        import json
+
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({**meta, **self.summary()}, f, indent=1)
+        os.replace(tmp, path)
+
     def summary(self) -> dict[str, Any]:
         return {
+            "total_flops": self.total_flops,
+            "local_shapes": self.local,
             "total_gflops": self.total_flops / 1e9,
             "share": {str(d).removeprefix("torch."): self.share(d) for d in self.flops},
             "calls": {f"{n}/{str(d).removeprefix('torch.')}": c for (n, d), c in sorted(self.calls.items(), key=str)},

@@ -59,7 +59,7 @@ from trainer.hf_checkpoint import (
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
-from trainer.profiling import StepProfiler
+from trainer.profiling import MatmulCensus, StepProfiler
 from trainer.tokenizer import load_tokenizer
 from trainer.validation import Validator
 
@@ -408,15 +408,24 @@ class Trainer:
     @contextlib.contextmanager
     def _instruments(self, step: int):
         """Around one training step: the collective recorder on ``comm.record_step`` (writes
-        ``<dump_folder>/comm_rank<R>.json``) and, in a fake-backend run, the step's compute time
+        ``<dump_folder>/comm_rank<R>.json``), the matmul census on
+        ``profiling.matmul_census_step`` (``<dump_folder>/matmul_census_rank<R>.json``) and, in
+        a fake-backend run, the step's compute time
         and peak memory. Yields the dict of fields the step adds to its metrics record."""
         extra: dict = {}
         record = step == self.cfg.comm.record_step
+        census = MatmulCensus(local=True) if step == self.cfg.profiling.matmul_census_step else None
         meter = self._fake_meter
         if meter is not None:
             meter.start()
         with record_comms(self.pd) if record else contextlib.nullcontext() as recorder:
-            yield extra
+            with census if census is not None else contextlib.nullcontext():
+                yield extra
+        if census is not None:
+            path = os.path.join(self.cfg.job.dump_folder, f"matmul_census_rank{self.rank}.json")
+            census.write(path, step=step, rank=self.rank, world_size=self.world_size, comm_mode=self.cfg.comm.mode,
+                         degrees=self.pd.degrees.as_dict())  # fmt: skip
+            _log(f"counted the matmul FLOPs of step {step}: {self.cfg.job.dump_folder}/matmul_census_rank<R>.json")
         if recorder is not None:
             write_records(
                 recorder,

@@ -68,7 +68,7 @@ def test_one_rank_of_a_64_rank_fsdp_tp_layout(tmp_path):
     assert sorted(m) == [1, 2, 3]
     for rec in m.values():
         assert rec["comm_mode"] == "fake_backend" and rec["fake_rank"] == 17 and rec["fake_world_size"] == 64
-        assert rec["fake_step_time_s"] > 0 and rec["fake_peak_memory_gib"] > 0.01
+        assert rec["fake_step_time_s"] > 0 and rec["fake_cpu_time_s"] > 0 and rec["fake_peak_memory_gib"] > 0.01
         assert rec["fake_memory_kind"] == "cpu_peak_rss"
     report = json.loads((folder / "fake_backend_report.json").read_text())
     assert report["rank"] == 17 and report["world_size"] == 64

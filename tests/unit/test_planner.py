@@ -177,6 +177,34 @@ def test_more_microbatches_shrink_the_bubble():
     assert many.time["bubble"] < few.time["bubble"]
 
 
+def test_compute_is_the_busiest_ranks_flops():
+    """Pipeline stages are uneven (the last also runs the output projection): the step waits for
+    the busiest, and that is what the estimate's compute prices (FLOPs: test_planner_compute)."""
+    from tools.planner.compute import rank_matmul_flops
+
+    job = Job("llama3", "8B", 16, 8, 4096, 64, H100, efficiency=0.5)
+    d = validate_degrees(world_size=16, dp_shard=4, pp=4)
+    choice = LayoutChoice(64, 4, 4096, "1F1B", 4, ac="full")
+    e = estimate(job, d, choice)
+    first, last = (rank_matmul_flops("llama3", "8B", d, choice, r, **job.overrides) for r in (0, 12))
+    assert last["forward"] > first["forward"]  # 8 layers each; the last stage adds the 128k-vocab head
+    rate = H100.peak_flops("bfloat16") * 0.5
+    assert e.time["compute"] == pytest.approx((last["forward"] + last["backward"]) / rate)
+    assert e.time["recompute"] == pytest.approx(max(first["recompute"], last["recompute"]) / rate)
+
+
+def test_the_search_leaves_layouts_that_do_not_fit_unpriced():
+    job = Job("llama3", "70B", 8, 8, 8192, 64, H100)
+    d = validate_degrees(world_size=8, dp_shard=8)
+    choice = LayoutChoice(64, 8, 8192, ac="none")
+    full, quick = estimate(job, d, choice), estimate(job, d, choice, time_if_oom=False)
+    assert not full.fits and not quick.fits and quick.memory == full.memory and quick.time is None
+    small = LayoutChoice(64, 1, 8192, ac="full")
+    job8 = Job("llama3", "8B", 8, 8, 8192, 64, H100)
+    fits = estimate(job8, d, small, time_if_oom=False)
+    assert fits.fits and fits.time == estimate(job8, d, small).time
+
+
 # --------------------------------------------------------------------------- command line
 _DEBUG = ["--model", "llama3", "--flavor", "debugmodel", "--world-size", "8", "--gpus-per-node", "4",
           "--seq-len", "256", "--global-batch", "16"]  # fmt: skip

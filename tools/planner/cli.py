@@ -24,8 +24,9 @@ _ASSUMPTIONS = [
     "memory: fp32 master params, grads and AdamW (2 fp32 states), FSDP2 padding included; "
     "gathered compute-dtype params and unsharded grads in flight; activations per micro-batch "
     "from the model code x the micro-batches the schedule keeps in flight; logits + fp32 loss buffers",
-    "compute: the trainer's FLOPs per token (model.flops_per_token) x tokens per GPU / "
-    "(peak x efficiency); full AC adds one forward of the blocks; selective AC recomputes no matmul",
+    "compute: the matmul FLOPs of the busiest rank (its pipeline stage, its TP/CP/EP share; the "
+    "trainer's FLOPs accounting) / (peak x efficiency); full AC adds one forward of the blocks but "
+    "their last projection; selective AC recomputes no matmul",
     "communication: ring all-gather / reduce-scatter / all-reduce, torch's DTensor cost model "
     "(torch/distributed/tensor/_collective_utils.py); an axis whose groups cross nodes uses the "
     "inter-node figures",

@@ -21,8 +21,10 @@ stage) -- every assumption is also printed with the result:
   flight (1F1B-like: min(m, pp) on the first stage; GPipe / LoopedBFS: all m; interleaved:
   its warm-up chunks), the logits and loss buffers; ``fits`` when the total is at most the
   GPU's memory minus the reserve;
-* time: compute = the trainer's FLOPs per token x tokens per GPU per step / (peak x
-  efficiency), plus one forward of the blocks under full AC; communication = every collective
+* time: compute = the matmul FLOPs of the busiest rank (:mod:`tools.planner.compute`: its
+  pipeline stage, its TP/CP/EP share, the trainer's FLOPs-per-token accounting, checked exactly
+  against fake-backend runs) / (peak x efficiency), the recomputed forward under full AC
+  reported apart; communication = every collective
   of :func:`tools.planner.collectives.predict_collectives` priced by the ring model of
   :mod:`tools.planner.hardware` (inter-node figures for an axis whose groups cross nodes,
   ``RankLayout.crosses_nodes``); FSDP's all-gathers, reduce-scatters and HSDP all-reduces
@@ -43,10 +45,20 @@ from models.parallel.pipeline.plan import bubble_fraction as bubble_fraction_of
 
 from .activations import activation_bytes
 from .collectives import LayoutChoice, grad_accum_steps, predict_collectives, stage_layers
+from .compute import rank_matmul_flops
 from .hardware import GIB, Hardware, collective_seconds
-from .inventory import cached_layout, fsdp_meshes, model_flops, model_inventory, stage_summary
+from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
 
-__all__ = ["Estimate", "Job", "PlanResult", "enumerate_layouts", "estimate", "plan_layouts", "smallest_world_size"]
+__all__ = [
+    "Estimate",
+    "Job",
+    "PlanResult",
+    "choice_from_plan",
+    "enumerate_layouts",
+    "estimate",
+    "plan_layouts",
+    "smallest_world_size",
+]
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 AC_MODES = ("none", "selective", "full")
@@ -91,7 +103,7 @@ class Estimate:
     choice: LayoutChoice
     memory: dict[str, float]  # bytes
     fits: bool
-    time: dict  # seconds: compute, recompute, comm {axis: s}, bubble, total
+    time: dict | None  # seconds: compute, recompute, comm {axis: s}, bubble, total (None: not priced)
     tokens_per_s_per_gpu: float
     crosses_nodes: list[str]
     bubble_fraction: float
@@ -276,7 +288,10 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     return mem
 
 
-def estimate(job: Job, degrees, choice: LayoutChoice) -> Estimate:
+def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) -> Estimate:
+    """Memory and step time of one layout. With ``time_if_oom=False`` a layout that does not
+    fit gets no step time (``time`` None, 0 tokens/s): the search ranks those by memory only,
+    and pricing their collectives was most of its cost."""
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     d = degrees
     layout = cached_layout(d)
@@ -286,12 +301,20 @@ def estimate(job: Job, degrees, choice: LayoutChoice) -> Estimate:
     mems = [memory_for_rank(job, d, choice, r) for r in ranks]
     mem = max(mems, key=lambda x: x["total"])
     fits = mem["total"] <= hw.usable_gib * GIB
-    # compute
-    flops_tok, out_params = model_flops(job.model, job.flavor, job.seq_len, **job.overrides)
+    if not fits and not time_if_oom:
+        return Estimate(
+            degrees=d, choice=choice, memory=mem, fits=False, time=None, tokens_per_s_per_gpu=0.0,
+            crosses_nodes=[], bubble_fraction=0.0, grad_accum=grad_accum_steps(choice, d),
+        )  # fmt: skip
+    # compute: the busiest rank's matmul FLOPs (tools/planner/compute.py)
     tokens = job.global_batch * job.seq_len
     rate = hw.peak_flops(choice.param_dtype) * job.efficiency
-    compute = flops_tok * tokens / d.world_size / rate
-    recompute = (flops_tok - 6 * out_params) / 3 * tokens / d.world_size / rate if choice.ac == "full" else 0.0
+    flops = max(
+        (rank_matmul_flops(job.model, job.flavor, d, choice, r, **job.overrides) for r in ranks),
+        key=lambda f: f["total"],
+    )
+    compute = (flops["forward"] + flops["backward"]) / rate
+    recompute = flops["recompute"] / rate
     busy = compute + recompute
     # communication, from the busiest stage's rank
     crossing = _crossing(d, job.gpus_per_node)
@@ -349,6 +372,27 @@ def estimate(job: Job, degrees, choice: LayoutChoice) -> Estimate:
     )
 
 
+def choice_from_plan(plan) -> LayoutChoice:
+    """The :class:`LayoutChoice` of a trainer job plan (``trainer.plan.plan_job``): batch split,
+    schedule, micro-batches, AC, reshard policy, dtypes, sequence and loss parallel, as the
+    trainer will run them."""
+    p, opts, pd = plan.config.parallelism, plan.parallelize, plan.parallel_dims
+    pp = pd.degrees.pp > 1
+    return LayoutChoice(
+        global_batch=plan.batch.global_batch_size,
+        local_batch=plan.batch.local_batch_size,
+        seq_len=plan.batch.seq_len,
+        schedule=p.pipeline_parallel_schedule if pp else None,
+        n_microbatches=p.pipeline_microbatches() if pp else None,
+        ac=opts.ac_mode,
+        reshard=opts.reshard_after_forward,
+        param_dtype=opts.param_dtype,
+        reduce_dtype=opts.reduce_dtype,
+        sequence_parallel=opts.sequence_parallel,
+        loss_parallel=opts.loss_parallel,
+    )
+
+
 def enumerate_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES):
     """Every (degrees, choice) pair valid for ``job``."""
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
@@ -387,7 +431,7 @@ def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES) -> PlanResult
         if static > usable:
             pruned += len(choices)
             continue
-        ests.extend(estimate(job, degrees, c) for c in choices)
+        ests.extend(estimate(job, degrees, c, time_if_oom=False) for c in choices)
     ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
     return PlanResult(ests, pruned)
 
@@ -442,6 +486,6 @@ def smallest_world_size(job: Job, limit_factor: int = 64) -> int | None:
     for candidate in range(start, max(start, w * limit_factor) + 1, step):
         j = dataclasses.replace(job, world_size=candidate)
         for d, c in enumerate_layouts(j, ac_modes=("full",), schedules=("1F1B", "GPipe")):
-            if estimate(j, d, c).fits:
+            if estimate(j, d, c, time_if_oom=False).fits:
                 return candidate
     return None

@@ -24,7 +24,13 @@ import subprocess
 import sys
 import weakref
 
-__all__ = ["measure_activations", "measure_in_subprocess", "measure_training_state"]
+__all__ = [
+    "census_of_runs",
+    "forget_sharding_caches",
+    "measure_activations",
+    "measure_in_subprocess",
+    "measure_training_state",
+]
 
 
 def _storage_bytes(tensors) -> int:
@@ -168,3 +174,39 @@ def measure_activations(
     result = {"bytes": sum(alive.values()), "tensors": len(alive)}
     del loss, logits
     return result
+
+
+def forget_sharding_caches() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches: their keys compare
+    meshes by value, so a later job's equal-looking mesh in the same process would get back
+    specs that hold an earlier job's mesh object (and process groups)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _gen_transform_infos.cache_clear()
+
+
+def census_of_runs(argvs: list[list[str]]) -> list[dict]:
+    """Run ``train.py`` with each argument list in turn in this process (each a fake-backend run
+    of one rank with ``--profiling.matmul_census_step``), forgetting DTensor's caches between
+    them, and return each run's census (``matmul_census_rank<R>.json``)."""
+    import glob
+    import os
+
+    from trainer.train import main
+
+    out = []
+    for argv in argvs:
+        forget_sharding_caches()
+        if main(argv) != 0:
+            raise RuntimeError(f"train.py {' '.join(argv)} failed")
+        folder = argv[argv.index("--job.dump_folder") + 1]
+        (path,) = glob.glob(os.path.join(folder, "**", "matmul_census_rank*.json"), recursive=True)
+        with open(path) as f:
+            out.append(json.load(f))
+    return out

@@ -244,6 +244,12 @@ class Profiling:
         "memory_snapshot",
         "Snapshot folder, relative to job.dump_folder: iteration_N/rankR_memory_snapshot.pickle.",
     )
+    matmul_census_step: int = _opt(
+        0,
+        "Count the FLOPs of every matmul-class op (GEMMs, attention, forward and backward, this "
+        "rank's local shards) of training step N per dtype on every rank and write "
+        "<dump_folder>/matmul_census_rank<R>.json; 0 = off. Counting slows that step.",
+    )
 
 
 @dataclass

@@ -1,0 +1,133 @@
+"""The layout planner's per-rank compute (tools/planner/compute.py) against what one rank of the
+layout really computes, measured on the fake backend.
+
+Each layout runs ONE rank of its job through ``train.py`` with ``comm.mode = "fake_backend"``
+(the real meshes, sharding, pipeline split and schedule; no-op collectives; for MoE balanced
+routing, see trainer/fake_backend.py), and ``profiling.matmul_census_step`` counts the FLOPs of
+every matmul-class op of the step at the rank's local shard shapes (GEMMs forward and backward,
+scaled-dot-product attention forward and backward). The planner's prediction for the same rank,
+from the trainer's own job plan of the same config, must equal it EXACTLY: tensor-parallel
+splits, sequence-parallel router/expert shards, MLA's replicated low-rank projections under TP,
+expert and expert-tensor parallel, context-parallel query shards, the pipeline's uneven stages
+(first stage vs last stage with the output projection), gradient accumulation and pipeline
+micro-batches, full AC's recomputed forward and selective AC's none, and one rank of a 64-rank
+job. All layouts run one after another in one interpreter (DTensor's caches are dropped
+between them), one optimizer step each.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQ, LOCAL, ACCUM = 32, 2, 2
+N_LAYERS = {"llama3": 2, "deepseek_v3": 3}  # deepseek: one dense layer, two MoE layers
+
+
+class Case(NamedTuple):
+    model: str
+    degrees: dict
+    rank: int = 0
+    config: tuple = ()
+
+
+_AC_FULL = (("activation_checkpoint.mode", "full"),)
+CASES = {
+    "llama3 fsdp=2": Case("llama3", dict(dp_shard=2)),
+    "llama3 tp=2,fsdp=2 rank 1": Case("llama3", dict(dp_shard=2, tp=2), 1),
+    "llama3 cp=2,tp=2": Case("llama3", dict(dp_shard=1, cp=2, tp=2), 3),
+    "llama3 pp=2,fsdp=2 first stage": Case("llama3", dict(dp_shard=2, pp=2), 0),
+    "llama3 pp=2,fsdp=2 last stage": Case("llama3", dict(dp_shard=2, pp=2), 2),
+    "llama3 fsdp=4 full AC": Case("llama3", dict(dp_shard=4), 0, _AC_FULL),
+    "llama3 tp=2,fsdp=2 selective AC": Case("llama3", dict(dp_shard=2, tp=2), 0, (("activation_checkpoint.mode", "selective"),)),
+    "llama3 fsdp=8,tp=8 rank 17 of 64": Case("llama3", dict(dp_shard=8, tp=8), 17),
+    "deepseek_v3 tp=2,fsdp=2": Case("deepseek_v3", dict(dp_shard=2, tp=2), 1),
+    "deepseek_v3 fsdp=4,ep=2": Case("deepseek_v3", dict(dp_shard=4, ep=2), 2),
+    "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 full AC": Case("deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2), 0, _AC_FULL),
+    "deepseek_v3 pp=2,fsdp=2 last stage": Case("deepseek_v3", dict(dp_shard=2, pp=2), 3),
+}  # fmt: skip
+
+_KEYS = {
+    "dp_replicate": "--parallelism.data_parallel_replicate_degree",
+    "dp_shard": "--parallelism.data_parallel_shard_degree",
+    "cp": "--parallelism.context_parallel_degree",
+    "tp": "--parallelism.tensor_parallel_degree",
+    "pp": "--parallelism.pipeline_parallel_degree",
+    "ep": "--parallelism.expert_parallel_degree",
+    "etp": "--parallelism.expert_tensor_parallel_degree",
+}
+
+
+def _world(case: Case) -> int:
+    d = case.degrees
+    return d.get("dp_replicate", 1) * d.get("dp_shard", 1) * d.get("cp", 1) * d.get("tp", 1) * d.get("pp", 1)
+
+
+def _argv(case: Case, folder: str) -> list[str]:
+    d = case.degrees
+    batch_degree = d.get("dp_replicate", 1) * d.get("dp_shard", 1)
+    argv = [
+        *("--config", f"{case.model}.toml", "--model.n_layers", str(N_LAYERS[case.model])),
+        *("--training.seq_len", str(SEQ), "--training.local_batch_size", str(LOCAL)),
+        *("--training.global_batch_size", str(LOCAL * ACCUM * batch_degree)),
+        *("--training.steps", "1", "--profiling.matmul_census_step", "1"),
+        *("--training.prefetch", "false", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"),
+        *("--comm.mode", "fake_backend", "--comm.fake_world_size", str(_world(case))),
+        *("--comm.fake_rank", str(case.rank), "--job.dump_folder", folder),
+    ]
+    for name, key in _KEYS.items():
+        argv += [key, str(d.get(name, 1))]
+    for key, value in case.config:
+        argv += [f"--{key}", value]
+    return argv
+
+
+def predicted_flops(case: Case) -> dict:
+    from tools.planner.compute import rank_matmul_flops
+    from tools.planner.estimate import choice_from_plan
+    from trainer.config import load_config
+    from trainer.plan import model_overrides, plan_job
+
+    cfg = load_config(_argv(case, "unused"))
+    plan = plan_job(cfg, _world(case), tokenizer_vocab=2048)
+    overrides = model_overrides(plan.config, 2048)
+    return rank_matmul_flops(case.model, "debugmodel", plan.parallel_dims.degrees, choice_from_plan(plan), case.rank, **overrides)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def censuses(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("census")
+    argvs = [_argv(case, str(root / f"case{i}")) for i, case in enumerate(CASES.values())]
+    code = "import json, sys; from tools.planner.measure import census_of_runs; print(json.dumps(census_of_runs(json.loads(sys.argv[1]))))"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(zip(CASES, json.loads(out.stdout.strip().splitlines()[-1])))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_predicted_rank_flops_equal_the_census_of_a_fake_backend_step(name, censuses):
+    case, census = CASES[name], censuses[name]
+    assert census["local_shapes"] and census["rank"] == case.rank and census["world_size"] == _world(case)
+    want = predicted_flops(case)
+    assert census["total_flops"] == want["total"], (name, census["calls"], want)
+
+
+def test_the_comparison_sees_the_differences_the_layouts_make(censuses):
+    """Not vacuous: the layouts' measured FLOPs differ where the planner says they should."""
+    c = {n: censuses[n]["total_flops"] for n in CASES}
+    # the last stage also runs the output projection
+    assert c["llama3 pp=2,fsdp=2 last stage"] > c["llama3 pp=2,fsdp=2 first stage"]
+    # full AC recomputes the blocks' forward; TP splits the work
+    assert c["llama3 fsdp=4 full AC"] > c["llama3 fsdp=2"] / 2 * 1.2
+    assert c["llama3 tp=2,fsdp=2 rank 1"] < c["llama3 fsdp=2"]
+    # MLA's replicated low-rank projections run on every TP rank: TP halves less than the work
+    forward_only = predicted_flops(CASES["deepseek_v3 tp=2,fsdp=2"])
+    assert forward_only["total"] == c["deepseek_v3 tp=2,fsdp=2"]

@@ -1,0 +1,124 @@
+"""The matmul FLOPs one rank computes in one training step, from the layout.
+
+The trainer's FLOPs-per-token formula (``models/common/flops.py``: 6 x active non-embedding
+parameters + 12 x layers x attention width x sequence length) counts the work of the whole
+model; a rank of a parallel layout does its own share, and not always an even one: a pipeline
+stage holds some of the layers (the last stage also the output projection), tensor parallelism
+splits the sharded weights' matmuls but runs the weights it replicates (MLA's low-rank
+projections) on the whole gathered sequence on every TP rank, full activation checkpointing runs
+each block's forward twice. :func:`rank_matmul_flops` adds it up per weight of the rank's stages,
+with the real shards of :mod:`tools.planner.inventory`:
+
+* a weight TP splits (``tp_dim``), and any 2-D weight outside the MoE router: ``2 x tokens x
+  local numel`` forward, where ``tokens`` is the rank's whole (CP-local) sequence: sequence
+  parallel gathers it before every TP-split projection;
+* the router gate (replicated under TP, reading the sequence-parallel shard): ``2 x tokens / tp
+  x numel``;
+* routed experts: each token's ``top_k`` rows through one expert's full weights, on the tokens
+  of the rank's sequence shard (``tokens / tp``); expert and expert-tensor parallelism move rows
+  between ranks without changing the sum, and under balanced routing every rank processes as many
+  rows as it routes (the fake backend's all-to-all gives exactly that);
+* attention (scaled dot product, forward ``2 x b x heads x q_len x kv_len x (qk dim + v dim)``,
+  the kernel's whole rectangle: causal masking is not discounted, as in the trainer's formula):
+  the rank's heads (``n_heads / tp``); under CP its two load-balanced query chunks, each against
+  the key prefix it can see (:func:`_pairs`); MLA's v is padded to the q/k head dim
+  (``models/deepseek_v3``), so both dims are the q/k dim;
+* the output projection on the last stage (vocabulary split by TP under loss parallel);
+* backward = 2 x forward for every matmul (input and weight gradients), and attention's backward
+  2 x its forward; full AC adds one forward of every block (not of the head) except the block's
+  last projection (the feed-forward's, or under MoE the shared experts', row-wise output
+  projection): torch's non-reentrant checkpoint stops recomputing once every tensor the
+  backward saved is back, and nothing saves that projection's output (it only feeds the
+  residual add); selective AC saves every matmul and attention output
+  (``tests/unit/test_activation_checkpoint.py``), so it adds none.
+
+Checked against the FLOPs a rank really computes (``profiling.matmul_census_step`` of a
+fake-backend run, local shards): ``tests/distributed/test_planner_compute.py``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .collectives import LayoutChoice, grad_accum_steps, stage_layers
+from .inventory import cached_layout, model_inventory, rank_shards
+
+__all__ = ["rank_matmul_flops"]
+
+
+def _attention_dims(args) -> tuple[int, int]:
+    """(heads, q/k head dim) of the model's attention (v padded to the q/k dim for MLA)."""
+    if hasattr(args, "qk_nope_head_dim"):
+        return args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
+    return args.n_heads, args.dim // args.n_heads
+
+
+def _pairs(choice: LayoutChoice, d) -> int:
+    """(query, key) pairs the rank's attention kernels compute per step, summed over its
+    sequences. Without CP, causal attention runs as one S x S kernel. Under CP
+    (``models/parallel/context_parallel.py``) a rank holds head chunk ``r`` and tail chunk
+    ``2cp-1-r`` of ``2cp`` chunks of length ``c`` and runs each against the key prefix it can
+    see: ``c x (r+1)c + c x (2cp-r)c = (2cp+1) c^2`` pairs on every rank."""
+    sequences = choice.local_batch * grad_accum_steps(choice, d)
+    if d.cp == 1:
+        return sequences * choice.seq_len * choice.seq_len
+    c = choice.seq_len // (2 * d.cp)
+    return sequences * (2 * d.cp + 1) * c * c
+
+
+def rank_matmul_flops(model: str, flavor: str, degrees, choice: LayoutChoice, rank: int = 0, **overrides) -> dict:
+    """``{"forward", "backward", "recompute", "total"}``: matmul + attention FLOPs ``rank``
+    computes in one optimizer step (see the module docstring)."""
+    key = tuple(sorted(overrides.items()))
+    return dict(_rank_flops(model, flavor, degrees, choice, rank, key))
+
+
+@lru_cache(maxsize=65536)
+def _stage_weights(model, flavor, key: tuple, degrees, rank: int, layers: range, embed: bool, head: bool) -> tuple:
+    """Weight sums of one stage of ``rank`` (cached: they do not depend on batch, AC or dtype):
+    (TP-local numel of the blocks' weights read by the whole sequence, router numel, routed
+    expert numel per token (top_k experts), numel of the blocks' last projections, head
+    numel)."""
+    params, args = model_inventory(model, flavor, **dict(key))
+    top_k = getattr(args, "n_activated_experts", 0)
+    whole = router = experts = last = head_numel = 0
+    for s in rank_shards(params, degrees, cached_layout(degrees), rank, False, layers, embed, head):
+        info = s.info
+        if len(info.shape) < 2 or info.group == "tok_embeddings":
+            continue
+        if info.expert:
+            experts += top_k * (info.numel // info.shape[0])
+        elif info.tp_dim is None and ".router." in info.fqn:
+            router += info.numel
+        elif info.layer is None:
+            head_numel += s.tp_local_numel
+        else:
+            whole += s.tp_local_numel
+            if info.tp_dim == 1 and (".feed_forward." in info.fqn or ".shared_experts." in info.fqn):
+                last += s.tp_local_numel
+    return whole, router, experts, last, head_numel
+
+
+@lru_cache(maxsize=65536)
+def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tuple) -> tuple:
+    _, args = model_inventory(model, flavor, **dict(key))
+    d = degrees
+    stages, _ = stage_layers(args, d, choice, rank, cached_layout(d))
+    # every micro-batch of the step: local_batch sequences per accumulation step, CP-local
+    tokens = choice.local_batch * grad_accum_steps(choice, d) * choice.seq_len // d.cp
+    moe_tokens = tokens // d.tp  # the sequence-parallel shard the router and experts read
+    heads, head_dim = _attention_dims(args)
+    pairs = _pairs(choice, d)
+    blocks = head = unrecomputed = 0.0
+    for layers, embed, has_head in stages:
+        whole, router, experts, last, head_numel = _stage_weights(model, flavor, key, d, rank, layers, embed, has_head)
+        blocks += 2 * tokens * whole + 2 * moe_tokens * (router + experts)
+        unrecomputed += 2 * tokens * last
+        head += 2 * tokens * head_numel
+        # Q K^T and P V: b * heads/tp * (query, key) pairs * (qk + v dims)
+        blocks += len(layers) * 2 * pairs * (heads // d.tp) * 2 * head_dim
+    forward = blocks + head
+    recompute = blocks - unrecomputed if choice.ac == "full" else 0.0
+    backward = 2 * forward
+    return (("forward", forward), ("backward", backward), ("recompute", recompute),
+            ("total", forward + backward + recompute))  # fmt: skip
