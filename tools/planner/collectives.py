@@ -14,33 +14,51 @@ Record convention (what :func:`predict_collectives` returns and what a recorder 
 * only groups with more than one rank (a size-1 axis has a placeholder group and moves no
   data; a recorder should drop them).
 
-Checked exactly against a recorded training step (``tests/distributed/test_planner_comm.py``:
-every rank of every layout of the CPU proof matrix, 4 gloo ranks, fp32, no AC, sequence and loss
-parallel on, 1F1B, gradient accumulation 2): FSDP2's all-gathers (one per FSDP group per unshard,
-parameters cast to the compute dtype, dim 0 padded to the shard count) and reduce-scatters
-(gradients in the reduce dtype, padded; sizes from :mod:`tools.planner.inventory`), HSDP's
-all-reduce of the reduce-scattered shard, the loss all-reduce over ``loss``, the pipeline loss
-sum and grad-norm sum over ``pp`` and the stage-boundary send/recv, TP/SP's activation
-collectives (forward: all-gather of the attention and MLP inputs, reduce-scatter of their
-outputs; backward: all-gather of the output gradients and, for the input gradient, one
-reduce-scatter per module whose weights are all TP-split (its input stays a DTensor, so the
-projections' Partial gradients are summed first) or one all-reduce per column-wise projection
-of a module that takes its input as a local tensor (MLA)), MLA's rope-key gradient all-reduce, loss parallel's three all-reduces per forward, the
-all-reduce of the Partial gradients of tp-replicated weights (SP norms, the router gate) once
-per gradient sync, CP's K/V all-gather and backward reduce-scatter, the grad-norm all-reduces
-(see below), the MoE load counts over ``loss`` and ``tp``, EP's count exchange and ETP's count
-all-gather, and the NUMBER of EP/ETP token all-to-alls. Their bytes depend on routing: the
-records assume balanced routing, which the test checks summed over the world (every row sent is
-received), not per rank.
+Checked exactly against a recorded training step (``tests/distributed/test_planner_comm.py``,
+every rank, 4 gloo ranks, gradient accumulation 2 unless noted): the CPU proof matrix (fp32, no
+AC, sequence and loss parallel on, 1F1B) and layouts that turn on, alone or a few together, bf16
+parameters with fp32 gradient reduction (FSDP2 over 2 ranks, gradients accumulated over 2
+micro-batches and over one; the size-1 FSDP mesh of a pipeline stage, where FSDP2 only casts),
+full AC (FSDP, TP with and without sequence parallel, CP, MLA, MoE experts replicated over TP),
+selective AC (the per-op policy; FSDP, TP, MLA, EP), TP without sequence parallel and without
+loss parallel, TP and CP inside pipeline stages, GPipe and Interleaved1F1B (two stages per
+rank), CP without TP, and MoE experts replicated over TP (no EP).
+
+What is checked: FSDP2's all-gathers (one per FSDP group per unshard, parameters cast to the
+compute dtype, dim 0 padded to the shard count; full AC's recomputation re-gathers nothing) and
+reduce-scatters (gradients in the reduce dtype, padded; sizes from
+:mod:`tools.planner.inventory`), HSDP's all-reduce of the reduce-scattered shard, the loss
+all-reduce over ``loss``, the pipeline loss sum and grad-norm sum over ``pp`` and the
+stage-boundary send/recv, TP/SP's activation collectives (forward: all-gather of the attention
+and MLP inputs, reduce-scatter of their outputs; backward: all-gather of the output gradients
+and, for the input gradient, one reduce-scatter per module whose weights are all TP-split (its
+input stays a DTensor, so the projections' Partial gradients are summed first) or one all-reduce
+per column-wise projection of a module that takes its input as a local tensor (MLA)); without
+sequence parallel the all-reduces of the attention and MLP outputs and input gradients, of the
+embedding's output and of the head's input gradient; full AC's re-run of the forward ones but
+the block's last output reduction (torch's checkpoint stops recomputing once the last saved
+tensor is back); a pipeline stage's all-gather of its sequence-sharded output and of its input's
+gradient (stage boundaries carry full-sequence activations), MLA's rope-key gradient all-reduce,
+loss parallel's three all-reduces per forward or, without it, the all-gather of the
+vocab-sharded logits, the all-reduce of the Partial gradients of tp-replicated weights (SP
+norms, the router gate) once per gradient sync, in the compute dtype or, once FSDP2 accumulated
+it over micro-batches, the reduce dtype, CP's K/V all-gather and backward reduce-scatter, the
+grad-norm all-reduces (see below), the MoE load counts over ``loss`` and ``tp``, EP's count
+exchange and ETP's count all-gather (re-issued under selective AC too: they are eager c10d
+calls, which its op policy does not save), and the NUMBER of EP/ETP token all-to-alls. Their
+bytes depend on routing: the records assume balanced routing, which the test checks summed over
+the world (every row sent is received), not per rank.
 
 Grad-norm reductions: ``trainer/grad_clip.py`` sums the squares of the gradients sharded over
 the same groups (compared by ranks, whatever mesh object they carry) and all-reduces each such
 sum once per group: one 4-byte all-reduce per distinct (groups, group) pair.
 
-Modelled, not yet checked: mixed precision (the dtype of the tp-replicated weights' gradient
-all-reduce: the compute dtype, or the reduce dtype once FSDP2 accumulated it), full-AC
-recomputation, TP without sequence parallel, loss parallel off, TP or CP inside a pipeline
-stage, schedules other than 1F1B, CP without TP.
+Modelled, not yet checked: EP and ETP under full AC (their count exchanges and token all-to-alls
+re-issued by the recomputation; matched a recorded run once, not in the test), ETP under
+selective AC (the trainer fails there: the test's module docstring), selective AC's
+every-N-th-block option (``selective`` here is the per-op policy),
+``fsdp_reshard_after_forward`` other than ``default``, a bf16 reduce dtype, HSDP with mixed
+precision, the LoopedBFS and zero-bubble schedules, and more than 4 ranks.
 """
 
 from __future__ import annotations
@@ -152,7 +170,10 @@ def predict_collectives(
             n = len(layers)
             if choice.sequence_parallel:
                 # forward: AG attn input, AG mlp/shared-expert input, RS of both outputs;
-                # backward: AG (of the outputs' RS); full AC re-runs the forward ones. The
+                # backward: AG (of the outputs' RS); full AC re-runs the forward ones but the
+                # last: torch's non-reentrant checkpoint stops recomputing once the last tensor
+                # saved for backward is back (the feed-forward's output projection input), so
+                # the block's final output reduction is not re-issued. The
                 # backward of an input all-gather depends on how the module takes its input
                 # (models/parallel/tensor_parallel.py _input_stays_dtensor): a module whose
                 # every weight is TP-split keeps it a Replicate DTensor, its projections'
@@ -160,7 +181,7 @@ def predict_collectives(
                 # replicated weights (MLA) takes it as a local tensor, so every column-wise
                 # projection's input gradient is all-reduced on its own
                 rec[("all_gather", "tp", full)] += forwards * n * (2 + 2 + 2 * recompute)
-                rec[("reduce_scatter", "tp", full)] += forwards * n * (2 + 2 * recompute)
+                rec[("reduce_scatter", "tp", full)] += forwards * n * (2 + recompute)
                 for i in layers:
                     for stays_dtensor, widths in _colwise_modules(model, flavor, key, i):
                         if stays_dtensor:
@@ -178,11 +199,19 @@ def predict_collectives(
                 if head:  # Colwise output on sequence-sharded input: AG forward, RS backward
                     rec[("all_gather", "tp", full)] += forwards
                     rec[("reduce_scatter", "tp", full)] += forwards
+                # pipeline stage boundaries carry full-sequence activations: a stage without
+                # the head all-gathers its output forward (its backward takes a local chunk),
+                # one without the embeddings chunks its input and all-gathers that gradient
+                if pp and not head:
+                    rec[("all_gather", "tp", full)] += forwards
+                if pp and not embed:
+                    rec[("all_gather", "tp", full)] += forwards
             else:
-                # forward: all-reduce of the attention and MLP outputs (again under full AC);
-                # backward: of their input gradients, once per module whose input stays a
-                # DTensor, else once per column-wise projection (as above)
-                rec[("all_reduce", "tp", full)] += forwards * n * (2 + 2 * recompute)
+                # forward: all-reduce of the attention and MLP outputs (full AC re-runs the
+                # attention's, not the block's last, as above); backward: of their input
+                # gradients, once per module whose input stays a DTensor, else once per
+                # column-wise projection (as above)
+                rec[("all_reduce", "tp", full)] += forwards * n * (2 + recompute)
                 for i in layers:
                     for stays_dtensor, widths in _colwise_modules(model, flavor, key, i):
                         if stays_dtensor:
@@ -190,6 +219,13 @@ def predict_collectives(
                         else:
                             for width in widths:
                                 rec[("all_reduce", "tp", a * t * width)] += forwards
+                if embed:  # Rowwise embedding: its Partial output all-reduced forward
+                    rec[("all_reduce", "tp", full)] += forwards
+                if head:  # Colwise output on a replicated input: its input gradient all-reduced
+                    rec[("all_reduce", "tp", full)] += forwards
+            if head and not choice.loss_parallel:
+                # the vocab-sharded logits all-gathered forward (backward takes a local chunk)
+                rec[("all_gather", "tp", a * t * args.vocab_size)] += forwards
             if head and choice.loss_parallel:
                 # loss parallel: max, sum-exp and target-logit all-reduces over [tokens] fp32
                 rec[("all_reduce", "tp", 4 * t)] += forwards * 3
@@ -214,19 +250,22 @@ def predict_collectives(
 
         moe_layers = [i for i in layers if args.has_experts and i >= getattr(args, "n_dense_layers", 0)]
         tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
+        # the int64 routing-count exchanges are eager c10d calls (models/parallel/
+        # expert_parallel.py), which selective AC's op policy (models/parallel/
+        # activation_checkpoint.py: it saves the functional collectives only) recomputes too
+        recount = 1 if choice.ac in ("full", "selective") else 0
         if moe_layers and d.ep > 1:
-            tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
             rows = tn * args.n_activated_experts * a * args.dim  # balanced routing assumed
             n = len(moe_layers)
             recompute = 1 if choice.ac == "full" else 0
-            rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * n * (1 + recompute)
+            rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * n * (1 + recount)
             # dispatch + combine forward, their backward all-to-alls
             rec[("all_to_all", "ep", rows)] += forwards * n * (4 + 2 * recompute)
         if moe_layers and d.etp > 1:
             n = len(moe_layers)
             recompute = 1 if choice.ac == "full" else 0
             # the received counts gathered over etp (int64 [etp * n_routed_experts])
-            rec[("all_gather", "etp", 8 * d.etp * args.n_routed_experts)] += forwards * n * (1 + recompute)
+            rec[("all_gather", "etp", 8 * d.etp * args.n_routed_experts)] += forwards * n * (1 + recount)
             # the rows repeated to / gathered back from the etp peers, forward and backward
             # (sizes depend on routing; ``etp`` x the rows this rank received over ep)
             etp_rows = d.etp * tn * args.n_activated_experts * a * args.dim
