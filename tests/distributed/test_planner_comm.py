@@ -58,6 +58,7 @@ from typing import NamedTuple
 import pytest
 
 from tools.launcher import run_distributed
+from tools.planner.measure import forget_sharding_caches
 
 WORLD = 4
 SEQ = 32
@@ -161,21 +162,6 @@ def _folder_name(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _forget_sharding_caches() -> None:
-    """Drop DTensor's sharding-propagation and redistribution caches: their keys compare
-    meshes by value, so a later Trainer's equal mesh would get back specs holding an earlier
-    Trainer's mesh object (and process groups)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    _gen_transform_infos.cache_clear()
-
-
 def _record_layouts(rank: int, world_size: int, folder: str, names: list[str]) -> dict[str, list[dict]]:
     """Each layout of ``names`` in turn on this rank, each through a fresh real Trainer (built,
     trained, dropped, then DTensor's caches cleared): layout -> the records of its recorded
@@ -194,7 +180,7 @@ def _record_layouts(rank: int, world_size: int, folder: str, names: list[str]) -
         with open(sub / f"comm_rank{rank}.json") as f:
             out[name] = json.load(f)["records"]
         trainer = None
-        _forget_sharding_caches()
+        forget_sharding_caches()
     return out
 
 
