@@ -118,6 +118,7 @@ def _stages(n_layers: int, pp: int, schedule: str, m: int, local_batch: int, pp_
     return stages, plan
 
 
+@lru_cache(maxsize=256)
 def _fsdp_reshard(policy: str, pp: bool, size: int) -> bool:
     from models.parallel.fsdp import reshard_policy
 

@@ -234,6 +234,14 @@ def _in_flight(choice: LayoutChoice, pp: int, plan) -> tuple[float, int]:
     return chunks / v, 1
 
 
+@lru_cache(maxsize=65536)
+def _activations(model, flavor, key: tuple, layers, mb, seq_len, tp, cp, etp, act_bytes, ac, head):
+    """:func:`activation_bytes` of one stage (cached: the search asks for the same stage of
+    many layouts)."""
+    _, args = model_inventory(model, flavor, **dict(key))
+    return activation_bytes(args, layers, mb, seq_len, tp=tp, cp=cp, etp=etp, act_bytes=act_bytes, ac=ac, head=head)
+
+
 def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[str, float]:
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     layout = cached_layout(degrees)
@@ -268,8 +276,8 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     held_layers = 0.0
     head_b = recompute = 0
     for layers, _embed, head in stages:
-        est = activation_bytes(
-            args, layers, mb, job.seq_len, tp=d.tp, cp=d.cp, etp=d.etp, act_bytes=act_bytes, ac=choice.ac, head=head
+        est = _activations(
+            job.model, job.flavor, key, layers, mb, job.seq_len, d.tp, d.cp, d.etp, act_bytes, choice.ac, head
         )
         held_layers += est.layers
         head_b += est.head
