@@ -37,9 +37,16 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# pytest-xdist workers for `make test`: 2 without a GPU. Many tests wait on one process at a
+# time (torchrun start-up, a 1-process run, a deliberate timeout) while a core sits idle; two
+# workers keep both cores busy. Each worker runs whole files (--dist loadfile): a module's
+# shared fixtures (one launch for several tests) run once. TEST_WORKERS=1 runs in one process.
+TEST_WORKERS ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 2)
+XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
 test: lint
-	$(PY) -m pytest -q --durations=25 tests
-	MESHTRAIN_MESH_BUILDER=portable $(PY) -m pytest -q tests/unit/test_fake_build.py \
+	$(PY) -m pytest -q --durations=25 $(XDIST) tests
+	MESHTRAIN_MESH_BUILDER=portable $(PY) -m pytest -q $(XDIST) tests/unit/test_fake_build.py \
 		tests/distributed/test_parallel_dims_gloo.py tests/distributed/test_parallelize_equivalence.py
 
 test-fast: lint

@@ -4,9 +4,21 @@ Every config key can be overridden on the command line (``--parallelism.tp 2``);
 ``python train.py --help`` for the list.
 """
 
+import gc
 import sys
 
-from trainer.train import main
+# Start-up (every rank pays it): importing torch and the trainer creates about a million
+# objects that live as long as the process. The cyclic garbage collector would scan them over
+# and over during the imports, and once more at interpreter exit, without freeing any: it is
+# paused for the imports, which then go to the permanent generation (gc.freeze) that no
+# collection scans. About 1.5 s less CPU per process; collection is unchanged for everything
+# the run itself creates.
+gc.disable()
+try:
+    from trainer.train import main
+finally:
+    gc.freeze()
+    gc.enable()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,13 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.sequence import load_balanced_shard
-from models.parallel.pipeline import (
-    build_pipeline_schedule,
-    pipeline_step,
-    split_model,
-    stage_activation_dtype,
-    sum_loss_over_pp,
-)
+from models.parallel.pipeline import split_model  # the runtime (schedule) is imported where pp > 1 uses it
 from models.parallel.tensor_parallel import loss_parallel_context
 from models.registry import build_model
 from parallel_dims import default_backend, default_device_type
@@ -230,6 +224,11 @@ class Trainer:
             with torch.no_grad():
                 part.init_weights(cfg.training.seed)  # FQN-seeded: stages match the full model
         if self.pd.pp > 1:
+            # imported here, not at the top: the pipeline runtime imports torch.distributed.pipelining
+            # and with it torch._dynamo, about a second of every rank's start-up that a run
+            # without pp does not need
+            from models.parallel.pipeline import build_pipeline_schedule, stage_activation_dtype
+
             self.pipeline = build_pipeline_schedule(
                 self.model_parts,
                 split.stage_indices,
@@ -353,6 +352,8 @@ class Trainer:
                 # FSDP gradients on its last backward
                 inputs = self._shard_for_cp(inputs).to(self.device, non_blocking=True)
                 labels = self._shard_for_cp(labels).to(self.device, non_blocking=True)
+                from models.parallel.pipeline import pipeline_step
+
                 part = pipeline_step(self.pipeline, inputs, labels, global_tokens)
                 if part is not None:
                     loss_sum += _full(part.detach()).float()
@@ -377,6 +378,8 @@ class Trainer:
         pp_mesh = self.pd.get_optional_mesh("pp")
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
         if self.pipeline is not None:
+            from models.parallel.pipeline import sum_loss_over_pp
+
             loss_sum = sum_loss_over_pp(loss_sum, pp_mesh, self.device)  # only last stage has it
         loss_total = self._reduce_loss(loss_sum)
         # The step's one host sync: everything above is queued on the device, and the loss

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,17 +31,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.sequence import load_balanced_shard
-from models.parallel.pipeline import (
-    Pipeline,
-    build_pipeline_schedule,
-    pipeline_step,
-    stage_activation_dtype,
-    sum_loss_over_pp,
-)
 from models.parallel.tensor_parallel import loss_parallel_context
 from parallel_dims import ParallelDims
 from trainer.config import ConfigError, JobConfig
 from trainer.data import PackedDataLoader, build_validation_dataloader
+
+if TYPE_CHECKING:
+    # the pipeline runtime is imported where pp > 1 uses it (see trainer/train.py)
+    from models.parallel.pipeline import Pipeline
 
 __all__ = ["ValidationResult", "Validator", "one_pass_steps"]
 
@@ -105,6 +103,8 @@ class Validator:
         self.tokens_per_step = self.data.tokens_per_step
         self.pipeline = None
         if train_pipeline is not None:
+            from models.parallel.pipeline import build_pipeline_schedule, stage_activation_dtype
+
             # same schedule class, stages and micro-batch count; the validation batch shape
             self.pipeline = build_pipeline_schedule(
                 train_pipeline.modules,
@@ -142,6 +142,8 @@ class Validator:
             for moe, counts in zip(moes, routing):
                 moe.tokens_per_expert.copy_(counts)
         if self.pipeline is not None:
+            from models.parallel.pipeline import sum_loss_over_pp
+
             loss_sum = sum_loss_over_pp(loss_sum, self.pd.get_optional_mesh("pp"), self.device)
         loss_mesh = self.pd.get_optional_mesh("loss")
         if loss_mesh is not None:
@@ -160,6 +162,8 @@ class Validator:
                 inputs = self._shard_for_cp(inputs).to(self.device, non_blocking=True)
                 labels = self._shard_for_cp(labels).to(self.device, non_blocking=True)
                 if self.pipeline is not None:
+                    from models.parallel.pipeline import pipeline_step
+
                     part = pipeline_step(self.pipeline, inputs, labels, global_tokens, forward_only=True)
                     if part is not None:
                         loss_sum += _full(part).float()

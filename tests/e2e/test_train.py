@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -51,32 +52,44 @@ def _steps(m, lo, hi):
     return [(m[s]["loss"], m[s]["grad_norm"]) for s in range(lo, hi + 1)]
 
 
-def test_kill_and_resume_is_bitwise_identical(tmp_path):
-    common = [
-        *LLAMA,
-        "--training.steps",
-        "8",
-        "--checkpoint.enable",
-        "true",
-        "--checkpoint.interval",
-        "4",
-        "--lr_scheduler.warmup_steps",
-        "2",
-    ]
-    ref, crash = tmp_path / "ref", tmp_path / "crash"
-    res = run_train(2, *common, "--job.dump_folder", str(ref))
+# The two crash tests (a clean SIGKILL of every worker after a save, and rank 1 killed in the
+# middle of a save) train the same job: 10 steps on fsdp=2, saving at 4, 8 and 10 (llama3.toml
+# keeps the newest 2). Its uninterrupted run is their shared reference: one launch, not two.
+CRASH_JOB = [
+    *LLAMA,
+    "--training.steps",
+    "10",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "4",
+    "--lr_scheduler.warmup_steps",
+    "2",
+]
+
+
+@pytest.fixture(scope="module")
+def crash_job_reference(tmp_path_factory):
+    """Steps 1-10 of CRASH_JOB run without interruption: step -> (loss, grad_norm)."""
+    ref = tmp_path_factory.mktemp("crash_job_reference")
+    res = run_train(2, *CRASH_JOB, "--job.dump_folder", str(ref))
     assert res.returncode == 0, res.stderr[-3000:]
+    return read_metrics(ref)
+
+
+def test_kill_and_resume_is_bitwise_identical(tmp_path, crash_job_reference):
+    crash = tmp_path / "crash"
     # SIGKILL both workers (then torchrun) right after the step-4 checkpoint is reported;
     # run_until returns once they are all gone, so nothing of this run overlaps the resume
-    run_until(2, "saved checkpoint", *common, "--job.dump_folder", str(crash))
+    run_until(2, "saved checkpoint", *CRASH_JOB, "--job.dump_folder", str(crash))
     assert sorted(os.listdir(crash / "checkpoint")) == ["step-4"]
     logged = len(metric_records(crash))
-    res = run_train(2, *common, "--job.dump_folder", str(crash))
+    res = run_train(2, *CRASH_JOB, "--job.dump_folder", str(crash))
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from {crash / 'checkpoint'} at step 4" in res.stdout, res.stdout[-2000:]
     resumed = metric_records(crash)[logged:]
-    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
-    assert [(r["loss"], r["grad_norm"]) for r in resumed] == _steps(read_metrics(ref), 5, 8)  # bitwise
+    assert [r["step"] for r in resumed] == list(range(5, 11))
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == _steps(crash_job_reference, 5, 10)  # bitwise
 
 
 def test_resume_under_a_different_layout(tmp_path):
@@ -92,49 +105,69 @@ def test_resume_under_a_different_layout(tmp_path):
         "2",
     ]
     ref, resharded = tmp_path / "ref", tmp_path / "reshard"
-    res = run_train(4, *common, "--job.dump_folder", str(ref))  # fsdp=4 all the way
+    res = run_train(4, *common, "--job.dump_folder", str(ref))  # fsdp=4 all the way, saving at 4 and 8
     assert res.returncode == 0, res.stderr[-3000:]
-    # save with fsdp=4 (steps 1-4) ...
-    run_until(4, "saved checkpoint", *common, "--job.dump_folder", str(resharded))
-    assert sorted(os.listdir(resharded / "checkpoint")) == ["step-4"]
-    # ... resume with fsdp=2 x tp=2
+    # the step-4 checkpoint saved with fsdp=4 (steps 1-4) ... Taken from the reference run: a
+    # second fsdp=4 run stopped after its step-4 save would write these very files (same job,
+    # deterministic), and crash-then-resume is test_kill_and_resume_is_bitwise_identical's claim
+    shutil.copytree(ref / "checkpoint" / "step-4", resharded / "checkpoint" / "step-4")
+    # ... resumed with fsdp=2 x tp=2
     res = run_train(4, *common, "--job.dump_folder", str(resharded), "--parallelism.tp", "2")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert f"resumed from {resharded / 'checkpoint'} at step 4" in res.stdout, res.stdout[-2000:]
+    assert "mesh: world=4 pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=2" in res.stdout  # really resharded
     a, b = read_metrics(ref), read_metrics(resharded)
+    assert sorted(b) == list(range(5, 9))
     for step in range(5, 9):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
 
 
+PIPELINE_JOB = [
+    *LLAMA,
+    "--training.steps",
+    "6",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+]
+
+
+@pytest.fixture(scope="module")
+def pipeline_job_runs(tmp_path_factory):
+    """PIPELINE_JOB run without interruption on 2 processes with pp=1 (fsdp=2) and with pp=2,
+    each saving at steps 3 and 6: pp -> its run folder. Each run is the reference of the
+    resume under its pp and the source of the step-3 checkpoint resumed under the other."""
+    runs = {}
+    for pp in (1, 2):
+        runs[pp] = tmp_path_factory.mktemp(f"pipeline_job_pp{pp}")
+        res = run_train(2, *PIPELINE_JOB, "--job.dump_folder", str(runs[pp]), "--parallelism.pp", str(pp))
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert sorted(os.listdir(runs[pp] / "checkpoint")) == ["step-3", "step-6"]
+    return runs
+
+
 @pytest.mark.parametrize("save_pp, load_pp", [(2, 1), (1, 2)])
-def test_pipeline_checkpoint_loads_without_pipeline_and_back(tmp_path, save_pp, load_pp):
-    common = [
-        *LLAMA,
-        "--training.steps",
-        "6",
-        "--checkpoint.enable",
-        "true",
-        "--checkpoint.interval",
-        "3",
-        "--lr_scheduler.warmup_steps",
-        "2",
-    ]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    res = run_train(2, *common, "--job.dump_folder", str(ref), "--parallelism.pp", str(load_pp))
-    assert res.returncode == 0, res.stderr[-3000:]
-    run_until(2, "saved checkpoint", *common, "--job.dump_folder", str(run), "--parallelism.pp", str(save_pp))
-    assert sorted(os.listdir(run / "checkpoint")) == ["step-3"]
-    res = run_train(2, *common, "--job.dump_folder", str(run), "--parallelism.pp", str(load_pp))
+def test_pipeline_checkpoint_loads_without_pipeline_and_back(tmp_path, pipeline_job_runs, save_pp, load_pp):
+    run = tmp_path / "run"
+    # the step-3 checkpoint of the save_pp run (its steps 1-3; a run stopped after that save
+    # would have written the same files) ...
+    shutil.copytree(pipeline_job_runs[save_pp] / "checkpoint" / "step-3", run / "checkpoint" / "step-3")
+    # ... resumed under load_pp, against the load_pp run that never stopped
+    res = run_train(2, *PIPELINE_JOB, "--job.dump_folder", str(run), "--parallelism.pp", str(load_pp))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert f"resumed from {run / 'checkpoint'} at step 3" in res.stdout, res.stdout[-2000:]
-    a, b = read_metrics(ref), read_metrics(run)
+    a, b = read_metrics(pipeline_job_runs[load_pp]), read_metrics(run)
+    assert sorted(b) == list(range(4, 7))
     for step in range(4, 7):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
 
 
-def test_rank_killed_while_a_checkpoint_is_written(tmp_path):
+def test_rank_killed_while_a_checkpoint_is_written(tmp_path, crash_job_reference):
     """SIGKILL rank 1 while the step-8 checkpoint is being written (step-8.tmp holds shard
     files but no .metadata yet): rank 0, the rank that publishes, survives the kill and
     must not publish; the half-written save never gets a final name, step-4 stays the
@@ -144,22 +177,10 @@ def test_rank_killed_while_a_checkpoint_is_written(tmp_path):
 
     from trainer.checkpoint import CheckpointManager, export_checkpoint
 
-    # saves at 4, 8 and 10 (the last step); llama3.toml keeps the newest 2
-    common = [
-        *LLAMA,
-        "--training.steps",
-        "10",
-        "--checkpoint.enable",
-        "true",
-        "--checkpoint.interval",
-        "4",
-        "--lr_scheduler.warmup_steps",
-        "2",
-    ]
-    ref, run = tmp_path / "ref", tmp_path / "run"
+    # CRASH_JOB saves at 4, 8 and 10 (the last step); llama3.toml keeps the newest 2
+    common = CRASH_JOB
+    run = tmp_path / "run"
     ckpt, tmp = run / "checkpoint", run / "checkpoint" / "step-8.tmp"
-    res = run_train(2, *common, "--job.dump_folder", str(ref))
-    assert res.returncode == 0, res.stderr[-3000:]
 
     job = Job(2, *common, "--job.dump_folder", str(run))
     try:
@@ -199,7 +220,7 @@ def test_rank_killed_while_a_checkpoint_is_written(tmp_path):
     assert f"resumed from {ckpt} at step 4" in res.stdout, res.stdout[-2000:]
     resumed = metric_records(run)[logged:]
     assert [r["step"] for r in resumed] == list(range(5, 11))
-    assert [(r["loss"], r["grad_norm"]) for r in resumed] == _steps(read_metrics(ref), 5, 10)  # bitwise
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == _steps(crash_job_reference, 5, 10)  # bitwise
     # the resumed run's step-8 save replaced the stale step-8.tmp; keep_latest_k=2 dropped step-4
     assert sorted(os.listdir(ckpt)) == ["step-10", "step-8"]
 

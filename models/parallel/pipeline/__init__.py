@@ -23,8 +23,12 @@ The package splits on those seams:
   has the loss convention and the stage metadata.
 
 This module re-exports the public names, so ``from models.parallel.pipeline import X`` works as
-it did when all of it was one module.
+it did when all of it was one module. The :mod:`.schedule` names are imported on first use
+(PEP 562 ``__getattr__``): :mod:`.schedule` imports ``torch.distributed.pipelining``, which
+imports ``torch._dynamo`` (about a second per process), and a run without pp never needs it.
 """
+
+from typing import TYPE_CHECKING
 
 from models.parallel.pipeline.plan import (
     DEFAULT_STAGES_PER_RANK,
@@ -34,17 +38,47 @@ from models.parallel.pipeline.plan import (
     stage_indices_for_rank,
     stage_layer_ranges,
 )
-from models.parallel.pipeline.schedule import (
-    SCHEDULES,
-    Pipeline,
-    PipelineBoundaryError,
-    ScheduleInfo,
-    build_pipeline_schedule,
-    pipeline_step,
-    stage_activation_dtype,
-    sum_loss_over_pp,
-)
 from models.parallel.pipeline.split import StageSplit, split_model
+
+if TYPE_CHECKING:
+    from models.parallel.pipeline.schedule import (
+        SCHEDULES,
+        Pipeline,
+        PipelineBoundaryError,
+        ScheduleInfo,
+        build_pipeline_schedule,
+        pipeline_step,
+        stage_activation_dtype,
+        sum_loss_over_pp,
+    )
+
+_SCHEDULE_NAMES = frozenset(
+    {
+        "SCHEDULES",
+        "Pipeline",
+        "PipelineBoundaryError",
+        "ScheduleInfo",
+        "build_pipeline_schedule",
+        "pipeline_step",
+        "stage_activation_dtype",
+        "sum_loss_over_pp",
+    }
+)
+
+
+def __getattr__(name: str):
+    if name in _SCHEDULE_NAMES:
+        from models.parallel.pipeline import schedule
+
+        value = getattr(schedule, name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _SCHEDULE_NAMES)
+
 
 __all__ = [
     "DEFAULT_STAGES_PER_RANK",
