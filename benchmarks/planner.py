@@ -1,13 +1,16 @@
-"""The layout planner's ranking against measured step times on CPU (issue 15, item 3).
+"""The layout planner's estimates against measured step times on CPU (issue 15, item 3).
 
 Six layouts of the llama3 debug model on 2 gloo processes (train.py through torchrun, one
 thread per process) are timed, and the planner estimates each one with a CPU profile measured
-in the same run: the compute rate is the FLOP/s a 1-process, 1-thread train.py run achieves
-(efficiency 1), the network is gloo on this host (bandwidth and latency from timed all-reduces of
-two sizes between 2 processes). Reported: measured and predicted step times, their ratio per
-layout, both rankings and Spearman's rank correlation; ``rank_match`` says whether the orders
-agree exactly. On 2 shared cores the measured times are noisy: compare the ranking, not the
-absolute ratios.
+in the same run: the compute rate is the matmul FLOP/s a 1-process, 1-thread train.py run
+achieves (the planner's own FLOP count of that step over its median time; efficiency 1), the
+network is gloo on this host (bandwidth and latency from timed all-reduces of two sizes between
+2 processes). Each layout's busiest rank also runs alone on the fake backend (no-op
+collectives): its measured compute time (and CPU time) per step against the planner's compute
+estimate for that rank. Reported: measured (median and min) and predicted step times, their
+ratio, predicted / fake-backend compute, both rankings and Spearman's rank correlation;
+``rank_match`` says whether the orders agree exactly. On 2 shared cores the measured times are
+noisy: run it on a quiet host, and compare the ranking, not the absolute ratios.
 """
 
 from __future__ import annotations
