@@ -195,25 +195,12 @@ def _plan(name: str):
 def predicted(name: str, rank: int) -> list[dict]:
     """The planner's records for ``rank`` of the layout, from the trainer's own job plan of
     the same config (batch split, schedule, micro-batches, dtypes, SP / loss parallel, AC)."""
-    from tools.planner.collectives import LayoutChoice, predict_collectives
+    from tools.planner.collectives import predict_collectives
+    from tools.planner.estimate import choice_from_plan
     from trainer.plan import model_overrides
 
     plan = _plan(name)
-    p, opts, pd = plan.config.parallelism, plan.parallelize, plan.parallel_dims
-    pp = pd.degrees.pp > 1
-    choice = LayoutChoice(
-        global_batch=plan.batch.global_batch_size,
-        local_batch=plan.batch.local_batch_size,
-        seq_len=plan.batch.seq_len,
-        schedule=p.pipeline_parallel_schedule if pp else None,
-        n_microbatches=p.pipeline_microbatches() if pp else None,
-        ac=opts.ac_mode,
-        reshard=opts.reshard_after_forward,
-        param_dtype=opts.param_dtype,
-        reduce_dtype=opts.reduce_dtype,
-        sequence_parallel=opts.sequence_parallel,
-        loss_parallel=opts.loss_parallel,
-    )
+    pd, choice = plan.parallel_dims, choice_from_plan(plan)
     overrides = model_overrides(plan.config, 2048)
     return predict_collectives(LAYOUTS[name].model, "debugmodel", pd.degrees, choice, rank, **overrides)
 
