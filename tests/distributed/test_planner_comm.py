@@ -57,6 +57,7 @@ from typing import NamedTuple
 
 import pytest
 
+from parallel_dims.axes import AXES
 from tools.launcher import run_distributed
 from tools.planner.measure import forget_sharding_caches
 
@@ -126,15 +127,8 @@ LAYOUTS = {
     ),
 }
 
-_KEYS = {
-    "dp_replicate": "--parallelism.data_parallel_replicate_degree",
-    "dp_shard": "--parallelism.data_parallel_shard_degree",
-    "cp": "--parallelism.context_parallel_degree",
-    "tp": "--parallelism.tensor_parallel_degree",
-    "pp": "--parallelism.pipeline_parallel_degree",
-    "ep": "--parallelism.expert_parallel_degree",
-    "etp": "--parallelism.expert_tensor_parallel_degree",
-}
+# the config key of each degree, from the axis table
+_KEYS = {a.name: f"--parallelism.{a.config_key}" for a in AXES}
 
 ROUTED = "routed"  # the bytes key of a token all-to-all (see the module docstring)
 

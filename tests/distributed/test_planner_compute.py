@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import pytest
 
+from parallel_dims.axes import AXES
+
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,15 +57,8 @@ CASES = {
     "deepseek_v3 pp=2,fsdp=2 last stage": Case("deepseek_v3", dict(dp_shard=2, pp=2), 3),
 }  # fmt: skip
 
-_KEYS = {
-    "dp_replicate": "--parallelism.data_parallel_replicate_degree",
-    "dp_shard": "--parallelism.data_parallel_shard_degree",
-    "cp": "--parallelism.context_parallel_degree",
-    "tp": "--parallelism.tensor_parallel_degree",
-    "pp": "--parallelism.pipeline_parallel_degree",
-    "ep": "--parallelism.expert_parallel_degree",
-    "etp": "--parallelism.expert_tensor_parallel_degree",
-}
+# the config key of each degree, from the axis table
+_KEYS = {a.name: f"--parallelism.{a.config_key}" for a in AXES}
 
 
 def _world(case: Case) -> int:
