@@ -14,10 +14,10 @@ one of two op families, which a :class:`~torch.utils._python_dispatch.TorchDispa
 (forward and backward; autograd carries the mode to its backward pass):
 
 * ``c10d.*`` -- what ``torch.distributed``'s eager functions become (FSDP2's all-gather and
-  reduce-scatter, HSDP's all-reduce, our loss / grad-norm / MoE-statistics all-reduces, the
-  EP token-count exchange, pipeline send/recv);
+  reduce-scatter, HSDP's all-reduce, our loss / grad-norm / MoE-statistics all-reduces,
+  pipeline send/recv);
 * ``_c10d_functional.*`` -- the functional collectives (DTensor redistribution for TP/SP and
-  loss parallel, CP's K/V all-gather, EP's token all-to-all).
+  loss parallel, CP's K/V all-gather, EP's token-count exchange and token all-to-all).
 
 A functional collective runs its ``c10d`` work below the mode, so nothing is counted twice.
 DTensor ops are let through (``NotImplemented``) so that DTensor desugars them into the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
@@ -39,6 +40,22 @@ for _name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "
     _op = getattr(torch.ops._c10d_functional, _name, None)
     if _op is not None:
         _SAVE_OPS.add(_op.default)
+
+
+# Profiler annotations are not tensor computation, yet selective checkpointing replays every
+# op by (op, call index) and fails when the recomputation makes more calls of one op than the
+# forward did. FSDP2's hooks on a module nested in a checkpointed block (the MoE experts, which
+# are sharded on their own mesh) annotate more in the recomputation than in the forward: during
+# backward no FSDP state is this iteration's forward root, so the nested state opens an extra
+# "FSDP::root_pre_forward" range ("profiler._record_function_enter_new.default invocation index
+# 3 encountered during backward but not found in storage" on deepseek_v3 with EP x ETP). Torch's
+# own set of ops that selective checkpointing passes through untouched (public, exported by
+# torch.utils.checkpoint since before 2.11; newer torch adds these ops to it itself) gets the
+# profiler's range ops, so annotations run in both passes and never enter the replay storage.
+for _name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+    _packet = getattr(torch.ops.profiler, _name, None)
+    if _packet is not None:
+        SAC_IGNORED_OPS.update(getattr(_packet, overload) for overload in _packet.overloads())
 
 
 def _op_policy(ctx, op, *args, **kwargs):

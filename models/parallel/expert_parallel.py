@@ -54,8 +54,21 @@ class _DispatchPlan:
     etp_rows: list[int] = field(default_factory=list)  # rows held by each etp peer (ETP only)
 
 
-# ``all_gather_into_tensor`` is deprecated in favour of ``all_gather_single`` in recent torch.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, gather: bool) -> torch.Tensor:
+    """Equal-split all-to-all (``gather=False``) or all-gather (``gather=True``) of a small
+    int64 count vector, as a *functional* collective (``_c10d_functional`` ops, stable in torch
+    2.11-2.15). Selective activation checkpointing saves functional collectives' outputs
+    (models/parallel/activation_checkpoint.py), so the recomputation of a checkpointed MoE
+    block reads the counts back instead of exchanging them again; an eager ``dist`` call would
+    be re-issued. Not differentiable (counts carry no gradient)."""
+    ops = torch.ops._c10d_functional
+    n = dist.get_world_size(group)
+    if gather:
+        out = ops.all_gather_into_tensor(counts, n, group.group_name)
+    else:
+        splits = [counts.numel() // n] * n
+        out = ops.all_to_all_single(counts, splits, splits, group.group_name)
+    return ops.wait_tensor(out)
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
@@ -128,14 +141,11 @@ class _ExpertParallelDispatcher:
         with torch.no_grad():
             counts = counts.to(device=x.device, dtype=torch.int64)
             # recv[s, e]: tokens source ep rank s sends to my local expert e.
-            recv = torch.empty_like(counts)
-            dist.all_to_all_single(recv, counts, group=self.ep_group)
-            recv = recv.view(ep, n_local)
+            recv = _exchange_counts(counts, self.ep_group, gather=False).view(ep, n_local)
             if etp > 1:
                 # seg[p, s, e]: the same, as received by etp peer p; the gathered rows are laid
                 # out peer-major, then source rank, then expert.
-                seg = torch.empty(etp * ep * n_local, dtype=torch.int64, device=x.device)
-                _all_gather_flat(seg, recv.reshape(-1), group=self.etp_group)
+                seg = _exchange_counts(recv.reshape(-1), self.etp_group, gather=True)
                 seg = seg.view(etp * ep, n_local)
                 peer_rows = seg.view(etp, -1).sum(dim=1)
             else:

@@ -57,14 +57,15 @@ def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
-def _ac_vs_none(rank, world_size, models):
-    """Each model with every AC mode against itself without AC, on this rank's full tensors."""
+def _ac_vs_none(rank, world_size, cases):
+    """Each (model, layout name, degrees, AC modes) with every one of its AC modes against
+    itself without AC, on this rank's full tensors."""
     out = {}
-    for model in models:
-        base = run_layout(world_size, model, FSDP2, {}, GLOBAL_BS, SEQ_LEN, MAX_NORM)
-        for mode, opts in AC_MODES.items():
-            r = run_layout(world_size, model, FSDP2, opts, GLOBAL_BS, SEQ_LEN, MAX_NORM)
-            out[(model, mode)] = {
+    for model, layout, degrees, modes in cases:
+        base = run_layout(world_size, model, degrees, {}, GLOBAL_BS, SEQ_LEN, MAX_NORM)
+        for mode in modes:
+            r = run_layout(world_size, model, degrees, AC_MODES[mode], GLOBAL_BS, SEQ_LEN, MAX_NORM)
+            out[(model, layout, mode)] = {
                 "loss": (r["loss"], base["loss"]),
                 "norm": (r["norm"], base["norm"]),
                 "grads_equal": all(torch.equal(r["grads"][n], g) for n, g in base["grads"].items()),
@@ -80,7 +81,24 @@ def _ac_vs_none(rank, world_size, models):
 
 @pytest.fixture(scope="module")
 def ac_results():
-    return run_distributed(_ac_vs_none, 2, MODELS)[0]
+    return run_distributed(_ac_vs_none, 2, [(m, "fsdp=2", FSDP2, list(AC_MODES)) for m in MODELS])[0]
+
+
+# MoE layouts whose experts are sharded apart from the dense weights, inside the checkpointed
+# blocks: EP x ETP with TP (the experts' FSDP mesh has size 1) and EP on a 4-way FSDP (size 2).
+# Selective AC on the first crashed in backward before models/parallel/activation_checkpoint.py
+# passed profiler annotations through (FSDP annotates more in the recomputation).
+MOE_AC_LAYOUTS = {
+    "fsdp=2,tp=2,ep=2,etp=2": full_degrees(dp_shard=2, tp=2, ep=2, etp=2),
+    "fsdp=4,ep=2": full_degrees(dp_shard=4, ep=2),
+}
+MOE_AC_MODES = ("full", "selective-op")
+
+
+@pytest.fixture(scope="module")
+def moe_ac_results():
+    cases = [("deepseek_v3", name, degrees, MOE_AC_MODES) for name, degrees in MOE_AC_LAYOUTS.items()]
+    return run_distributed(_ac_vs_none, 4, cases)[0]
 
 
 # blocks each mode recomputes, of the harness's 2 (llama3) or 3 (deepseek_v3) blocks
@@ -90,13 +108,10 @@ RECOMPUTED_BLOCKS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", list(AC_MODES))
-@pytest.mark.parametrize("model", MODELS)
-def test_activation_checkpointing_is_bitwise_neutral(model, mode, ac_results):
-    r = ac_results[(model, mode)]
+def _assert_bitwise_neutral(r, recomputed_blocks):
     with_ac, without = r["attention_calls"]
     # the mode is really in effect: backward re-ran the forward of the checkpointed blocks
-    assert with_ac - without == RECOMPUTED_BLOCKS[(model, mode)], f"attention calls {r['attention_calls']}"
+    assert with_ac - without == recomputed_blocks, f"attention calls {r['attention_calls']}"
     assert r["loss"][0] == r["loss"][1], f"loss (AC, no AC) = {r['loss']}"
     assert r["grads_equal"], f"grads differ from no-AC by up to {r['grad_max_abs_diff']:.2e}"
     assert r["norm"][0] == r["norm"][1], f"grad norm (AC, no AC) = {r['norm']}"
@@ -107,6 +122,18 @@ def test_activation_checkpointing_is_bitwise_neutral(model, mode, ac_results):
         assert with_ac in (without, [2 * c for c in without]), (
             f"layer {layer}: routing counts {with_ac} vs {without} without AC"
         )
+
+
+@pytest.mark.parametrize("mode", list(AC_MODES))
+@pytest.mark.parametrize("model", MODELS)
+def test_activation_checkpointing_is_bitwise_neutral(model, mode, ac_results):
+    _assert_bitwise_neutral(ac_results[(model, "fsdp=2", mode)], RECOMPUTED_BLOCKS[(model, mode)])
+
+
+@pytest.mark.parametrize("mode", MOE_AC_MODES)
+@pytest.mark.parametrize("layout", list(MOE_AC_LAYOUTS))
+def test_activation_checkpointing_is_bitwise_neutral_with_expert_parallel(layout, mode, moe_ac_results):
+    _assert_bitwise_neutral(moe_ac_results[("deepseek_v3", layout, mode)], RECOMPUTED_BLOCKS[("deepseek_v3", mode)])
 
 
 def test_compile_matches_single_process():

@@ -5,7 +5,7 @@ loss curves across layouts") and for layouts that turn on what else changes a st
 (:data:`LAYOUTS`): bf16 parameters with fp32 gradient reduction (FSDP2 over 2 ranks with
 gradients accumulated over 2 micro-batches, and over one; on the size-1 FSDP mesh of a pipeline
 stage without data parallelism), full AC (FSDP; TP with and without sequence parallel; CP; MLA;
-MoE experts replicated over TP), selective AC (FSDP, TP, MLA, EP), TP without sequence parallel
+MoE experts replicated over TP; EP), selective AC (FSDP, TP, MLA, EP x ETP), TP without sequence parallel
 and without loss parallel, TP and CP inside pipeline stages, the GPipe and Interleaved1F1B
 schedules (the latter with two stages per rank, 4 layers), CP without TP, and MoE experts
 replicated over TP (deepseek_v3 tp=2 without EP). Options share a layout where they do not
@@ -41,10 +41,9 @@ foreach): AdamW issues no collective either way, and one op per parameter group 
 DTensor's first-step sharding propagation much less than foreach's ten (identical records,
 measured).
 
-Not checked, because the trainer fails: selective AC with ETP (deepseek_v3 fsdp=2, tp=2,
-ep=2, etp=2, ``activation_checkpoint.mode = "selective"``) raises in step 1's backward
-("profiler._record_function_enter_new.default invocation index 3 encountered during backward
-but not found in storage"); without etp it runs and is checked.
+Selective AC with ETP (deepseek_v3 fsdp=2, tp=2, ep=2, etp=2) once failed in the trainer's
+step-1 backward (FSDP's profiler annotations replayed by selective checkpointing; fixed in
+models/parallel/activation_checkpoint.py) and is checked here since.
 """
 
 from __future__ import annotations
@@ -120,11 +119,14 @@ LAYOUTS = {
     "deepseek_v3 tp=2,fsdp=2 bf16 full AC accum=1": Layout(
         "deepseek_v3", dict(dp_shard=2, tp=2), (*_BF16, *_FULL_AC, ("training.global_batch_size", str(LOCAL * 2)))
     ),
-    # one dense and one MoE layer; not etp=2: selective AC fails in the trainer there (see the
-    # module docstring)
-    "deepseek_v3 fsdp=2,tp=2,ep=2 selective AC": Layout(
-        "deepseek_v3", dict(dp_shard=2, tp=2, ep=2), (*_SELECTIVE_AC, _TWO_LAYERS)
+    # one dense and one MoE layer; selective AC saves the functional count exchanges (EP's
+    # all-to-all, ETP's all-gather) and the token all-to-alls: none is re-issued
+    "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 selective AC": Layout(
+        "deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2), (*_SELECTIVE_AC, _TWO_LAYERS)
     ),
+    # full AC re-issues the count exchange and the token all-to-alls; experts on a size-2 FSDP
+    # mesh inside the checkpointed block
+    "deepseek_v3 fsdp=4,ep=2 full AC": Layout("deepseek_v3", dict(dp_shard=4, ep=2), (*_FULL_AC, _TWO_LAYERS)),
 }
 
 # the config key of each degree, from the axis table
