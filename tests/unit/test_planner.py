@@ -210,6 +210,26 @@ _DEBUG = ["--model", "llama3", "--flavor", "debugmodel", "--world-size", "8", "-
           "--seq-len", "256", "--global-batch", "16"]  # fmt: skip
 
 
+def test_hardware_without_overlap_exposes_every_data_parallel_collective():
+    """A CPU profile (``comm_overlap`` false): FSDP's collectives are all on the critical path,
+    where a GPU hides all but the first all-gather and the last reduce-scatter; and full AC's
+    recomputation is priced at the profile's ``recompute_cost``."""
+    import dataclasses
+
+    d = validate_degrees(world_size=8, dp_shard=8)
+    choice = LayoutChoice(64, 8, 4096, ac="full")
+    gpu = estimate(Job("llama3", "8B", 8, 8, 4096, 64, H100), d, choice).time
+    cpu_like = dataclasses.replace(H100, comm_overlap=False, recompute_cost=1.5)
+    cpu = estimate(Job("llama3", "8B", 8, 8, 4096, 64, cpu_like), d, choice).time
+    assert cpu["comm"] == gpu["comm"] and cpu["compute"] == gpu["compute"]
+    assert gpu["comm_exposed_fsdp"] < 0.5 * gpu["comm"]["fsdp"]  # mostly hidden on the GPU
+    assert cpu["comm_exposed_fsdp"] == pytest.approx(gpu["comm"]["fsdp"])
+    assert cpu["recompute"] == pytest.approx(1.5 * gpu["recompute"]) and gpu["recompute"] > 0
+    assert cpu["total"] == pytest.approx(
+        cpu["compute"] + cpu["recompute"] + cpu["comm_exposed_fsdp"] + cpu["comm_exposed_other"]
+    )
+
+
 def test_json_fields():
     rc, out = _run([*_DEBUG, "--json", "--top", "3"])
     assert rc == 0
@@ -274,3 +294,19 @@ def test_bad_input_exits_2_with_the_choices(flag, value, expected, capsys):
         argv += [flag, value]
     assert planner_main(argv) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_benchmark_ranking_only_counts_pairs_separated_by_more_than_the_noise():
+    from benchmarks.planner import _pairs
+
+    def row(measured, noise, predicted):
+        return {"measured_step_s": measured, "measured_noise_s": noise, "predicted_step_s": predicted}
+
+    rows = {
+        "a": row(1.00, 0.02, 0.70),
+        "b": row(1.01, 0.03, 0.60),  # within a's and b's noise of a: unresolved, order ignored
+        "c": row(1.30, 0.02, 0.65),  # clearly slower than a and b, predicted faster than a
+    }
+    inverted, unresolved = _pairs(rows)
+    assert unresolved == [["a", "b"]]
+    assert inverted == [["a", "c"]]  # b-c: predicted 0.60 < 0.65, right order

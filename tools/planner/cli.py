@@ -31,7 +31,8 @@ _ASSUMPTIONS = [
     "(torch/distributed/tensor/_collective_utils.py); an axis whose groups cross nodes uses the "
     "inter-node figures",
     "overlap: FSDP all-gathers, reduce-scatters and HSDP all-reduces hide behind compute except "
-    "the first and the last; TP, CP, EP, PP and loss collectives are exposed",
+    "the first and the last (none hide on a profile with comm_overlap false); TP, CP, EP, PP and "
+    "loss collectives are exposed",
     "bubble: the schedule's textbook idle fraction (models/parallel/pipeline/plan.py bubble_fraction)",
 ]
 

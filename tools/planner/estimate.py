@@ -24,12 +24,13 @@ stage) -- every assumption is also printed with the result:
 * time: compute = the matmul FLOPs of the busiest rank (:mod:`tools.planner.compute`: its
   pipeline stage, its TP/CP/EP share, the trainer's FLOPs-per-token accounting, checked exactly
   against fake-backend runs) / (peak x efficiency), the recomputed forward under full AC
-  reported apart; communication = every collective
+  reported apart (times ``Hardware.recompute_cost``); communication = every collective
   of :func:`tools.planner.collectives.predict_collectives` priced by the ring model of
   :mod:`tools.planner.hardware` (inter-node figures for an axis whose groups cross nodes,
   ``RankLayout.crosses_nodes``); FSDP's all-gathers, reduce-scatters and HSDP all-reduces
   overlap with compute except the first all-gather and the last reduce-scatter (exposed: the
-  larger of those two and what exceeds the compute time); TP, CP, EP, PP and loss
+  larger of those two and what exceeds the compute time; all of them on hardware without
+  overlap, ``Hardware.comm_overlap`` false: a CPU host); TP, CP, EP, PP and loss
   collectives are exposed (not overlapped); pipeline bubble = the textbook fraction of the
   schedule (``bubble_fraction``) of the busy time.
 """
@@ -322,7 +323,7 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         key=lambda f: f["total"],
     )
     compute = (flops["forward"] + flops["backward"]) / rate
-    recompute = flops["recompute"] / rate
+    recompute = flops["recompute"] / rate * hw.recompute_cost
     busy = compute + recompute
     # communication, from the busiest stage's rank
     crossing = _crossing(d, job.gpus_per_node)
@@ -342,7 +343,10 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
             comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
         else:
             comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
-    exposed_fsdp = max(2 * fsdp_first, fsdp_total - busy) if fsdp_total else 0.0
+    if not hw.comm_overlap:
+        exposed_fsdp = fsdp_total
+    else:
+        exposed_fsdp = max(2 * fsdp_first, fsdp_total - busy) if fsdp_total else 0.0
     exposed_other = sum(v for k, v in comm.items() if k not in FSDP_OVERLAPPED)
     bubble_fraction = 0.0
     if d.pp > 1:

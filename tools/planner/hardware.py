@@ -16,7 +16,8 @@ The network defaults are PyTorch's collective cost model for DTensor redistribut
   full buffer (all-gather output, reduce-scatter input, all-reduce tensor).
 
 A GPU entry may override them, and ``--profile FILE`` (JSON with any of the keys of
-:class:`Hardware`) overrides everything, e.g. a measured CPU profile for the ranking check.
+:class:`Hardware`) overrides everything, e.g. a measured CPU profile for the ranking check
+(``benchmarks/planner.py`` measures one: matmul rate, gloo links, no overlap, recompute cost).
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ class Hardware:
     inter_node_gbps: float = TORCH_INTRA_NODE_GBPS * TORCH_INTER_NODE_BW_FACTOR
     inter_node_hop_us: float = TORCH_INTER_NODE_HOP_US
     base_latency_us: float = TORCH_BASE_LATENCY_US
+    # Whether data-parallel collectives (FSDP all-gathers / reduce-scatters, HSDP all-reduces)
+    # run concurrently with compute. GPUs: yes (NCCL on its own streams). A CPU host whose
+    # cores all compute (one rank per core): no, every collective waits for the wire and
+    # competes with the ranks for cores; the planner then exposes all of them.
+    comm_overlap: bool = True
+    # Time of a matmul FLOP of full AC's recomputed forward, relative to the FLOP/s the step
+    # as a whole achieves (peak x efficiency). 1 on GPUs (matmuls dominate every pass); a CPU
+    # profile measures it: there the forward carries a larger share of non-matmul work.
+    recompute_cost: float = 1.0
 
     def peak_flops(self, dtype: str) -> float:
         return self.peak_flops_bf16 if dtype in ("bfloat16", "float16") else self.peak_flops_fp32
