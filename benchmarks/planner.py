@@ -11,6 +11,9 @@ in the same run:
   FLOPs); on CPU the forward carries more non-matmul work per FLOP than the whole step;
 * network: gloo on this host (bandwidth and latency from timed all-reduces of two sizes between
   2 processes);
+* ``tp_block_overhead_s``: TP's host time per block and micro-batch beyond its FLOPs (DTensor
+  dispatch, redistribution bookkeeping, narrower GEMMs), from fake-backend runs of tp=2 rank 0
+  with 1 and 3 layers against 1-process runs of the same depths (not the timed 6-layer layout);
 * ``comm_overlap`` false: each of the 2 ranks computes on one of the 2 cores, so no collective
   hides behind compute (stated, not fitted).
 
@@ -71,6 +74,8 @@ def _train(nproc: int, settings: dict, fake_rank: int | None = None) -> dict:
     for key, value in settings.items():
         if key == "ac":
             args += ["--activation_checkpoint.mode", value]
+        elif key == "n_layers":
+            args += ["--model.n_layers", str(value)]
         else:
             args += [f"--parallelism.{key}", str(value)]
     if fake_rank is not None:
@@ -122,7 +127,7 @@ def _choice(settings: dict, world_size: int = 2):
     from parallel_dims.layout import validate_degrees
     from tools.planner.collectives import LayoutChoice
 
-    degrees = {k: v for k, v in settings.items() if k != "ac"}
+    degrees = {k: v for k, v in settings.items() if k not in ("ac", "n_layers")}
     d = validate_degrees(world_size=world_size, **degrees)
     choice = LayoutChoice(
         global_batch=GLOBAL_BATCH, local_batch=LOCAL_BATCH, seq_len=SEQ,
@@ -146,6 +151,7 @@ def cpu_profile() -> dict:
     d, choice = _choice({"dp_shard": 1, "ac": "full"}, world_size=1)
     recomputed = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["recompute"]
     recompute_cost = max(step_full_ac - step, 0.0) / (recomputed / rate)
+    tp_block_overhead = _tp_block_overhead()
     times = run_distributed(_gloo_times, 2, env=_env())[0]
     small, big = times[1024], times[8 * 2**20]
     # ring all-reduce over 2 ranks: latency = 2 hops, bytes moved = size (2 * (n-1)/n)
@@ -160,7 +166,30 @@ def cpu_profile() -> dict:
         "base_latency_us": 0.0,
         "comm_overlap": False,
         "recompute_cost": recompute_cost,
+        "tp_block_overhead_s": tp_block_overhead,
     }
+
+
+def _tp_block_overhead() -> float:
+    """TP's host time per block and micro-batch beyond its matmul FLOPs: the step time one more
+    block adds (1- and 3-layer models, so the embeddings and head cancel) on rank 0 of tp=2 on
+    the fake backend, minus what the 1-process run's block costs scaled by the two blocks'
+    matmul FLOPs, over the micro-batches of the step."""
+    from tools.planner.compute import rank_matmul_flops
+
+    def per_block(nproc: int, settings: dict, fake_rank: int | None) -> tuple[float, float, int]:
+        times, flops = {}, {}
+        for n in (1, 3):
+            run = {**settings, "n_layers": n}
+            times[n] = _train(nproc, run, fake_rank)["median"]
+            d, choice = _choice(run, world_size=nproc)
+            flops[n] = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048, n_layers=n)["total"]
+        forwards = GLOBAL_BATCH // (d.dp_replicate * d.dp_shard * LOCAL_BATCH)
+        return (times[3] - times[1]) / 2, (flops[3] - flops[1]) / 2, forwards
+
+    plain_s, plain_flops, _ = per_block(1, {"dp_shard": 1}, None)
+    tp_s, tp_flops, forwards = per_block(2, {"dp_shard": 1, "tp": 2}, 0)
+    return max(tp_s - plain_s * tp_flops / plain_flops, 0.0) / forwards
 
 
 def _spearman(a: list[str], b: list[str]) -> float:

@@ -228,6 +228,23 @@ def test_hardware_without_overlap_exposes_every_data_parallel_collective():
     assert cpu["total"] == pytest.approx(
         cpu["compute"] + cpu["recompute"] + cpu["comm_exposed_fsdp"] + cpu["comm_exposed_other"]
     )
+    assert gpu["tp_overhead"] == cpu["tp_overhead"] == 0.0  # no TP
+
+
+def test_tp_host_overhead_is_per_block_and_micro_batch():
+    """``tp_block_overhead_s`` (a CPU profile's): paid once per block of the busiest stage per
+    micro-batch, and only under TP."""
+    import dataclasses
+
+    hw = dataclasses.replace(H100, tp_block_overhead_s=0.01)
+    job = Job("llama3", "8B", 16, 8, 4096, 64, hw)
+    # 32 layers over pp 2: 16 blocks per stage; 4 micro-batches x 2 accumulation steps
+    d = validate_degrees(world_size=16, dp_shard=4, tp=2, pp=2)
+    choice = LayoutChoice(64, 8, 4096, "1F1B", 4, ac="full")
+    t = estimate(job, d, choice).time
+    assert t["tp_overhead"] == pytest.approx(0.01 * 16 * 4 * 2)
+    no_tp = estimate(job, validate_degrees(world_size=16, dp_shard=8, pp=2), choice).time
+    assert no_tp["tp_overhead"] == 0.0
 
 
 def test_json_fields():

@@ -24,7 +24,9 @@ stage) -- every assumption is also printed with the result:
 * time: compute = the matmul FLOPs of the busiest rank (:mod:`tools.planner.compute`: its
   pipeline stage, its TP/CP/EP share, the trainer's FLOPs-per-token accounting, checked exactly
   against fake-backend runs) / (peak x efficiency), the recomputed forward under full AC
-  reported apart (times ``Hardware.recompute_cost``); communication = every collective
+  reported apart (times ``Hardware.recompute_cost``), plus, under TP, the profile's host
+  overhead per block and micro-batch (``Hardware.tp_block_overhead_s``, 0 on GPUs);
+  communication = every collective
   of :func:`tools.planner.collectives.predict_collectives` priced by the ring model of
   :mod:`tools.planner.hardware` (inter-node figures for an axis whose groups cross nodes,
   ``RankLayout.crosses_nodes``); FSDP's all-gathers, reduce-scatters and HSDP all-reduces
@@ -127,6 +129,7 @@ class Estimate:
             "step_time_s": {
                 "compute": round(self.time["compute"], 6),
                 "recompute": round(self.time["recompute"], 6),
+                "tp_overhead": round(self.time["tp_overhead"], 6),
                 "comm": {k: round(v, 6) for k, v in self.time["comm"].items()},
                 "bubble": round(self.time["bubble"], 6),
                 "total": round(self.time["total"], 6),
@@ -324,7 +327,12 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     )
     compute = (flops["forward"] + flops["backward"]) / rate
     recompute = flops["recompute"] / rate * hw.recompute_cost
-    busy = compute + recompute
+    tp_overhead = 0.0
+    if d.tp > 1 and hw.tp_block_overhead_s:
+        forwards = grad_accum_steps(choice, d) * (choice.n_microbatches if d.pp > 1 else 1)
+        blocks = max(sum(len(layers) for layers, _, _ in stage_layers(args, d, choice, r, layout)[0]) for r in ranks)
+        tp_overhead = hw.tp_block_overhead_s * blocks * forwards
+    busy = compute + recompute + tp_overhead
     # communication, from the busiest stage's rank
     crossing = _crossing(d, job.gpus_per_node)
     comm: dict[str, float] = {}
@@ -363,6 +371,7 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     time = {
         "compute": compute,
         "recompute": recompute,
+        "tp_overhead": tp_overhead,
         "comm": comm,
         "comm_exposed_fsdp": exposed_fsdp,
         "comm_exposed_other": exposed_other,
@@ -456,6 +465,7 @@ def losing_reason(e: Estimate, best: Estimate, job: Job) -> str:
         "pipeline bubble": e.time["bubble"] - best.time["bubble"],
         "activation recompute": e.time["recompute"] - best.time["recompute"],
         "compute": e.time["compute"] - best.time["compute"],
+        "tensor-parallel host overhead": e.time["tp_overhead"] - best.time["tp_overhead"],
     }
     for axis in set(e.time["comm"]) | set(best.time["comm"]):
         mine = e.time["comm"].get(axis, 0.0)

@@ -17,7 +17,8 @@ The network defaults are PyTorch's collective cost model for DTensor redistribut
 
 A GPU entry may override them, and ``--profile FILE`` (JSON with any of the keys of
 :class:`Hardware`) overrides everything, e.g. a measured CPU profile for the ranking check
-(``benchmarks/planner.py`` measures one: matmul rate, gloo links, no overlap, recompute cost).
+(``benchmarks/planner.py`` measures one: matmul rate, gloo links, no overlap, recompute cost,
+TP's per-block host overhead).
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ class Hardware:
     # as a whole achieves (peak x efficiency). 1 on GPUs (matmuls dominate every pass); a CPU
     # profile measures it: there the forward carries a larger share of non-matmul work.
     recompute_cost: float = 1.0
+    # Host time a tensor-parallel transformer block adds per micro-batch (forward + backward)
+    # beyond its matmul FLOPs: DTensor dispatch, sharding propagation, redistribution
+    # bookkeeping, and narrower GEMMs. 0 on GPUs, where the host runs ahead of the kernels; a CPU
+    # profile measures it (benchmarks/planner.py: per-block step time of a tp=2 fake-backend
+    # rank against a 1-process run).
+    tp_block_overhead_s: float = 0.0
 
     def peak_flops(self, dtype: str) -> float:
         return self.peak_flops_bf16 if dtype in ("bfloat16", "float16") else self.peak_flops_fp32
