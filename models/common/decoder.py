@@ -11,6 +11,9 @@ extra init). The parallelism code relies on this structure, so it is the contrac
   parameter FQNs, and with them FQN-seeded init and checkpoints, are the full model's);
 * ``cp_rank`` / ``cp_size``: set by the context-parallel applier; :meth:`Decoder.local_positions`
   turns them into the positions of this rank's load-balanced tokens;
+* ``boundary_seq_shards``: set by the tensor-parallel applier (tp under sequence parallel): the
+  hidden states a pipeline stage receives and sends hold this rank's ``1 / boundary_seq_shards``
+  of its local sequence (:meth:`Decoder.local_seq_len`);
 * blocks are :class:`DecoderBlock`: ``attention_norm``, ``attention`` (a
   :class:`DecoderAttention`), ``ffn_norm`` and either ``feed_forward`` (dense, a
   ``models/common/feed_forward.FeedForward``) or ``moe`` (``moe_enabled`` says which);
@@ -96,6 +99,10 @@ class Decoder(nn.Module):
         # ``cp_rank`` of ``cp_size`` of every sequence.
         self.cp_rank = 0
         self.cp_size = 1
+        # Set by the tensor-parallel applier under sequence parallelism: hidden states cross
+        # pipeline stage boundaries sharded along the sequence into this many parts (tp), so
+        # each tp rank sends its own shard to the same tp rank of the next stage.
+        self.boundary_seq_shards = 1
 
     # ------------------------------------------------------------------ what a model supplies
     def build_rope(self, args: DecoderArgs) -> RotaryEmbedding:
@@ -115,12 +122,22 @@ class Decoder(nn.Module):
         """Global positions of this rank's tokens (identity without context parallelism)."""
         return local_positions(seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device)
 
+    def local_seq_len(self, inputs: torch.Tensor) -> int:
+        """Length of this rank's (cp-local) sequence, which RoPE positions are computed for:
+        token ids hold all of it; the hidden states a later pipeline stage receives hold
+        ``1 / boundary_seq_shards`` of it (their sequence-parallel shard)."""
+        if self.tok_embeddings is not None:
+            return inputs.shape[1]
+        return inputs.shape[1] * self.boundary_seq_shards
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without
-        ``tok_embeddings`` the input is hidden states [bs, s, dim]; without ``output`` the
-        hidden states after the last local layer (normed if ``norm`` is kept) are returned."""
+        ``tok_embeddings`` the input is hidden states [bs, s / boundary_seq_shards, dim];
+        without ``output`` the hidden states after the last local layer (normed if ``norm`` is
+        kept) are returned, in the layout of the blocks' output (sequence-sharded under
+        sequence parallelism)."""
         h = self._embed(tokens)
-        rope = self.rope(self.local_positions(tokens.shape[1], tokens.device))
+        rope = self.rope(self.local_positions(self.local_seq_len(tokens), tokens.device))
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:
@@ -142,7 +159,7 @@ class Decoder(nn.Module):
         if tokens.dim() != 3 or tokens.shape[-1] != dim:
             raise ValueError(
                 f"This model has no tok_embeddings (a later pipeline stage), so it expects hidden "
-                f"states [bs, s, {dim}], got {tuple(tokens.shape)}."
+                f"states [bs, s / boundary_seq_shards, {dim}], got {tuple(tokens.shape)}."
             )
         return tokens
 

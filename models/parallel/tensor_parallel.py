@@ -11,6 +11,14 @@ units split over tp), and the row-wise output projection reduce-scatters back to
 The output projection keeps the vocabulary sharded (``Shard(-1)``) so cross entropy runs under
 ``loss_parallel`` without gathering the logits.
 
+Pipeline stage boundaries keep that layout: a stage hands the next one its last block's
+sequence-sharded output as it is, so each tp rank sends its own ``[b, s / tp, dim]`` shard to
+the same tp rank of the next stage (no gather before the send, no re-shard after the receive).
+The stage's ``boundary_seq_shards`` records the split, so a stage fed hidden states still
+computes RoPE for the whole local sequence its attention gathers
+(``models/common/decoder.Decoder.local_seq_len``), and the pipeline sizes its buffers from it.
+Without sequence parallelism activations are replicated over tp, boundaries included.
+
 Gradient bookkeeping that plain DTensor styles do not cover is made explicit here:
 
 * MLA's decoupled rope key ``k_pe`` is computed by replicated weights but consumed by this rank's
@@ -175,12 +183,9 @@ def apply_tensor_parallel(
         )
     if top:
         parallelize_module(model, tp_mesh, top)
-    if model.output is None and sp:
-        # A middle pipeline stage must hand over full-sequence activations; the last block's
-        # output is sequence-sharded, so gather it (the next stage re-shards on entry).
-        _gather_stage_output(model, tp_mesh)
-    if model.tok_embeddings is None and sp:
-        _shard_stage_input(model, tp_mesh)
+    # Pipeline stages exchange the blocks' own layout: this rank's sequence shard under SP
+    # (the first block's SequenceParallel norm takes it as received).
+    model.boundary_seq_shards = tp_mesh.size() if sp else 1
 
     tp_group = tp_mesh.get_group()
     for block in model.layers.values():
@@ -209,34 +214,6 @@ def apply_tensor_parallel(
                 # MoE flattens tokens to [bs * s_local, dim] before the shared experts.
                 plan.update(_prefixed("moe.shared_experts", _feed_forward_plan(moe.shared_experts, 0, sp)))
         parallelize_module(block, tp_mesh, plan)
-
-
-def _gather_stage_output(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    def hook(module, inputs, output):
-        return (
-            DTensor.from_local(output, tp_mesh, (Shard(1),), run_check=False)
-            .redistribute(tp_mesh, (Replicate(),))
-            .to_local()
-        )
-
-    model.register_forward_hook(hook)
-
-
-def _shard_stage_input(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    # Hook the first block, not the model: the model derives RoPE positions from the full
-    # sequence length of its input.
-    first_block = next(iter(model.layers.values()))
-
-    def hook(module, args):
-        (h, *rest) = args
-        local = (
-            DTensor.from_local(h, tp_mesh, (Replicate(),), run_check=False)
-            .redistribute(tp_mesh, (Shard(1),))
-            .to_local()
-        )
-        return (local, *rest)
-
-    first_block.register_forward_pre_hook(hook)
 
 
 def loss_parallel_context(enabled: bool):

@@ -172,7 +172,8 @@ def test_fake_backend_pipeline_stage_runs_with_zeroed_receives(tmp_path):
     assert sorted(m) == [1, 2] and all(r["loss"] is not None and r["grad_norm"] is not None for r in m.values())
     comm = json.loads((folder / "comm_rank13.json").read_text())
     p2p = [r for r in comm["records"] if r["kind"] == "send_recv"]
-    # 2 pipeline micro-batches of 1 x 64 tokens x dim 256, fp32: receive each activation,
+    # 2 pipeline micro-batches of 1 x 64 tokens x dim 256, fp32, of which this tp rank sends
+    # and receives its sequence-parallel shard (64 / tp = 32 tokens): receive each activation,
     # send back each input gradient
     assert sorted(r["direction"] for r in p2p) == ["recv", "recv", "send", "send"], p2p
-    assert all(r["mesh"] == "pp" and r["bytes"] == 64 * 256 * 4 for r in p2p), p2p
+    assert all(r["mesh"] == "pp" and r["bytes"] == 64 // 2 * 256 * 4 for r in p2p), p2p

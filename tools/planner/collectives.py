@@ -19,8 +19,8 @@ every rank, 4 gloo ranks, gradient accumulation 2 unless noted): the CPU proof m
 AC, sequence and loss parallel on, 1F1B) and layouts that turn on, alone or a few together, bf16
 parameters with fp32 gradient reduction (FSDP2 over 2 ranks, gradients accumulated over 2
 micro-batches and over one; the size-1 FSDP mesh of a pipeline stage, where FSDP2 only casts),
-full AC (FSDP, TP with and without sequence parallel, CP, MLA, MoE experts replicated over TP),
-selective AC (the per-op policy; FSDP, TP, MLA, EP), TP without sequence parallel and without
+full AC (FSDP, TP with and without sequence parallel, CP, MLA, MoE experts replicated over TP,
+EP), selective AC (the per-op policy; FSDP, TP, MLA, EP x ETP), TP without sequence parallel and without
 loss parallel, TP and CP inside pipeline stages, GPipe and Interleaved1F1B (two stages per
 rank), CP without TP, and MoE experts replicated over TP (no EP).
 
@@ -29,23 +29,24 @@ compute dtype, dim 0 padded to the shard count; full AC's recomputation re-gathe
 reduce-scatters (gradients in the reduce dtype, padded; sizes from
 :mod:`tools.planner.inventory`), HSDP's all-reduce of the reduce-scattered shard, the loss
 all-reduce over ``loss``, the pipeline loss sum and grad-norm sum over ``pp`` and the
-stage-boundary send/recv, TP/SP's activation collectives (forward: all-gather of the attention
-and MLP inputs, reduce-scatter of their outputs; backward: all-gather of the output gradients
-and, for the input gradient, one reduce-scatter per module whose weights are all TP-split (its
-input stays a DTensor, so the projections' Partial gradients are summed first) or one all-reduce
-per column-wise projection of a module that takes its input as a local tensor (MLA)); without
-sequence parallel the all-reduces of the attention and MLP outputs and input gradients, of the
-embedding's output and of the head's input gradient; full AC's re-run of the forward ones but
-the block's last output reduction (torch's checkpoint stops recomputing once the last saved
-tensor is back); a pipeline stage's all-gather of its sequence-sharded output and of its input's
-gradient (stage boundaries carry full-sequence activations), MLA's rope-key gradient all-reduce,
-loss parallel's three all-reduces per forward or, without it, the all-gather of the
-vocab-sharded logits, the all-reduce of the Partial gradients of tp-replicated weights (SP
+stage-boundary send/recv (under sequence parallel each tp rank sends its own sequence shard,
+``[b, s / (cp * tp), dim]``, to the same tp rank of the next stage, so stage boundaries issue
+no tp collective; without it the cp-local sequence), TP/SP's activation collectives (forward:
+all-gather of the attention and MLP inputs, reduce-scatter of their outputs; backward:
+all-gather of the output gradients and, for the input gradient, one reduce-scatter per module
+whose weights are all TP-split (its input stays a DTensor, so the projections' Partial gradients
+are summed first) or one all-reduce per column-wise projection of a module that takes its input
+as a local tensor (MLA)); without sequence parallel the all-reduces of the attention and MLP
+outputs and input gradients, of the embedding's output and of the head's input gradient; full
+AC's re-run of the forward ones but the block's last output reduction (torch's checkpoint stops
+recomputing once the last saved tensor is back); MLA's rope-key gradient all-reduce, loss
+parallel's three all-reduces per forward or, without it, the all-gather of the vocab-sharded
+logits, the all-reduce of the Partial gradients of tp-replicated weights (SP
 norms, the router gate) once per gradient sync, in the compute dtype or, once FSDP2 accumulated
 it over micro-batches, the reduce dtype, CP's K/V all-gather and backward reduce-scatter, the
 grad-norm all-reduces (see below), the MoE load counts over ``loss`` and ``tp``, EP's count
-exchange and ETP's count all-gather (re-issued under selective AC too: they are eager c10d
-calls, which its op policy does not save), and the NUMBER of EP/ETP token all-to-alls. Their
+exchange and ETP's count all-gather (functional collectives: re-issued by full AC's
+recomputation, read back from storage by selective AC's), and the NUMBER of EP/ETP token all-to-alls. Their
 bytes depend on routing: the records assume balanced routing, which the test checks summed over
 the world (every row sent is received), not per rank.
 
@@ -53,9 +54,7 @@ Grad-norm reductions: ``trainer/grad_clip.py`` sums the squares of the gradients
 the same groups (compared by ranks, whatever mesh object they carry) and all-reduces each such
 sum once per group: one 4-byte all-reduce per distinct (groups, group) pair.
 
-Modelled, not yet checked: EP and ETP under full AC (their count exchanges and token all-to-alls
-re-issued by the recomputation; matched a recorded run once, not in the test), ETP under
-selective AC (the trainer fails there: the test's module docstring), selective AC's
+Modelled, not yet checked: ETP under full AC (EP under full AC is checked), selective AC's
 every-N-th-block option (``selective`` here is the per-op policy),
 ``fsdp_reshard_after_forward`` other than ``default``, a bf16 reduce dtype, HSDP with mixed
 precision, the LoopedBFS and zero-bubble schedules, and more than 4 ranks.
@@ -200,13 +199,8 @@ def predict_collectives(
                 if head:  # Colwise output on sequence-sharded input: AG forward, RS backward
                     rec[("all_gather", "tp", full)] += forwards
                     rec[("reduce_scatter", "tp", full)] += forwards
-                # pipeline stage boundaries carry full-sequence activations: a stage without
-                # the head all-gathers its output forward (its backward takes a local chunk),
-                # one without the embeddings chunks its input and all-gathers that gradient
-                if pp and not head:
-                    rec[("all_gather", "tp", full)] += forwards
-                if pp and not embed:
-                    rec[("all_gather", "tp", full)] += forwards
+                # pipeline stage boundaries carry each tp rank's own sequence shard (sent to
+                # the same tp rank of the next stage): no tp collective there
             else:
                 # forward: all-reduce of the attention and MLP outputs (full AC re-runs the
                 # attention's, not the block's last, as above); backward: of their input
@@ -251,10 +245,10 @@ def predict_collectives(
 
         moe_layers = [i for i in layers if args.has_experts and i >= getattr(args, "n_dense_layers", 0)]
         tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
-        # the int64 routing-count exchanges are eager c10d calls (models/parallel/
-        # expert_parallel.py), which selective AC's op policy (models/parallel/
-        # activation_checkpoint.py: it saves the functional collectives only) recomputes too
-        recount = 1 if choice.ac in ("full", "selective") else 0
+        # the int64 routing-count exchanges are functional collectives (models/parallel/
+        # expert_parallel.py): full AC re-issues them in the recomputation, selective AC's op
+        # policy saves their outputs (models/parallel/activation_checkpoint.py)
+        recount = 1 if choice.ac == "full" else 0
         if moe_layers and d.ep > 1:
             rows = tn * args.n_activated_experts * a * args.dim  # balanced routing assumed
             n = len(moe_layers)
@@ -273,8 +267,11 @@ def predict_collectives(
             rec[("all_to_all", "etp", etp_rows)] += forwards * n * (4 + 2 * recompute)
 
         if pp and plan is not None:
-            t = mb * (choice.seq_len // d.cp)
-            msg = a * t * args.dim  # full-sequence activations between stages (SP gathers them)
+            # the activations between stages: this tp rank's sequence shard under SP (sent to
+            # the same tp rank of the next stage), the cp-local sequence otherwise
+            boundary_shards = d.tp if choice.sequence_parallel and d.tp > 1 else 1
+            t = mb * (choice.seq_len // d.cp) // boundary_shards
+            msg = a * t * args.dim
             if not embed:
                 rec[("send_recv", "pp", msg)] += forwards * 2  # recv activation, send its grad
             if not head:

@@ -81,7 +81,8 @@ def measure_training_state(
             if part.tok_embeddings is not None:
                 x = torch.randint(0, spec.args.vocab_size, (1, cp_seq))
             else:
-                x = torch.randn(1, cp_seq, spec.args.dim)
+                # a later stage receives its tp rank's sequence shard under sequence parallel
+                x = torch.randn(1, cp_seq // part.boundary_seq_shards, spec.args.dim)
             out = part(x)
             out = out.full_tensor() if hasattr(out, "full_tensor") else out
             out.float().sum().backward()

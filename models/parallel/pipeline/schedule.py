@@ -14,9 +14,11 @@ receives: given up front ("static"), or inferred on the first step by running ev
 forward and backward once ("dynamic"). Dynamic inference feeds later stages uninitialized
 memory (``torch.empty``), which a MoE layer would route and count into its load-balancing
 statistics, and costs an extra forward/backward. Our stages exchange one plain hidden-state
-tensor ``[microbatch, local seq, dim]`` (with sequence parallelism the TP plan gathers the
-sequence at stage boundaries, so it is a plain tensor there too), so we give the metadata
-statically and check each stage's output against it (:class:`_CheckedStage`).
+tensor ``[microbatch, local seq / boundary_seq_shards, dim]``: the local sequence is the cp
+rank's, and with sequence parallelism each tp rank sends its own sequence shard to the same tp
+rank of the next stage (the stage module's ``boundary_seq_shards`` is tp then, set by
+``models/parallel/tensor_parallel.py``; 1 otherwise), so we give the metadata statically and
+check each stage's output against it (:class:`_CheckedStage`).
 """
 
 from __future__ import annotations
@@ -137,6 +139,14 @@ class _CheckedStage(PipelineStage):
         self._boundary_shape = tuple(boundary.shape)
         self._boundary_dtype = boundary.dtype
 
+    # torch 2.11 warms the pipeline's communicators up by sending a dummy tensor to each
+    # neighbouring stage and receiving one from it. A V-shaped schedule (ZBVZeroBubble) puts two
+    # neighbouring stages on one rank, which hand activations over in memory, never over the
+    # wire; the warm-up's send to oneself fails on gloo ("Pair is not connected"). Leave those
+    # out. (torch 2.13 warms up by a vote instead and does not call this.)
+    def _get_init_p2p_neighbors_ops(self):
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
     # On torch's fake backend (comm.mode = "fake_backend": one rank of a larger job in one
     # process) a receive leaves its buffer as it was, so torch's warm-up vote, in which every
     # stage says whether its metadata is static, would read 0 ("dynamic") and go on to exchange
@@ -185,7 +195,8 @@ class _CheckedStage(PipelineStage):
                 f"{output.dtype}, but the pipeline was built for {self._boundary_shape} "
                 f"{self._boundary_dtype}; pass build_pipeline_schedule the activation_dtype the "
                 "stages compute in (the FSDP mixed-precision param_dtype when FSDP is on), the "
-                "local batch size and seq_len"
+                "local batch size and seq_len, and the stages as parallelized (their "
+                "boundary_seq_shards)"
             )
 
 
@@ -254,6 +265,21 @@ def _module_device(module: nn.Module) -> torch.device:
     raise ValueError("a pipeline stage has no parameters")
 
 
+def _boundary_seq_shards(stages: Sequence[nn.Module]) -> int:
+    """How many sequence shards the hidden states between stages are cut into (tp under
+    sequence parallelism, set on every stage by the TP applier; 1 otherwise)."""
+    shards = {int(getattr(module, "boundary_seq_shards", 1)) for module in stages}
+    if len(shards) != 1:
+        raise ValueError(
+            f"this rank's pipeline stages disagree on boundary_seq_shards ({sorted(shards)}); "
+            "parallelize every stage with the same tensor/sequence-parallel options"
+        )
+    (n,) = shards
+    if n < 1:
+        raise ValueError(f"boundary_seq_shards must be >= 1, got {n}")
+    return n
+
+
 def build_pipeline_schedule(
     stages: Sequence[nn.Module],
     stage_indices: Sequence[int],
@@ -273,9 +299,11 @@ def build_pipeline_schedule(
     ``loss_fn(logits, labels)`` must return the SUM of token losses of one micro-batch (see
     the module docstring for the normalization). ``local_batch_size`` is the number of
     sequences this rank feeds per :func:`pipeline_step` (split into ``n_microbatches``),
-    ``seq_len`` the full sequence length (divided by cp here), ``activation_dtype`` the dtype of
-    the hidden states between stages, and ``loss_parallel`` whether the logits are
-    vocab-sharded DTensors (tp > 1 with loss parallelism).
+    ``seq_len`` the full sequence length (divided by cp here, and by each stage module's
+    ``boundary_seq_shards`` for the hidden states between stages: tp under sequence
+    parallelism), ``activation_dtype`` the dtype of the hidden states between stages, and
+    ``loss_parallel`` whether the logits are vocab-sharded DTensors (tp > 1 with loss
+    parallelism).
     """
     canonical, info = _schedule_info(schedule_name)
     pp = pd.pp
@@ -308,13 +336,20 @@ def build_pipeline_schedule(
     if seq_len % pd.cp:
         raise ValueError(f"seq_len={seq_len} is not divisible by cp={pd.cp}")
     seq_local = seq_len // pd.cp
+    shards = _boundary_seq_shards(stages)
+    if seq_local % shards:
+        raise ValueError(
+            f"seq_len / cp = {seq_len}/{pd.cp} = {seq_local} is not divisible by tp={shards}: "
+            "with sequence parallelism each tp rank sends its own sequence shard between "
+            f"pipeline stages; use a seq_len that is a multiple of {pd.cp * shards}"
+        )
 
     device = _module_device(stages[0])
     group = pd.get_mesh("pp").get_group()
     pipeline_stages = []
     for module, index in zip(stages, stage_indices):
         dim = module.args.dim
-        hidden = torch.empty(mb, seq_local, dim, dtype=activation_dtype, device="meta", requires_grad=True)
+        hidden = torch.empty(mb, seq_local // shards, dim, dtype=activation_dtype, device="meta", requires_grad=True)
         first, last = index == 0, index == num_stages - 1
         inputs = torch.empty(mb, seq_local, dtype=torch.long, device="meta") if first else hidden
         # The last stage's output goes only to the loss, never over the wire; torch 2.13 reads
