@@ -9,8 +9,11 @@ in the same run:
 * ``recompute_cost``: what a matmul FLOP of full AC's recomputed forward costs relative to that
   rate, from the same 1-process run with full AC (the extra time over the planner's recomputed
   FLOPs); on CPU the forward carries more non-matmul work per FLOP than the whole step;
-* network: gloo on this host (bandwidth and latency from timed all-reduces of two sizes between
-  2 processes);
+* network: gloo on this host: bandwidth and per-hop latency from timed back-to-back all-reduces
+  of two sizes between 2 processes, and a base latency per collective for what a collective
+  costs inside a training step beyond that (the other rank still computing, a waiting process
+  woken up on a busy core): from real and fake-backend tp=2 runs of 1- and 3-layer models, the
+  time one more block's collectives take over their predicted count and bytes;
 * ``tp_block_overhead_s``: TP's host time per block and micro-batch beyond its FLOPs (DTensor
   dispatch, redistribution bookkeeping, narrower GEMMs), from fake-backend runs of tp=2 rank 0
   with 1 and 3 layers against 1-process runs of the same depths (not the timed 6-layer layout);
@@ -21,8 +24,8 @@ Each layout's busiest rank also runs alone on the fake backend (no-op collective
 measured compute time (and CPU time) per step against the planner's compute estimate for that
 rank. Every layout's real run is timed ``ROUNDS`` times, the rounds interleaved (layout order
 within a round alternates) so slow drifts of a shared host hit every layout alike; its step time
-is the mean of the rounds' medians and its noise the spread between rounds (or, if larger, a
-round's median minus its fastest step). Reported:
+is the mean of the rounds' medians and its noise the spread of those medians (max - min).
+Reported:
 measured and predicted step times, their ratio, predicted / fake-backend compute, both
 rankings, Spearman's rank correlation, ``rank_match`` (the orders agree exactly) and
 ``resolved_rank_match``: no pair of layouts whose measured times differ by more than their
@@ -44,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, GLOBAL_BATCH, LOCAL_BATCH, STEPS, WARMUP = 256, 8, 4, 8, 3
-ROUNDS = 2
+ROUNDS = 3
 # name: (degrees and AC mode, the rank whose compute the fake backend measures: the busiest one)
 LAYOUTS = {
     "fsdp2": ({"dp_shard": 2}, 0),
@@ -138,11 +141,16 @@ def _choice(settings: dict, world_size: int = 2):
 
 
 def cpu_profile() -> dict:
-    """Compute rate and gloo link figures of this host, as planner hardware keys: the matmul
-    FLOP/s of a 1-process, 1-thread train.py step (the planner's own FLOP count of that step
-    over its median time), and bandwidth and latency from 2-process all-reduces of two sizes."""
+    """The planner hardware keys of this host: the matmul FLOP/s of a 1-process, 1-thread
+    train.py step (the planner's own FLOP count of that step over its median time), full AC's
+    recompute cost, gloo bandwidth and per-hop latency from back-to-back 2-process all-reduces of
+    two sizes, and, from the per-block times of tp=2 (:func:`_tp_blocks`), TP's host overhead
+    and the base latency a collective costs inside a training step beyond that microbenchmark."""
+    import dataclasses
+
     from tools.launcher import run_distributed
     from tools.planner.compute import rank_matmul_flops
+    from tools.planner.hardware import collective_seconds, load_hardware
 
     step = _train(1, {"dp_shard": 1})["median"]
     d, choice = _choice({"dp_shard": 1}, world_size=1)
@@ -151,45 +159,78 @@ def cpu_profile() -> dict:
     d, choice = _choice({"dp_shard": 1, "ac": "full"}, world_size=1)
     recomputed = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["recompute"]
     recompute_cost = max(step_full_ac - step, 0.0) / (recomputed / rate)
-    tp_block_overhead = _tp_block_overhead()
     times = run_distributed(_gloo_times, 2, env=_env())[0]
     small, big = times[1024], times[8 * 2**20]
     # ring all-reduce over 2 ranks: latency = 2 hops, bytes moved = size (2 * (n-1)/n)
     bw = (8 * 2**20 - 1024) / max(big - small, 1e-9)
+    link = {"intra_node_gbps": bw / 1e9, "intra_node_hop_us": small * 1e6 / 2, "base_latency_us": 0.0}
+    blocks = _tp_blocks()
+    # TP's host overhead: a tp=2 block on the fake backend against the 1-process block scaled by
+    # the two blocks' matmul FLOPs, per micro-batch
+    tp_overhead = max(blocks["fake_s"] - blocks["plain_s"] * blocks["tp_flops"] / blocks["plain_flops"], 0.0)
+    tp_overhead /= blocks["forwards"]
+    # a block's collectives cost (real - fake) on the tp=2 ranks; what the link figures above do
+    # not explain, per collective, is the base latency (the other rank still computing, a
+    # waiting process woken up on a busy core)
+    hw = dataclasses.replace(load_hardware("h100"), **link)
+    linked = sum(c * collective_seconds(k, b, 2, False, hw) for k, b, c in blocks["collectives"])
+    count = sum(c for _, _, c in blocks["collectives"])
+    base = max(blocks["real_s"] - blocks["fake_s"] - linked, 0.0) / count
     return {
         "peak_flops_fp32": rate,
         "peak_flops_bf16": rate,
         "memory_gib": 64.0,
         "reserve_gib": 0.0,
-        "intra_node_gbps": bw / 1e9,
-        "intra_node_hop_us": small * 1e6 / 2,
-        "base_latency_us": 0.0,
+        **link,
+        "base_latency_us": base * 1e6,
         "comm_overlap": False,
         "recompute_cost": recompute_cost,
-        "tp_block_overhead_s": tp_block_overhead,
+        "tp_block_overhead_s": tp_overhead,
     }
 
 
-def _tp_block_overhead() -> float:
-    """TP's host time per block and micro-batch beyond its matmul FLOPs: the step time one more
-    block adds (1- and 3-layer models, so the embeddings and head cancel) on rank 0 of tp=2 on
-    the fake backend, minus what the 1-process run's block costs scaled by the two blocks'
-    matmul FLOPs, over the micro-batches of the step."""
+def _tp_blocks() -> dict:
+    """What one more transformer block adds to a step (1- and 3-layer models, so embeddings and
+    head cancel; not the timed 6-layer layouts): its time in a 1-process run (``plain_s``), on
+    rank 0 of tp=2 on the fake backend (``fake_s``: compute and host overhead) and in a real
+    2-process tp=2 run (``real_s``); its matmul FLOPs in both (``plain_flops``, ``tp_flops``),
+    the tp=2 step's micro-batches (``forwards``) and the block's predicted tp=2 collectives as
+    (kind, bytes, calls)."""
+    from collections import Counter
+
+    from tools.planner.collectives import predict_collectives
     from tools.planner.compute import rank_matmul_flops
 
-    def per_block(nproc: int, settings: dict, fake_rank: int | None) -> tuple[float, float, int]:
-        times, flops = {}, {}
-        for n in (1, 3):
-            run = {**settings, "n_layers": n}
-            times[n] = _train(nproc, run, fake_rank)["median"]
-            d, choice = _choice(run, world_size=nproc)
-            flops[n] = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048, n_layers=n)["total"]
-        forwards = GLOBAL_BATCH // (d.dp_replicate * d.dp_shard * LOCAL_BATCH)
-        return (times[3] - times[1]) / 2, (flops[3] - flops[1]) / 2, forwards
+    def per_block(nproc: int, settings: dict, fake_rank: int | None = None) -> float:
+        t = {n: _train(nproc, {**settings, "n_layers": n}, fake_rank)["median"] for n in (1, 3)}
+        return (t[3] - t[1]) / 2
 
-    plain_s, plain_flops, _ = per_block(1, {"dp_shard": 1}, None)
-    tp_s, tp_flops, forwards = per_block(2, {"dp_shard": 1, "tp": 2}, 0)
-    return max(tp_s - plain_s * tp_flops / plain_flops, 0.0) / forwards
+    def model(settings: dict, nproc: int):
+        out = {}
+        for n in (1, 3):
+            d, choice = _choice({**settings, "n_layers": n}, world_size=nproc)
+            flops = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048, n_layers=n)
+            calls = Counter()
+            for r in predict_collectives("llama3", "debugmodel", d, choice, 0, max_seq_len=2048, n_layers=n):
+                calls[(r["kind"], r["bytes"])] += r["count"]
+            out[n] = (flops["total"], calls)
+        forwards = GLOBAL_BATCH // (d.dp_replicate * d.dp_shard * LOCAL_BATCH)
+        calls = out[3][1]
+        calls.subtract(out[1][1])
+        return (out[3][0] - out[1][0]) / 2, [(k, b, c / 2) for (k, b), c in calls.items() if c], forwards
+
+    plain, tp = {"dp_shard": 1}, {"dp_shard": 1, "tp": 2}
+    plain_flops, _, _ = model(plain, 1)
+    tp_flops, collectives, forwards = model(tp, 2)
+    return {
+        "plain_s": per_block(1, plain),
+        "fake_s": per_block(2, tp, fake_rank=0),
+        "real_s": per_block(2, tp),
+        "plain_flops": plain_flops,
+        "tp_flops": tp_flops,
+        "forwards": forwards,
+        "collectives": collectives,
+    }
 
 
 def _spearman(a: list[str], b: list[str]) -> float:
@@ -201,7 +242,7 @@ def _spearman(a: list[str], b: list[str]) -> float:
 
 def _pairs(rows: dict) -> tuple[list[list[str]], list[list[str]]]:
     """(pairs the planner orders against the measurement although their measured times differ
-    by more than both layouts' round-to-round noise, pairs closer than that noise); each pair
+    by more than both layouts' run-to-run noise, pairs closer than that noise); each pair
     [faster, slower] as measured."""
     inverted, unresolved = [], []
     names = sorted(rows, key=lambda n: rows[n]["measured_step_s"])
@@ -233,17 +274,15 @@ def run() -> dict:
     for name, (settings, busiest) in LAYOUTS.items():
         d, choice = _choice(settings)
         est = estimate(job, d, choice).time
-        predicted_compute = est["compute"] + est["recompute"]
+        predicted_compute = est["compute"] + est["recompute"] + est["tp_overhead"]
         fake = _train(2, settings, fake_rank=busiest)
         medians = [r["median"] for r in rounds[name]]
         measured = statistics.mean(medians)
         rows[name] = {
             "measured_step_s": round(measured, 4),
             "measured_round_medians_s": [round(m, 4) for m in medians],
-            # spread of the rounds' medians, or within a round median - fastest step if larger
-            "measured_noise_s": round(
-                max(max(medians) - min(medians), *(r["median"] - r["min"] for r in rounds[name])), 4
-            ),
+            # run-to-run spread: the rounds' medians, max - min
+            "measured_noise_s": round(max(medians) - min(medians), 4),
             "measured_step_min_s": round(min(r["min"] for r in rounds[name]), 4),
             "predicted_step_s": round(est["total"], 4),
             "predicted_over_measured": round(est["total"] / measured, 3),
