@@ -352,6 +352,9 @@ WORLD4_CASES = {
     # MLA and MoE on sequence-sharded stage inputs (middle stages included); the routing counts
     # prove every stage routed exactly the reference's tokens
     "deepseek_pp2_tp2": ("deepseek_v3", _degrees(tp=2), "Interleaved1F1B", {}),
+    # only the experts are FSDP-wrapped (efsdp = tp): their reduce-scatter must wait for the weight half
+    "deepseek_pp2_tp2_zbv": ("deepseek_v3", _degrees(tp=2), "ZBVZeroBubble", {}),
+    "deepseek_pp2_tp2_zero_bubble": ("deepseek_v3", _degrees(tp=2), "InterleavedZeroBubble", {}),
     # stages past the first must still place RoPE at each cp rank's global positions
     "pp2_cp2": ("llama3", _degrees(cp=2), "1F1B", {}),
     # bf16 compute (FSDP mixed precision): bf16 activations cross the stage boundary

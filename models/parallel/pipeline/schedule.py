@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
@@ -119,6 +120,34 @@ def _on_fake_backend(group) -> bool:
     return group is not None and dist.get_backend(group) == "fake"
 
 
+def _inner_fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    """The outermost FSDP2-wrapped submodules of a stage module that is not itself wrapped
+    (e.g. the routed experts, wrapped on the expert mesh while the dense params have no FSDP:
+    a MoE model under tp > 1 without dp_shard). Empty when ``module`` is wrapped."""
+    if isinstance(module, FSDPModule):
+        return []
+    found: list[FSDPModule] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, FSDPModule):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return found
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list since torch 2.13, one optional group before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
 def _zero_buffers(recv_infos: dict) -> None:
     with torch.no_grad():
         for infos in recv_infos.values():
@@ -138,6 +167,42 @@ class _CheckedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._boundary_shape = tuple(boundary.shape)
         self._boundary_dtype = boundary.dtype
+        self._inner_fsdp = _inner_fsdp_modules(self.submod)
+
+    # torch's stage defers FSDP's gradient reduce-scatter and resharding to the end of the step
+    # (perform_reduce_grad) only when the stage module itself is an FSDPModule. Where only
+    # submodules are wrapped (the experts on the expert mesh, dense params without FSDP),
+    # FSDP's post-backward hook would run after every micro-batch's backward instead. With a
+    # zero-bubble schedule that is after the input-gradient half: FSDP reduce-scatters
+    # gradients the weight half has not computed yet and reshards, swapping the module's
+    # unsharded parameters for the sharded DTensors, so torch's weight half no longer finds
+    # the parameters whose AccumulateGrad nodes it recorded (KeyError in
+    # stage_backward_weight). Give those submodules the treatment torch gives a wrapped stage.
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        for module in self._inner_fsdp:
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        roots: dict[int, object] = {}
+        for module in self._inner_fsdp:
+            module.set_is_last_backward(True)
+            module.set_reshard_after_backward(True)
+            module.set_requires_gradient_sync(True)
+            state = fully_shard.state(module)
+            roots.setdefault(id(state._state_ctx), state)
+        for state in roots.values():
+            states = state._state_ctx.all_states
+            root = next((s for s in states if s._is_root), None)
+            if root is None:  # never ran forward: nothing to reduce
+                continue
+            for s in states:
+                for group in _param_groups(s):
+                    group.post_backward()
+            root._root_post_backward_final_callback()
+        super().perform_reduce_grad(grad_scale_factor)
 
     # torch 2.11 warms the pipeline's communicators up by sending a dummy tensor to each
     # neighbouring stage and receiving one from it. A V-shaped schedule (ZBVZeroBubble) puts two
