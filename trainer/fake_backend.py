@@ -15,8 +15,11 @@ What the fake collectives leave in their outputs (torch 2.13, ``FakeProcessGroup
   gradient norm this rank's share);
 * all-gather: the local input copied into every rank's slot; reduce-scatter: this rank's chunk
   of the input;
-* all-to-all with equal splits: the input copied. EP's token-count exchange is one, so each rank
-  "receives" the counts it sends, and the uneven token all-to-all that follows receives exactly
+* all-to-all without split sizes: the input copied (given split sizes, torch fills every slot
+  with the input's first chunk). EP's token-count exchange (a functional all-to-all with equal
+  split sizes) takes the counts it sent as its result on this backend
+  (``models/parallel/expert_parallel.py``), so each rank "receives" the counts it sends, and
+  the uneven token all-to-all that follows receives exactly
   as many rows as it sends, filled from its own rows: **balanced routing**, each rank's experts
   process as many tokens as the rank routes, with the local routing's per-expert spread;
 * send/recv: nothing is written to the receive buffer. Pipeline stages

@@ -68,7 +68,15 @@ def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, gather: boo
     else:
         splits = [counts.numel() // n] * n
         out = ops.all_to_all_single(counts, splits, splits, group.group_name)
-    return ops.wait_tensor(out)
+    out = ops.wait_tensor(out)
+    if not gather and dist.get_backend(group) == "fake":
+        # torch's fake backend (comm.mode = "fake_backend") fills an all-to-all given split
+        # sizes with copies of the input's FIRST chunk; its contract here (trainer/
+        # fake_backend.py: balanced routing) is that a rank receives the counts it sends, as
+        # the eager call without split sizes gave. The collective is still issued (recorded,
+        # timed); its result is what a balanced job would deliver.
+        out = counts.clone()
+    return out
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
