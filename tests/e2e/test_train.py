@@ -55,17 +55,13 @@ def _steps(m, lo, hi):
 # The two crash tests (a clean SIGKILL of every worker after a save, and rank 1 killed in the
 # middle of a save) train the same job: 10 steps on fsdp=2, saving at 4, 8 and 10 (llama3.toml
 # keeps the newest 2). Its uninterrupted run is their shared reference: one launch, not two.
-CRASH_JOB = [
-    *LLAMA,
-    "--training.steps",
-    "10",
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "4",
-    "--lr_scheduler.warmup_steps",
-    "2",
-]
+def _checkpointed_job(steps: int) -> list[str]:
+    """LLAMA for ``steps`` steps, checkpointing every 4, warm-up 2."""
+    return [*LLAMA, "--training.steps", str(steps), "--checkpoint.enable", "true", "--checkpoint.interval", "4",
+            "--lr_scheduler.warmup_steps", "2"]  # fmt: skip
+
+
+CRASH_JOB = _checkpointed_job(10)
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +89,7 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, crash_job_reference):
 
 
 def test_resume_under_a_different_layout(tmp_path):
-    common = [
-        *LLAMA,
-        "--training.steps",
-        "8",
-        "--checkpoint.enable",
-        "true",
-        "--checkpoint.interval",
-        "4",
-        "--lr_scheduler.warmup_steps",
-        "2",
-    ]
+    common = _checkpointed_job(8)
     ref, resharded = tmp_path / "ref", tmp_path / "reshard"
     res = run_train(4, *common, "--job.dump_folder", str(ref))  # fsdp=4 all the way, saving at 4 and 8
     assert res.returncode == 0, res.stderr[-3000:]
