@@ -5,12 +5,18 @@ thread per process) are timed, and the planner estimates each one with a CPU pro
 in the same run:
 
 * compute rate: the matmul FLOP/s a 1-process, 1-thread train.py step achieves (the planner's
-  own FLOP count of that step over its median time; efficiency 1);
+  own FLOP count of that step over its median time less the optimizer's; efficiency 1);
+* ``memory_gbps``: the optimizer step (gradient norm, clipping, AdamW foreach) timed over the
+  debug model's parameters on one thread, as the bandwidth that moves the planner's 40 bytes per
+  parameter in that time;
 * ``recompute_cost``: what a matmul FLOP of full AC's recomputed forward costs relative to that
   rate, from the same 1-process run with full AC (the extra time over the planner's recomputed
   FLOPs); on CPU the forward carries more non-matmul work per FLOP than the whole step;
 * network: gloo on this host: bandwidth and per-hop latency from timed back-to-back all-reduces
-  of two sizes between 2 processes, and a base latency per collective for what a collective
+  of three sizes between 2 processes; per kind (reduce-scatter, all-gather, send/recv) the factor
+  its measured per-byte cost needs on the ring model's and the latency the ring model lacks
+  (gloo's reduce-scatter costs about an all-reduce, not half of one); a base latency per
+  collective for what a collective
   costs inside a training step beyond that (the other rank still computing, a waiting process
   woken up on a busy core): from real and fake-backend tp=2 runs of 1- and 3-layer models, the
   time one more block's collectives take over their predicted count and bytes;
@@ -108,22 +114,78 @@ def _train(nproc: int, settings: dict, fake_rank: int | None = None) -> dict:
     return out
 
 
+GLOO_SIZES = (1024, 512 * 2**10, 8 * 2**20)  # bytes: latency, and two sizes for the bandwidth slope
+
+
 def _gloo_times(rank: int, world_size: int) -> dict:
+    """Median seconds of back-to-back gloo collectives per (kind, full-buffer bytes) on 2
+    processes: all-reduce, reduce-scatter, all-gather, and a one-way send/recv (half a
+    ping-pong)."""
     import torch
     import torch.distributed as dist
 
+    peer = 1 - rank
+
+    def ping_pong(t):
+        if rank == 0:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+
     out = {}
-    for nbytes in (1024, 8 * 2**20):
-        t = torch.zeros(nbytes // 4)
-        for _ in range(3):
-            dist.all_reduce(t)
+    for nbytes in GLOO_SIZES:
+        full = torch.zeros(nbytes // 4)
+        shard = torch.zeros(nbytes // 4 // world_size)
+        ops = {  # kind: (function, its arguments, calls per run)
+            "all_reduce": (dist.all_reduce, (full,), 1),
+            "reduce_scatter": (dist.reduce_scatter_tensor, (shard, full), 1),
+            "all_gather": (dist.all_gather_into_tensor, (full, shard), 1),
+            "send_recv": (ping_pong, (full,), 2),
+        }
+        for kind, (op, args, calls) in ops.items():
+            for _ in range(3):
+                op(*args)
+            times = []
+            for _ in range(21):
+                dist.barrier()
+                start = time.perf_counter()
+                op(*args)
+                times.append((time.perf_counter() - start) / calls)
+            out[(kind, nbytes)] = statistics.median(times)
+    return out
+
+
+def _optimizer_seconds() -> tuple[float, int]:
+    """(median seconds, parameter elements) of the trainer's optimizer step -- gradient norm,
+    clipping, AdamW with its CPU implementation -- over the llama3 debug model's parameters, one
+    thread, in this process."""
+    import torch
+
+    from models.registry import get_model_spec
+    from trainer.config import JobConfig
+    from trainer.grad_clip import clip_grad_norm_
+    from trainer.optim import build_optimizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec = get_model_spec("llama3", "debugmodel")
+        model = spec.model_cls(spec.args)
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = build_optimizer([model], JobConfig())
         times = []
         for _ in range(15):
             start = time.perf_counter()
-            dist.all_reduce(t)
+            clip_grad_norm_(params, 1.0)
+            opt.step()
             times.append(time.perf_counter() - start)
-        out[nbytes] = statistics.median(times)
-    return out
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times[3:]), sum(p.numel() for p in params)
 
 
 def _choice(settings: dict, world_size: int = 2):
@@ -141,29 +203,29 @@ def _choice(settings: dict, world_size: int = 2):
 
 
 def cpu_profile() -> dict:
-    """The planner hardware keys of this host: the matmul FLOP/s of a 1-process, 1-thread
-    train.py step (the planner's own FLOP count of that step over its median time), full AC's
-    recompute cost, gloo bandwidth and per-hop latency from back-to-back 2-process all-reduces of
-    two sizes, and, from the per-block times of tp=2 (:func:`_tp_blocks`), TP's host overhead
-    and the base latency a collective costs inside a training step beyond that microbenchmark."""
+    """The planner hardware keys of this host: the optimizer's memory bandwidth, the matmul
+    FLOP/s of a 1-process, 1-thread train.py step (the planner's own FLOP count of that step over
+    its median time less the optimizer step), full AC's recompute cost, gloo links per collective
+    kind from back-to-back 2-process collectives (:func:`_gloo_profile`), and, from the per-block
+    times of tp=2 (:func:`_tp_blocks`), TP's host overhead and the base latency a collective costs
+    inside a training step beyond that microbenchmark."""
     import dataclasses
 
     from tools.launcher import run_distributed
     from tools.planner.compute import rank_matmul_flops
-    from tools.planner.hardware import collective_seconds, load_hardware
+    from tools.planner.hardware import OPTIMIZER_BYTES_PER_PARAM, collective_seconds, load_hardware
 
+    optimizer_s, n_params = _optimizer_seconds()
+    memory_gbps = n_params * OPTIMIZER_BYTES_PER_PARAM / optimizer_s / 1e9
+    # the 1-process step runs the optimizer over every parameter once: the rest is the FLOPs'
     step = _train(1, {"dp_shard": 1})["median"]
     d, choice = _choice({"dp_shard": 1}, world_size=1)
-    rate = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["total"] / step
+    rate = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["total"] / (step - optimizer_s)
     step_full_ac = _train(1, {"dp_shard": 1, "ac": "full"})["median"]
     d, choice = _choice({"dp_shard": 1, "ac": "full"}, world_size=1)
     recomputed = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["recompute"]
     recompute_cost = max(step_full_ac - step, 0.0) / (recomputed / rate)
-    times = run_distributed(_gloo_times, 2, env=_env())[0]
-    small, big = times[1024], times[8 * 2**20]
-    # ring all-reduce over 2 ranks: latency = 2 hops, bytes moved = size (2 * (n-1)/n)
-    bw = (8 * 2**20 - 1024) / max(big - small, 1e-9)
-    link = {"intra_node_gbps": bw / 1e9, "intra_node_hop_us": small * 1e6 / 2, "base_latency_us": 0.0}
+    link = _gloo_profile(run_distributed(_gloo_times, 2, env=_env())[0])
     blocks = _tp_blocks()
     # TP's host overhead: a tp=2 block on the fake backend against the 1-process block scaled by
     # the two blocks' matmul FLOPs, per micro-batch
@@ -186,7 +248,39 @@ def cpu_profile() -> dict:
         "comm_overlap": False,
         "recompute_cost": recompute_cost,
         "tp_block_overhead_s": tp_overhead,
+        "memory_gbps": memory_gbps,
     }
+
+
+def _gloo_profile(times: dict) -> dict:
+    """Link figures from :func:`_gloo_times` (2 ranks): all-reduce is the reference -- its
+    bandwidth from the slope between the two large sizes (a ring all-reduce over 2 ranks moves
+    the buffer's size once), its per-hop latency from the smallest less its bytes (2 hops); every other kind
+    gets the factor its own slope needs on the ring model's bandwidth term and the latency the
+    ring model lacks at the smallest size (``collective_bw_scale`` / ``collective_latency_us``)."""
+    import dataclasses
+
+    from tools.planner.hardware import collective_seconds, load_hardware
+
+    small, mid, big = GLOO_SIZES
+    slope = {}
+    for kind in ("all_reduce", "reduce_scatter", "all_gather", "send_recv"):
+        slope[kind] = max(times[(kind, big)] - times[(kind, mid)], 1e-9) / (big - mid)
+    link = {
+        "intra_node_gbps": 1 / slope["all_reduce"] / 1e9,
+        "intra_node_hop_us": max(times[("all_reduce", small)] - small * slope["all_reduce"], 0.0) * 1e6 / 2,
+        "base_latency_us": 0.0,
+    }
+    ring = dataclasses.replace(load_hardware("h100"), **link)
+    scale, latency = {}, {}
+    for kind in ("reduce_scatter", "all_gather", "send_recv"):
+        model_slope = (
+            collective_seconds(kind, big, 2, False, ring) - collective_seconds(kind, mid, 2, False, ring)
+        ) / (big - mid)
+        scale[kind] = slope[kind] / model_slope
+        at_small = collective_seconds(kind, small, 2, False, dataclasses.replace(ring, collective_bw_scale=scale))
+        latency[kind] = max(times[(kind, small)] - at_small, 0.0) * 1e6
+    return {**link, "collective_bw_scale": scale, "collective_latency_us": latency}
 
 
 def _tp_blocks() -> dict:
@@ -233,6 +327,12 @@ def _tp_blocks() -> dict:
     }
 
 
+def _rounded(value):
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return round(value, 3) if isinstance(value, float) else value
+
+
 def _spearman(a: list[str], b: list[str]) -> float:
     n = len(a)
     pos = {name: i for i, name in enumerate(b)}
@@ -274,7 +374,7 @@ def run() -> dict:
     for name, (settings, busiest) in LAYOUTS.items():
         d, choice = _choice(settings)
         est = estimate(job, d, choice).time
-        predicted_compute = est["compute"] + est["recompute"] + est["tp_overhead"]
+        predicted_compute = est["compute"] + est["recompute"] + est["tp_overhead"] + est["optimizer"]
         fake = _train(2, settings, fake_rank=busiest)
         medians = [r["median"] for r in rounds[name]]
         measured = statistics.mean(medians)
@@ -295,7 +395,7 @@ def run() -> dict:
     by_predicted = sorted(rows, key=lambda n: rows[n]["predicted_step_s"])
     inverted, unresolved = _pairs(rows)
     result = {
-        "profile": {k: round(v, 3) if isinstance(v, float) else v for k, v in profile.items()},
+        "profile": _rounded(profile),
         "layouts": rows,
         "ranking_measured": by_measured,
         "ranking_predicted": by_predicted,

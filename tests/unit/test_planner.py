@@ -226,7 +226,7 @@ def test_hardware_without_overlap_exposes_every_data_parallel_collective():
     assert cpu["comm_exposed_fsdp"] == pytest.approx(gpu["comm"]["fsdp"])
     assert cpu["recompute"] == pytest.approx(1.5 * gpu["recompute"]) and gpu["recompute"] > 0
     assert cpu["total"] == pytest.approx(
-        cpu["compute"] + cpu["recompute"] + cpu["comm_exposed_fsdp"] + cpu["comm_exposed_other"]
+        cpu["compute"] + cpu["recompute"] + cpu["comm_exposed_fsdp"] + cpu["comm_exposed_other"] + cpu["optimizer"]
     )
     assert gpu["tp_overhead"] == cpu["tp_overhead"] == 0.0  # no TP
 
@@ -245,6 +245,91 @@ def test_tp_host_overhead_is_per_block_and_micro_batch():
     assert t["tp_overhead"] == pytest.approx(0.01 * 16 * 4 * 2)
     no_tp = estimate(job, validate_degrees(world_size=16, dp_shard=8, pp=2), choice).time
     assert no_tp["tp_overhead"] == 0.0
+
+
+def test_optimizer_step_is_priced_on_the_ranks_local_parameter_shards():
+    """The optimizer step streams 40 bytes per local (unpadded) fp32 parameter element at the
+    memory bandwidth: FSDP over 8 ranks pays an eighth of what replicas pay, replicas of tp 2
+    half, and the time is in the step's total and its JSON."""
+    import dataclasses
+
+    from tools.planner.hardware import OPTIMIZER_BYTES_PER_PARAM
+
+    hw = dataclasses.replace(H100, memory_gbps=100.0)
+    job = Job("llama3", "8B", 8, 8, 4096, 64, hw)
+    choice = LayoutChoice(64, 8, 4096, ac="full")
+    replicas = estimate(job, validate_degrees(world_size=8, dp_replicate=8, dp_shard=1), choice)
+    fsdp = estimate(job, validate_degrees(world_size=8, dp_shard=8), choice)
+    replicas_tp = estimate(job, validate_degrees(world_size=8, dp_replicate=4, dp_shard=1, tp=2), choice)
+    n_params = 8.03e9  # Llama 3 8B
+    assert replicas.time["optimizer"] == pytest.approx(n_params * OPTIMIZER_BYTES_PER_PARAM / 100e9, rel=0.01)
+    assert fsdp.time["optimizer"] == pytest.approx(replicas.time["optimizer"] / 8, rel=1e-3)
+    # tp shards everything but the norms (a few thousand elements per layer)
+    assert replicas_tp.time["optimizer"] == pytest.approx(replicas.time["optimizer"] / 2, rel=1e-3)
+    assert fsdp.as_json()["step_time_s"]["optimizer"] == round(fsdp.time["optimizer"], 6)
+    slower = estimate(dataclasses.replace(job, hardware=dataclasses.replace(hw, memory_gbps=50.0)), fsdp.degrees, choice)
+    assert slower.time["total"] - fsdp.time["total"] == pytest.approx(fsdp.time["optimizer"])
+
+
+def test_a_profile_scales_one_collective_kind():
+    """``collective_bw_scale`` / ``collective_latency_us`` change the kind they name and no
+    other; a profile naming an unknown kind is refused (exit 2 from the command line)."""
+    import dataclasses
+
+    from tools.planner.hardware import collective_seconds
+
+    hw = dataclasses.replace(
+        H100, collective_bw_scale={"reduce_scatter": 2.0}, collective_latency_us={"reduce_scatter": 50.0}
+    )
+    nbytes = 64 * 2**20
+    ring_rs = collective_seconds("reduce_scatter", nbytes, 4, False, H100)
+    moved = nbytes * 3 / 4 / (H100.intra_node_gbps * 1e9)
+    assert collective_seconds("reduce_scatter", nbytes, 4, False, hw) == pytest.approx(ring_rs + moved + 50e-6)
+    for kind in ("all_gather", "all_reduce", "send_recv"):
+        assert collective_seconds(kind, nbytes, 4, False, hw) == collective_seconds(kind, nbytes, 4, False, H100)
+
+
+@pytest.mark.parametrize(
+    "profile, expected",
+    [
+        ({"collective_bw_scale": {"reduce_scater": 2.0}}, "must map collective kinds"),
+        ({"collective_latency_us": {"all_gather": -1}}, "to numbers >= 0"),
+    ],
+)
+def test_bad_collective_profile_exits_2(profile, expected, tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    assert planner_main([*_DEBUG, "--profile", str(path)]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_benchmark_fits_the_per_kind_scales_it_was_given():
+    """``benchmarks.planner._gloo_profile`` recovers the link, per-kind bandwidth factors and
+    latencies from collective times generated with known ones."""
+    import dataclasses
+
+    from benchmarks.planner import GLOO_SIZES, _gloo_profile
+    from tools.planner.hardware import collective_seconds
+
+    truth = dataclasses.replace(
+        H100,
+        intra_node_gbps=1.5,
+        intra_node_hop_us=200.0,
+        base_latency_us=0.0,
+        collective_bw_scale={"reduce_scatter": 2.5, "all_gather": 1.4, "send_recv": 0.3},
+        collective_latency_us={"reduce_scatter": 150.0, "all_gather": 20.0, "send_recv": 0.0},
+    )
+    times = {
+        (k, n): collective_seconds(k, n, 2, False, truth)
+        for k in ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
+        for n in GLOO_SIZES
+    }
+    fit = _gloo_profile(times)
+    assert fit["intra_node_gbps"] == pytest.approx(1.5)
+    assert fit["intra_node_hop_us"] == pytest.approx(200.0)
+    for kind, scale in truth.collective_bw_scale.items():
+        assert fit["collective_bw_scale"][kind] == pytest.approx(scale)
+        assert fit["collective_latency_us"][kind] == pytest.approx(truth.collective_latency_us[kind], abs=2.0)
 
 
 def test_json_fields():

@@ -16,7 +16,7 @@ import sys
 import time
 
 from .estimate import Estimate, Job, plan_layouts, smallest_world_size, summarize_losers
-from .hardware import GIB, load_hardware
+from .hardware import GIB, OPTIMIZER_BYTES_PER_PARAM, load_hardware
 
 __all__ = ["main", "toml_snippet"]
 
@@ -34,6 +34,8 @@ _ASSUMPTIONS = [
     "the first and the last (none hide on a profile with comm_overlap false); TP, CP, EP, PP and "
     "loss collectives are exposed",
     "bubble: the schedule's textbook idle fraction (models/parallel/pipeline/plan.py bubble_fraction)",
+    "optimizer: grad norm, clipping and AdamW over the rank's local parameter shards, memory-bound "
+    f"({OPTIMIZER_BYTES_PER_PARAM} bytes per fp32 parameter over the GPU's memory bandwidth), not overlapped",
 ]
 
 
@@ -144,9 +146,10 @@ def _breakdown(e: Estimate) -> list[str]:
         f"      memory GiB: params {m['params']:.2f} + grads {m['grads']:.2f} + optimizer {m['optimizer']:.2f} + "
         f"gathered params {m['gathered_params']:.2f} + unsharded grads {m['unsharded_grads']:.2f} + "
         f"activations {m['activations']:.2f} = {m['total']:.2f}",
-        f"      time s: compute {t['compute']:.3f} + recompute {t['recompute']:.3f} + exposed comm "
-        f"{t['comm_exposed_fsdp'] + t['comm_exposed_other']:.3f} + bubble {t['bubble']:.3f} "
-        f"= {t['total']:.3f}; comm per axis (before overlap): {comm or 'none'}",
+        f"      time s: compute {t['compute']:.3f} + recompute {t['recompute']:.3f}"
+        + (f" + tp host overhead {t['tp_overhead']:.3f}" if t["tp_overhead"] else "")
+        + f" + exposed comm {t['comm_exposed_fsdp'] + t['comm_exposed_other']:.3f} + bubble {t['bubble']:.3f}"
+        f" + optimizer {t['optimizer']:.3f} = {t['total']:.3f}; comm per axis (before overlap): {comm or 'none'}",
     ]
 
 
@@ -205,7 +208,8 @@ def main(argv=None) -> int:
     print(
         f"hardware: {hw.peak_flops(job.param_dtype) / 1e12:.0f} TFLOP/s peak ({job.param_dtype}) x efficiency "
         f"{job.efficiency:.2f}; {hw.memory_gib:g} GiB - {hw.reserve_gib:g} GiB reserve; links {hw.intra_node_gbps:g} GB/s, "
-        f"{hw.intra_node_hop_us:g} us/hop in a node, {hw.inter_node_gbps:.1f} GB/s, {hw.inter_node_hop_us:g} us/hop across"
+        f"{hw.intra_node_hop_us:g} us/hop in a node, {hw.inter_node_gbps:.1f} GB/s, {hw.inter_node_hop_us:g} us/hop across; "
+        f"memory {hw.memory_gbps:g} GB/s"
     )
     print(
         f"{result.layouts:,} valid layouts ({len(fitting):,} fit), searched in {elapsed:.1f} s; top {len(top)} by "

@@ -26,6 +26,8 @@ stage) -- every assumption is also printed with the result:
   against fake-backend runs) / (peak x efficiency), the recomputed forward under full AC
   reported apart (times ``Hardware.recompute_cost``), plus, under TP, the profile's host
   overhead per block and micro-batch (``Hardware.tp_block_overhead_s``, 0 on GPUs);
+  optimizer = the gradient norm, clipping and AdamW over the rank's local (unpadded) parameter
+  shards, memory-bound (:func:`tools.planner.hardware.optimizer_seconds`), after the backward;
   communication = every collective
   of :func:`tools.planner.collectives.predict_collectives` priced by the ring model of
   :mod:`tools.planner.hardware` (inter-node figures for an axis whose groups cross nodes,
@@ -49,7 +51,7 @@ from models.parallel.pipeline.plan import bubble_fraction as bubble_fraction_of
 from .activations import activation_bytes
 from .collectives import LayoutChoice, grad_accum_steps, predict_collectives, stage_layers
 from .compute import rank_matmul_flops
-from .hardware import GIB, Hardware, collective_seconds
+from .hardware import GIB, Hardware, collective_seconds, optimizer_seconds
 from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
 
 __all__ = [
@@ -130,6 +132,7 @@ class Estimate:
                 "compute": round(self.time["compute"], 6),
                 "recompute": round(self.time["recompute"], 6),
                 "tp_overhead": round(self.time["tp_overhead"], 6),
+                "optimizer": round(self.time["optimizer"], 6),
                 "comm": {k: round(v, 6) for k, v in self.time["comm"].items()},
                 "bubble": round(self.time["bubble"], 6),
                 "total": round(self.time["total"], 6),
@@ -312,6 +315,8 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     ranks = sorted({0, (d.pp - 1) * stride_pp})
     mems = [memory_for_rank(job, d, choice, r) for r in ranks]
     mem = max(mems, key=lambda x: x["total"])
+    # the optimizer step of the rank with the most local parameters (AdamW: 8 bytes each)
+    optimizer = optimizer_seconds(max(m["optimizer"] for m in mems) / 8, hw)
     fits = mem["total"] <= hw.usable_gib * GIB
     if not fits and not time_if_oom:
         return Estimate(
@@ -367,11 +372,12 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
             bubble_fraction = bubble_fraction_of("InterleavedZeroBubble", d.pp, choice.n_microbatches, 2)
     work = busy + exposed_other
     bubble = work * bubble_fraction / (1 - bubble_fraction) if bubble_fraction < 1 else math.inf
-    total = work + exposed_fsdp + bubble
+    total = work + exposed_fsdp + bubble + optimizer
     time = {
         "compute": compute,
         "recompute": recompute,
         "tp_overhead": tp_overhead,
+        "optimizer": optimizer,
         "comm": comm,
         "comm_exposed_fsdp": exposed_fsdp,
         "comm_exposed_other": exposed_other,
@@ -466,6 +472,7 @@ def losing_reason(e: Estimate, best: Estimate, job: Job) -> str:
         "activation recompute": e.time["recompute"] - best.time["recompute"],
         "compute": e.time["compute"] - best.time["compute"],
         "tensor-parallel host overhead": e.time["tp_overhead"] - best.time["tp_overhead"],
+        "optimizer step": e.time["optimizer"] - best.time["optimizer"],
     }
     for axis in set(e.time["comm"]) | set(best.time["comm"]):
         mine = e.time["comm"].get(axis, 0.0)

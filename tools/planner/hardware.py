@@ -15,21 +15,31 @@ The network defaults are PyTorch's collective cost model for DTensor redistribut
   ``n-1`` hops, all-reduce twice that (reduce-scatter + all-gather), where ``bytes`` is the
   full buffer (all-gather output, reduce-scatter input, all-reduce tensor).
 
+* ring algorithms as above for every collective kind, unless a measured profile scales one kind
+  (``collective_bw_scale``: its bandwidth term; ``collective_latency_us``: added latency) -- gloo
+  on a CPU host, for one, implements reduce-scatter at about an all-reduce's cost or more.
+
+The optimizer step (gradient-norm, clipping and AdamW over the rank's local parameter shards) is
+memory-bound: :data:`OPTIMIZER_BYTES_PER_PARAM` bytes per fp32 parameter element over the
+memory bandwidth ``memory_gbps`` (the parts' HBM bandwidths; a CPU profile measures an
+effective figure, its foreach kernels making several passes).
+
 A GPU entry may override them, and ``--profile FILE`` (JSON with any of the keys of
 :class:`Hardware`) overrides everything, e.g. a measured CPU profile for the ranking check
-(``benchmarks/planner.py`` measures one: matmul rate, gloo links, no overlap, recompute cost,
-TP's per-block host overhead).
+(``benchmarks/planner.py`` measures one: matmul rate, gloo links and per-kind scales, no
+overlap, recompute cost, TP's per-block host overhead, the optimizer's memory bandwidth).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["GPUS", "Hardware", "collective_seconds", "load_hardware"]
+__all__ = ["GPUS", "Hardware", "collective_seconds", "load_hardware", "optimizer_seconds"]
 
 GIB = 2**30
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
 # torch/distributed/tensor/_collective_utils.py, MeshTopoInfo.build_from_mesh
 TORCH_INTRA_NODE_GBPS = 87.7
@@ -37,6 +47,11 @@ TORCH_INTRA_NODE_HOP_US = 0.6
 TORCH_INTER_NODE_BW_FACTOR = 0.22
 TORCH_INTER_NODE_HOP_US = 2.7
 TORCH_BASE_LATENCY_US = 6.6
+
+# What the optimizer step reads and writes per fp32 parameter element: the gradient-norm reads
+# the gradient (4), clipping scales it in place (4 + 4), AdamW reads the parameter, gradient and
+# both moments (16) and writes the parameter and both moments (12).
+OPTIMIZER_BYTES_PER_PARAM = 40
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,14 @@ class Hardware:
     # profile measures it (benchmarks/planner.py: per-block step time of a tp=2 fake-backend
     # rank against a 1-process run).
     tp_block_overhead_s: float = 0.0
+    # Memory bandwidth the optimizer step streams the rank's parameter shards, gradients and
+    # AdamW states at (GB/s). GPUs: the HBM bandwidth; a CPU profile measures it.
+    memory_gbps: float = 3350.0
+    # Per collective kind (all_gather, reduce_scatter, all_reduce, all_to_all, send_recv): a
+    # factor on the ring model's bandwidth term and a latency added to each call, for a backend
+    # whose kinds do not follow the ring figures of one link (a measured profile's; empty on GPUs).
+    collective_bw_scale: dict = field(default_factory=dict, hash=False)
+    collective_latency_us: dict = field(default_factory=dict, hash=False)
 
     def peak_flops(self, dtype: str) -> float:
         return self.peak_flops_bf16 if dtype in ("bfloat16", "float16") else self.peak_flops_fp32
@@ -81,15 +104,16 @@ class Hardware:
 def _gpu_table() -> dict[str, Hardware]:
     from trainer.metrics import PEAK_FLOPS
 
-    def entry(name: str, key: str, memory_gib: float) -> Hardware:
+    def entry(name: str, key: str, memory_gib: float, memory_gbps: float) -> Hardware:
         peak = PEAK_FLOPS[key]
-        return Hardware(name, peak["bfloat16"], peak["float32"], memory_gib)
+        return Hardware(name, peak["bfloat16"], peak["float32"], memory_gib, memory_gbps=memory_gbps)
 
+    # HBM capacities and bandwidths from the vendors' data sheets
     return {
-        "h100": entry("h100", "H100", 80.0),  # SXM, 80 GB HBM3
-        "h200": entry("h200", "H200", 141.0),
-        "a100": entry("a100", "A100", 80.0),  # the 80 GB part
-        "b200": entry("b200", "B200", 180.0),
+        "h100": entry("h100", "H100", 80.0, 3350.0),  # SXM, 80 GB HBM3, 3.35 TB/s
+        "h200": entry("h200", "H200", 141.0, 4800.0),  # 4.8 TB/s
+        "a100": entry("a100", "A100", 80.0, 2039.0),  # the 80 GB SXM part, 2.04 TB/s
+        "b200": entry("b200", "B200", 180.0, 8000.0),  # 8 TB/s
     }
 
 
@@ -120,7 +144,25 @@ def load_hardware(gpu: str, profile: str | None = None, **overrides) -> Hardware
     unknown = sorted(set(changes) - fields)
     if unknown:
         raise ValueError(f"unknown hardware key(s) {unknown} in the profile; valid keys: {', '.join(sorted(fields))}")
+    for key in ("collective_bw_scale", "collective_latency_us"):
+        if key in changes:
+            value = changes[key]
+            if (
+                not isinstance(value, dict)
+                or not set(value) <= set(COLLECTIVE_KINDS)
+                or not all(isinstance(v, (int, float)) and v >= 0 for v in value.values())
+            ):
+                raise ValueError(
+                    f"hardware key {key!r} must map collective kinds ({', '.join(COLLECTIVE_KINDS)}) to numbers >= 0, "
+                    f"got {value!r}"
+                )
     return dataclasses.replace(hw, **changes)
+
+
+def optimizer_seconds(local_params: float, hw: Hardware) -> float:
+    """Time of one optimizer step over ``local_params`` fp32 parameter elements (the rank's
+    unpadded shards): memory-bound, :data:`OPTIMIZER_BYTES_PER_PARAM` per element."""
+    return local_params * OPTIMIZER_BYTES_PER_PARAM / (hw.memory_gbps * 1e9)
 
 
 def collective_seconds(kind: str, nbytes: float, group_size: int, crosses_nodes: bool, hw: Hardware) -> float:
@@ -143,4 +185,5 @@ def collective_seconds(kind: str, nbytes: float, group_size: int, crosses_nodes:
         hops, moved = 1, nbytes
     else:
         raise ValueError(f"unknown collective kind {kind!r}")
-    return (hw.base_latency_us + hops * hop) * 1e-6 + moved / bw
+    latency = hw.base_latency_us + hops * hop + hw.collective_latency_us.get(kind, 0.0)
+    return latency * 1e-6 + moved / bw * hw.collective_bw_scale.get(kind, 1.0)
