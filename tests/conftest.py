@@ -22,9 +22,23 @@ def _tier(item) -> str:
     return Path(str(item.fspath)).parent.name
 
 
+def _fake_backend_refusal() -> str | None:
+    """Why this torch cannot run ``comm.mode = "fake_backend"`` (the trainer's own config check),
+    or None."""
+    import torch
+
+    from trainer.config.validate import _fake_backend_torch
+
+    ok, message = _fake_backend_torch(torch.__version__)
+    return None if ok else message
+
+
 def pytest_collection_modifyitems(config, items):
+    refusal = _fake_backend_refusal() if any(item.get_closest_marker("fake_backend") for item in items) else None
     for item in items:
         tier = _tier(item)
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+        if refusal and item.get_closest_marker("fake_backend"):
+            item.add_marker(pytest.mark.skip(reason=refusal))
     items.sort(key=lambda item: RUN_ORDER.index(_tier(item)) if _tier(item) in RUN_ORDER else len(RUN_ORDER))

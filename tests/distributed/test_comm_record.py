@@ -3,6 +3,7 @@ exact bytes of the convention (parallel_dims/comm_record.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -95,6 +96,7 @@ def _train_and_record(rank, world_size, folder):
         return json.load(f)
 
 
+@pytest.mark.fake_backend
 def test_trainer_dumps_every_ranks_collectives_and_a_fake_rank_issues_the_same(tmp_path):
     """comm.record_step on 4 gloo ranks (fsdp 2 x tp 2): every rank writes its step-1 records,
     with collectives on fsdp, tp and loss; ranks holding the same shapes issue the same ones; and

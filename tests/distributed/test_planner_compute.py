@@ -27,7 +27,7 @@ import pytest
 
 from parallel_dims.axes import AXES
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.fake_backend]
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, LOCAL, ACCUM = 32, 2, 2

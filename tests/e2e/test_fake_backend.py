@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .helpers import FAST, ROOT, _env, read_metrics, run_train
 
 LLAMA = ["--config", "llama3.toml", *FAST]
@@ -17,6 +19,7 @@ def _fake_folder(out: Path, world: int, rank: int) -> Path:
     return out / "fake_backend" / f"world{world}_rank{rank}"
 
 
+@pytest.mark.fake_backend
 def test_one_rank_of_a_64_rank_fsdp_tp_layout(tmp_path):
     """Rank 17 of FSDP 16 x TP 4 on 64 ranks: a few steps on this CPU, with this rank's step time
     and peak memory in metrics.jsonl and the report, and the real sharding: its parameters are
@@ -98,6 +101,7 @@ def test_one_rank_of_a_64_rank_fsdp_tp_layout(tmp_path):
     assert 16 * report["param_bytes"] <= rs < 16 * report["param_bytes"] * 1.1, rs
 
 
+@pytest.mark.fake_backend
 def test_fake_backend_expert_parallel_runs_with_balanced_routing(tmp_path):
     """EP's token-count all-to-all returns this rank's own counts on the fake backend: the token
     all-to-all then receives as many rows as it sends (balanced routing), and the run completes."""
@@ -138,6 +142,7 @@ def test_fake_backend_expert_parallel_runs_with_balanced_routing(tmp_path):
     assert all(r["out_bytes"] == r["bytes"] for r in a2a)
 
 
+@pytest.mark.fake_backend
 def test_fake_backend_pipeline_stage_runs_with_zeroed_receives(tmp_path):
     """Rank 13 of pp 2 x fsdp 4 x tp 2 (the last stage): torch's warm-up vote and the stage
     metadata need point-to-point messages the fake backend does not deliver; our stages answer

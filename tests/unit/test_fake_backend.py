@@ -42,6 +42,7 @@ def test_comm_config_errors_name_the_field_and_the_fix(args, message):
     assert message in str(info.value)
 
 
+@pytest.mark.fake_backend
 def test_fake_run_writes_to_its_own_folder_without_checkpoint_io(tmp_path):
     cfg = load_config(
         BASE
@@ -57,6 +58,23 @@ def test_fake_run_writes_to_its_own_folder_without_checkpoint_io(tmp_path):
     assert cfg.job.dump_folder == os.path.join(str(tmp_path), "fake_backend", "world64_rank17")
 
 
+@pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", False)])
+def test_fake_backend_on_a_torch_that_leaves_reduce_scatter_unwritten_is_refused(version, refused):
+    """torch < 2.13's FakeProcessGroup does not write a reduce-scatter's output (measured on
+    2.11.0), which FSDP2 allocates uninitialized: the config check refuses such a torch."""
+    from trainer.config.validate import _fake_backend_torch
+
+    ok, message = _fake_backend_torch(version)
+    assert ok is not refused
+    assert f"needs torch >= 2.13 (found {version})" in message and 'pip install "torch>=2.13,<2.16"' in message
+
+
+def test_fake_backend_config_error_on_an_old_torch(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    with pytest.raises(ConfigError, match=r"comm.mode = 'fake_backend' needs torch >= 2.13 \(found 2.11.0\)"):
+        load_config([*BASE, "--comm.mode", "fake_backend", "--comm.fake_world_size", "8"])
+
+
 @pytest.fixture
 def fake_world():
     from trainer.fake_backend import init_fake_process_group
@@ -68,6 +86,7 @@ def fake_world():
     dist.destroy_process_group()
 
 
+@pytest.mark.fake_backend
 def test_what_the_fake_backend_returns(fake_world):
     """The semantics trainer/fake_backend.py documents (torch's FakeProcessGroup)."""
     # all-reduce: the local value

@@ -267,7 +267,9 @@ def test_optimizer_step_is_priced_on_the_ranks_local_parameter_shards():
     # tp shards everything but the norms (a few thousand elements per layer)
     assert replicas_tp.time["optimizer"] == pytest.approx(replicas.time["optimizer"] / 2, rel=1e-3)
     assert fsdp.as_json()["step_time_s"]["optimizer"] == round(fsdp.time["optimizer"], 6)
-    slower = estimate(dataclasses.replace(job, hardware=dataclasses.replace(hw, memory_gbps=50.0)), fsdp.degrees, choice)
+    slower = estimate(
+        dataclasses.replace(job, hardware=dataclasses.replace(hw, memory_gbps=50.0)), fsdp.degrees, choice
+    )
     assert slower.time["total"] - fsdp.time["total"] == pytest.approx(fsdp.time["optimizer"])
 
 

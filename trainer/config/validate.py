@@ -12,6 +12,8 @@ import difflib
 import math
 from typing import Any
 
+import torch
+
 from models.registry import flavor_names, has_experts
 from trainer.config.schema import (
     SECTIONS,
@@ -261,6 +263,25 @@ def _validate_comm(cfg: JobConfig, need) -> None:
         not cfg.checkpoint.create_seed_checkpoint,
         "checkpoint.create_seed_checkpoint writes real initial weights on one process; it cannot run "
         "with comm.mode = 'fake_backend': drop one of the two",
+    )
+    need(*_fake_backend_torch(torch.__version__))
+
+
+FAKE_BACKEND_MIN_TORCH = (2, 13)
+
+
+def _fake_backend_torch(version: str) -> tuple[bool, str]:
+    """(whether ``version`` runs the fake backend as documented, the error otherwise)."""
+    from parallel_dims._torch_support import MAX_TORCH_EXCLUSIVE, parse_torch_version
+
+    parsed = parse_torch_version(version)
+    ok = parsed is None or parsed >= FAKE_BACKEND_MIN_TORCH
+    need = ".".join(map(str, FAKE_BACKEND_MIN_TORCH))
+    below = ".".join(map(str, MAX_TORCH_EXCLUSIVE))
+    return ok, (
+        f"comm.mode = 'fake_backend' needs torch >= {need} (found {version}): older torch's fake process "
+        "group leaves a reduce-scatter's output unwritten, so FSDP's reduced gradients would be "
+        f'uninitialized memory; pip install "torch>={need},<{below}", or run with real collectives'
     )
 
 
