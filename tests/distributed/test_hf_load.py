@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+from tests.hf_models import deepseek_v3_config, hf_model, llama_config
 from tools.launcher import run_distributed
 
 SEQ = 16
@@ -31,70 +32,10 @@ DEEPSEEK = dict(n_layers=3, vocab_size=VOCAB, max_seq_len=64)
 
 
 def _hf_model(name: str):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if name == "llama3":  # = llama3/debugmodel with LLAMA overrides
-        cfg = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=2,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            rms_norm_eps=1e-5,
-            rope_parameters={
-                "rope_theta": 500000.0,
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            max_position_embeddings=131072,
-            tie_word_embeddings=False,
-        )
-        model = LlamaForCausalLM(cfg)
-    else:  # = deepseek_v3/debugmodel with DEEPSEEK overrides (no YaRN: max_seq_len <= 4096)
-        cfg = DeepseekV3Config(
-            vocab_size=VOCAB,
-            hidden_size=256,
-            intermediate_size=1024,
-            moe_intermediate_size=256,
-            num_hidden_layers=3,
-            first_k_dense_replace=1,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            n_shared_experts=1,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=4,
-            topk_group=2,
-            norm_topk_prob=True,
-            routed_scaling_factor=1.0,
-            q_lora_rank=None,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=32,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        )
-        model = DeepseekV3ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # every tensor distinct (norms off 1, expert bias off 0)
-        for pname, p in model.named_parameters():
-            p.copy_(
-                (1 + 0.2 * torch.randn(p.shape, generator=g))
-                if pname.endswith("norm.weight")
-                else 0.05 * torch.randn(p.shape, generator=g)
-            )
-        for bname, b in model.named_buffers():
-            if bname.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn(b.shape, generator=g))
-    return model.float().eval()
+    """transformers' model of ``name`` at the debug flavor with the LLAMA / DEEPSEEK overrides."""
+    if name == "llama3":
+        return hf_model(llama_config(vocab_size=VOCAB, num_hidden_layers=LLAMA["n_layers"]))
+    return hf_model(deepseek_v3_config(vocab_size=VOCAB, num_hidden_layers=DEEPSEEK["n_layers"]))
 
 
 def _tokens() -> torch.Tensor:

@@ -27,6 +27,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.hf_models import hf_model, llama_config
+
 from .helpers import FAST, ROOT, _env, read_metrics, run_train
 
 RTOL = 1e-5
@@ -35,37 +37,7 @@ HF_LOAD = ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load
 
 
 def _hf_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(  # = llama3/debugmodel
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=6,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        rms_norm_eps=1e-5,
-        rope_parameters={
-            "rope_theta": 500000.0,
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return model.float().eval()
+    return hf_model(llama_config())  # = llama3/debugmodel
 
 
 @pytest.fixture(scope="module")

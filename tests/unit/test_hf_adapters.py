@@ -51,6 +51,7 @@ from models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter  # noqa: E402
 from models.llama3 import llama3_flavors  # noqa: E402
 from models.llama3.hf_adapter import Llama3HFAdapter  # noqa: E402
 from models.registry import build_model  # noqa: E402
+from tests.hf_models import LLAMA3_ROPE, llama_config, randomize_hf_  # noqa: E402
 
 RTOL = 1e-5
 ATOL = 1e-5
@@ -60,27 +61,17 @@ SEQ = 48
 # small shapes (ours as overrides of a flavor, theirs as a transformers config written here)
 
 LLAMA_OURS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 
 
 def _llama_hf_config() -> LlamaConfig:
-    return LlamaConfig(
+    return llama_config(  # Llama sizing of dim 64: intermediate 192 (multiple_of 32)
         vocab_size=128,
         hidden_size=64,
-        intermediate_size=192,  # Llama sizing of dim 64 rounded to multiple_of 32
+        intermediate_size=192,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE},
         max_position_embeddings=64,
-        tie_word_embeddings=False,
     )
 
 
@@ -202,19 +193,6 @@ def _perturb_ours(model, seed: int) -> None:
                 t.copy_(0.05 * torch.randn(t.shape, generator=g))
 
 
-def _randomize_hf(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn(b.shape, generator=g))
-
-
 def _tokens(vocab: int = 128) -> torch.Tensor:
     return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(7))
 
@@ -262,7 +240,7 @@ def _write_folder(path: Path, hf_sd: dict[str, torch.Tensor], config: dict) -> N
 def llama_hf(tmp_path_factory):
     torch.manual_seed(0)
     model = LlamaForCausalLM(_llama_hf_config()).float().eval()
-    _randomize_hf(model, 1)
+    randomize_hf_(model, 1)
     folder = tmp_path_factory.mktemp("llama_hf")
     sd = _save_hf(model, folder)
     return model, sd, json.loads((folder / "config.json").read_text())
@@ -275,7 +253,7 @@ def ds_hf(tmp_path_factory):
         cfg, cls = _ds_hf(variant)
         torch.manual_seed(0)
         model = cls(cfg).float().eval()
-        _randomize_hf(model, 2)
+        randomize_hf_(model, 2)
         folder = tmp_path_factory.mktemp(f"ds_{variant}")
         sd = _save_hf(model, folder)
         out[variant] = (model, sd, json.loads((folder / "config.json").read_text()))
