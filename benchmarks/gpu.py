@@ -13,6 +13,13 @@ GPU issue's measurements) and each mode (eager, compiled):
 * ``torchtitan``: torchtitan's model of the same shapes (``attn_type="sdpa"``, causal) in the
   very same bare loop, when torchtitan is importable.
 
+* ``planner``: the layout planner's estimate of the trainer's run (``tools.planner``: the same
+  config through ``estimate_from_config``, the GPU's table entry, the planner's default
+  efficiency 0.5): predicted step time and memory against the trainer's measured ones
+  (``predicted_over_measured``, ``memory_predicted_over_measured``), and the efficiency that
+  would make the predicted step time exact (``efficiency_implied``). The planner does not model
+  ``torch.compile``; the compiled rows show what that costs its estimate.
+
 Every measurement runs in a fresh process. Ratios: trainer / bare (framework overhead; goal
 >= 0.97) and bare / torchtitan (model code; goal >= 1.0). MFU uses the trainer's FLOPs per token
 (``trainer.metrics.training_flops_per_token``) for all three, so the ratios of MFU equal the
@@ -88,6 +95,44 @@ def trainer_args(case: Case, steps: int, folder: str) -> list[str]:
     if case.vocab_size is not None:
         args += ["--model.vocab_size", str(case.vocab_size)]
     return args
+
+
+PLANNER_EFFICIENCY = 0.5  # the planner's default (python -m parallel_dims plan --efficiency)
+
+
+def planner_check(case: Case, trainer: dict, device_name: str | None) -> dict:
+    """The planner's estimate of the trainer run ``trainer`` measured: step time and memory,
+    predicted over measured. ``device_name`` None (a CPU smoke run): priced as an H100, so only
+    the code path is checked."""
+    from tools.planner.estimate import estimate_from_config
+    from tools.planner.hardware import hardware_for_device, load_hardware
+    from trainer.config import load_config
+
+    if "error" in trainer:
+        return {"error": "the trainer run failed"}
+    hw = hardware_for_device(device_name) if device_name else load_hardware("h100")
+    if hw is None:
+        return {"error": f"the planner has no entry for {device_name!r}"}
+    with tempfile.TemporaryDirectory() as folder:
+        cfg = load_config(trainer_args(case, 2, folder))
+    est = estimate_from_config(cfg, 1, hw, gpus_per_node=1, efficiency=PLANNER_EFFICIENCY)
+    t = est.time
+    measured = case.seq_len * case.local_batch_size / trainer["tokens_per_s"]
+    flop_time = (t["compute"] + t["recompute"]) * PLANNER_EFFICIENCY  # the FLOPs' time at peak
+    rest = t["total"] - t["compute"] - t["recompute"]  # optimizer (no collectives on one GPU)
+    out = {
+        "hardware": hw.name if device_name else "h100 (smoke run on CPU: the ratios mean nothing)",
+        "efficiency_assumed": PLANNER_EFFICIENCY,
+        "predicted_step_s": t["total"],
+        "measured_step_s": measured,
+        "predicted_over_measured": t["total"] / measured,
+        "efficiency_implied": flop_time / (measured - rest) if measured > rest else None,
+        "predicted_memory_gib": est.memory["total"] / 2**30,
+        "predicted_time_s": {k: v for k, v in t.items() if k in ("compute", "recompute", "optimizer")},
+    }
+    if trainer.get("peak_memory_gib"):
+        out["memory_predicted_over_measured"] = out["predicted_memory_gib"] / trainer["peak_memory_gib"]
+    return out
 
 
 def run_trainer(case: Case, steps: int, warmup: int) -> dict:
@@ -277,12 +322,15 @@ def _ratio(a: dict, b: dict) -> float | None:
     return a["tokens_per_s"] / b["tokens_per_s"]
 
 
-def measure(cases: list[Case], steps: int, warmup: int, with_torchtitan: bool) -> list[dict]:
+def measure(
+    cases: list[Case], steps: int, warmup: int, with_torchtitan: bool, device_name: str | None = None
+) -> list[dict]:
     rows = []
     for case in cases:
         print(f"== {case.name}", file=sys.stderr, flush=True)
         row = {"case": asdict(case), "name": case.name}
         row["trainer"] = run_trainer(case, steps, warmup)
+        row["planner"] = planner_check(case, row["trainer"], device_name)
         row["bare"] = run_bare(case, "ours", steps, warmup)
         row["trainer_over_bare"] = _ratio(row["trainer"], row["bare"])
         if with_torchtitan and case.device == "cpu" and case.model == "deepseek_v3":
@@ -303,17 +351,20 @@ def print_table(rows: list[dict]) -> None:
     header = (
         f"{'case':<42}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
         f"{'GiB':>7}{'tr/bare':>9}{'titan tok/s':>13}{'bare/titan':>11}{'bf16 GEMM':>10}"
+        f"{'plan/meas s':>12}{'plan/meas GiB':>14}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
-        t, b, tt = r["trainer"], r["bare"], r.get("torchtitan_model", {})
+        t, b, tt, pl = r["trainer"], r["bare"], r.get("torchtitan_model", {}), r.get("planner", {})
         print(
             f"{r['name']:<42}{_fmt(t.get('tokens_per_s'), ',.0f'):>14}{_fmt(t.get('mfu_pct'), '.1f'):>7}"
             f"{_fmt(t.get('peak_memory_gib'), '.1f'):>7}{_fmt(b.get('tokens_per_s'), ',.0f'):>12}"
             f"{_fmt(b.get('mfu_pct'), '.1f'):>7}{_fmt(b.get('peak_memory_gib'), '.1f'):>7}"
             f"{_fmt(r['trainer_over_bare'], '.3f'):>9}{_fmt(tt.get('tokens_per_s'), ',.0f'):>13}"
             f"{_fmt(r.get('bare_over_torchtitan_model'), '.3f'):>11}{_fmt(b.get('matmul_bf16_share'), '.3f'):>10}"
+            f"{_fmt(pl.get('predicted_over_measured'), '.3f'):>12}"
+            f"{_fmt(pl.get('memory_predicted_over_measured'), '.3f'):>14}"
         )
     for r in rows:
         for kind in ("trainer", "bare", "torchtitan_model"):
@@ -362,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     with_titan = _torchtitan_available()
     if not with_titan:
         print("torchtitan is not importable: the model comparison is skipped", file=sys.stderr)
-    rows = measure(cases, args.steps, args.warmup, with_titan)
+    rows = measure(cases, args.steps, args.warmup, with_titan, torch.cuda.get_device_name() if has_gpu else None)
     result = {
         "host": {
             "torch": torch.__version__,

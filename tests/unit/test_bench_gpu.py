@@ -51,6 +51,10 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
         assert r["trainer"]["tokens_per_s"] > 0 and r["bare"]["tokens_per_s"] > 0, r
         assert r["trainer_over_bare"] > 0
         assert r["bare"]["matmul_bf16_share"] == 1.0  # the bare loop's GEMMs are bf16
+        planner = r["planner"]  # the planner's estimate of the same run
+        assert planner["predicted_step_s"] > 0 and planner["measured_step_s"] > 0
+        assert planner["predicted_over_measured"] == planner["predicted_step_s"] / planner["measured_step_s"]
+        assert "smoke" in planner["hardware"]
     from benchmarks.gpu import _torchtitan_available
 
     if _torchtitan_available():  # make test installs it (the `peer` extra)
@@ -58,4 +62,4 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
         assert "skipped" in rows[1]["torchtitan_model"]
     else:
         assert all("torchtitan_model" not in r for r in rows)
-    assert "tr/bare" in res.stdout  # the table
+    assert "tr/bare" in res.stdout and "plan/meas s" in res.stdout  # the table

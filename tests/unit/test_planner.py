@@ -334,6 +334,37 @@ def test_benchmark_fits_the_per_kind_scales_it_was_given():
         assert fit["collective_latency_us"][kind] == pytest.approx(truth.collective_latency_us[kind], abs=2.0)
 
 
+def test_estimate_of_a_trainer_config_uses_what_the_trainer_resolves():
+    """``estimate_from_config``: the config's layout, schedule, AC, dtypes and model overrides
+    (here 2 of the flavor's 6 layers) as the trainer's job plan resolves them."""
+    from tools.planner.estimate import estimate_from_config
+    from trainer.config import load_config
+
+    argv = ["--config", "llama3.toml", "--parallelism.tp", "2", "--parallelism.pp", "2", "--parallelism.dp_shard", "-1",
+            "--parallelism.pipeline_parallel_schedule", "GPipe", "--activation_checkpoint.mode", "full",
+            "--training.seq_len", "256", "--training.local_batch_size", "4", "--training.global_batch_size", "16"]  # fmt: skip
+    two = estimate_from_config(load_config([*argv, "--model.n_layers", "2"]), 8, H100, tokenizer_vocab=2048)
+    six = estimate_from_config(load_config(argv), 8, H100, tokenizer_vocab=2048)
+    d, c = two.degrees, two.choice
+    assert (d.dp_shard, d.tp, d.pp) == (2, 2, 2) and (c.schedule, c.ac, c.global_batch) == ("GPipe", "full", 16)
+    job = Job("llama3", "debugmodel", 8, 8, 256, 16, H100, 0.5, c.param_dtype, c.reduce_dtype)
+    assert estimate(job, d, c).time == six.time  # the flavor's depth: the plain estimate's
+    assert two.memory["params"] < six.memory["params"] and two.time["compute"] < six.time["compute"]
+    with pytest.raises(ValueError, match="tensor_parallel|tp"):
+        estimate_from_config(load_config([*argv, "--parallelism.tp", "3"]), 8, H100, tokenizer_vocab=2048)
+
+
+def test_hardware_of_a_cuda_device_name():
+    from tools.planner.hardware import hardware_for_device
+
+    h100 = hardware_for_device("NVIDIA H100 80GB HBM3")
+    assert h100.peak_flops_bf16 == H100.peak_flops_bf16 and h100.memory_gib == 80.0
+    pcie = hardware_for_device("NVIDIA H100 PCIe")
+    assert pcie.peak_flops_bf16 == 756e12  # the trainer's MFU figure for that part
+    assert hardware_for_device("NVIDIA H200").memory_gib == 141.0
+    assert hardware_for_device("Tesla V100-SXM2-16GB") is None
+
+
 def test_json_fields():
     rc, out = _run([*_DEBUG, "--json", "--top", "3"])
     assert rc == 0

@@ -61,6 +61,7 @@ __all__ = [
     "choice_from_plan",
     "enumerate_layouts",
     "estimate",
+    "estimate_from_config",
     "plan_layouts",
     "smallest_world_size",
 ]
@@ -83,10 +84,13 @@ class Job:
     efficiency: float = 0.5  # achieved fraction of peak FLOP/s for the compute
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
+    # model args a trainer config changes ((name, value) pairs: n_layers, vocab_size,
+    # max_seq_len; trainer.plan.model_overrides), over the flavor's
+    model_overrides: tuple = ()
 
     @property
     def overrides(self) -> dict:
-        return _overrides(self.model, self.flavor, self.seq_len)
+        return {**_overrides(self.model, self.flavor, self.seq_len), **dict(self.model_overrides)}
 
 
 @lru_cache(maxsize=64)
@@ -418,6 +422,27 @@ def choice_from_plan(plan) -> LayoutChoice:
         sequence_parallel=opts.sequence_parallel,
         loss_parallel=opts.loss_parallel,
     )
+
+
+def estimate_from_config(
+    cfg, world_size: int, hardware: Hardware, *, gpus_per_node: int = 8, efficiency: float = 0.5,
+    tokenizer_vocab: int | None = None,
+) -> Estimate:  # fmt: skip
+    """The estimate of the job a trainer config runs on ``world_size`` GPUs: its layout, batch
+    split, schedule, AC, dtypes and model overrides exactly as ``trainer.plan.plan_job`` resolves
+    them (which raises for a config the trainer would refuse). ``tokenizer_vocab`` as for
+    ``plan_job`` (None loads the config's tokenizer)."""
+    from trainer.plan import plan_job
+
+    plan = plan_job(cfg, world_size, tokenizer_vocab=tokenizer_vocab)
+    choice = choice_from_plan(plan)
+    args = plan.model_args  # the flavor's with the config's overrides (trainer.plan.model_overrides)
+    overrides = {"vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len, "n_layers": args.n_layers}
+    job = Job(
+        cfg.model.name, cfg.model.flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
+        efficiency, choice.param_dtype, choice.reduce_dtype, model_overrides=tuple(sorted(overrides.items())),
+    )  # fmt: skip
+    return estimate(job, plan.parallel_dims.degrees, choice)
 
 
 def enumerate_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES):

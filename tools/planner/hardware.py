@@ -36,7 +36,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-__all__ = ["GPUS", "Hardware", "collective_seconds", "load_hardware", "optimizer_seconds"]
+__all__ = ["GPUS", "Hardware", "collective_seconds", "hardware_for_device", "load_hardware", "optimizer_seconds"]
 
 GIB = 2**30
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
@@ -157,6 +157,25 @@ def load_hardware(gpu: str, profile: str | None = None, **overrides) -> Hardware
                     f"got {value!r}"
                 )
     return dataclasses.replace(hw, **changes)
+
+
+def hardware_for_device(device_name: str) -> Hardware | None:
+    """The table entry of a CUDA device name (``torch.cuda.get_device_name()``: "NVIDIA H100
+    80GB HBM3" -> h100), with the peak FLOP/s the trainer's MFU uses for that exact name (an H100
+    PCIe part has its own); None for a GPU the table lacks."""
+    from trainer.metrics import peak_flops
+
+    name = device_name.lower()
+    for key in ("h200", "h100", "a100", "b200"):  # h200 before h100: no name holds both
+        if key in name:
+            hw = load_hardware(key)
+            return dataclasses.replace(
+                hw,
+                name=device_name,
+                peak_flops_bf16=peak_flops(device_name, "bfloat16") or hw.peak_flops_bf16,
+                peak_flops_fp32=peak_flops(device_name, "float32") or hw.peak_flops_fp32,
+            )
+    return None
 
 
 def optimizer_seconds(local_params: float, hw: Hardware) -> float:
