@@ -19,6 +19,7 @@ from typing import Any
 
 from models.common.args import DecoderArgs
 from models.parallel.pipeline import StagePlan, plan_stages
+from models.parallel.pipeline.plan import schedule_facts
 from models.parallelize import ParallelizeOptions, check_model_fits_layout
 from models.registry import ModelSpec, get_model_spec
 from parallel_dims import ParallelDims
@@ -159,12 +160,34 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None
                 p.pipeline_parallel_layers_per_stage,
             )
         )
+    if pd is not None and pd.pp > 1:
+        attempt(lambda: _check_reshard_with_schedule(p.fsdp_reshard_after_forward, p.pipeline_parallel_schedule))
     if problems:
         if len(problems) == 1:
             raise ConfigError(problems[0])
         listed = "\n".join(f"  - {problem}" for problem in problems)
         raise ConfigError(f"{len(problems)} problems with this job on world_size={world_size}:\n{listed}")
     return JobPlan(cfg, world_size, pd, spec, batch, opts, stages)
+
+
+def _check_reshard_with_schedule(policy: str, schedule: str) -> None:
+    """Resharding after forward cannot be combined with a split-backward (zero-bubble)
+    schedule: torch's input-gradient half lists the stage's parameters before FSDP2's
+    pre-backward hook gathers the groups resharded after forward, so it lists their sharded
+    parameters, which are not in the forward graph, and the weight half never computes those
+    groups' gradients (fewer reduce-scatters, a smaller gradient norm: training goes on with
+    wrong gradients, no error)."""
+    try:
+        name, facts = schedule_facts(schedule)
+    except ValueError:
+        return  # plan_stages reports the unknown schedule
+    if policy == "always" and facts.split_backward:
+        raise ConfigError(
+            f"parallelism.fsdp_reshard_after_forward='always' with the {name} schedule would drop "
+            f"the weight gradients of every FSDP group resharded after forward (its input-gradient "
+            f"half runs on the sharded parameters); use 'default' (no resharding under pp) or "
+            f"'never', or a schedule without split backward"
+        )
 
 
 def _model_spec(cfg: JobConfig, tokenizer_vocab: int) -> ModelSpec:

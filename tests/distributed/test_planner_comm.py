@@ -4,12 +4,17 @@ trainer's ``comm.record_step``), for every layout of the CPU proof matrix (READM
 loss curves across layouts") and for layouts that turn on what else changes a step's collectives
 (:data:`LAYOUTS`): bf16 parameters with fp32 gradient reduction (FSDP2 over 2 ranks with
 gradients accumulated over 2 micro-batches, and over one; on the size-1 FSDP mesh of a pipeline
-stage without data parallelism), full AC (FSDP; TP with and without sequence parallel; CP; MLA;
-MoE experts replicated over TP; EP), selective AC (FSDP, TP, MLA, EP x ETP), TP without sequence parallel
-and without loss parallel, TP and CP inside pipeline stages, the GPipe and Interleaved1F1B
-schedules (the latter with two stages per rank, 4 layers), CP without TP, and MoE experts
-replicated over TP (deepseek_v3 tp=2 without EP). Options share a layout where they do not
-interact, to keep the launch short.
+stage without data parallelism; HSDP), a bf16 reduce dtype (with bf16 and with fp32
+parameters), full AC (FSDP; TP with and without sequence parallel; CP; MLA; MoE experts
+replicated over TP; EP; EP x ETP), selective AC (the per-op policy: FSDP, TP, MLA, EP x ETP;
+every N-th block: TP), ``fsdp_reshard_after_forward`` ``never`` (HSDP x TP) and ``always``
+(pipelined), TP without sequence parallel and without loss parallel, TP and CP inside pipeline
+stages, every schedule the planner enumerates (1F1B; GPipe, also with one micro-batch;
+Interleaved1F1B, LoopedBFS, InterleavedZeroBubble with two stages per rank; ZBVZeroBubble's
+V, whose turn stays on one rank), CP without TP, MoE experts replicated over TP (deepseek_v3
+tp=2 without EP), and three layouts on 8 ranks (HSDP x FSDP x TP; routed experts split over
+etp and sharded over efsdp = 2; pp=4 x tp=2). Options share a layout where they do not
+interact, to keep the launches short.
 
 What is compared, per layout and per rank: the planner's ``(kind, mesh, bytes of one call) ->
 calls per optimizer step`` against the recorded step's, EXACTLY, over every kind and mesh the
@@ -28,9 +33,10 @@ Each layout trains 2 steps of a 2-layer (llama3) / 3-layer (deepseek_v3) debug m
 its config says otherwise) through a fresh real Trainer, 32 tokens per sequence, 2
 micro-batches of 2 sequences per rank (gradient accumulation is part of what is checked),
 recording step 2 (steady state: step 1 also runs the pipeline's one-off shape exchange). All
-the layouts a session selects run one after another in ONE 4-rank launch
-(``tools.launcher.run_distributed``; a layout that fails ends it, naming the layout): a launch
-per layout paid the ranks' start and first-step warm-up again for every layout. Several
+the layouts a session selects of one world size run one after another in ONE launch (two
+launches: 4 ranks, and 8 ranks for the few layouts that need them;
+``tools.launcher.run_distributed``; a layout that fails ends its launch, naming the layout): a
+launch per layout paid the ranks' start and first-step warm-up again for every layout. Several
 Trainers in one process share DTensor's sharding-propagation and redistribution caches, whose
 keys compare meshes by value, so a later layout's equal mesh would get back specs holding an
 earlier layout's mesh objects and process groups (seen: without the drop, 12 of 20 layouts
@@ -44,10 +50,25 @@ measured).
 Selective AC with ETP (deepseek_v3 fsdp=2, tp=2, ep=2, etp=2) once failed in the trainer's
 step-1 backward (FSDP's profiler annotations replayed by selective checkpointing; fixed in
 models/parallel/activation_checkpoint.py) and is checked here since.
+
+Found by these layouts (the planner was wrong, now fixed): ZBVZeroBubble's two stages on one
+rank hand activations over in memory, no send/recv; a pipelined group resharded after forward
+is gathered m + 1 times per pipeline step, not once; under pp FSDP2 moves a gradient into its
+reduce-dtype accumulator even with one micro-batch, and under a split-backward schedule only
+in the stages where an input half follows a weight half (which decides the dtype of the
+tp-replicated weights' gradient all-reduces); the every-N-th-block selective AC option
+re-issues the checkpointed blocks' forward collectives. Found in the trainer:
+``fsdp_reshard_after_forward = "always"`` with a zero-bubble schedule dropped the weight
+gradients of the resharded groups (an InterleavedZeroBubble recording had 6 reduce-scatters
+where 8 were due); ``trainer.plan.plan_job`` refuses that combination now.
+
+Not checked here: more than 8 ranks, and what tools/planner/collectives.py lists as modelled
+but not checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections import Counter
@@ -60,7 +81,7 @@ from parallel_dims.axes import AXES
 from tools.launcher import run_distributed
 from tools.planner.measure import forget_sharding_caches
 
-WORLD = 4
+WORLD = 4  # ranks of a layout unless it says otherwise
 SEQ = 32
 LOCAL = 2
 ACCUM = 2
@@ -72,12 +93,16 @@ class Layout(NamedTuple):
     model: str
     degrees: dict
     config: tuple[tuple[str, str], ...] = ()  # extra ``section.key``, value pairs (win over the above)
+    world: int = WORLD
 
 
 _BF16 = (("parallelism.mixed_precision_param", "bfloat16"), ("parallelism.mixed_precision_reduce", "float32"))
 _FULL_AC = (("activation_checkpoint.mode", "full"),)
 _SELECTIVE_AC = (("activation_checkpoint.mode", "selective"),)  # selective_ac_option "op"
 _TWO_LAYERS = ("model.n_layers", "2")
+_FOUR_LAYERS = ("model.n_layers", "4")
+_BF16_REDUCE = (("parallelism.mixed_precision_param", "bfloat16"), ("parallelism.mixed_precision_reduce", "bfloat16"))
+_FP32_BF16 = (("parallelism.mixed_precision_param", "float32"), ("parallelism.mixed_precision_reduce", "bfloat16"))
 
 LAYOUTS = {
     # the CPU proof matrix (README), fp32, no AC, sequence and loss parallel on, 1F1B
@@ -127,6 +152,79 @@ LAYOUTS = {
     # full AC re-issues the count exchange and the token all-to-alls; experts on a size-2 FSDP
     # mesh inside the checkpointed block
     "deepseek_v3 fsdp=4,ep=2 full AC": Layout("deepseek_v3", dict(dp_shard=4, ep=2), (*_FULL_AC, _TWO_LAYERS)),
+    # every N-th block fully checkpointed (2 layers, N = 2: block 0 re-runs its forward
+    # collectives, block 1 does not); gradients reduced in bf16
+    "llama3 tp=2,fsdp=2 bf16 reduce, selective AC every 2": Layout(
+        "llama3",
+        dict(dp_shard=2, tp=2),
+        (*_BF16_REDUCE, *_SELECTIVE_AC, ("activation_checkpoint.selective_ac_option", "2")),
+    ),
+    # a V: stages 1 and 2 share pp rank 1 and hand over in memory; bf16 parameters on a
+    # split-backward schedule (FSDP2's reduce-scatters in the reduce dtype all the same)
+    "llama3 pp=2,fsdp=2 ZBVZeroBubble bf16": Layout(
+        "llama3",
+        dict(dp_shard=2, pp=2),
+        (("parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"), *_BF16, _FOUR_LAYERS),
+    ),
+    # resharding after forward under pp: 2 layers per stage, so the embedding and every
+    # stage's first block are gathered m + 1 times per pipeline step
+    "llama3 pp=2,fsdp=2 LoopedBFS reshard always": Layout(
+        "llama3",
+        dict(dp_shard=2, pp=2),
+        (
+            ("parallelism.pipeline_parallel_schedule", "LoopedBFS"),
+            ("parallelism.fsdp_reshard_after_forward", "always"),
+            ("model.n_layers", "8"),
+        ),
+    ),
+    # one pipeline micro-batch: its backward still moves the tp-replicated weights' gradients
+    # into FSDP2's fp32 accumulator (torch's stage syncs only at the end of the step)
+    "llama3 pp=2,tp=2 bf16 GPipe, 1 micro-batch": Layout(
+        "llama3",
+        dict(dp_shard=1, pp=2, tp=2),
+        (
+            *_BF16,
+            ("parallelism.pipeline_parallel_schedule", "GPipe"),
+            ("parallelism.pipeline_parallel_microbatches", "1"),
+        ),
+    ),
+    # split backward, 2 micro-batches: pp rank 0's stages run an input half after a weight half
+    # (their gradients reach FSDP2's bf16 accumulator), pp rank 1's do not (the weight halves
+    # sum them in fp32): the norm and router-gate gradients are all-reduced in bf16 on pp rank
+    # 0, in fp32 on pp rank 1; experts on ep borrowed from tp
+    "deepseek_v3 pp=2,tp=2,ep=2 InterleavedZeroBubble fp32 params, bf16 reduce": Layout(
+        "deepseek_v3",
+        dict(dp_shard=1, pp=2, tp=2, ep=2),
+        (("parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"), *_FP32_BF16, _FOUR_LAYERS),
+    ),
+    # ETP under full AC: the etp count all-gather and token all-to-alls re-issued
+    "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 full AC fp32 params, bf16 reduce": Layout(
+        "deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2), (*_FULL_AC, *_FP32_BF16, _TWO_LAYERS)
+    ),
+    # 8 ranks (a second launch): HSDP x FSDP x TP with bf16 parameters, never resharded
+    "llama3 dp_replicate=2,fsdp=2,tp=2 bf16 reshard never": Layout(
+        "llama3",
+        dict(dp_replicate=2, dp_shard=2, tp=2),
+        (*_BF16, ("parallelism.fsdp_reshard_after_forward", "never")),
+        world=8,
+    ),
+    # routed experts split over etp and sharded over efsdp = 2 (on 4 ranks ETP leaves efsdp = 1)
+    "deepseek_v3 fsdp=4,tp=2,ep=2,etp=2": Layout(
+        "deepseek_v3", dict(dp_shard=4, tp=2, ep=2, etp=2), (_TWO_LAYERS,), world=8
+    ),
+    # four pipeline ranks, two stages each; 2 micro-batches: only pp rank 0's stages (0 and 4)
+    # run an input half after a weight half (see above)
+    "llama3 pp=4,tp=2 bf16 InterleavedZeroBubble": Layout(
+        "llama3",
+        dict(dp_shard=1, pp=4, tp=2),
+        (
+            *_BF16,
+            ("parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"),
+            ("parallelism.pipeline_parallel_microbatches", "2"),
+            ("model.n_layers", "8"),
+        ),
+        world=8,
+    ),
 }
 
 # the config key of each degree, from the axis table
@@ -185,7 +283,7 @@ def _plan(name: str):
     from trainer.config import load_config
     from trainer.plan import plan_job
 
-    return plan_job(load_config(_argv(LAYOUTS[name], "unused")), WORLD, tokenizer_vocab=2048)
+    return plan_job(load_config(_argv(LAYOUTS[name], "unused")), LAYOUTS[name].world, tokenizer_vocab=2048)
 
 
 def predicted(name: str, rank: int) -> list[dict]:
@@ -197,6 +295,8 @@ def predicted(name: str, rank: int) -> list[dict]:
 
     plan = _plan(name)
     pd, choice = plan.parallel_dims, choice_from_plan(plan)
+    # choice_from_plan (tools/planner/estimate.py) does not carry the every-N-th-block option
+    choice = dataclasses.replace(choice, selective_ac_option=plan.parallelize.ac_selective_option)
     overrides = model_overrides(plan.config, 2048)
     return predict_collectives(LAYOUTS[name].model, "debugmodel", pd.degrees, choice, rank, **overrides)
 
@@ -267,8 +367,8 @@ _TEST = "test_predicted_collectives_equal_a_recorded_step"
 @pytest.fixture(scope="module")
 def recorded(request, tmp_path_factory):
     """``recorded(name)``: the per-rank records of a layout's recorded step. The first call
-    records every layout this session selected of :data:`LAYOUTS` in one launch; a layout
-    not among them (none normally) gets a launch of its own."""
+    for a world size records every layout this session selected of :data:`LAYOUTS` with that
+    world size in one launch; a layout not among them (none normally) gets a launch of its own."""
     selected = [
         item.callspec.params["name"]
         for item in request.session.items
@@ -278,9 +378,11 @@ def recorded(request, tmp_path_factory):
 
     def get(name: str) -> list[list[dict]]:
         if name not in cache:
-            names = [n for n in dict.fromkeys(selected) if n not in cache] if name in selected else [name]
+            world = LAYOUTS[name].world
+            names = [n for n in dict.fromkeys(selected) if n not in cache and LAYOUTS[n].world == world]
+            names = names if name in selected else [name]
             folder = tmp_path_factory.mktemp("comm")
-            ranks = run_distributed(_record_layouts, WORLD, str(folder), names, timeout=120 + 45 * len(names))
+            ranks = run_distributed(_record_layouts, world, str(folder), names, timeout=120 + 45 * len(names))
             cache.update({n: [r[n] for r in ranks] for n in names})
         return cache[name]
 
@@ -294,8 +396,9 @@ def test_predicted_collectives_equal_a_recorded_step(name, recorded):
     records = recorded(name)
     _, args = model_inventory(LAYOUTS[name].model, "debugmodel")
     exchange = 8 * args.n_routed_experts if args.has_experts else -1
-    predictions = [predicted(name, rank) for rank in range(WORLD)]
-    for rank in range(WORLD):
+    world = LAYOUTS[name].world
+    predictions = [predicted(name, rank) for rank in range(world)]
+    for rank in range(world):
         # every call ran on a process group of this layout's own meshes (a group of an earlier
         # Trainer of the launch, kept alive by a cache, would have no name here)
         foreign = [r for r in records[rank] if not r["aliases"]]

@@ -33,6 +33,21 @@ def test_pipeline_stage_plan():
     assert s.layer_ranges[0][0] == 0 and s.layer_ranges[-1][1] == plan.model_args.n_layers
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble"])
+def test_resharding_after_forward_is_refused_with_a_split_backward(schedule):
+    """A zero-bubble stage's weight half never computes the gradients of FSDP groups resharded
+    after forward (recorded: InterleavedZeroBubble, pp=2 x fsdp=2, 8 layers: one block's
+    reduce-scatter missing per step on the second pp rank and a smaller step-1 grad norm than
+    with 'default'); the combination is refused, the other policies and schedules are not."""
+    args = ("--parallelism.pp", "2", "--model.n_layers", "4", "--parallelism.pipeline_parallel_schedule")
+    with pytest.raises(ConfigError, match=r"fsdp_reshard_after_forward='always' with the .* schedule"):
+        plan_job(cfg(*args, schedule, "--parallelism.fsdp_reshard_after_forward", "always"), 4)
+    for policy in ("default", "never"):
+        plan_job(cfg(*args, schedule, "--parallelism.fsdp_reshard_after_forward", policy), 4)
+    for other in ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS"):
+        plan_job(cfg(*args, other, "--parallelism.fsdp_reshard_after_forward", "always"), 4)
+
+
 def test_every_problem_in_one_error():
     bad = cfg(
         "--parallelism.tp",

@@ -18,11 +18,16 @@ Checked exactly against a recorded training step (``tests/distributed/test_plann
 every rank, 4 gloo ranks, gradient accumulation 2 unless noted): the CPU proof matrix (fp32, no
 AC, sequence and loss parallel on, 1F1B) and layouts that turn on, alone or a few together, bf16
 parameters with fp32 gradient reduction (FSDP2 over 2 ranks, gradients accumulated over 2
-micro-batches and over one; the size-1 FSDP mesh of a pipeline stage, where FSDP2 only casts),
-full AC (FSDP, TP with and without sequence parallel, CP, MLA, MoE experts replicated over TP,
-EP), selective AC (the per-op policy; FSDP, TP, MLA, EP x ETP), TP without sequence parallel and without
-loss parallel, TP and CP inside pipeline stages, GPipe and Interleaved1F1B (two stages per
-rank), CP without TP, and MoE experts replicated over TP (no EP).
+micro-batches and over one; the size-1 FSDP mesh of a pipeline stage, where FSDP2 only casts;
+HSDP), a bf16 reduce dtype (with bf16 and with fp32 parameters), full AC (FSDP, TP with and
+without sequence parallel, CP, MLA, MoE experts replicated over TP, EP, EP x ETP), selective AC
+(the per-op policy: FSDP, TP, MLA, EP x ETP; every N-th block: TP), ``fsdp_reshard_after_forward``
+``never`` and, pipelined, ``always``, TP without sequence parallel and without loss parallel, TP
+and CP inside pipeline stages, every schedule :data:`tools.planner.estimate.SCHEDULES` lists
+(1F1B; GPipe, also with one micro-batch; Interleaved1F1B, LoopedBFS and InterleavedZeroBubble
+with two stages per rank; ZBVZeroBubble), CP without TP, MoE experts replicated over TP (no EP),
+and on 8 ranks HSDP x FSDP x TP, routed experts split over etp and sharded over efsdp = 2, and
+pp=4 x tp=2.
 
 What is checked: FSDP2's all-gathers (one per FSDP group per unshard, parameters cast to the
 compute dtype, dim 0 padded to the shard count; full AC's recomputation re-gathers nothing) and
@@ -30,34 +35,46 @@ reduce-scatters (gradients in the reduce dtype, padded; sizes from
 :mod:`tools.planner.inventory`), HSDP's all-reduce of the reduce-scattered shard, the loss
 all-reduce over ``loss``, the pipeline loss sum and grad-norm sum over ``pp`` and the
 stage-boundary send/recv (under sequence parallel each tp rank sends its own sequence shard,
-``[b, s / (cp * tp), dim]``, to the same tp rank of the next stage, so stage boundaries issue
-no tp collective; without it the cp-local sequence), TP/SP's activation collectives (forward:
-all-gather of the attention and MLP inputs, reduce-scatter of their outputs; backward:
-all-gather of the output gradients and, for the input gradient, one reduce-scatter per module
-whose weights are all TP-split (its input stays a DTensor, so the projections' Partial gradients
-are summed first) or one all-reduce per column-wise projection of a module that takes its input
-as a local tensor (MLA)); without sequence parallel the all-reduces of the attention and MLP
-outputs and input gradients, of the embedding's output and of the head's input gradient; full
-AC's re-run of the forward ones but the block's last output reduction (torch's checkpoint stops
-recomputing once the last saved tensor is back); MLA's rope-key gradient all-reduce, loss
-parallel's three all-reduces per forward or, without it, the all-gather of the vocab-sharded
-logits, the all-reduce of the Partial gradients of tp-replicated weights (SP
-norms, the router gate) once per gradient sync, in the compute dtype or, once FSDP2 accumulated
-it over micro-batches, the reduce dtype, CP's K/V all-gather and backward reduce-scatter, the
-grad-norm all-reduces (see below), the MoE load counts over ``loss`` and ``tp``, EP's count
-exchange and ETP's count all-gather (functional collectives: re-issued by full AC's
-recomputation, read back from storage by selective AC's), and the NUMBER of EP/ETP token all-to-alls. Their
-bytes depend on routing: the records assume balanced routing, which the test checks summed over
-the world (every row sent is received), not per rank.
+``[b, s / (cp * tp), dim]``, to the same tp rank of the next stage, so stage boundaries issue no
+tp collective; without it the cp-local sequence; none between two stages of one rank: the turn
+of ZBVZeroBubble's V), FSDP2's re-gathers of a group resharded after forward (without pp once
+more per micro-batch; with pp ``m + 1`` gathers per pipeline step instead of one, the stage
+keeping its parameters unsharded from each backward to the next forward), TP/SP's activation
+collectives (forward: all-gather of the attention and MLP inputs, reduce-scatter of their
+outputs; backward: all-gather of the output gradients and, for the input gradient, one
+reduce-scatter per module whose weights are all TP-split (its input stays a DTensor, so the
+projections' Partial gradients are summed first) or one all-reduce per column-wise projection of
+a module that takes its input as a local tensor (MLA)); without sequence parallel the
+all-reduces of the attention and MLP outputs and input gradients, of the embedding's output and
+of the head's input gradient; full AC's re-run of the forward ones but the block's last output
+reduction (torch's checkpoint stops recomputing once the last saved tensor is back), in every
+block under full AC and in every N-th block of a stage under selective AC's integer option;
+MLA's rope-key gradient all-reduce, loss parallel's three all-reduces per forward or, without
+it, the all-gather of the vocab-sharded logits, the all-reduce of the Partial gradients of
+tp-replicated weights (SP norms, the router gate) once per gradient sync, in the compute dtype
+or, once FSDP2 moved it into its reduce-dtype accumulator, the reduce dtype (without pp:
+accumulated over micro-batches; with pp: always with whole backwards, one micro-batch included;
+with a split backward only in the stages where one of torch's input halves runs after one of
+their weight halves), CP's K/V all-gather and backward reduce-scatter, the grad-norm all-reduces
+(see below), the MoE load counts over ``loss`` and ``tp``, EP's count exchange and ETP's count
+all-gather (functional collectives: re-issued by full AC's recomputation, read back from storage
+by selective AC's), and the NUMBER of EP/ETP token all-to-alls. Their bytes depend on routing:
+the records assume balanced routing, which the test checks summed over the world (every row sent
+is received), not per rank.
 
 Grad-norm reductions: ``trainer/grad_clip.py`` sums the squares of the gradients sharded over
 the same groups (compared by ranks, whatever mesh object they carry) and all-reduces each such
 sum once per group: one 4-byte all-reduce per distinct (groups, group) pair.
 
-Modelled, not yet checked: ETP under full AC (EP under full AC is checked), selective AC's
-every-N-th-block option (``selective`` here is the per-op policy),
-``fsdp_reshard_after_forward`` other than ``default``, a bf16 reduce dtype, HSDP with mixed
-precision, the LoopedBFS and zero-bubble schedules, and more than 4 ranks.
+Modelled, not yet checked: HSDP's all-reduce in a bf16 reduce dtype (bf16 reduce-scatters and
+HSDP with bf16 parameters are checked), ``always`` without pp (it issues what ``default`` does:
+both reshard every group but the last block and the head when the shard mesh has more than one
+rank), more micro-batches than pp ranks under the split-backward schedules (the orders differ;
+the rule reads torch's), and more than 8 ranks. ``fsdp_reshard_after_forward = "always"`` with a
+split-backward schedule is refused by ``trainer.plan.plan_job`` (it dropped weight gradients).
+The every-N-th-block option is modelled here (:attr:`LayoutChoice.selective_ac_option`) but
+neither enumerated by the planner nor carried by ``estimate.choice_from_plan``, and the memory
+and compute estimates treat ``selective`` as the per-op policy.
 """
 
 from __future__ import annotations
@@ -86,6 +103,9 @@ class LayoutChoice:
     reduce_dtype: str = "float32"
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    # activation_checkpoint.selective_ac_option under ``ac == "selective"``: "op" (the per-op
+    # policy) or an integer N (every N-th block of a stage fully checkpointed)
+    selective_ac_option: str = "op"
 
     @property
     def mixed(self) -> bool:
@@ -115,6 +135,58 @@ def _stages(n_layers: int, pp: int, schedule: str, m: int, local_batch: int, pp_
         lo, hi = plan.layer_ranges[s]
         stages.append((range(lo, hi), s == 0, s == plan.num_stages - 1))
     return stages, plan
+
+
+def _fully_checkpointed(choice: LayoutChoice, layers) -> list[int]:
+    """The layers of one stage (``layers``, in order) whose forward the backward runs again with
+    every op (models/parallel/activation_checkpoint.py): all of them under full AC, every N-th
+    block of the stage's model chunk (counting from its first block) under selective AC with an
+    integer option, none otherwise (selective AC's per-op policy saves every collective's
+    output, and no recomputation happens without AC)."""
+    if choice.ac == "full":
+        return list(layers)
+    option = str(choice.selective_ac_option)
+    if choice.ac == "selective" and option.isdigit() and int(option) > 0:
+        return [layer for k, layer in enumerate(layers) if k % int(option) == 0]
+    return []
+
+
+@lru_cache(maxsize=1024)
+def _split_backward_casts(schedule: str, pp: int, stages_per_rank: int, m: int) -> dict[int, bool] | None:
+    """For a schedule that splits each backward into an input half (I) and a weight half (W):
+    stage -> whether FSDP2 moves the stage's gradients into its reduce-dtype accumulator before
+    the step's reduction, i.e. whether one of the stage's I actions runs after one of its W
+    actions (see :func:`predict_collectives`). None for a schedule of whole backwards. The
+    order is torch's own (``pipeline_order_with_comms``, what its runtime executes), computed
+    from stand-in stages: building the order reads only the stage counts and ranks."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    from models.parallel.pipeline.plan import schedule_facts
+    from models.parallel.pipeline.schedule import SCHEDULES
+
+    name, facts = schedule_facts(schedule)
+    if not facts.split_backward:
+        return None
+    cls = SCHEDULES[name].cls
+    n = pp * stages_per_rank
+    stand_ins = [SimpleNamespace(num_stages=n, group_size=pp, group_rank=0, stage_index=i, submod=None)
+                 for i in range(stages_per_rank)]  # fmt: skip
+    built = cls(stand_ins, m)
+    orders = getattr(built, "pipeline_order_with_comms", None) or built.pipeline_order
+    inp, weight = _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
+    out: dict[int, bool] = {}
+    for actions in orders.values():
+        seen_weight: set[int] = set()
+        for a in actions:
+            if a is None:
+                continue
+            if a.computation_type == weight:
+                seen_weight.add(a.stage_index)
+            elif a.computation_type == inp:
+                out[a.stage_index] = out.get(a.stage_index, False) or a.stage_index in seen_weight
+    return out or None
 
 
 @lru_cache(maxsize=256)
@@ -148,15 +220,25 @@ def predict_collectives(
     dense_size, expert_size, separate = fsdp_meshes(d, has_moe, choice.mixed)
 
     key = tuple(sorted(overrides.items()))
-    for layers, embed, head in stages:
+    stage_ids = plan.rank_stages[layout.coordinate("pp", rank)] if plan is not None else (0,)
+    for stage_id, (layers, embed, head) in zip(stage_ids, stages):
         groups = stage_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head)
         last_block = f"layers.{max(layers)}" if len(layers) else None
+        ckpt = _fully_checkpointed(choice, layers)  # their forward collectives run twice
         for g in groups:
             if g.name is None:
                 continue
             if g.size > 1:
                 flag = g.name not in ("head", last_block) and _fsdp_reshard(choice.reshard, pp, g.size)
-                gathers = accum if pp else accum * (2 if flag else 1)
+                # without pipelining: gathered for forward, again for backward when resharded
+                # after forward. Pipelined, the stage keeps its parameters unsharded after each
+                # micro-batch's backward until the step's reduction (torch's stage): a group
+                # resharded after forward is gathered by every forward that follows a forward
+                # or starts the step, and by every backward that follows a forward; each stage
+                # runs m forwards and m backwards from a forward to a backward, so m + 1 times
+                # in any order (once without resharding; a split-backward schedule with
+                # resharding is refused by trainer.plan.plan_job: it dropped weight gradients)
+                gathers = accum * ((m + 1) if flag else 1) if pp else accum * (2 if flag else 1)
                 rec[("all_gather", g.mesh, g.unsharded * pb)] += gathers
                 rec[("reduce_scatter", g.mesh, g.unsharded * rb)] += syncs
             if d.dp_replicate > 1:
@@ -166,8 +248,7 @@ def predict_collectives(
             s_local = choice.seq_len // d.cp
             t = mb * s_local
             full = a * t * args.dim
-            recompute = 1 if choice.ac == "full" else 0
-            n = len(layers)
+            n, r = len(layers), len(ckpt)
             if choice.sequence_parallel:
                 # forward: AG attn input, AG mlp/shared-expert input, RS of both outputs;
                 # backward: AG (of the outputs' RS); full AC re-runs the forward ones but the
@@ -180,8 +261,8 @@ def predict_collectives(
                 # Partial input gradients are summed and reduce-scattered once; a module with
                 # replicated weights (MLA) takes it as a local tensor, so every column-wise
                 # projection's input gradient is all-reduced on its own
-                rec[("all_gather", "tp", full)] += forwards * n * (2 + 2 + 2 * recompute)
-                rec[("reduce_scatter", "tp", full)] += forwards * n * (2 + recompute)
+                rec[("all_gather", "tp", full)] += forwards * (4 * n + 2 * r)
+                rec[("reduce_scatter", "tp", full)] += forwards * (2 * n + r)
                 for i in layers:
                     for stays_dtensor, widths in _colwise_modules(model, flavor, key, i):
                         if stays_dtensor:
@@ -206,7 +287,7 @@ def predict_collectives(
                 # attention's, not the block's last, as above); backward: of their input
                 # gradients, once per module whose input stays a DTensor, else once per
                 # column-wise projection (as above)
-                rec[("all_reduce", "tp", full)] += forwards * n * (2 + recompute)
+                rec[("all_reduce", "tp", full)] += forwards * (2 * n + r)
                 for i in layers:
                     for stays_dtensor, widths in _colwise_modules(model, flavor, key, i):
                         if stays_dtensor:
@@ -227,9 +308,20 @@ def predict_collectives(
             # replicated weights fed sequence-sharded tokens (SP norms, the MoE router gate):
             # their Partial gradients are all-reduced once per gradient sync (FSDP2's
             # post-backward redistributes them before reducing; without FSDP finalize_grads
-            # does, once per step), in the dtype the gradient is held in then
-            accumulated = (m > 1) if pp else (accum > 1)
-            gb = rb if (accumulated and choice.mixed and rb != pb) else pb
+            # does, once per step), in the dtype the gradient is held in then: the reduce dtype
+            # once FSDP2 moved it into its accumulator (a backward with gradient sync off found
+            # it: without pipelining every micro-batch's but the last; pipelined, torch's stage
+            # turns sync off for every backward and reduces at the end of the step, so any m;
+            # a zero-bubble stage's input half finds only what an earlier weight half of the
+            # stage left, so only where one of its I actions follows one of its W actions, and
+            # the weight halves otherwise sum the micro-batches in the compute dtype)
+            gb = pb
+            if choice.mixed and rb != pb:
+                if not pp:
+                    gb = rb if accum > 1 else pb
+                else:
+                    casts = _split_backward_casts(plan.schedule, d.pp, plan.stages_per_rank, m)
+                    gb = rb if casts is None or casts[stage_id] else pb
             partial_syncs = syncs if dense_size is not None else 1
             for numel in _tp_partial_grads(model, flavor, key, layers, head, choice.sequence_parallel):
                 rec[("all_reduce", "tp", gb * numel)] += partial_syncs
@@ -239,32 +331,28 @@ def predict_collectives(
             t = mb * s_local
             kv = _kv_bytes_per_token(args, d.tp) * a * t * d.cp  # gathered packed K and V
             n = len(layers)
-            recompute = 1 if choice.ac == "full" else 0
-            rec[("all_gather", "cp", kv)] += forwards * n * (1 + recompute)
+            rec[("all_gather", "cp", kv)] += forwards * (n + len(ckpt))
             rec[("reduce_scatter", "cp", kv)] += forwards * n
 
         moe_layers = [i for i in layers if args.has_experts and i >= getattr(args, "n_dense_layers", 0)]
         tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
         # the int64 routing-count exchanges are functional collectives (models/parallel/
-        # expert_parallel.py): full AC re-issues them in the recomputation, selective AC's op
-        # policy saves their outputs (models/parallel/activation_checkpoint.py)
-        recount = 1 if choice.ac == "full" else 0
+        # expert_parallel.py): a fully checkpointed block (full AC, selective AC's every N-th)
+        # re-issues them in the recomputation, selective AC's op policy saves their outputs
+        # (models/parallel/activation_checkpoint.py)
+        n, r = len(moe_layers), len(set(moe_layers) & set(ckpt))
         if moe_layers and d.ep > 1:
             rows = tn * args.n_activated_experts * a * args.dim  # balanced routing assumed
-            n = len(moe_layers)
-            recompute = 1 if choice.ac == "full" else 0
-            rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * n * (1 + recount)
+            rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * (n + r)
             # dispatch + combine forward, their backward all-to-alls
-            rec[("all_to_all", "ep", rows)] += forwards * n * (4 + 2 * recompute)
+            rec[("all_to_all", "ep", rows)] += forwards * (4 * n + 2 * r)
         if moe_layers and d.etp > 1:
-            n = len(moe_layers)
-            recompute = 1 if choice.ac == "full" else 0
             # the received counts gathered over etp (int64 [etp * n_routed_experts])
-            rec[("all_gather", "etp", 8 * d.etp * args.n_routed_experts)] += forwards * n * (1 + recount)
+            rec[("all_gather", "etp", 8 * d.etp * args.n_routed_experts)] += forwards * (n + r)
             # the rows repeated to / gathered back from the etp peers, forward and backward
             # (sizes depend on routing; ``etp`` x the rows this rank received over ep)
             etp_rows = d.etp * tn * args.n_activated_experts * a * args.dim
-            rec[("all_to_all", "etp", etp_rows)] += forwards * n * (4 + 2 * recompute)
+            rec[("all_to_all", "etp", etp_rows)] += forwards * (4 * n + 2 * r)
 
         if pp and plan is not None:
             # the activations between stages: this tp rank's sequence shard under SP (sent to
@@ -272,9 +360,10 @@ def predict_collectives(
             boundary_shards = d.tp if choice.sequence_parallel and d.tp > 1 else 1
             t = mb * (choice.seq_len // d.cp) // boundary_shards
             msg = a * t * args.dim
-            if not embed:
+            # a neighbouring stage on this rank (ZBVZeroBubble's V turn) gets it in memory
+            if not embed and stage_id - 1 not in stage_ids:
                 rec[("send_recv", "pp", msg)] += forwards * 2  # recv activation, send its grad
-            if not head:
+            if not head and stage_id + 1 not in stage_ids:
                 rec[("send_recv", "pp", msg)] += forwards * 2  # send activation, recv grad
 
     # once per step

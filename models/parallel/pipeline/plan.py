@@ -46,6 +46,7 @@ class ScheduleFacts:
     style: str
     min_microbatches_per_stage: bool = False  # torch's 1F1B needs n_microbatches >= stages
     interleaved_rounds: bool = False  # flex schedules need n_mb % max(1, n_mb // pp) == 0
+    split_backward: bool = False  # zero-bubble: each backward runs as an input half, then a weight half
 
 
 # The schedules we run (schedule.py maps each to its torch class; the key order is the order
@@ -56,8 +57,8 @@ SCHEDULE_FACTS: dict[str, ScheduleFacts] = {
     "1F1B": ScheduleFacts(1, "loop", min_microbatches_per_stage=True),
     "Interleaved1F1B": ScheduleFacts(None, "loop", interleaved_rounds=True),
     "LoopedBFS": ScheduleFacts(None, "loop"),
-    "InterleavedZeroBubble": ScheduleFacts(None, "loop", interleaved_rounds=True),
-    "ZBVZeroBubble": ScheduleFacts(2, "v"),
+    "InterleavedZeroBubble": ScheduleFacts(None, "loop", interleaved_rounds=True, split_backward=True),
+    "ZBVZeroBubble": ScheduleFacts(2, "v", split_backward=True),
 }
 
 DEFAULT_STAGES_PER_RANK = 2  # for multi-stage schedules when nothing else fixes the stage count
