@@ -23,6 +23,9 @@ in the same run:
 * ``tp_block_overhead_s``: TP's host time per block and micro-batch beyond its FLOPs (DTensor
   dispatch, redistribution bookkeeping, narrower GEMMs), from fake-backend runs of tp=2 rank 0
   with 1 and 3 layers against 1-process runs of the same depths (not the timed 6-layer layout);
+  ``cp_block_overhead_s`` the same for cp=2 (two masked attention calls per block instead of one
+  causal one, the gathered K/V reordered; FSDP's per-group work over the cp ranks included, as
+  in every cp layout);
 * ``comm_overlap`` false: each of the 2 ranks computes on one of the 2 cores, so no collective
   hides behind compute (stated, not fitted).
 
@@ -207,8 +210,8 @@ def cpu_profile() -> dict:
     FLOP/s of a 1-process, 1-thread train.py step (the planner's own FLOP count of that step over
     its median time less the optimizer step), full AC's recompute cost, gloo links per collective
     kind from back-to-back 2-process collectives (:func:`_gloo_profile`), and, from the per-block
-    times of tp=2 (:func:`_tp_blocks`), TP's host overhead and the base latency a collective costs
-    inside a training step beyond that microbenchmark."""
+    times of tp=2 and cp=2 (:func:`_blocks`), TP's and CP's host overheads and the base latency a
+    collective costs inside a training step beyond that microbenchmark."""
     import dataclasses
 
     from tools.launcher import run_distributed
@@ -226,18 +229,21 @@ def cpu_profile() -> dict:
     recomputed = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["recompute"]
     recompute_cost = max(step_full_ac - step, 0.0) / (recomputed / rate)
     link = _gloo_profile(run_distributed(_gloo_times, 2, env=_env())[0])
-    blocks = _tp_blocks()
-    # TP's host overhead: a tp=2 block on the fake backend against the 1-process block scaled by
-    # the two blocks' matmul FLOPs, per micro-batch
-    tp_overhead = max(blocks["fake_s"] - blocks["plain_s"] * blocks["tp_flops"] / blocks["plain_flops"], 0.0)
-    tp_overhead /= blocks["forwards"]
+    blocks = _blocks()
+
+    def host_overhead(axis: str) -> float:
+        # a tp=2 / cp=2 block on the fake backend against the 1-process block scaled by the two
+        # blocks' matmul FLOPs, per micro-batch
+        scaled = blocks["plain_s"] * blocks[f"{axis}_flops"] / blocks["plain_flops"]
+        return max(blocks[f"{axis}_fake_s"] - scaled, 0.0) / blocks["forwards"]
+
     # a block's collectives cost (real - fake) on the tp=2 ranks; what the link figures above do
     # not explain, per collective, is the base latency (the other rank still computing, a
     # waiting process woken up on a busy core)
     hw = dataclasses.replace(load_hardware("h100"), **link)
     linked = sum(c * collective_seconds(k, b, 2, False, hw) for k, b, c in blocks["collectives"])
     count = sum(c for _, _, c in blocks["collectives"])
-    base = max(blocks["real_s"] - blocks["fake_s"] - linked, 0.0) / count
+    base = max(blocks["tp_real_s"] - blocks["tp_fake_s"] - linked, 0.0) / count
     return {
         "peak_flops_fp32": rate,
         "peak_flops_bf16": rate,
@@ -247,7 +253,8 @@ def cpu_profile() -> dict:
         "base_latency_us": base * 1e6,
         "comm_overlap": False,
         "recompute_cost": recompute_cost,
-        "tp_block_overhead_s": tp_overhead,
+        "tp_block_overhead_s": host_overhead("tp"),
+        "cp_block_overhead_s": host_overhead("cp"),
         "memory_gbps": memory_gbps,
     }
 
@@ -283,13 +290,13 @@ def _gloo_profile(times: dict) -> dict:
     return {**link, "collective_bw_scale": scale, "collective_latency_us": latency}
 
 
-def _tp_blocks() -> dict:
+def _blocks() -> dict:
     """What one more transformer block adds to a step (1- and 3-layer models, so embeddings and
     head cancel; not the timed 6-layer layouts): its time in a 1-process run (``plain_s``), on
-    rank 0 of tp=2 on the fake backend (``fake_s``: compute and host overhead) and in a real
-    2-process tp=2 run (``real_s``); its matmul FLOPs in both (``plain_flops``, ``tp_flops``),
-    the tp=2 step's micro-batches (``forwards``) and the block's predicted tp=2 collectives as
-    (kind, bytes, calls)."""
+    rank 0 of tp=2 and of cp=2 on the fake backend (``tp_fake_s``, ``cp_fake_s``: compute and
+    host overhead) and in a real 2-process tp=2 run (``tp_real_s``); its matmul FLOPs in each
+    (``plain_flops``, ``tp_flops``, ``cp_flops``), the 2-rank steps' micro-batches
+    (``forwards``) and the block's predicted tp=2 collectives as (kind, bytes, calls)."""
     from collections import Counter
 
     from tools.planner.collectives import predict_collectives
@@ -313,15 +320,19 @@ def _tp_blocks() -> dict:
         calls.subtract(out[1][1])
         return (out[3][0] - out[1][0]) / 2, [(k, b, c / 2) for (k, b), c in calls.items() if c], forwards
 
-    plain, tp = {"dp_shard": 1}, {"dp_shard": 1, "tp": 2}
+    plain, tp, cp = {"dp_shard": 1}, {"dp_shard": 1, "tp": 2}, {"dp_shard": 1, "cp": 2}
     plain_flops, _, _ = model(plain, 1)
     tp_flops, collectives, forwards = model(tp, 2)
+    cp_flops, _, cp_forwards = model(cp, 2)
+    assert cp_forwards == forwards
     return {
         "plain_s": per_block(1, plain),
-        "fake_s": per_block(2, tp, fake_rank=0),
-        "real_s": per_block(2, tp),
+        "tp_fake_s": per_block(2, tp, fake_rank=0),
+        "tp_real_s": per_block(2, tp),
+        "cp_fake_s": per_block(2, cp, fake_rank=0),
         "plain_flops": plain_flops,
         "tp_flops": tp_flops,
+        "cp_flops": cp_flops,
         "forwards": forwards,
         "collectives": collectives,
     }
@@ -374,7 +385,7 @@ def run() -> dict:
     for name, (settings, busiest) in LAYOUTS.items():
         d, choice = _choice(settings)
         est = estimate(job, d, choice).time
-        predicted_compute = est["compute"] + est["recompute"] + est["tp_overhead"] + est["optimizer"]
+        predicted_compute = sum(est[k] for k in ("compute", "recompute", "tp_overhead", "cp_overhead", "optimizer"))
         fake = _train(2, settings, fake_rank=busiest)
         medians = [r["median"] for r in rounds[name]]
         measured = statistics.mean(medians)

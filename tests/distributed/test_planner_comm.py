@@ -68,7 +68,6 @@ but not checked.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from collections import Counter
@@ -295,8 +294,6 @@ def predicted(name: str, rank: int) -> list[dict]:
 
     plan = _plan(name)
     pd, choice = plan.parallel_dims, choice_from_plan(plan)
-    # choice_from_plan (tools/planner/estimate.py) does not carry the every-N-th-block option
-    choice = dataclasses.replace(choice, selective_ac_option=plan.parallelize.ac_selective_option)
     overrides = model_overrides(plan.config, 2048)
     return predict_collectives(LAYOUTS[name].model, "debugmodel", pd.degrees, choice, rank, **overrides)
 

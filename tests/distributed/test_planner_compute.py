@@ -10,7 +10,8 @@ from the trainer's own job plan of the same config, must equal it EXACTLY: tenso
 splits, sequence-parallel router/expert shards, MLA's replicated low-rank projections under TP,
 expert and expert-tensor parallel, context-parallel query shards, the pipeline's uneven stages
 (first stage vs last stage with the output projection), gradient accumulation and pipeline
-micro-batches, full AC's recomputed forward and selective AC's none, and one rank of a 64-rank
+micro-batches, full AC's recomputed forward, selective AC's none with the per-op policy and
+the fully checkpointed blocks' with its every-N-th-block option, and one rank of a 64-rank
 job. All layouts run one after another in one interpreter (DTensor's caches are dropped
 between them), one optimizer step each.
 """
@@ -55,6 +56,12 @@ CASES = {
     "deepseek_v3 fsdp=4,ep=2": Case("deepseek_v3", dict(dp_shard=4, ep=2), 2),
     "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 full AC": Case("deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2), 0, _AC_FULL),
     "deepseek_v3 pp=2,fsdp=2 last stage": Case("deepseek_v3", dict(dp_shard=2, pp=2), 3),
+    # every 2nd block of each stage fully checkpointed: on the first stage the dense block 0 of
+    # its dense + MoE blocks
+    "deepseek_v3 pp=2,fsdp=2 first stage selective AC every 2": Case(
+        "deepseek_v3", dict(dp_shard=2, pp=2), 0,
+        (("activation_checkpoint.mode", "selective"), ("activation_checkpoint.selective_ac_option", "2")),
+    ),
 }  # fmt: skip
 
 # the config key of each degree, from the axis table

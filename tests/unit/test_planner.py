@@ -144,14 +144,22 @@ def test_training_state_memory_equals_the_real_sharded_model():
 
 # --------------------------------------------------------------------------- activations
 @pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
-@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+@pytest.mark.parametrize("ac", ["none", "selective", "full", "selective:2"])
 def test_activation_estimate_matches_saved_tensors(model, ac):
     """Bytes held for the backward at the end of forward + loss (measured: storages created in
-    the forward still alive, see tools/planner/measure.py) vs the analytic formula."""
+    the forward still alive, see tools/planner/measure.py) vs the analytic formula. "selective:2":
+    selective AC's every-2nd-block option (llama3: blocks 0, 2, 4 of 6 fully checkpointed;
+    deepseek_v3: the dense block 0 and the MoE block 2 of 3)."""
     _, args = model_inventory(model, "debugmodel")
+    mode, _, option = ac.partition(":")
+    every = int(option) if option else None
     for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
-        measured = measure_activations(model, "debugmodel", 128, batch=2, ac_mode=ac, dtype=dtype)["bytes"]
-        predicted = activation_bytes(args, range(args.n_layers), 2, 128, act_bytes=nbytes, ac=ac).held
+        measured = measure_activations(
+            model, "debugmodel", 128, batch=2, ac_mode=mode, dtype=dtype, ac_option=option or "op"
+        )["bytes"]
+        predicted = activation_bytes(
+            args, range(args.n_layers), 2, 128, act_bytes=nbytes, ac=mode, selective_every=every
+        ).held
         assert abs(predicted - measured) <= 0.15 * measured, (dtype, predicted, measured)
         # in fact the formula is exact up to the RoPE rows the test's bf16 cast copies
         assert abs(predicted - measured) <= 0.01 * measured, (dtype, predicted, measured)
@@ -231,9 +239,9 @@ def test_hardware_without_overlap_exposes_every_data_parallel_collective():
     assert gpu["tp_overhead"] == cpu["tp_overhead"] == 0.0  # no TP
 
 
-def test_tp_host_overhead_is_per_block_and_micro_batch():
-    """``tp_block_overhead_s`` (a CPU profile's): paid once per block of the busiest stage per
-    micro-batch, and only under TP."""
+def test_tp_and_cp_host_overheads_are_per_block_and_micro_batch():
+    """``tp_block_overhead_s`` / ``cp_block_overhead_s`` (a CPU profile's): paid once per block
+    of the busiest stage per micro-batch, and only under TP / CP."""
     import dataclasses
 
     hw = dataclasses.replace(H100, tp_block_overhead_s=0.01)
@@ -245,6 +253,16 @@ def test_tp_host_overhead_is_per_block_and_micro_batch():
     assert t["tp_overhead"] == pytest.approx(0.01 * 16 * 4 * 2)
     no_tp = estimate(job, validate_degrees(world_size=16, dp_shard=8, pp=2), choice).time
     assert no_tp["tp_overhead"] == 0.0
+    # cp_block_overhead_s: the same rule under CP, and only there
+    hw = dataclasses.replace(H100, cp_block_overhead_s=0.02)
+    job = Job("llama3", "8B", 16, 8, 4096, 64, hw)
+    cp_tp = validate_degrees(world_size=16, dp_shard=2, cp=2, tp=2, pp=2)
+    cp = estimate(job, cp_tp, choice).time
+    # batch degree 2 (cp shares sequences, not batches): 4 accumulation steps of 4 micro-batches
+    assert cp["cp_overhead"] == pytest.approx(0.02 * 16 * 4 * 4) and cp["tp_overhead"] == 0.0
+    assert estimate(job, validate_degrees(world_size=16, dp_shard=8, pp=2), choice).time["cp_overhead"] == 0.0
+    without = estimate(dataclasses.replace(job, hardware=H100), cp_tp, choice).time
+    assert cp["total"] - without["total"] >= cp["cp_overhead"]  # busy time, and the bubble grows with it
 
 
 def test_optimizer_step_is_priced_on_the_ranks_local_parameter_shards():

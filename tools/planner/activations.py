@@ -27,7 +27,9 @@ and the MLP; ``a`` bytes per activation element (the FSDP compute dtype); 4 = fl
 * Full AC keeps only each block's input (``a Tn D``); the backward recomputes one block at a
   time, so the peak adds one block's no-AC activations (reported as ``recompute``).
 * Selective AC (``op``) keeps each block's input and the outputs of every matmul, grouped
-  matmul, SDPA and collective (``models/parallel/activation_checkpoint.py``: ``_SAVE_OPS``).
+  matmul, SDPA and collective (``models/parallel/activation_checkpoint.py``: ``_SAVE_OPS``);
+  with an integer option N every N-th block holds what full AC holds and the others what no AC
+  holds.
 * Outside the blocks: the final norm and its output, the logits (``a T V/tp``, kept by the
   train step) and the float32 log-softmax of the loss (``4 T V/tp``).
 """
@@ -150,19 +152,24 @@ def head_bytes(args, b: int, seq_len: int, tp: int, cp: int, sp: bool, a: int) -
 
 def activation_bytes(
     args, layers, b: int, seq_len: int, *, tp: int = 1, cp: int = 1, etp: int = 1, sp: bool = True,
-    act_bytes: int = 2, ac: str = "none", head: bool = True,
+    act_bytes: int = 2, ac: str = "none", head: bool = True, selective_every: int | None = None,
 ) -> ActivationEstimate:  # fmt: skip
     """Activations of one micro-batch of ``b`` sequences on one rank holding ``layers`` (and
-    the head when ``head``)."""
-    # layers of one kind (dense / MoE) hold the same bytes: compute one of each
+    the head when ``head``). ``selective_every`` N with ``ac == "selective"``: selective AC's
+    integer option, every N-th of ``layers`` (from the first) fully checkpointed, the others
+    not checkpointed at all."""
+    # layers of one kind (dense / MoE) and AC mode hold the same bytes: compute one of each
     first_moe = getattr(args, "n_dense_layers", 0) if args.has_experts else None
-    kinds: dict[bool, list[int]] = {}
-    for i in layers:
-        kinds.setdefault(first_moe is not None and i >= first_moe, []).append(i)
+    kinds: dict[tuple[bool, str], list[int]] = {}
+    for k, i in enumerate(layers):
+        mode = ac
+        if ac == "selective" and selective_every:
+            mode = "full" if k % selective_every == 0 else "none"
+        kinds.setdefault((first_moe is not None and i >= first_moe, mode), []).append(i)
     total = recompute = 0
-    for members in kinds.values():
-        total += len(members) * layer_bytes(args, members[0], b, seq_len, tp, cp, etp, sp, act_bytes, ac)
-        if ac == "full":
+    for (_, mode), members in kinds.items():
+        total += len(members) * layer_bytes(args, members[0], b, seq_len, tp, cp, etp, sp, act_bytes, mode)
+        if mode == "full":
             recompute = max(recompute, layer_bytes(args, members[0], b, seq_len, tp, cp, etp, sp, act_bytes, "none"))
     h = head_bytes(args, b, seq_len, tp, cp, sp, act_bytes) if head else 0
     return ActivationEstimate(total, h, recompute)

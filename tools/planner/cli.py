@@ -119,6 +119,7 @@ def toml_snippet(e: Estimate, job: Job) -> str:
         "",
         "[activation_checkpoint]",
         f'mode = "{c.ac}"',
+        *([f'selective_ac_option = "{c.selective_ac_option}"'] if c.ac == "selective" else []),
         "",
         "[training]",
         f"global_batch_size = {c.global_batch}",
@@ -148,6 +149,7 @@ def _breakdown(e: Estimate) -> list[str]:
         f"activations {m['activations']:.2f} = {m['total']:.2f}",
         f"      time s: compute {t['compute']:.3f} + recompute {t['recompute']:.3f}"
         + (f" + tp host overhead {t['tp_overhead']:.3f}" if t["tp_overhead"] else "")
+        + (f" + cp host overhead {t['cp_overhead']:.3f}" if t["cp_overhead"] else "")
         + f" + exposed comm {t['comm_exposed_fsdp'] + t['comm_exposed_other']:.3f} + bubble {t['bubble']:.3f}"
         f" + optimizer {t['optimizer']:.3f} = {t['total']:.3f}; comm per axis (before overlap): {comm or 'none'}",
     ]

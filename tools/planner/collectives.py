@@ -72,9 +72,9 @@ both reshard every group but the last block and the head when the shard mesh has
 rank), more micro-batches than pp ranks under the split-backward schedules (the orders differ;
 the rule reads torch's), and more than 8 ranks. ``fsdp_reshard_after_forward = "always"`` with a
 split-backward schedule is refused by ``trainer.plan.plan_job`` (it dropped weight gradients).
-The every-N-th-block option is modelled here (:attr:`LayoutChoice.selective_ac_option`) but
-neither enumerated by the planner nor carried by ``estimate.choice_from_plan``, and the memory
-and compute estimates treat ``selective`` as the per-op policy.
+The every-N-th-block option (:attr:`LayoutChoice.selective_ac_option`) is carried from a
+trainer config by ``estimate.choice_from_plan`` and modelled here and in the memory and compute
+estimates; the search enumerates only the per-op policy (its ``--toml`` says so).
 """
 
 from __future__ import annotations

@@ -29,8 +29,10 @@ with the real shards of :mod:`tools.planner.inventory`:
   last projection (the feed-forward's, or under MoE the shared experts', row-wise output
   projection): torch's non-reentrant checkpoint stops recomputing once every tensor the
   backward saved is back, and nothing saves that projection's output (it only feeds the
-  residual add); selective AC saves every matmul and attention output
-  (``tests/unit/test_activation_checkpoint.py``), so it adds none.
+  residual add); selective AC's per-op policy saves every matmul and attention output
+  (``tests/unit/test_activation_checkpoint.py``), so it adds none; its every-N-th-block option
+  fully checkpoints every N-th block of each stage chunk, which adds what full AC adds for
+  those blocks.
 
 Checked against the FLOPs a rank really computes (``profiling.matmul_census_step`` of a
 fake-backend run, local shards): ``tests/distributed/test_planner_compute.py``.
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .collectives import LayoutChoice, grad_accum_steps, stage_layers
+from .collectives import LayoutChoice, _fully_checkpointed, grad_accum_steps, stage_layers
 from .inventory import cached_layout, model_inventory, rank_shards
 
 __all__ = ["rank_matmul_flops"]
@@ -109,16 +111,24 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
     moe_tokens = tokens // d.tp  # the sequence-parallel shard the router and experts read
     heads, head_dim = _attention_dims(args)
     pairs = _pairs(choice, d)
-    blocks = head = unrecomputed = 0.0
+    blocks = head = recompute = 0.0
+
+    def block_flops(whole, router, experts, n_layers):
+        # Q K^T and P V: b * heads/tp * (query, key) pairs * (qk + v dims)
+        attention = n_layers * 2 * pairs * (heads // d.tp) * 2 * head_dim
+        return 2 * tokens * whole + 2 * moe_tokens * (router + experts) + attention
+
     for layers, embed, has_head in stages:
         whole, router, experts, last, head_numel = _stage_weights(model, flavor, key, d, rank, layers, embed, has_head)
-        blocks += 2 * tokens * whole + 2 * moe_tokens * (router + experts)
-        unrecomputed += 2 * tokens * last
+        blocks += block_flops(whole, router, experts, len(layers))
         head += 2 * tokens * head_numel
-        # Q K^T and P V: b * heads/tp * (query, key) pairs * (qk + v dims)
-        blocks += len(layers) * 2 * pairs * (heads // d.tp) * 2 * head_dim
+        # the fully checkpointed blocks run their forward again, but their last projection
+        redo = _fully_checkpointed(choice, layers)
+        if redo:
+            if len(redo) < len(layers):
+                whole, router, experts, last, _ = _stage_weights(model, flavor, key, d, rank, tuple(redo), False, False)
+            recompute += block_flops(whole, router, experts, len(redo)) - 2 * tokens * last
     forward = blocks + head
-    recompute = blocks - unrecomputed if choice.ac == "full" else 0.0
     backward = 2 * forward
     return (("forward", forward), ("backward", backward), ("recompute", recompute),
             ("total", forward + backward + recompute))  # fmt: skip

@@ -25,7 +25,8 @@ stage) -- every assumption is also printed with the result:
   pipeline stage, its TP/CP/EP share, the trainer's FLOPs-per-token accounting, checked exactly
   against fake-backend runs) / (peak x efficiency), the recomputed forward under full AC
   reported apart (times ``Hardware.recompute_cost``), plus, under TP, the profile's host
-  overhead per block and micro-batch (``Hardware.tp_block_overhead_s``, 0 on GPUs);
+  overhead per block and micro-batch (``Hardware.tp_block_overhead_s``, 0 on GPUs), and
+  under CP its counterpart (``Hardware.cp_block_overhead_s``);
   optimizer = the gradient norm, clipping and AdamW over the rank's local (unpadded) parameter
   shards, memory-bound (:func:`tools.planner.hardware.optimizer_seconds`), after the backward;
   communication = every collective
@@ -136,6 +137,7 @@ class Estimate:
                 "compute": round(self.time["compute"], 6),
                 "recompute": round(self.time["recompute"], 6),
                 "tp_overhead": round(self.time["tp_overhead"], 6),
+                "cp_overhead": round(self.time["cp_overhead"], 6),
                 "optimizer": round(self.time["optimizer"], 6),
                 "comm": {k: round(v, 6) for k, v in self.time["comm"].items()},
                 "bubble": round(self.time["bubble"], 6),
@@ -246,11 +248,14 @@ def _in_flight(choice: LayoutChoice, pp: int, plan) -> tuple[float, int]:
 
 
 @lru_cache(maxsize=65536)
-def _activations(model, flavor, key: tuple, layers, mb, seq_len, tp, cp, etp, act_bytes, ac, head):
+def _activations(model, flavor, key: tuple, layers, mb, seq_len, tp, cp, etp, act_bytes, ac, head, every, sp):
     """:func:`activation_bytes` of one stage (cached: the search asks for the same stage of
     many layouts)."""
     _, args = model_inventory(model, flavor, **dict(key))
-    return activation_bytes(args, layers, mb, seq_len, tp=tp, cp=cp, etp=etp, act_bytes=act_bytes, ac=ac, head=head)
+    return activation_bytes(
+        args, layers, mb, seq_len, tp=tp, cp=cp, etp=etp, sp=sp, act_bytes=act_bytes, ac=ac, head=head,
+        selective_every=every,
+    )  # fmt: skip
 
 
 def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[str, float]:
@@ -286,10 +291,13 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     act_bytes = _BYTES[choice.param_dtype]
     held_layers = 0.0
     head_b = recompute = 0
+    option = str(choice.selective_ac_option)
+    every = int(option) if choice.ac == "selective" and option.isdigit() and int(option) > 0 else None
     for layers, _embed, head in stages:
         est = _activations(
-            job.model, job.flavor, key, layers, mb, job.seq_len, d.tp, d.cp, d.etp, act_bytes, choice.ac, head
-        )
+            job.model, job.flavor, key, layers, mb, job.seq_len, d.tp, d.cp, d.etp, act_bytes, choice.ac, head,
+            every, choice.sequence_parallel,
+        )  # fmt: skip
         held_layers += est.layers
         head_b += est.head
         recompute = max(recompute, est.recompute)
@@ -336,12 +344,13 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     )
     compute = (flops["forward"] + flops["backward"]) / rate
     recompute = flops["recompute"] / rate * hw.recompute_cost
-    tp_overhead = 0.0
-    if d.tp > 1 and hw.tp_block_overhead_s:
+    tp_overhead = cp_overhead = 0.0
+    if (d.tp > 1 and hw.tp_block_overhead_s) or (d.cp > 1 and hw.cp_block_overhead_s):
         forwards = grad_accum_steps(choice, d) * (choice.n_microbatches if d.pp > 1 else 1)
         blocks = max(sum(len(layers) for layers, _, _ in stage_layers(args, d, choice, r, layout)[0]) for r in ranks)
-        tp_overhead = hw.tp_block_overhead_s * blocks * forwards
-    busy = compute + recompute + tp_overhead
+        tp_overhead = hw.tp_block_overhead_s * blocks * forwards if d.tp > 1 else 0.0
+        cp_overhead = hw.cp_block_overhead_s * blocks * forwards if d.cp > 1 else 0.0
+    busy = compute + recompute + tp_overhead + cp_overhead
     # communication, from the busiest stage's rank
     crossing = _crossing(d, job.gpus_per_node)
     comm: dict[str, float] = {}
@@ -381,6 +390,7 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         "compute": compute,
         "recompute": recompute,
         "tp_overhead": tp_overhead,
+        "cp_overhead": cp_overhead,
         "optimizer": optimizer,
         "comm": comm,
         "comm_exposed_fsdp": exposed_fsdp,
@@ -416,6 +426,7 @@ def choice_from_plan(plan) -> LayoutChoice:
         schedule=p.pipeline_parallel_schedule if pp else None,
         n_microbatches=p.pipeline_microbatches() if pp else None,
         ac=opts.ac_mode,
+        selective_ac_option=str(opts.ac_selective_option),
         reshard=opts.reshard_after_forward,
         param_dtype=opts.param_dtype,
         reduce_dtype=opts.reduce_dtype,
@@ -497,6 +508,7 @@ def losing_reason(e: Estimate, best: Estimate, job: Job) -> str:
         "activation recompute": e.time["recompute"] - best.time["recompute"],
         "compute": e.time["compute"] - best.time["compute"],
         "tensor-parallel host overhead": e.time["tp_overhead"] - best.time["tp_overhead"],
+        "context-parallel host overhead": e.time["cp_overhead"] - best.time["cp_overhead"],
         "optimizer step": e.time["optimizer"] - best.time["optimizer"],
     }
     for axis in set(e.time["comm"]) | set(best.time["comm"]):

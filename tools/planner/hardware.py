@@ -84,6 +84,10 @@ class Hardware:
     # profile measures it (benchmarks/planner.py: per-block step time of a tp=2 fake-backend
     # rank against a 1-process run).
     tp_block_overhead_s: float = 0.0
+    # The same for a context-parallel block (load-balanced causal attention: two masked SDPA
+    # calls per block instead of one causal one, the gathered K/V reordered, FSDP's per-group
+    # work on the cp mesh): 0 on GPUs; a CPU profile measures it the same way.
+    cp_block_overhead_s: float = 0.0
     # Memory bandwidth the optimizer step streams the rank's parameter shards, gradients and
     # AdamW states at (GB/s). GPUs: the HBM bandwidth; a CPU profile measures it.
     memory_gbps: float = 3350.0

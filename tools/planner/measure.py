@@ -129,10 +129,11 @@ def measure_in_subprocess(*args, **kwargs) -> dict:
 
 def measure_activations(
     model: str, flavor: str, seq_len: int, batch: int = 1, ac_mode: str = "none", dtype: str = "float32",
-    **overrides,
+    ac_option: str = "op", **overrides,
 ) -> dict:  # fmt: skip
     """Bytes held for the backward at the end of one forward + loss (see the module docstring),
-    on CPU, one process. ``dtype``: the parameters' (and so the activations') dtype."""
+    on CPU, one process. ``dtype``: the parameters' (and so the activations') dtype;
+    ``ac_option``: selective AC's option ("op" or every N-th block)."""
     import torch
     import torch.nn.functional as F
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -143,7 +144,7 @@ def measure_activations(
     m = build_model(model, flavor, device="cpu", max_seq_len=max(seq_len, 16), **overrides)
     m.init_weights(0)
     m.to(getattr(torch, dtype))
-    apply_activation_checkpointing(m, ac_mode)
+    apply_activation_checkpointing(m, ac_mode, ac_option)
     tokens = torch.randint(0, m.args.vocab_size, (batch, seq_len))
     labels = torch.randint(0, m.args.vocab_size, (batch, seq_len))
     before = {t.untyped_storage().data_ptr() for t in [*m.parameters(), *m.buffers(), tokens, labels]}
