@@ -383,6 +383,28 @@ def test_hardware_of_a_cuda_device_name():
     assert hardware_for_device("Tesla V100-SXM2-16GB") is None
 
 
+@pytest.mark.parametrize(
+    "schedule, pp, v, m",
+    [("InterleavedZeroBubble", 2, 2, 2), ("InterleavedZeroBubble", 4, 2, 8), ("InterleavedZeroBubble", 2, 3, 4),
+     ("ZBVZeroBubble", 2, 2, 2), ("ZBVZeroBubble", 4, 2, 6), ("ZBVZeroBubble", 8, 2, 16)],
+)  # fmt: skip
+def test_split_backward_rule_reads_the_same_compute_order_as_torchs_runtime(schedule, pp, v, m):
+    """The planner builds torch's zero-bubble orders without the communication torch inserts
+    (seconds per schedule in a search); each rank's compute actions are the runtime's."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    from tools.planner.collectives import _schedule_order
+
+    compute = {_ComputationType.FORWARD, _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT}
+
+    def ops(order):
+        return {r: [(a.computation_type, a.stage_index, a.microbatch_index) for a in acts
+                    if a is not None and a.computation_type in compute] for r, acts in order.items()}  # fmt: skip
+
+    cheap, runtime = _schedule_order(schedule, pp, v, m), _schedule_order(schedule, pp, v, m, comms=True)
+    assert ops(cheap) == ops(runtime) and all(ops(cheap).values())
+
+
 def test_json_fields():
     rc, out = _run([*_DEBUG, "--json", "--top", "3"])
     assert rc == 0
