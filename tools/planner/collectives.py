@@ -145,10 +145,16 @@ def _fully_checkpointed(choice: LayoutChoice, layers) -> list[int]:
     output, and no recomputation happens without AC)."""
     if choice.ac == "full":
         return list(layers)
-    option = str(choice.selective_ac_option)
-    if choice.ac == "selective" and option.isdigit() and int(option) > 0:
-        return [layer for k, layer in enumerate(layers) if k % int(option) == 0]
+    every = selective_every(choice)
+    if every:
+        return [layer for k, layer in enumerate(layers) if k % every == 0]
     return []
+
+
+def selective_every(choice: LayoutChoice) -> int | None:
+    """N of selective AC's every-N-th-block option, None for any other AC choice."""
+    option = str(choice.selective_ac_option)
+    return int(option) if choice.ac == "selective" and option.isdigit() and int(option) > 0 else None
 
 
 @lru_cache(maxsize=1024)

@@ -50,7 +50,7 @@ from functools import lru_cache
 from models.parallel.pipeline.plan import bubble_fraction as bubble_fraction_of
 
 from .activations import activation_bytes
-from .collectives import LayoutChoice, grad_accum_steps, predict_collectives, stage_layers
+from .collectives import LayoutChoice, grad_accum_steps, predict_collectives, selective_every, stage_layers
 from .compute import rank_matmul_flops
 from .hardware import GIB, Hardware, collective_seconds, optimizer_seconds
 from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
@@ -291,8 +291,7 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     act_bytes = _BYTES[choice.param_dtype]
     held_layers = 0.0
     head_b = recompute = 0
-    option = str(choice.selective_ac_option)
-    every = int(option) if choice.ac == "selective" and option.isdigit() and int(option) > 0 else None
+    every = selective_every(choice)
     for layers, _embed, head in stages:
         est = _activations(
             job.model, job.flavor, key, layers, mb, job.seq_len, d.tp, d.cp, d.etp, act_bytes, choice.ac, head,

@@ -13,11 +13,10 @@ The network defaults are PyTorch's collective cost model for DTensor redistribut
   ``torch/_inductor/comm_analysis.py``);
 * ring algorithms: all-gather and reduce-scatter move ``bytes * (n-1)/n`` per rank over
   ``n-1`` hops, all-reduce twice that (reduce-scatter + all-gather), where ``bytes`` is the
-  full buffer (all-gather output, reduce-scatter input, all-reduce tensor).
-
-* ring algorithms as above for every collective kind, unless a measured profile scales one kind
-  (``collective_bw_scale``: its bandwidth term; ``collective_latency_us``: added latency) -- gloo
-  on a CPU host, for one, implements reduce-scatter at about an all-reduce's cost or more.
+  full buffer (all-gather output, reduce-scatter input, all-reduce tensor); a measured profile
+  may scale one kind (``collective_bw_scale``: its bandwidth term; ``collective_latency_us``:
+  added latency) -- gloo on a CPU host, for one, runs a reduce-scatter at an all-reduce's cost
+  or more.
 
 The optimizer step (gradient-norm, clipping and AdamW over the rank's local parameter shards) is
 memory-bound: :data:`OPTIMIZER_BYTES_PER_PARAM` bytes per fp32 parameter element over the
@@ -27,7 +26,8 @@ effective figure, its foreach kernels making several passes).
 A GPU entry may override them, and ``--profile FILE`` (JSON with any of the keys of
 :class:`Hardware`) overrides everything, e.g. a measured CPU profile for the ranking check
 (``benchmarks/planner.py`` measures one: matmul rate, gloo links and per-kind scales, no
-overlap, recompute cost, TP's per-block host overhead, the optimizer's memory bandwidth).
+overlap, recompute cost, TP's and CP's per-block host overheads, the optimizer's memory
+bandwidth).
 """
 
 from __future__ import annotations
