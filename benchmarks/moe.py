@@ -11,8 +11,9 @@ this process on one intra-op thread (two threads on a shared 2-core machine made
 vary 20x), interleaved in rotating order, one warm-up each; the figure per path is the best
 of ``REPS`` timed steps (the medians are recorded too), and the ratios divide figures measured
 in the same run. The
-section also records whether the grouped and loop paths gave bitwise equal outputs and
-gradients, and the largest difference to the old loop.
+section also records the largest difference of the loop's and the old loop's outputs and
+gradients to the grouped path's: different GEMM calls, equal up to rounding
+(``tests/unit/test_moe_kernels.py`` bounds the grouped-vs-loop difference per element).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _measure(num_experts: int) -> dict:
                 times[path].append(seconds)
 
     best = {p: min(t) for p, t in times.items()}
-    bitwise = all(torch.equal(a, b) for a, b in zip(results["grouped"], results["loop"]))
+    loop_diff = max((a - b).abs().max().item() for a, b in zip(results["grouped"], results["loop"]))
     old_diff = max((a - b).abs().max().item() for a, b in zip(results["grouped"], results["old_loop"]))
     return {
         "experts": num_experts,
@@ -93,7 +94,7 @@ def _measure(num_experts: int) -> dict:
         "old_loop_over_grouped": round(best["old_loop"] / best["grouped"], 3),
         "loop_over_grouped": round(best["loop"] / best["grouped"], 3),
         "old_loop_over_loop": round(best["old_loop"] / best["loop"], 3),
-        "grouped_equals_loop_bitwise": bitwise,
+        "max_abs_diff_grouped_vs_loop": loop_diff,
         "max_abs_diff_grouped_vs_old_loop": old_diff,
     }
 
@@ -114,7 +115,7 @@ def run() -> dict:
             f"moe E={e:4d}: grouped {s['grouped']:.4f}s  loop {s['loop']:.4f}s  "
             f"old_loop {s['old_loop']:.4f}s  old/grouped {row['old_loop_over_grouped']:.2f}  "
             f"loop/grouped {row['loop_over_grouped']:.2f}  "
-            f"bitwise(grouped, loop)={row['grouped_equals_loop_bitwise']}",
+            f"max|grouped - loop|={row['max_abs_diff_grouped_vs_loop']:.1e}",
             file=sys.stderr,
         )
     return {

@@ -41,7 +41,8 @@ def grouped_mm_by_default(device: torch.device, dtype: torch.dtype, dim: int, hi
     * every row stride is 16-byte aligned: ``dim`` and ``hidden_dim`` times the element size
       are multiples of 16 (the op rejects other strides);
     * CPU: any of those dtypes. ATen runs its per-group ``mm`` fallback there, which reads the
-      offsets in C++ (no device to sync with). Measured bitwise equal to the loop; fwd+bwd
+      offsets in C++ (no device to sync with). Equal to the loop up to rounding (the per-group
+      GEMMs may sum in another order than the loop's ``mm``, depending on the CPU); fwd+bwd
       about as fast as the O(E) loop up to 64 experts (loop/grouped time 0.86-1.14) and
       faster at 128 (1.22-1.26), 6-23x faster than the old O(E^2) loop at 64-128 experts
       (``benchmarks/moe.py``: 4096 rows, dim 256, hidden 128, float32, one thread);
@@ -115,8 +116,10 @@ class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts stored as stacked weights ``w1``/``w3`` [E, hidden, dim] and ``w2``
     [E, dim, hidden], so EP and FSDP can shard them along the expert dimension as one tensor.
 
-    Two implementations, with the same results (bitwise on CPU in float32, bfloat16 and
-    float16, ``tests/unit/test_moe_kernels.py``):
+    Two implementations, with the same results up to rounding: their GEMM calls differ, so the
+    order of a dot product's additions may too (float32, bfloat16 and float16 agree within a
+    per-element rounding-error bound, zeros of padding and empty experts exactly;
+    ``tests/unit/test_moe_kernels.py``):
 
     * grouped GEMM: three ``torch._grouped_mm`` calls over all local experts. Group offsets
       are a device-side cumsum of the counts, the count check is a device-side

@@ -149,7 +149,9 @@ def _ep_vs_reference(rank, world, ep, etp, empty_experts, rows_per_rank, seed):
 def _check(results):
     for rank, r in enumerate(results):
         print(f"rank {rank}: {r}")
-        assert r["weights"] == 0.0
+        assert r["weights"] == 0.0  # full_tensor() of the shards: a copy of the stored values
+        # exact: the same EP wrapper over the same ranks runs the same collectives and kernels on
+        # the same local shapes; checkpointing re-runs that forward unchanged
         assert r["alt_entry"] == 0.0, (rank, r)
         assert r["out"] < TOL, (rank, r)
         assert r["x_grad"] < TOL, (rank, r)

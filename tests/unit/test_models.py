@@ -309,6 +309,8 @@ def test_rope_with_load_balanced_positions_matches_full_sequence(cp_rank):
     full = apply_rotary_emb(x_full, rope(torch.arange(32)))
     positions = load_balanced_positions(32, cp_rank, 2)
     local = apply_rotary_emb(load_balanced_shard(x_full, 1, cp_rank, 2), rope(positions))
+    # exact: one elementwise complex multiply of the same values; both calls' innermost loop is
+    # the same d/2 contiguous pairs, so every element takes the same (vector or scalar) code
     torch.testing.assert_close(local, load_balanced_shard(full, 1, cp_rank, 2), rtol=0, atol=0)
 
 
@@ -542,6 +544,8 @@ def test_grouped_routing_keeps_only_the_best_groups(score_func):
     groups = selected // 2
     assert torch.equal(groups[:, 0], groups[:, 1])  # one kept group -> both picks inside it
     per_group = scores.view(50, 4, 2)
+    # the router's group scores are these very floats (its top-2 sum adds the same two terms,
+    # and a + b == b + a in floating point), so the kept group is their argmax
     best = per_group.sum(-1) if score_func == "sigmoid" else per_group.amax(-1)
     assert torch.equal(groups[:, 0], best.argmax(-1))
     # Without the group limit some tokens would have crossed groups.
