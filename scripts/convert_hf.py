@@ -37,7 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.registry import flavor_names, get_model_spec, model_names
-from trainer.checkpoint import CheckpointError
+from trainer.cli_errors import run_command
 from trainer.hf_checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     _dcp_model_meta,
@@ -235,12 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    try:
+
+    def run() -> None:
         ns.run(ns)
-    except (UsageError, CheckpointError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+
+    # UsageError, CheckpointError, ConfigError (ValueErrors, also when DCP wraps them): one line, exit 2
+    return run_command(run)
 
 
 if __name__ == "__main__":

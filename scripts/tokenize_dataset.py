@@ -25,6 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from trainer.cli_errors import run_command
 from trainer.token_writer import DEFAULT_SHARD_TOKENS, tokenize_to_shards, verify_folder
 
 
@@ -42,12 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="train", help="split of a Hugging Face DatasetDict folder")
     p.add_argument("--verify", action="store_true", help="check every shard's sha256 (reads everything)")
     args = p.parse_args(argv)
-    try:
+    if not args.inputs and not args.verify:
+        p.error("give one or more INPUTs, or --verify --out DIR to check a finished folder")
+
+    def run() -> None:
         if not args.inputs:
-            if not args.verify:
-                p.error("give one or more INPUTs, or --verify --out DIR to check a finished folder")
             verify_folder(args.out)
-            return 0
+            return
         tokenize_to_shards(
             args.inputs,
             args.out,
@@ -59,10 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             split=args.split,
             verify=args.verify,
         )
-        return 0
-    except (ValueError, OSError) as exc:  # bad input, config or output folder: one line
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+    try:  # bad input, config or output folder (OSError included): one line, exit 2
+        return run_command(run, kinds=(ValueError, OSError))
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume", file=sys.stderr)
         return 130

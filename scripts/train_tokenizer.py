@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from trainer.checkpoint import write_atomic
+from trainer.cli_errors import run_command
 from trainer.data import synthetic_document
 from trainer.tokenizer import DEFAULT_TOKENIZER_PATH, SPECIAL_TOKENS
 
@@ -145,11 +147,35 @@ def train() -> Tokenizer:
     return tok
 
 
-def main() -> int:
+def _check_out(path: str, check: bool) -> None:
+    """Before the minutes of training: ``--check`` needs a readable file, writing a folder that
+    exists or can be created."""
+    if check:
+        if not os.path.isfile(path):
+            raise ValueError(f"--out {path} is not a file: --check compares with an existing tokenizer.json")
+        return
+    if os.path.isdir(path):
+        raise ValueError(
+            f"--out {path} is a folder: pass the file to write, e.g. {os.path.join(path, 'tokenizer.json')}"
+        )
+    probe = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path} cannot be created ({probe} is not a writable folder): choose another path")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=DEFAULT_TOKENIZER_PATH)
     parser.add_argument("--check", action="store_true", help="compare with --out instead of writing")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # a bad --out (or one that cannot be read or written): one line, exit 2
+    return run_command(lambda: _run(args), kinds=(ValueError, OSError))
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check_out(args.out, args.check)
     tok = train()
     text = tok.to_str(pretty=True)
     if args.check:
@@ -157,9 +183,8 @@ def main() -> int:
             same = f.read() == text
         print(f"{args.out}: {'up to date' if same else 'OUT OF DATE - rerun without --check'}")
         return 0 if same else 1
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_atomic(args.out, text)  # an interrupted run leaves the old file
     print(
         f"wrote {args.out}: vocab_size={tok.get_vocab_size()} "
         f"special ids={[tok.token_to_id(t) for t in SPECIAL_TOKENS]}"

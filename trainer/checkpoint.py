@@ -114,6 +114,24 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def write_atomic(path: str, data: bytes | str) -> None:
+    """Write ``data`` to a temporary name next to ``path``, fsync, rename it over ``path`` and
+    fsync the folder: readers see the old file or the whole new one, never a partial file (the
+    temporary file is removed if the write fails)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 # -------------------------------------------------------------------- state builders
 
 

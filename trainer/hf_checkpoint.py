@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainer.checkpoint import CheckpointError, _fsync_dir
+from trainer.checkpoint import CheckpointError, _fsync_dir, _read_failure
+from trainer.cli_errors import unwrap_dcp
 
 logger = logging.getLogger(__name__)
 
@@ -677,9 +678,21 @@ def _dcp_read(dcp_dir: str, keys: Sequence[str], meta) -> dict[str, Tensor]:
     import torch.distributed.checkpoint as dcp
 
     state = {k: torch.empty(meta[k][0], dtype=meta[k][1]) for k in keys}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": state}, checkpoint_id=dcp_dir, no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=dcp_dir, no_dist=True)
+    except BaseException as exc:  # DCP wraps what failed in a CheckpointException (a BaseException)
+        reason = _read_failure(exc, "shard file")
+        if reason is None:
+            inner = unwrap_dcp(exc)
+            if inner is exc:
+                raise
+            raise inner from None
+        raise CheckpointError(
+            f"checkpoint {dcp_dir} is unreadable ({reason}): point it at another step-N folder, or write this one "
+            f"again (save it again, or rerun convert_hf.py to-dcp)"
+        ) from None
     return state
 
 
@@ -850,9 +863,15 @@ def convert_hf_to_dcp(
                 planner=_LazyPlanner(),
                 no_dist=True,
             )
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        # dcp.save reports what failed while it planned or wrote (here: reading the Hugging Face
+        # tensors in resolve_data, e.g. a CheckpointError for a corrupt safetensors file) as a
+        # CheckpointException, a BaseException wrapping it: raise what actually failed
+        inner = unwrap_dcp(exc)
+        if inner is exc:
+            raise
+        raise inner from None
     finally:
         reader.close()
     os.replace(tmp, out_dir)

@@ -41,7 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker 
 
 import numpy as np
 
-from trainer.checkpoint import _fsync_dir
+from trainer.checkpoint import _fsync_dir, write_atomic
 from trainer.config import ConfigError
 from trainer.token_dataset import (
     DTYPES,
@@ -327,17 +327,6 @@ def encoded_units(
 # ------------------------------------------------------------------------- the writer
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """Write to a temporary name, fsync, rename over ``path``, fsync the folder."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
 def _append_line(path: str, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -492,7 +481,7 @@ def tokenize_to_shards(
                 f"choose an empty or new folder"
             )
     # progress = header + the good records; rewritten atomically, then appended to
-    _write_atomic(progress_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *records]).encode())
+    write_atomic(progress_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *records]).encode())
     keep = {INDEX_NAME, PROGRESS_NAME} | {r["file"] for r in records} | {r["docs_file"] for r in records}
     for p in sorted(set(glob.glob(os.path.join(out, "shard_*")) + glob.glob(os.path.join(out, "*.tmp.*")))):
         if os.path.basename(p) not in keep:
@@ -520,8 +509,8 @@ def tokenize_to_shards(
         docs_io = io.BytesIO()
         np.save(docs_io, ends)
         docs_bytes = docs_io.getvalue()
-        _write_atomic(os.path.join(out, shard_file(i)), data)
-        _write_atomic(os.path.join(out, docs_file(i)), docs_bytes)
+        write_atomic(os.path.join(out, shard_file(i)), data)
+        write_atomic(os.path.join(out, docs_file(i)), docs_bytes)
         rec = {
             "shard": i,
             "file": shard_file(i),
@@ -582,7 +571,7 @@ def tokenize_to_shards(
             for r in records
         ],
     }
-    _write_atomic(index_path, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+    write_atomic(index_path, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
     progress.report(n_docs, total, len(records), force=True)
     say(f"tokenize: wrote {len(records)} shard(s), {total:,} tokens, {n_docs:,} documents ({dtype_name}) to {out}")
     return index

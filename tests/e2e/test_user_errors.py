@@ -1,15 +1,21 @@
 """Every user-caused failure is one line on stderr naming the path, the problem and the fix,
 with exit code 2 and no traceback: missing or unreadable inputs, absent steps, corrupt or
 truncated checkpoints. A run that is already complete says so and how to go on. (Bad config
-values and degrees: tests/e2e/test_train.py.)"""
+values and degrees: tests/e2e/test_train.py.) The other commands follow the same rule
+(trainer/cli_errors.py; in process: tests/unit/test_cli_errors.py); one scripts/convert_hf.py
+run here proves it end to end."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
+import subprocess
+import sys
 
 import pytest
 
-from .helpers import FAST, run_train
+from .helpers import FAST, ROOT, _env, run_train
 
 LLAMA = ["--config", "llama3.toml", *FAST, "--parallelism.dp_shard", "1"]
 
@@ -178,3 +184,34 @@ def test_a_complete_run_says_so_and_how_to_continue(tmp_path, run_with_two_check
     assert "already complete (step 2 of training.steps = 2" in res.stdout, res.stdout[-2000:]
     assert "--training.steps" in res.stdout and f"delete {run}" in res.stdout
     assert "step 1/2" not in res.stdout  # nothing was trained
+
+
+def test_convert_hf_corrupt_tensor_data_is_one_line(tmp_path):
+    """A safetensors header that parses and fits its file but that safetensors refuses once the
+    tensor data is read (a negative data offset): inside dcp.save, which wraps the failure."""
+    from tests.hf_models import hf_model, llama_config
+
+    src = tmp_path / "hf"
+    hf_model(llama_config(vocab_size=512, num_hidden_layers=2)).save_pretrained(src)
+    weights = src / "model.safetensors"
+    raw = weights.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"][0] = -8
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    weights.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+    out = tmp_path / "out"
+    flags = ["--model", "llama3", "--flavor", "debugmodel", "--n-layers", "2", "--vocab-size", "512"]
+    res = subprocess.run(
+        [sys.executable, "scripts/convert_hf.py", "to-dcp", str(src), str(out), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    _one_clean_line(res, str(weights), "cannot be read", ": download it again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no OUT_DIR, no OUT_DIR.tmp

@@ -34,6 +34,7 @@ from tools.compare_loss.layouts import (
 )
 from tools.compare_loss.report import format_table, plot_runs, write_summary
 from tools.compare_loss.runner import Plan
+from trainer.cli_errors import report_user_error
 
 CONSOLE_SCRIPT = "meshtrain-compare-loss"
 
@@ -123,38 +124,50 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     try:
-        if args.steps < 1:
-            raise UsageError(f"--steps must be >= 1, got {args.steps}")
-        if not 1 <= args.diagnose_step <= args.steps:
-            raise UsageError(f"--diagnose-step must be between 1 and --steps ({args.steps}), got {args.diagnose_step}")
-        layouts = parse_layouts(args.layouts)
-        baseline = pick_baseline(layouts, args.baseline)
-        check_extra_overrides(extra)
-        from trainer.config import resolve_config_path
-
-        config = os.path.abspath(resolve_config_path(args.config))
-        out = os.path.abspath(args.out or os.path.join("outputs", "compare_loss", time.strftime("%Y%m%d-%H%M%S")))
-        if os.path.isdir(out) and os.listdir(out):
-            # runs append to metrics.jsonl: an old run's records must not mix with new ones
-            raise UsageError(f"--out {out} already holds files; pick a new folder or delete it")
-        if args.seed_checkpoint and not os.path.isdir(args.seed_checkpoint):
-            raise UsageError(f"--seed-checkpoint {args.seed_checkpoint} is not a folder")
-        seed = (
-            os.path.abspath(args.seed_checkpoint)
-            if args.seed_checkpoint
-            else os.path.join(out, "seed", "checkpoint", "step-0")
-        )
-        plan = Plan(config=config, steps=args.steps, out=out, extra=extra, seed_checkpoint=seed)
-        preflight(plan, layouts)
-    except ValueError as exc:  # UsageError and the config's ConfigError
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        plan, layouts, baseline = _prepare(args, extra)
+    except ValueError as exc:  # UsageError and the config's ConfigError: before anything runs or is written
+        return report_user_error(exc)
 
     try:
         return _compare(args, plan, layouts, baseline)
     except KeyboardInterrupt:  # run_streaming has already stopped the running job
         print("\ninterrupted", file=sys.stderr)
         return 130
+
+
+def _prepare(args: argparse.Namespace, extra: list[str]) -> tuple[Plan, list[Layout], Layout]:
+    """Every check that needs no run: the layouts, the overrides, the config, the folders."""
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if not 1 <= args.diagnose_step <= args.steps:
+        raise UsageError(f"--diagnose-step must be between 1 and --steps ({args.steps}), got {args.diagnose_step}")
+    layouts = parse_layouts(args.layouts)
+    baseline = pick_baseline(layouts, args.baseline)
+    check_extra_overrides(extra)
+    from trainer.config import resolve_config_path
+
+    config = os.path.abspath(resolve_config_path(args.config))
+    out = os.path.abspath(args.out or os.path.join("outputs", "compare_loss", time.strftime("%Y%m%d-%H%M%S")))
+    if os.path.isdir(out) and os.listdir(out):
+        # runs append to metrics.jsonl: an old run's records must not mix with new ones
+        raise UsageError(f"--out {out} already holds files; pick a new folder or delete it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} is a file, not a folder; pick a new folder")
+    probe = out
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} cannot be created ({probe} is not a writable folder); pick another folder")
+    if args.seed_checkpoint and not os.path.isdir(args.seed_checkpoint):
+        raise UsageError(f"--seed-checkpoint {args.seed_checkpoint} is not a folder")
+    seed = (
+        os.path.abspath(args.seed_checkpoint)
+        if args.seed_checkpoint
+        else os.path.join(out, "seed", "checkpoint", "step-0")
+    )
+    plan = Plan(config=config, steps=args.steps, out=out, extra=extra, seed_checkpoint=seed)
+    preflight(plan, layouts)
+    return plan, layouts, baseline
 
 
 def _compare(args: argparse.Namespace, plan: Plan, layouts: list[Layout], baseline: Layout) -> int:

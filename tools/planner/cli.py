@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+from trainer.checkpoint import write_atomic
+from trainer.cli_errors import report_user_error
 
 from .estimate import Estimate, Job, plan_layouts, smallest_world_size, summarize_losers
 from .hardware import GIB, OPTIMIZER_BYTES_PER_PARAM, load_hardware
@@ -83,11 +87,29 @@ def _job(args) -> Job:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
-    hw = load_hardware(args.gpu, args.profile, reserve_gib=args.reserve_gib, memory_gib=args.memory_gib)
+    if args.profile and not os.path.isfile(args.profile):
+        raise ValueError(f"--profile {args.profile} is not a file: pass a JSON file of hardware keys")
+    try:
+        hw = load_hardware(args.gpu, args.profile, reserve_gib=args.reserve_gib, memory_gib=args.memory_gib)
+    except json.JSONDecodeError as exc:  # only the profile is JSON
+        raise ValueError(f"--profile {args.profile} is not valid JSON ({exc}): fix the file") from None
+    if args.toml:
+        _check_writable(args.toml)
     return Job(
         args.model, args.flavor, args.world_size, args.gpus_per_node, args.seq_len, args.global_batch, hw,
         args.efficiency, args.param_dtype, args.reduce_dtype,
     )  # fmt: skip
+
+
+def _check_writable(path: str) -> None:
+    """``--toml PATH`` can be written: checked before the search, so a bad path costs nothing."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--toml {path} is a folder: pass a file path, e.g. {os.path.join(path, 'layout.toml')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--toml {path}: folder {folder} does not exist; create it or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--toml {path}: folder {folder} is not writable; choose another path")
 
 
 def toml_snippet(e: Estimate, job: Job) -> str:
@@ -159,9 +181,8 @@ def main(argv=None) -> int:
     args = _parse(argv)
     try:
         job = _job(args)
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as exc:  # bad input, an unreadable --profile: before the search
+        return report_user_error(exc)
     ac = tuple(args.ac) if args.ac else ("none", "selective", "full")
     start = time.perf_counter()
     result = plan_layouts(job, ac_modes=ac)
@@ -191,8 +212,12 @@ def main(argv=None) -> int:
     top = fitting[: args.top]
     reasons = summarize_losers(result, job, len(top))
     if args.toml:
-        with open(args.toml, "w") as f:
-            f.write(toml_snippet(top[0], job))
+        try:
+            write_atomic(args.toml, toml_snippet(top[0], job))
+        except OSError as exc:
+            return report_user_error(
+                ValueError(f"--toml {args.toml} cannot be written ({exc.strerror or exc}); choose another path")
+            )
     if args.json:
         print(json.dumps({
             "model": job.model, "flavor": job.flavor, "world_size": job.world_size,
