@@ -5,7 +5,6 @@ Every config key can be overridden on the command line (``--parallelism.tp 2``);
 """
 
 import gc
-import sys
 
 # Start-up (every rank pays it): importing torch and the trainer creates about a million
 # objects that live as long as the process. The cyclic garbage collector would scan them over
@@ -21,4 +20,8 @@ finally:
     gc.enable()
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # not sys.exit: torch's communication threads can outlive the process groups and call into
+    # a finalizing interpreter (a finished run would abort at exit); trainer/shutdown.py
+    from trainer.shutdown import run_and_exit
+
+    run_and_exit(main)

@@ -39,6 +39,7 @@ from trainer.checkpoint import (
     model_state_dict,
     save_seed_checkpoint,
 )
+from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data import build_dataloader, wrap_loader
 from trainer.fake_backend import FakeStepMeter, init_fake_process_group, is_fake_backend, prepare_fake_config
@@ -618,8 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_user_error(exc)
     try:
         if cfg.checkpoint.create_seed_checkpoint:
             create_seed_checkpoint(cfg)
@@ -629,15 +629,19 @@ def main(argv: list[str] | None = None) -> int:
             print("resolved config:\n" + cfg.to_toml(), flush=True)
         trainer.train()
         return 0
-    except (ValueError, TrainingDiverged) as exc:
-        # bad input (config, degrees vs world size, model vs layout) or divergence: a clear
-        # message from every rank that hit it, no traceback
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0 or not isinstance(exc, ValueError) or is_fake_backend():
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, ValueError) else 1
-    except Exception as exc:
-        if not _is_collective_timeout(exc):
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        # bad input (config, degrees vs world size, model vs layout, a checkpoint, also when
+        # DCP wraps it): a clear message from rank 0, no traceback
+        err = user_error(exc)
+        if err is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            if rank == 0 or is_fake_backend():
+                report_user_error(err)
+            return EXIT_BAD_INPUT
+        if not isinstance(exc, Exception) or not _is_collective_timeout(exc):
             raise
         rank = dist.get_rank() if dist.is_initialized() else 0
         print(

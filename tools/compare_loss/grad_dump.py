@@ -142,4 +142,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.shutdown import run_and_exit  # why not sys.exit: trainer/shutdown.py
+
+    run_and_exit(main)

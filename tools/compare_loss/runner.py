@@ -90,8 +90,15 @@ class RunResult:
         return self.returncode == 0
 
 
-def run_streaming(cmd: list[str], log_path: str, on_line: Callable[[str], None], timeout: float | None = None) -> int:
-    """Run ``cmd``, copy its merged stdout/stderr to ``log_path`` and hand each line to ``on_line``.
+def run_streaming(
+    cmd: list[str],
+    log_path: str,
+    on_line: Callable[[str], None],
+    timeout: float | None = None,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+) -> int:
+    """Run ``cmd``, copy its merged stdout/stderr to ``log_path`` and hand each line to ``on_line``
+    (``on_start`` gets the process first).
 
     The child gets its own session so a timeout or Ctrl-C stops torchrun *and* its workers
     (signalling the group of the process we started, nothing else)."""
@@ -109,6 +116,8 @@ def run_streaming(cmd: list[str], log_path: str, on_line: Callable[[str], None],
             env=env,
             start_new_session=True,
         )
+        if on_start is not None:
+            on_start(proc)
         timed_out = threading.Event()
 
         def kill() -> None:
