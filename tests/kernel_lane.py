@@ -1,0 +1,57 @@
+"""The second-kernel lane of ``make test``: the numerics-sensitive tests again, on CPU kernels
+other than the ones torch picks for this machine.
+
+    python -m tests.kernel_lane [pytest args]      # what `make test` runs after the main suite
+
+A test that compares two code paths too tightly passes on the machine it was written on and
+fails on another CPU, whose kernels sum in another order (seen: one ulp between a loop of ``mm``
+and ``_grouped_mm`` on an AVX-512 host, equal on AVX2). This lane runs the same tests under
+other kernels of the same torch build, so such a test fails here, on any x86 host, instead of
+on a user's machine. What each variable changes (torch 2.13.0 CPU wheel, checked by hashing
+the outputs of each op on fixed inputs, tests/unit/test_kernel_lane.py):
+
+* ``ATEN_CPU_CAPABILITY=default``: ATen's vectorized CPU kernels run their scalar build instead
+  of AVX2/AVX-512: softmax, SiLU, SDPA's math, and ``normal_``/``randn`` (so seeded initial
+  weights differ too: every test must hold for other weights); not ``sum``, ``exp``,
+  ``rms_norm`` on these shapes.
+* ``MKL_CBWR=COMPATIBLE``: MKL's conditional numerical reproducibility mode, the SSE2-level
+  code path on every x86 CPU: float32 ``mm``, ``bmm``, ``_grouped_mm``'s CPU fallback and the
+  GEMMs inside SDPA.
+* Not used: ``MKL_ENABLE_INSTRUCTIONS`` (AVX and SSE4_2 changed nothing measured here) and
+  ``ONEDNN_MAX_CPU_ISA`` (bfloat16 matmuls on CPUs without AVX-512 BF16 run ATen's own
+  kernel, which neither variable changes; on AVX-512 BF16 hosts oneDNN runs them).
+
+The lane sets ``MESHTRAIN_KERNEL_LANE=portable`` so a test can tell where it runs
+(tests/unit/test_kernel_lane.py checks that the kernels really are the scalar/compatible ones).
+Child processes (the gloo ranks of the distributed tests) inherit the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+LANE_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "MESHTRAIN_KERNEL_LANE": "portable"}
+
+# models, MoE kernels, optimizer, mixed precision, context parallel, Hugging Face adapters,
+# activation checkpointing, and the lane's own check
+NUMERICS_TESTS = [
+    "tests/unit/test_kernel_lane.py",
+    "tests/unit/test_models.py",
+    "tests/unit/test_moe_kernels.py",
+    "tests/unit/test_optim.py",
+    "tests/unit/test_hf_adapters.py",
+    "tests/unit/test_activation_checkpoint.py",
+    "tests/distributed/test_mixed_precision.py",
+    "tests/distributed/test_context_parallel.py",
+]
+
+
+def main(argv: list[str]) -> None:
+    env = dict(os.environ, **LANE_ENV)
+    print(f"== kernel lane: {' '.join(f'{k}={v}' for k, v in LANE_ENV.items())}", flush=True)
+    os.execve(sys.executable, [sys.executable, "-m", "pytest", *argv, *NUMERICS_TESTS], env)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
