@@ -1,10 +1,16 @@
 # One virtual environment per clone, created on first use. On hosts without an NVIDIA GPU the
 # CPU build of torch is installed before the project, so pip never pulls the multi-GB CUDA
 # build; set TORCH_INDEX_URL to a CPU wheel index if your pip has no local CPU wheel.
+# SYSTEM_TORCH=1 builds the venv on the torch $(PYTHON) already has instead (a GPU node's CUDA
+# build, a cluster without network): see the setup recipe below. A venv made that way is
+# remembered (its stamp), so later make commands keep using it without the variable.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+ifeq ($(SYSTEM_TORCH),)
+SYSTEM_TORCH := $(if $(wildcard $(VENV)/.installed-system-torch),1,)
+endif
+STAMP := $(VENV)/$(if $(filter 1,$(SYSTEM_TORCH)),.installed-system-torch,.installed)
 # GPUs when there are any, else 4 CPU processes over gloo.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ $$n -gt 0 ] && echo $$n || echo 4)
 
@@ -12,6 +18,44 @@ NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ $$n -gt 0 ] && echo 
 
 setup: $(STAMP)
 
+ifeq ($(SYSTEM_TORCH),1)
+# SYSTEM_TORCH=1: the venv sees $(PYTHON)'s packages (--system-site-packages) and gets no torch
+# and no pip upgrade of its own (nor pip and setuptools at all when $(PYTHON) has pip: the
+# system's are used, not the older ones ensurepip bundles); setup stops unless that torch
+# imports and is a supported one
+# (parallel_dims/_torch_support.py: >=2.11,<2.16). meshtrain itself goes in without dependencies
+# or build isolation, from this checkout (--no-index: no network; if that pip install cannot
+# build, the checkout is put on the venv's path instead). Then pip adds what else is missing
+# (runtime and dev extras) with torch pinned to the system's version, where an index is
+# reachable; offline (PIP_NO_INDEX=1 skips the attempt's retries) it says what it could not get
+# and setup still succeeds if what train.py and make bench-gpu need is there: torch, numpy and
+# tokenizers (pytest, ruff etc. are for make test).
+$(STAMP): pyproject.toml
+	@echo "== SYSTEM_TORCH=1: setting up $(VENV) on the torch of $(PYTHON) (no torch install, no pip upgrade)"
+	@$(PYTHON) -c "$$SYSTEM_TORCH_CHECK"
+	@if test -e $(VENV)/pyvenv.cfg && ! grep -Eqs '^include-system-site-packages *= *true' $(VENV)/pyvenv.cfg; then \
+		echo "error: $(VENV) exists without the system's packages (a plain make setup made it, with a torch of its own); remove it (make clean) and run SYSTEM_TORCH=1 make setup again" >&2; \
+		exit 2; \
+	fi
+	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $$($(PYTHON) -c "import pip" 2>/dev/null && echo --without-pip) $(VENV)
+	@$(PY) -c "$$SYSTEM_TORCH_CHECK"
+	@echo "== installing meshtrain from this checkout without dependencies (pip --no-deps --no-build-isolation --no-index -e .)"
+	@$(PY) -m pip install --quiet --no-deps --no-build-isolation --no-index -e . \
+		|| { echo "== pip could not install it offline (above: no setuptools >= 64 and wheel for $(PYTHON)?): putting the checkout on the venv's path instead (meshtrain.pth)"; \
+			$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'meshtrain.pth').write_text('$(CURDIR)\n')" || exit 1; \
+			touch $(VENV)/.meshtrain-pth; }
+	@$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/system-torch-constraint.txt
+	@if test -e $(VENV)/.meshtrain-pth; then \
+		echo "== skipping the other dependencies: install them with pip where an index is reachable: $(PY) -m pip install -c $(VENV)/system-torch-constraint.txt -e '.[dev,peer]'"; \
+	else \
+		echo "== the other dependencies and the dev/test extras, where pip can get them ($$(cat $(VENV)/system-torch-constraint.txt) pinned)"; \
+		$(PY) -m pip install --quiet --no-build-isolation -c $(VENV)/system-torch-constraint.txt -e ".[dev,peer]" \
+			|| echo "== warning: pip could not install some of them (no network?); make test needs them: rerun SYSTEM_TORCH=1 make setup where an index is reachable (rm $(STAMP) first)"; \
+	fi
+	@$(PY) -c "import importlib.util as u, sys; m = [n for n in ('numpy', 'tokenizers') if u.find_spec(n) is None]; m and sys.exit('error: train.py and make bench-gpu need numpy and tokenizers besides torch; missing for ' + sys.executable + ': ' + ', '.join(m) + ' (install them for $(PYTHON), or run SYSTEM_TORCH=1 make setup where an index is reachable)')"
+	@touch $(STAMP)
+	@echo "== $(VENV) is ready on the system's torch; run tools with $(VENV)/bin/python, $(VENV)/bin/torchrun (or: source $(VENV)/bin/activate)"
+else
 $(STAMP): pyproject.toml
 	@echo "== setting up $(VENV) (first run, or pyproject.toml changed; about a minute)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +71,27 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install --quiet -e ".[dev,peer]"
 	@touch $(STAMP)
 	@echo "== $(VENV) is ready; run tools with $(VENV)/bin/python, $(VENV)/bin/torchrun (or: source $(VENV)/bin/activate)"
+endif
+
+# Is $(PYTHON)'s (then the venv's) torch importable and supported? Run by SYSTEM_TORCH=1 setup.
+define SYSTEM_TORCH_CHECK
+import runpy, sys
+support = runpy.run_path("parallel_dims/_torch_support.py")
+low, high, spec = support["MIN_TORCH"], support["MAX_TORCH_EXCLUSIVE"], support["SUPPORTED_SPEC"]
+fix = "give make a python that has one (PYTHON=/path/to/python3), or run make setup without SYSTEM_TORCH"
+try:
+    import torch
+except ImportError as e:
+    sys.exit(f"error: SYSTEM_TORCH=1 but {sys.executable} cannot import torch ({e}); {fix}")
+version = support["parse_torch_version"](torch.__version__)
+if version is None or not low <= version < high:
+    sys.exit(f"error: SYSTEM_TORCH=1 but {sys.executable} has torch {torch.__version__}, outside {spec}; {fix}")
+where = torch.__path__[0]
+if sys.prefix != sys.base_prefix and where.startswith(sys.prefix):
+    sys.exit(f"error: the venv {sys.prefix} has a torch of its own ({where}) hiding the system's; remove the venv (make clean) and run SYSTEM_TORCH=1 make setup again")
+print(f"== {sys.executable}: torch {torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'}) from {where}")
+endef
+export SYSTEM_TORCH_CHECK
 
 # Lint and format check run first in `make test` (and so in CI); `make format` fixes formatting.
 lint: $(STAMP)
@@ -63,6 +128,9 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run --out bench_results/bench.json
 
 # One GPU: trainer vs a bare bf16 loop vs torchtitan's model, eager and compiled (see README).
+# On a GPU node with its own CUDA torch and no network: SYSTEM_TORCH=1 make bench-gpu (the
+# venv setup above needs no network), or run python -m benchmarks.gpu with that python from the
+# repository root, no venv at all. Ends with the first-GPU-run checklist.
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu --out bench_results/gpu.json $(ARGS)
 

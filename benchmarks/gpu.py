@@ -27,6 +27,16 @@ ratios of tokens/s. JSON to ``bench_results/gpu.json``, a table to stdout.
 
 ``--smoke`` runs the same code paths on tiny debug shapes (on the CPU when there is no GPU), so
 CI proves the benchmark itself works; its numbers mean nothing.
+
+Every run ends with the first-GPU-run checklist (``benchmarks/gpu_checklist.py``): what a GPU
+must confirm beyond this table.
+
+Where GPUs are (often no network, a driver pinned to the node's CUDA build of torch):
+``SYSTEM_TORCH=1 make bench-gpu`` makes ``.venv`` on the node python's own torch and installs
+nothing that needs the network (see the Makefile's setup), or, with no venv at all, run
+``python -m benchmarks.gpu`` with that python from the repository root: the benchmark needs torch,
+numpy, tokenizers and this checkout (train.py is run from the root; torchtitan's model rows are
+skipped when torchtitan is not importable).
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from benchmarks.gpu_checklist import render_text as render_checklist
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -393,9 +405,13 @@ def main(argv: list[str] | None = None) -> int:
 
     has_gpu = torch.cuda.is_available()
     if not has_gpu and not args.smoke:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         print(
-            "error: make bench-gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
-            "run it on a GPU machine, or pass --smoke to check the benchmark on tiny CPU shapes",
+            "error: make bench-gpu needs a CUDA GPU and torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}, {build}, from {Path(torch.__file__).parent}); run it on a GPU "
+            "machine (where the python already has a CUDA torch: SYSTEM_TORCH=1 make bench-gpu, or "
+            "python -m benchmarks.gpu with that python), or pass --smoke to check the benchmark on "
+            "tiny CPU shapes",
             file=sys.stderr,
         )
         return 2
@@ -427,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print_table(rows)
-    print(f"\nwrote {out}", file=sys.stderr)
+    print(f"\nwrote {out}", file=sys.stderr, flush=True)
+    # what a first GPU run must confirm beyond these numbers (one list: benchmarks/gpu_checklist.py)
+    print("\n" + render_checklist())
     failed = [r["name"] for r in rows if any("error" in r.get(k, {}) for k in ("trainer", "bare", "torchtitan_model"))]
     return 1 if failed else 0
 

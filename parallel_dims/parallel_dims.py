@@ -41,6 +41,7 @@ torch: see :mod:`parallel_dims._torch_support`.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import os
@@ -71,6 +72,7 @@ __all__ = [
     "default_backend",
     "default_device_type",
     "layout_builder_available",
+    "process_group_timeout",
     "resolve_mesh_builder",
 ]
 
@@ -150,10 +152,28 @@ def _register_fake_backend() -> None:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
-def _new_group(ranks: list[int], backend: str | None, desc: str):
+def process_group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The collective timeout ``group``'s backend runs with (default: WORLD), as set at creation
+    or by ``_set_pg_timeout``; None for a backend that has none (the ``fake`` placeholders).
+    Read from the backend's options (``Backend.options._timeout``, torch 2.11 .. 2.15)."""
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_backend(group) == "fake":
+        return None
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
+
+
+def _new_group(ranks: list[int], backend: str | None, desc: str, timeout: datetime.timedelta | None = None):
     if backend == "fake":
         _register_fake_backend()
-    return dist.new_group(ranks, backend=backend, use_local_synchronization=True, group_desc=f"mesh_{desc}")
+        timeout = None  # a placeholder has no communicator to time out
+    return dist.new_group(
+        ranks, backend=backend, timeout=timeout, use_local_synchronization=True, group_desc=f"mesh_{desc}"
+    )
 
 
 class ParallelDims(TorchtitanCompat):
@@ -190,6 +210,7 @@ class ParallelDims(TorchtitanCompat):
         self._group_by_rank_set: dict[tuple[int, ...], str] = {}
         self._flat_names: dict[str, tuple[str, ...]] = {}
         self.groups_created = 0  # real communicators this object created on this rank
+        self._group_timeout: datetime.timedelta | None = None  # set by build_mesh
         self.placeholder_groups_created = 0  # size-1 axes: fake-backend groups, no communicator
 
     def __repr__(self) -> str:
@@ -201,11 +222,16 @@ class ParallelDims(TorchtitanCompat):
         self,
         device_type: str | None = None,
         backend_override: dict[str, str] | None = None,
+        timeout: datetime.timedelta | None = None,
     ) -> DeviceMesh:
         """Build the world mesh and every named mesh; return the world mesh.
 
         ``backend_override`` maps axis names to a backend for their groups (e.g. ``"fake"`` for
         a dry run of one axis). Needs an initialized default process group of ``world_size``.
+        ``timeout``: the collective timeout of every group this creates (and of later
+        :meth:`flatten` groups); None = the default group's, so the whole mesh runs with the
+        timeout the job gave ``init_process_group`` (torch's ``new_group`` would otherwise give
+        each subgroup the backend's default, 10 min on NCCL, 30 min on gloo).
         """
         if self._world_mesh is not None:
             return self._world_mesh
@@ -225,6 +251,7 @@ class ParallelDims(TorchtitanCompat):
         if unknown:
             raise ValueError(f"backend_override names unknown axes {sorted(unknown)}; valid: {ONE_D_AXES}")
         device_type = device_type or default_device_type()
+        self._group_timeout = timeout if timeout is not None else process_group_timeout(dist.group.WORLD)
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
         self._world_mesh = world
         self._meshes["world"] = world
@@ -303,7 +330,7 @@ class ParallelDims(TorchtitanCompat):
             group = _new_group(list(ranks), "fake", name)
             self.placeholder_groups_created += 1
         else:
-            group = _new_group(list(ranks), backend, name)
+            group = _new_group(list(ranks), backend, name, self._group_timeout)
             self.groups_created += 1
         self._group_by_rank_set[key] = group.group_name
         return group.group_name

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,25 +27,117 @@ import torch
 from models.common.flops import model_flops_per_token  # noqa: F401 - part of this module's API
 from trainer.config import JobConfig
 from trainer.config import Metrics as MetricsConfig
+from trainer.precision import cuda_tf32_enabled, matmul_precision
 
-# Dense peak FLOP/s per device (no sparsity). float32 matmuls run as TF32 on these parts.
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bfloat16": 989e12, "float32": 494.5e12},
-    "H100 PCIe": {"bfloat16": 756e12, "float32": 378e12},
-    "H100": {"bfloat16": 989e12, "float32": 494.5e12},  # SXM; checked after "H100 PCIe"
-    "A100": {"bfloat16": 312e12, "float32": 156e12},
-    "L40S": {"bfloat16": 362e12, "float32": 183e12},
-    "B200": {"bfloat16": 2250e12, "float32": 1125e12},
-}
+# ----------------------------------------------------------------------------- peak FLOP/s
+#
+# MFU divides the achieved model FLOP/s per device by the peak of the precision the model's
+# matmuls actually run in (trainer/precision.py ``matmul_precision``):
+#   "float32"  IEEE fp32 on the CUDA cores: a float32 run with training.enable_tf32 = false
+#   "tf32"     float32 tensors on TF32 tensor cores: a float32 run with enable_tf32 = true
+#   "bfloat16" / "float16"  mixed precision (parallelism.mixed_precision_param)
+#   "float8"   for a later float8 path; parts without FP8 tensor cores (A100) have no entry
+# Dense figures (no 2:4 sparsity). NVIDIA's datasheets print the tensor-core rates with
+# sparsity (marked * below); the dense rate is half of that, for bf16/fp16/fp8 rounded down to a
+# whole TFLOP/s (H100 SXM bf16 1,979* -> 989, the Hopper whitepaper's dense 989.4 and the figure
+# torchtitan's table uses; likewise 756 and 835). IEEE fp32 is the datasheet's "FP32" (CUDA cores).
+PRECISIONS = ("float32", "tf32", "bfloat16", "float16", "float8")
+
+
+@dataclass(frozen=True)
+class GpuPeak:
+    """One GPU part: the words of its ``torch.cuda.get_device_name()`` that identify it, and
+    its dense peak FLOP/s per precision (:data:`PRECISIONS`)."""
+
+    part: str
+    words: tuple[str, ...]
+    flops: dict[str, float] = field(hash=False)
+
+
+def _tf(fp32: float, tf32: float, bf16: float, fp16: float, fp8: float | None = None) -> dict[str, float]:
+    """Dense TFLOP/s per precision -> FLOP/s keyed by :data:`PRECISIONS`."""
+    table = {"float32": fp32, "tf32": tf32, "bfloat16": bf16, "float16": fp16, "float8": fp8}
+    return {k: v * 1e12 for k, v in table.items() if v is not None}
+
+
+GPU_PEAKS: tuple[GpuPeak, ...] = (
+    # NVIDIA H100 datasheet (SXM column): FP32 67 TF, TF32 989*, BF16/FP16 1,979*, FP8 3,958*.
+    # Hopper whitepaper (SXM5 dense): TF32 494.7, BF16/FP16 989.4, FP8 1,978.9. Device names
+    # "NVIDIA H100 80GB HBM3", "NVIDIA H100".
+    GpuPeak("H100 SXM", ("h100",), _tf(fp32=67, tf32=494.5, bf16=989, fp16=989, fp8=1979)),
+    # Same datasheet, PCIe column (80 GB): FP32 51, TF32 756*, BF16/FP16 1,513*, FP8 3,026*.
+    GpuPeak("H100 PCIe", ("h100", "pcie"), _tf(fp32=51, tf32=378, bf16=756, fp16=756, fp8=1513)),
+    # Same datasheet, H100 NVL column (per GPU, 94 GB): FP32 60, TF32 835*, BF16/FP16 1,671*,
+    # FP8 3,341*. Less certain than the SXM/PCIe rows: the 2023 launch sheet quoted the NVL *pair*
+    # (188 GB, FP32 134, BF16 3,958*); these are the later per-card (94 GB) figures.
+    GpuPeak("H100 NVL", ("h100", "nvl"), _tf(fp32=60, tf32=417.5, bf16=835, fp16=835, fp8=1670)),
+    # NVIDIA H200 datasheet, SXM column: FP32 67, TF32 989*, BF16/FP16 1,979*, FP8 3,958*
+    # (the H100 SXM's compute with more, faster memory). Device name "NVIDIA H200".
+    GpuPeak("H200 SXM", ("h200",), _tf(fp32=67, tf32=494.5, bf16=989, fp16=989, fp8=1979)),
+    # H200 datasheet, NVL column: FP32 60, TF32 835*, BF16/FP16 1,671*, FP8 3,341*.
+    GpuPeak("H200 NVL", ("h200", "nvl"), _tf(fp32=60, tf32=417.5, bf16=835, fp16=835, fp8=1670)),
+    # NVIDIA GH200 datasheet: FP32 67, TF32 494 | 989*, BF16/FP16 990 | 1,979*, FP8 1,979 |
+    # 3,958*: the H100 SXM's figures. "NVIDIA GH200 480GB" (its own word: "gh200" is not "h200").
+    GpuPeak("GH200", ("gh200",), _tf(fp32=67, tf32=494.5, bf16=989, fp16=989, fp8=1979)),
+    # NVIDIA A100 datasheet: FP32 19.5, TF32 156 | 312*, BF16/FP16 312 | 624*; no FP8. The same
+    # figures for SXM4 and PCIe, 40 GB and 80 GB ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB",
+    # "NVIDIA A100 80GB PCIe"); the PCIe cards' lower power limit shows in achieved, not peak, rates.
+    GpuPeak("A100 SXM", ("a100",), _tf(fp32=19.5, tf32=156, bf16=312, fp16=312)),
+    GpuPeak("A100 PCIe", ("a100", "pcie"), _tf(fp32=19.5, tf32=156, bf16=312, fp16=312)),
+    # NVIDIA HGX B200 datasheet (8 GPUs): FP32 600 TF, TF32 18 PF*, FP16/BF16 36 PF*, FP8 72 PF*
+    # -> per GPU FP32 75, TF32 1,125, BF16/FP16 2,250, FP8 4,500 dense. Less certain than the
+    # Hopper rows: NVIDIA has revised the Blackwell sheets, and a B200 inside a GB200 (higher
+    # power) is rated higher; a GB200's name ("gb200") does not match this row.
+    GpuPeak("B200", ("b200",), _tf(fp32=75, tf32=1125, bf16=2250, fp16=2250, fp8=4500)),
+    # NVIDIA L40S datasheet: FP32 91.6, TF32 183 | 366*, BF16/FP16 362.05 | 733*, FP8 733 | 1,466*.
+    GpuPeak("L40S", ("l40s",), _tf(fp32=91.6, tf32=183, bf16=362.05, fp16=362.05, fp8=733)),
+)
+
+# part -> {precision: dense FLOP/s}, the table the layout planner (tools/planner/hardware.py) reads
+PEAK_FLOPS: dict[str, dict[str, float]] = {p.part: dict(p.flops) for p in GPU_PEAKS}
+
+
+def _name_words(device_name: str) -> set[str]:
+    return set(re.split(r"[^a-z0-9]+", device_name.lower())) - {""}
+
+
+def find_gpu(device_name: str) -> GpuPeak | None:
+    """The :data:`GPU_PEAKS` row of a CUDA device name: every word of the row is a word of the
+    name, the row with the most words wins ("NVIDIA H100 NVL" is the NVL part, "NVIDIA H100
+    80GB HBM3" the SXM one); None for a part the table lacks."""
+    words = _name_words(device_name)
+    best: GpuPeak | None = None
+    for row in GPU_PEAKS:
+        if set(row.words) <= words and (best is None or len(row.words) > len(best.words)):
+            best = row
+    return best
 
 
 def peak_flops(device_name: str, dtype: str = "bfloat16") -> float | None:
-    """Peak FLOP/s for a CUDA device name (e.g. ``torch.cuda.get_device_name()``), or None
-    when unknown - MFU is then omitted rather than computed against a guess."""
-    for key, table in PEAK_FLOPS.items():
-        if key.lower() in device_name.lower():
-            return table.get(dtype)
-    return None
+    """Dense peak FLOP/s of a CUDA device name (``torch.cuda.get_device_name()``) at a matmul
+    precision (:data:`PRECISIONS`: "float32" is IEEE fp32, "tf32" float32 on TF32 tensor cores),
+    or None when the part or that precision on it is unknown: MFU is then omitted rather than
+    computed against a guess."""
+    if dtype not in PRECISIONS:
+        raise ValueError(f"unknown matmul precision {dtype!r}; one of {', '.join(PRECISIONS)}")
+    row = find_gpu(device_name)
+    return row.flops.get(dtype) if row is not None else None
+
+
+def mfu_basis(device_name: str, precision: str, peak: float | None) -> str:
+    """One line saying what MFU is computed against (or why it is left out)."""
+    row = find_gpu(device_name)
+    if peak is None:
+        where = f"the {row.part} has no {precision} entry" if row else "the GPU is not in the table"
+        return f"mfu: omitted for {device_name} at {precision} ({where}: trainer/metrics.py GPU_PEAKS)"
+    line = f"mfu: against the {row.part} dense {precision} peak, {peak / 1e12:g} TFLOP/s ({device_name})"
+    if precision == "float32":
+        line += (
+            f"; float32 matmuls run in IEEE fp32: --training.enable_tf32 true runs them on TF32 tensor "
+            f"cores ({row.flops['tf32'] / 1e12:g} TFLOP/s peak), bfloat16 mixed precision at "
+            f"{row.flops['bfloat16'] / 1e12:g}"
+        )
+    return line
 
 
 def format_duration(seconds: float) -> str:
@@ -104,9 +198,16 @@ class MetricsLogger:
         self.run_folder = run_folder
         self.flops_per_token = flops_per_token
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # what MFU divides by, in words, for the start-up log (None on CPU or with a given peak)
+        self.peak_note: str | None = None
         if peak_flops_per_device is None and self.device.type == "cuda" and torch.cuda.is_available():
-            dtype = cfg.parallelism.mixed_precision_param if isinstance(cfg, JobConfig) else "bfloat16"
-            peak_flops_per_device = peak_flops(torch.cuda.get_device_name(self.device), dtype)
+            # the precision the matmuls run in: the FSDP compute dtype, float32 split by the TF32
+            # flag as it stands now (the trainer applied training.enable_tf32 at start-up)
+            param_dtype = cfg.parallelism.mixed_precision_param if isinstance(cfg, JobConfig) else "bfloat16"
+            precision = matmul_precision(param_dtype, cuda_tf32_enabled())
+            name = torch.cuda.get_device_name(self.device)
+            peak_flops_per_device = peak_flops(name, precision)
+            self.peak_note = mfu_basis(name, precision, peak_flops_per_device)
         # MFU on CPU is meaningless (no meaningful peak), so it is only shown for GPUs.
         self.peak_flops = peak_flops_per_device if self.device.type == "cuda" else None
         self._tb = None

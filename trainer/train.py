@@ -40,6 +40,15 @@ from trainer.checkpoint import (
     save_seed_checkpoint,
 )
 from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
+from trainer.comm_watchdog import (
+    EXIT_COMM_TIMEOUT,
+    JobWatchdog,
+    NullWatchdog,
+    apply_flight_recorder_env,
+    dump_prefix,
+    pg_timeout_seconds,
+    write_flight_recorder_dump,
+)
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data import build_dataloader, wrap_loader
 from trainer.fake_backend import FakeStepMeter, init_fake_process_group, is_fake_backend, prepare_fake_config
@@ -54,6 +63,7 @@ from trainer.hf_checkpoint import (
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
+from trainer.precision import apply_precision_policy
 from trainer.profiling import MatmulCensus, StepProfiler
 from trainer.tokenizer import load_tokenizer
 from trainer.validation import Validator
@@ -92,12 +102,16 @@ def init_distributed(cfg: JobConfig) -> torch.device:
             )
         init_fake_process_group(cfg.comm.fake_world_size, cfg.comm.fake_rank)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+        backend = default_backend(device_type)
+        # NCCL's flight recorder reads its environment when the first group is created
+        apply_flight_recorder_env(backend, cfg.job.dump_folder, cfg.comm.trace_buf_size)
+        # every group gets it: ParallelDims.build_mesh gives its groups WORLD's timeout
+        timeout = datetime.timedelta(seconds=pg_timeout_seconds(backend, cfg.comm.init_timeout_seconds))
         if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: a world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend=default_backend(device_type), timeout=timeout)
+        dist.init_process_group(backend=backend, timeout=timeout)
     return device
 
 
@@ -105,13 +119,16 @@ def apply_train_timeout(seconds: int) -> None:
     """From the first completed step on, every collective of every process group must finish
     within ``comm.train_timeout_seconds`` (start-up, the first step and compilation ran under
     ``comm.init_timeout_seconds``): a dead or hung peer then ends the job in that time, not
-    after the long start-up timeout. Placeholder groups (size-1 axes) have no communicator."""
+    after the long start-up timeout. Placeholder groups (size-1 axes) have no communicator.
+    NCCL groups get ``seconds`` + the watchdog's grace: the step watchdog speaks at ``seconds``
+    (trainer/comm_watchdog.py)."""
     if not dist.is_initialized():
         return
     dist.barrier()  # every rank finished its first step: nothing is in flight under the old timeout
-    timeout = datetime.timedelta(seconds=seconds)
     for group in list(dist.distributed_c10d._world.pg_map):
-        if dist.get_backend(group) != "fake":
+        backend = dist.get_backend(group)
+        if backend != "fake":
+            timeout = datetime.timedelta(seconds=pg_timeout_seconds(backend, seconds))
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
@@ -169,14 +186,15 @@ class Trainer:
         self.cfg = cfg
         self.fake = cfg.comm.mode == "fake_backend"
         fake_notes = prepare_fake_config(cfg) if self.fake else []
+        # training.deterministic and training.enable_tf32 (trainer/precision.py), first: before
+        # init_distributed's set_device and any CUDA work, so CUBLAS_WORKSPACE_CONFIG is in the
+        # environment before the first cuBLAS handle
+        precision_notes = apply_precision_policy(cfg, default_device_type())
         self.device = init_distributed(cfg)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        for note in fake_notes:
+        for note in fake_notes + precision_notes:
             _log(note)
-        if cfg.training.deterministic:
-            torch.use_deterministic_algorithms(True)
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.manual_seed(cfg.training.seed)
         require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
 
@@ -498,6 +516,8 @@ class Trainer:
             device=self.device,
             total_steps=cfg.training.steps,
         )
+        if metrics.peak_note:  # on CUDA: the part and precision MFU is priced at
+            _log(metrics.peak_note)
         _log(
             f"training {cfg.model.name}/{cfg.model.flavor} ({self.num_params / 1e6:.1f}M params) for "
             f"{cfg.training.steps} steps; global batch {self.data.global_batch_size} x "
@@ -508,10 +528,13 @@ class Trainer:
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False
         profiler = StepProfiler(cfg.profiling, run_folder, self.rank, self.device, first_step=self.step)
-        with metrics, profiler, self.data:
+        # every step (and save, validation) under a deadline: trainer/comm_watchdog.py
+        self.watchdog = self._start_watchdog()
+        with metrics, profiler, self.data, self.watchdog:
             for message in profiler.messages:
                 _log(message)
             while self.step < last_step:
+                self.watchdog.step(self.step + 1, first=not timeout_applied)
                 microbatches = self.data.next_step()
                 data_wait += self.data.wait_s
                 with self._instruments(self.step + 1) as step_extra:
@@ -534,6 +557,7 @@ class Trainer:
                     )
                     steps_since_log, data_wait = 0, 0.0
                 if self.validator is not None and self.validator.should_run(self.step):
+                    self.watchdog.long_phase(f"validation after step {self.step}")
                     val = self.validator.validate()
                     metrics.log_validation(
                         self.step, loss=val.loss, steps=val.steps, tokens=val.tokens, seconds=val.seconds
@@ -542,11 +566,27 @@ class Trainer:
                 last = self.step == cfg.training.steps
                 saved = None
                 if cfg.checkpoint.enable and self.checkpoint.should_save(self.step, last):
+                    self.watchdog.long_phase(f"checkpoint save at step {self.step}")
                     saved = self._save(last)
                     metrics.reset_timer()
                 if last and cfg.checkpoint.last_save_in_hf:
+                    self.watchdog.long_phase(f"Hugging Face export at step {self.step}")
                     self._save_hf(saved)
                     metrics.reset_timer()
+                self.watchdog.disarm()
+
+    def _start_watchdog(self) -> JobWatchdog | NullWatchdog:
+        """The step watchdog of a run with peers; nothing for one process or the fake backend."""
+        if self.fake or self.world_size == 1:
+            return NullWatchdog()
+        c = self.cfg.comm
+        return JobWatchdog(
+            self.rank,
+            dist.get_backend(),
+            train_timeout_seconds=c.train_timeout_seconds,
+            init_timeout_seconds=c.init_timeout_seconds,
+            dump_folder=self.cfg.job.dump_folder,
+        )
 
     def _save_hf(self, dcp_step_dir: str | None) -> str:
         """The final weights as a Hugging Face folder ``<checkpoint.folder>/step-N-hf``,
@@ -620,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
     except ValueError as exc:
         return report_user_error(exc)
+    trainer = None  # read by the collective-timeout message (the step that was running)
     try:
         if cfg.checkpoint.create_seed_checkpoint:
             create_seed_checkpoint(cfg)
@@ -643,17 +684,23 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_INPUT
         if not isinstance(exc, Exception) or not _is_collective_timeout(exc):
             raise
+        # gloo (the exception path; on NCCL the step watchdog speaks first): the same one line
         rank = dist.get_rank() if dist.is_initialized() else 0
+        backend = dist.get_backend() if dist.is_initialized() else ""
+        phase = getattr(getattr(trainer, "watchdog", None), "phase", "")
+        # without the Python stacks (seconds to symbolize the first time); the entries' states and
+        # sequence numbers say which collective each rank waits in
+        dump = write_flight_recorder_dump(rank, backend, dump_prefix(), cfg.job.dump_folder, stack_traces=False)
         print(
-            f"error: rank {rank}: a collective did not finish within comm.train_timeout_seconds = "
-            f"{cfg.comm.train_timeout_seconds} s (comm.init_timeout_seconds = "
+            f"error: rank {rank}: {phase + ': ' if phase else ''}a collective did not finish within "
+            f"comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds} s (comm.init_timeout_seconds = "
             f"{cfg.comm.init_timeout_seconds} s until the first step): another rank is hung or "
-            f"dead, see its log; if steps legitimately take that long, raise the timeout. "
-            f"({str(exc).splitlines()[0][:200]})",
+            f"dead, see its log; if steps legitimately take that long, raise the timeout; "
+            f"flight-recorder dump: {dump}. ({str(exc).splitlines()[0][:200]})",
             file=sys.stderr,
             flush=True,
         )
-        return 1
+        return EXIT_COMM_TIMEOUT
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

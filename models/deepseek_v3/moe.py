@@ -27,6 +27,40 @@ def _identity(counts: torch.Tensor) -> torch.Tensor:
     return counts
 
 
+# Routing counts and recomputation. ``MoE.forward`` adds each call's routing counts to its
+# ``tokens_per_expert`` buffer, and activation checkpointing (which wraps the whole block) re-runs
+# that forward during backward:
+# * eager ``torch.utils.checkpoint`` (full or selective): the Python forward runs again inside
+#   the backward pass, and the counts used to be added a second time;
+# * under ``torch.compile`` dynamo traces the checkpointed block into one subgraph
+#   (``tag_activation_checkpoint``) whose inputs include every buffer it reads, the accumulator
+#   among them. The ``eager`` backend runs that subgraph through ``torch.utils.checkpoint``,
+#   which (torch 2.13) saves the inputs as version-checked saved tensors and replays the whole
+#   subgraph in backward: the in-place add had bumped the saved buffer's version, so backward
+#   failed with "one of the variables needed for gradient computation has been modified by an
+#   inplace operation" (and the replay would have counted again). The default backend passed:
+#   AOTAutograd moves the buffer mutation to the end of the forward graph. In float32 the
+#   experts' loop breaks the graph at its ``.tolist()``, so the block ran under eager
+#   checkpointing and double counted without an error.
+# The fix has two parts. The counts pass through :func:`_counts_outside_backward`, a custom op,
+# opaque to tracing, so it decides at run time under every mode and backend: it returns zeros
+# when it runs inside a backward pass, which is where every recomputation runs (eager
+# checkpointing's unpack hook, the eager backend's replay, a reentrant checkpoint's backward).
+# And the add keeps the buffer's version counter: the buffer feeds no computation autograd
+# records (only the trainer reads it, between steps), so no saved value goes stale through it.
+@torch.library.custom_op("meshtrain::moe_counts_outside_backward", mutates_args=(), schema="(Tensor counts) -> Tensor")
+def _counts_outside_backward(counts: torch.Tensor) -> torch.Tensor:
+    """A copy of ``counts``; zeros when called inside a backward pass (a recomputation)."""
+    if torch._C._current_graph_task_id() != -1:
+        return torch.zeros_like(counts)
+    return counts.clone()
+
+
+@_counts_outside_backward.register_fake
+def _(counts: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(counts)
+
+
 # What ``torch._grouped_mm`` accepts (ATen ``_grouped_mm_validate_inputs``: float32, bfloat16,
 # float16; float64 is rejected). Inputs and output share one dtype.
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -124,7 +158,15 @@ class GroupedExperts(nn.Module):
     * grouped GEMM: three ``torch._grouped_mm`` calls over all local experts. Group offsets
       are a device-side cumsum of the counts, the count check is a device-side
       ``torch._assert_async`` and padding rows are masked on device, so this path never
-      syncs with the host and, in bfloat16, compiles into one graph.
+      syncs with the host and, in bfloat16, compiles into one graph. What a failed check
+      looks like on a GPU: nothing at this line. The kernel's assert fires on the device and
+      CUDA's "device-side assert triggered" error reaches Python only at the next
+      synchronizing call (often the step's loss ``.item()``), maybe without this message;
+      the CUDA context is then unusable (every later CUDA call in the process fails, only a
+      restart recovers), and the other ranks wait in their next collective until the NCCL
+      watchdog's timeout ends them. (On CPU it raises RuntimeError here, with the message.)
+      Only a caller passing inconsistent counts can trigger it: the MoE's own counts always
+      satisfy it.
     * loop: one ``mm`` chain per expert over ``torch.split`` of the tokens. It needs the group
       sizes on the host: exactly one ``.tolist()`` per call, which also validates the counts
       (ValueError). The stacked weights are ``unbind``-ed once, so the backward stacks the E
@@ -327,9 +369,9 @@ class MoE(nn.Module):
     Buffers: ``expert_bias`` (persistent; the balancing state, part of the checkpoint) and
     ``tokens_per_expert`` (non-persistent accumulator of this rank's routing counts since the
     last :meth:`update_expert_bias`; zero at every optimizer-step boundary, which is where
-    checkpoints are taken). Under full activation checkpointing the forward is recomputed and
-    counts are added twice, uniformly for all experts, which leaves the sign-based update
-    unchanged."""
+    checkpoints are taken). Each forward counts its tokens once: a forward that activation
+    checkpointing recomputes in backward (eager, or under ``torch.compile`` with any backend)
+    adds nothing, so the counts equal those of the same steps without checkpointing."""
 
     def __init__(self, args: DeepSeekV3Args, use_grouped_mm: bool | None = None) -> None:
         super().__init__()
@@ -376,11 +418,17 @@ class MoE(nn.Module):
         num_tokens_per_expert = torch.zeros(
             self.num_experts, dtype=torch.int64, device=flat_experts.device
         ).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        with torch.no_grad():
-            self.tokens_per_expert.add_(num_tokens_per_expert.to(self.tokens_per_expert.dtype))
+        # Counted once per forward: not again when activation checkpointing recomputes this
+        # forward in backward, and without bumping the buffer's version (see
+        # _counts_outside_backward for why both matter under torch.compile).
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.tokens_per_expert):
+            counts = _counts_outside_backward(num_tokens_per_expert)
+            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
 
         # Dropless dispatch: sort the (token, expert) pairs by expert; stable so tokens keep
-        # their order inside an expert (deterministic results).
+        # their order inside an expert. Results are reproducible run to run on CPU; on CUDA
+        # only with ``training.deterministic`` (the combine's ``index_add`` and the backward
+        # of ``index_select`` accumulate with atomics there, in no fixed order).
         order = torch.argsort(flat_experts, stable=True)
         token_index = order // self.top_k
         routed_out = self.experts(x_flat.index_select(0, token_index), num_tokens_per_expert)

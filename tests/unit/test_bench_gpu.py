@@ -1,9 +1,14 @@
 """`make bench-gpu` is only meaningful on a GPU; its --smoke mode runs every code path on tiny
-CPU shapes so a broken benchmark is caught here, not on a lent GPU."""
+CPU shapes so a broken benchmark is caught here, not on a lent GPU. Also: the first-GPU-run
+checklist it prints (benchmarks/gpu_checklist.py, mirrored in the README) and the Makefile's
+two ways to set up the venv (plain, and SYSTEM_TORCH=1 on the node's own torch)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +16,7 @@ import pytest
 import torch
 
 from benchmarks.gpu import ROOT
+from benchmarks.gpu_checklist import CHECKLIST, CheckItem, render_markdown, render_text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path and the no-GPU error")
@@ -18,6 +24,7 @@ def test_bench_gpu_refuses_without_a_gpu():
     res = subprocess.run([sys.executable, "-m", "benchmarks.gpu"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2
     assert "needs a CUDA GPU" in res.stderr and "--smoke" in res.stderr
+    assert "SYSTEM_TORCH=1 make bench-gpu" in res.stderr  # the way to a GPU node's own torch
     assert "Traceback" not in res.stderr
 
 
@@ -63,3 +70,83 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
     else:
         assert all("torchtitan_model" not in r for r in rows)
     assert "tr/bare" in res.stdout and "plan/meas s" in res.stdout  # the table
+    # ... and the first-GPU-run checklist at the very end, after the table
+    assert res.stdout.rstrip().endswith(render_text()), res.stdout[-3000:]
+    assert res.stdout.index("tr/bare") < res.stdout.index("First GPU run: confirm")
+
+
+# ------------------------------------------------------------------ the first-GPU-run checklist
+
+
+def test_checklist_entries_say_what_and_how():
+    assert len(CHECKLIST) >= 3
+    for item in CHECKLIST:
+        assert item.what.strip() and item.how.strip() and item.topic.strip(), item
+    text = render_text()
+    assert text.splitlines()[0].startswith(f"First GPU run: confirm each of these ({len(CHECKLIST)};")
+    for i, item in enumerate(CHECKLIST, 1):
+        assert f"{i:>3}. " + item.what.split()[0] in text
+
+
+def test_readme_carries_the_checklist():
+    """README.md's copy between the markers is what `python -m benchmarks.gpu_checklist
+    --markdown` prints: an entry added in code and not in the README (or the reverse) fails."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- gpu-checklist:start -->\n(.*?)\n<!-- gpu-checklist:end -->", readme, re.S)
+    assert m, "README.md lacks the gpu-checklist markers"
+    assert m.group(1) == render_markdown(), (
+        "README.md's first-GPU-run checklist differs from benchmarks/gpu_checklist.py: paste the "
+        "output of `python -m benchmarks.gpu_checklist --markdown` between the markers"
+    )
+
+
+def test_checklist_markdown_lines_never_open_a_new_block():
+    """A wrapped line starting with '>', '-', '#' or '3.' would end the list item in markdown."""
+    item = CheckItem(what="x " * 40, how="ratio (a/b) >= 0.97 - then 3. more " * 12, topic="t")
+    for line in render_markdown([item, *CHECKLIST]).splitlines():
+        if not re.match(r"\d+\. \*\*", line):  # an entry's own first line
+            assert line.startswith("   ") and not re.match(r"\s*([>#*+-]|\d+[.)])(\s|$)", line), line
+
+
+# ------------------------------------------------------------------ make setup: plain and SYSTEM_TORCH=1
+
+
+def _make_dry_run(tmp_path, target: str, **env) -> str:
+    """The commands `make -n target` would run, in an empty folder holding only the Makefile."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    if not (tmp_path / "pyproject.toml").exists():
+        (tmp_path / "pyproject.toml").write_text("")
+    base = {k: v for k, v in os.environ.items() if k not in ("SYSTEM_TORCH", "MAKEFLAGS", "MFLAGS")}
+    res = subprocess.run(
+        ["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, env={**base, **env}, timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_plain_setup_installs_the_cpu_torch_as_before(tmp_path):
+    out = _make_dry_run(tmp_path, "setup")
+    assert "-m venv .venv" in out and "--system-site-packages" not in out
+    assert "pip install --quiet --upgrade pip" in out and '"torch==2.13.0"' in out
+    assert "touch .venv/.installed" in out
+
+
+def test_system_torch_setup_installs_nothing_from_the_network(tmp_path):
+    out = _make_dry_run(tmp_path, "bench-gpu", SYSTEM_TORCH="1")
+    assert "--system-site-packages" in out
+    assert "--upgrade pip" not in out and "torch==2.13.0" not in out  # no pip upgrade, no torch install
+    assert "pip install --quiet --no-deps --no-build-isolation --no-index -e ." in out
+    assert "system-torch-constraint.txt" in out  # the optional extras keep the system's torch
+    assert "touch .venv/.installed-system-torch" in out
+    assert out.rstrip().splitlines()[-1].startswith(".venv/bin/python -m benchmarks.gpu")
+    # the venv is remembered: once made, plain make commands use its stamp
+    (tmp_path / ".venv").mkdir()
+    stamp = tmp_path / ".venv" / ".installed-system-torch"
+    stamp.write_text("")
+    mtime = (tmp_path / "pyproject.toml").stat().st_mtime
+    os.utime(stamp, (mtime + 10, mtime + 10))  # newer than pyproject.toml: set up already
+    assert _make_dry_run(tmp_path, "bench-gpu").strip() == (
+        ".venv/bin/python -m benchmarks.gpu --out bench_results/gpu.json"
+    )

@@ -375,6 +375,71 @@ def test_cli_exit_codes(tmp_path, fake_runs, capsys):
     assert _main(tmp_path / "eq2", seed, "--assert-equal", "--layouts", "fsdp=4", "fsdp=4") == 0
 
 
+@pytest.fixture
+def recorded_runs(tmp_path, fake_runs, monkeypatch):
+    """fake_runs, keeping each run's train.py overrides (plan.extra: what torchrun would pass)."""
+    losses, seed = fake_runs
+    fake = runner.run_layouts
+    extras: list[list[str]] = []
+
+    def run_layouts(plan, layouts, timeout):
+        extras.append(list(plan.extra))
+        return fake(plan, layouts, timeout)
+
+    monkeypatch.setattr(runner, "run_layouts", run_layouts)
+    losses.update({"fsdp=4": [8.0, 7.0, 6.0], "fsdp=4#2": [8.0, 7.0, 6.0]})
+    return seed, extras
+
+
+def _fake_cuda(monkeypatch):
+    """The device train.py would pick (parallel_dims.default_device_type) reads CUDA as present."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_assert_equal_on_cuda_runs_with_deterministic_kernels(tmp_path, recorded_runs, monkeypatch, capsys):
+    seed, extras = recorded_runs
+    _fake_cuda(monkeypatch)
+    assert _main(tmp_path / "eq", seed, "--assert-equal", "--layouts", "fsdp=4", "fsdp=4") == 0
+    assert extras[-1] == ["--training.seq_len", "64", "--training.deterministic", "true"]
+    assert "every run gets --training.deterministic true" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "eq" / "summary.json").read_text())
+    assert summary["extra_overrides"][-2:] == ["--training.deterministic", "true"]  # recorded with the runs
+    # already deterministic (here by the overrides): nothing added
+    argv = ["--config", "llama3", "--steps", "3", "--out", str(tmp_path / "eq2"), "--seed-checkpoint", str(seed)]
+    assert main([*argv, "--assert-equal", "--layouts", "fsdp=4", "fsdp=4", "--", "--training.deterministic"]) == 0
+    assert extras[-1] == ["--training.deterministic"]
+    # a comparison within tolerances needs no bitwise equality: nothing added on CUDA either
+    assert _main(tmp_path / "tol", seed, "--layouts", "fsdp=4", "fsdp=4") == 0
+    assert extras[-1] == ["--training.seq_len", "64"]
+
+
+def test_assert_equal_on_cuda_refuses_nondeterministic_kernels(tmp_path, recorded_runs, monkeypatch, capsys):
+    seed, extras = recorded_runs
+    _fake_cuda(monkeypatch)
+    argv = ["--config", "llama3", "--out", str(tmp_path / "out"), "--seed-checkpoint", str(seed), "--assert-equal"]
+    for off in (["--training.deterministic", "false"], ["--training.deterministic=false"]):
+        assert main([*argv, "--layouts", "fsdp=4", "fsdp=4", "--", *off]) == 2
+        err = capsys.readouterr().err
+        assert "--assert-equal on CUDA" in err and "remove '--training.deterministic false'" in err
+    assert extras == [] and not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_assert_equal_on_cpu_changes_nothing(tmp_path, recorded_runs, monkeypatch):
+    import torch
+
+    seed, extras = recorded_runs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _main(tmp_path / "eq", seed, "--assert-equal", "--layouts", "fsdp=4", "fsdp=4") == 0
+    assert extras[-1] == ["--training.seq_len", "64"]
+    # CPU kernels are deterministic without the option, so an explicit false is fine there
+    argv = ["--config", "llama3", "--steps", "3", "--out", str(tmp_path / "off"), "--seed-checkpoint", str(seed)]
+    assert (
+        main([*argv, "--assert-equal", "--layouts", "fsdp=4", "fsdp=4", "--", "--training.deterministic", "false"]) == 0
+    )
+
+
 def test_cli_rejects_bad_layouts_before_running(tmp_path, monkeypatch, capsys):
     def must_not_run(*a, **k):
         raise AssertionError("nothing may run for a bad layout")

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from trainer.config import load_config
-from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops
+from trainer.metrics import PRECISIONS, MetricsLogger, find_gpu, model_flops_per_token, peak_flops
 
 
 def cfg(*args):
@@ -57,13 +57,103 @@ def test_should_log():
     assert [s for s in range(1, 31) if m.should_log(s)] == [1, 10, 20, 30]
 
 
-def test_flops_and_peak_table():
+def test_flops_per_token_formula():
     # 6N for the matmuls (embedding excluded) + 12 * L * d * T attention
     assert model_flops_per_token(1000, 2, 8, 16, num_embedding_params=100) == 6 * 900 + 12 * 2 * 8 * 16
-    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert peak_flops("Some CPU") is None
+
+
+# torch.cuda.get_device_name() strings -> (part, dense TFLOP/s: IEEE fp32, tf32, bf16, fp16, fp8)
+DEVICE_CASES = [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", (67, 494.5, 989, 989, 1979)),
+    ("NVIDIA H100", "H100 SXM", (67, 494.5, 989, 989, 1979)),
+    ("NVIDIA H100 PCIe", "H100 PCIe", (51, 378, 756, 756, 1513)),
+    ("NVIDIA H100 NVL", "H100 NVL", (60, 417.5, 835, 835, 1670)),  # not the SXM figures (~15% off)
+    ("NVIDIA H200", "H200 SXM", (67, 494.5, 989, 989, 1979)),
+    ("NVIDIA H200 NVL", "H200 NVL", (60, 417.5, 835, 835, 1670)),
+    ("NVIDIA GH200 480GB", "GH200", (67, 494.5, 989, 989, 1979)),  # its own word, not "h200"
+    ("NVIDIA A100-SXM4-80GB", "A100 SXM", (19.5, 156, 312, 312, None)),  # no FP8 on Ampere
+    ("NVIDIA A100-SXM4-40GB", "A100 SXM", (19.5, 156, 312, 312, None)),
+    ("NVIDIA A100-PCIE-40GB", "A100 PCIe", (19.5, 156, 312, 312, None)),
+    ("NVIDIA A100 80GB PCIe", "A100 PCIe", (19.5, 156, 312, 312, None)),
+    ("NVIDIA B200", "B200", (75, 1125, 2250, 2250, 4500)),
+    ("NVIDIA L40S", "L40S", (91.6, 183, 362.05, 362.05, 733)),
+]
+
+
+@pytest.mark.parametrize("name, part, tflops", DEVICE_CASES, ids=[c[0] for c in DEVICE_CASES])
+def test_peak_table_by_device_name(name, part, tflops):
+    assert find_gpu(name).part == part
+    for precision, value in zip(PRECISIONS, tflops):
+        got = peak_flops(name, precision)
+        assert got == (None if value is None else pytest.approx(value * 1e12, rel=1e-12)), precision
+    assert peak_flops(name) == peak_flops(name, "bfloat16")  # the default precision
+    # IEEE fp32 < TF32 < bf16 on every part: pricing at the wrong one is a 2x (L40S) to 15x (B200) MFU error
+    assert peak_flops(name, "float32") < peak_flops(name, "tf32") < peak_flops(name, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    "name", ["Tesla V100-SXM2-16GB", "NVIDIA L40", "NVIDIA GeForce RTX 4090", "AMD Instinct MI300X", "NVIDIA GB200", ""]
+)
+def test_unknown_device_has_no_peak(name):
+    assert find_gpu(name) is None
+    assert all(peak_flops(name, p) is None for p in PRECISIONS)
+
+
+def test_peak_of_an_unknown_precision_is_an_error():
+    with pytest.raises(ValueError, match="unknown matmul precision 'fp32'"):
+        peak_flops("NVIDIA H100 80GB HBM3", "fp32")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA device as MetricsLogger sees it, on a CPU-only host."""
+    import torch
+
+    name = {"value": "NVIDIA H100 80GB HBM3"}
+    tf32 = {"value": False}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["value"])
+    monkeypatch.setattr("trainer.metrics.cuda_tf32_enabled", lambda: tf32["value"])
+    return name, tf32
+
+
+@pytest.mark.parametrize(
+    "param_dtype, tf32, precision",
+    [("float32", False, "float32"), ("float32", True, "tf32"), ("bfloat16", False, "bfloat16"),
+     ("bfloat16", True, "bfloat16")],
+)  # fmt: skip
+def test_mfu_uses_the_peak_of_the_precision_that_runs(fake_cuda, param_dtype, tf32, precision):
+    name, flag = fake_cuda
+    flag["value"] = tf32
+    c = cfg("--parallelism.mixed_precision_param", param_dtype)
+    m = MetricsLogger("/unused", 1, c, flops_per_token=1e9, device="cuda")
+    assert m.peak_flops == peak_flops(name["value"], precision)
+    assert f"dense {precision} peak" in m.peak_note and name["value"] in m.peak_note
+    if precision == "float32":  # the hint at the faster settings
+        assert "--training.enable_tf32 true" in m.peak_note and "494.5 TFLOP/s" in m.peak_note
+
+
+def test_mfu_is_omitted_for_an_unknown_gpu_and_on_cpu(fake_cuda):
+    name, _ = fake_cuda
+    name["value"] = "Tesla V100-SXM2-16GB"
+    m = MetricsLogger("/unused", 1, cfg(), flops_per_token=1e9, device="cuda")
+    assert m.peak_flops is None and "omitted" in m.peak_note and "not in the table" in m.peak_note
+    name["value"] = "NVIDIA H100 80GB HBM3"
+    cpu = MetricsLogger("/unused", 1, cfg(), flops_per_token=1e9, device="cpu")
+    assert cpu.peak_flops is None and cpu.peak_note is None
+
+
+def test_mfu_percentage_against_the_chosen_peak(tmp_path, fake_cuda, monkeypatch):
+    from trainer import metrics as metrics_mod
+
+    monkeypatch.setattr(metrics_mod, "memory_gib", lambda device: ("cuda_max_alloc", 1.0))
+    clock = iter([0.0, 2.0])  # __init__, then the log: 2 s
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))
+    c = cfg("--parallelism.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false")
+    with MetricsLogger(str(tmp_path), 0, c, flops_per_token=67e9, device="cuda") as m:
+        rec = m.log(1, loss=1.0, grad_norm=1.0, lr=1e-3, num_tokens=2000)
+    # 1000 tokens/s x 67 GFLOP = 67 TFLOP/s: 100% of the H100's IEEE fp32 peak
+    assert rec["mfu_pct"] == pytest.approx(100.0)
 
 
 def test_training_flops_per_token_of_real_flavors():

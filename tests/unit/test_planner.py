@@ -372,15 +372,74 @@ def test_estimate_of_a_trainer_config_uses_what_the_trainer_resolves():
         estimate_from_config(load_config([*argv, "--parallelism.tp", "3"]), 8, H100, tokenizer_vocab=2048)
 
 
-def test_hardware_of_a_cuda_device_name():
+def test_estimate_of_an_fp32_config_prices_its_matmul_precision():
+    """float32 runs at the IEEE fp32 peak, or the TF32 peak with training.enable_tf32; bf16 at
+    its own (the compute term scales with the peak, nothing else changes)."""
+    from tools.planner.estimate import estimate_from_config
+    from trainer.config import load_config
+
+    argv = ["--config", "llama3.toml", "--training.seq_len", "256", "--training.local_batch_size", "2"]
+    fp32 = [*argv, "--parallelism.mixed_precision_param", "float32"]
+    ieee = estimate_from_config(load_config(fp32), 8, H100, tokenizer_vocab=2048)
+    tf32 = estimate_from_config(load_config([*fp32, "--training.enable_tf32", "true"]), 8, H100, tokenizer_vocab=2048)
+    bf16 = estimate_from_config(
+        load_config([*argv, "--parallelism.mixed_precision_param", "bfloat16"]), 8, H100, tokenizer_vocab=2048
+    )
+    assert ieee.time["compute"] / tf32.time["compute"] == pytest.approx(
+        H100.peak_flops("tf32") / H100.peak_flops("float32")
+    )
+    assert tf32.time["compute"] > bf16.time["compute"]
+    assert ieee.memory == tf32.memory
+
+
+# CUDA device name -> (planner entry, memory GiB, memory GB/s): NVIDIA datasheet figures
+HARDWARE_CASES = [
+    ("NVIDIA H100 80GB HBM3", "h100", 80.0, 3350.0),
+    ("NVIDIA H100 PCIe", "h100-pcie", 80.0, 2000.0),  # HBM2e, 2 TB/s (not the SXM's 3.35)
+    ("NVIDIA H100 NVL", "h100-nvl", 94.0, 3900.0),
+    ("NVIDIA H200", "h200", 141.0, 4800.0),
+    ("NVIDIA H200 NVL", "h200-nvl", 141.0, 4800.0),
+    ("NVIDIA A100-SXM4-80GB", "a100", 80.0, 2039.0),
+    ("NVIDIA A100-SXM4-40GB", "a100", 40.0, 1555.0),
+    ("NVIDIA A100 80GB PCIe", "a100-pcie", 80.0, 1935.0),
+    ("NVIDIA A100-PCIE-40GB", "a100-pcie", 40.0, 1555.0),
+    ("NVIDIA B200", "b200", 180.0, 8000.0),
+]
+
+
+@pytest.mark.parametrize(
+    "device_name, entry, memory_gib, memory_gbps", HARDWARE_CASES, ids=[c[0] for c in HARDWARE_CASES]
+)
+def test_hardware_of_a_cuda_device_name(device_name, entry, memory_gib, memory_gbps):
+    from tools.planner.hardware import gpu_names, hardware_for_device
+    from trainer.metrics import peak_flops
+
+    hw = hardware_for_device(device_name)
+    assert entry in gpu_names() and hw.name == device_name
+    assert (hw.memory_gib, hw.memory_gbps) == (memory_gib, memory_gbps)
+    # the trainer's MFU figures for that exact part, per precision (float32 = IEEE, tf32 apart)
+    for dtype in ("bfloat16", "float16", "tf32", "float32"):
+        assert hw.peak_flops(dtype) == peak_flops(device_name, dtype), dtype
+    assert load_hardware(entry).peak_flops("bfloat16") == hw.peak_flops("bfloat16")
+
+
+@pytest.mark.parametrize("device_name", ["Tesla V100-SXM2-16GB", "NVIDIA L40S", "NVIDIA GH200 480GB", "NVIDIA H20"])
+def test_hardware_of_a_gpu_the_planner_lacks(device_name):
     from tools.planner.hardware import hardware_for_device
 
-    h100 = hardware_for_device("NVIDIA H100 80GB HBM3")
-    assert h100.peak_flops_bf16 == H100.peak_flops_bf16 and h100.memory_gib == 80.0
-    pcie = hardware_for_device("NVIDIA H100 PCIe")
-    assert pcie.peak_flops_bf16 == 756e12  # the trainer's MFU figure for that part
-    assert hardware_for_device("NVIDIA H200").memory_gib == 141.0
-    assert hardware_for_device("Tesla V100-SXM2-16GB") is None
+    assert hardware_for_device(device_name) is None
+
+
+def test_hardware_peak_by_precision():
+    import dataclasses
+
+    assert H100.peak_flops("bfloat16") == 989e12 and H100.peak_flops("float16") == 989e12
+    assert H100.peak_flops("tf32") == 494.5e12 and H100.peak_flops("float32") == 67e12  # IEEE fp32
+    # a measured profile that gives one fp32 rate (benchmarks/planner.py) serves tf32 too
+    cpu = dataclasses.replace(H100, peak_flops_fp32=1e11, peak_flops_tf32=None)
+    assert cpu.peak_flops("tf32") == cpu.peak_flops("float32") == 1e11
+    with pytest.raises(ValueError, match="h100-pcie"):  # the error lists every entry
+        load_hardware("h100-sxm")
 
 
 @pytest.mark.parametrize(
@@ -459,7 +518,10 @@ def test_nothing_fits_names_the_smallest_world_size():
 
 @pytest.mark.parametrize(
     "flag, value, expected",
-    [("--model", "gpt2", "valid models: deepseek_v3, llama3"), ("--gpu", "v100", "valid gpus: a100, b200, h100, h200")],
+    [
+        ("--model", "gpt2", "valid models: deepseek_v3, llama3"),
+        ("--gpu", "v100", "valid gpus: a100, a100-pcie, b200, h100, h100-nvl, h100-pcie, h200, h200-nvl"),
+    ],
 )
 def test_bad_input_exits_2_with_the_choices(flag, value, expected, capsys):
     argv = list(_DEBUG)

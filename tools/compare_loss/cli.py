@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--assert-equal",
         action="store_true",
-        help="demand bitwise-equal losses and grad norms (reproducibility of one layout, e.g. --layouts fsdp=4 fsdp=4)",
+        help="demand bitwise-equal losses and grad norms (reproducibility of one layout, e.g. --layouts fsdp=4 "
+        "fsdp=4); on CUDA the runs get --training.deterministic true (CPU kernels are deterministic as they are)",
     )
     p.add_argument("--out", help="output folder (default outputs/compare_loss/<timestamp>)")
     p.add_argument("--plot", help="PNG path for the plot (default <out>/loss_comparison.png)")
@@ -165,9 +166,44 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> tuple[Plan, list[Lay
         if args.seed_checkpoint
         else os.path.join(out, "seed", "checkpoint", "step-0")
     )
+    if args.assert_equal:
+        extra = deterministic_overrides(config, extra, run_device_type())
     plan = Plan(config=config, steps=args.steps, out=out, extra=extra, seed_checkpoint=seed)
     preflight(plan, layouts)
     return plan, layouts, baseline
+
+
+def run_device_type() -> str:
+    """The device the runs will train on: train.py's own choice (``default_device_type``, cuda
+    when a GPU is visible), made on this machine, where torchrun starts them."""
+    from parallel_dims import default_device_type
+
+    return default_device_type()
+
+
+def deterministic_overrides(config: str, extra: list[str], device_type: str) -> list[str]:
+    """``--assert-equal``'s claim, bitwise-equal repeats, holds on CPU as it is (its kernels are
+    deterministic run to run) but on CUDA only with deterministic kernels: there the runs get
+    ``--training.deterministic true`` (unless the config or the overrides already set it), and an
+    explicit ``--training.deterministic false`` after ``--`` is refused (UsageError, exit 2)."""
+    if device_type != "cuda":
+        return extra
+    from trainer.config import load_config
+
+    explicit = any(arg[2:].partition("=")[0] == "training.deterministic" for arg in extra if arg.startswith("--"))
+    if load_config(["--config", config, *extra]).training.deterministic:
+        return extra
+    if explicit:
+        raise UsageError(
+            "--assert-equal on CUDA demands bitwise-equal runs, which needs deterministic kernels "
+            "(atomics in index_add, gather/index_select backward and attention backward differ run to "
+            "run); remove '--training.deterministic false' after '--' (the tool then sets it true)"
+        )
+    print(
+        "compare_loss: --assert-equal on CUDA: every run gets --training.deterministic true "
+        "(deterministic kernels; slower)"
+    )
+    return [*extra, "--training.deterministic", "true"]
 
 
 def _compare(args: argparse.Namespace, plan: Plan, layouts: list[Layout], baseline: Layout) -> int:

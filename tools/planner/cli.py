@@ -52,7 +52,11 @@ def _parse(argv):
     p.add_argument("--flavor", required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu", default="h100", help="h100, h200, a100, b200")
+    p.add_argument(
+        "--gpu",
+        default="h100",
+        help="h100, h100-pcie, h100-nvl, h200, h200-nvl, a100, a100-pcie, b200 (SXM unless named)",
+    )
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--top", type=int, default=10)

@@ -85,6 +85,7 @@ class Job:
     efficiency: float = 0.5  # achieved fraction of peak FLOP/s for the compute
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
+    tf32: bool = False  # float32 matmuls on TF32 tensor cores (training.enable_tf32)
     # model args a trainer config changes ((name, value) pairs: n_layers, vocab_size,
     # max_seq_len; trainer.plan.model_overrides), over the flavor's
     model_overrides: tuple = ()
@@ -336,7 +337,8 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         )  # fmt: skip
     # compute: the busiest rank's matmul FLOPs (tools/planner/compute.py)
     tokens = job.global_batch * job.seq_len
-    rate = hw.peak_flops(choice.param_dtype) * job.efficiency
+    precision = "tf32" if choice.param_dtype == "float32" and job.tf32 else choice.param_dtype
+    rate = hw.peak_flops(precision) * job.efficiency
     flops = max(
         (rank_matmul_flops(job.model, job.flavor, d, choice, r, **job.overrides) for r in ranks),
         key=lambda f: f["total"],
@@ -450,7 +452,8 @@ def estimate_from_config(
     overrides = {"vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len, "n_layers": args.n_layers}
     job = Job(
         cfg.model.name, cfg.model.flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
-        efficiency, choice.param_dtype, choice.reduce_dtype, model_overrides=tuple(sorted(overrides.items())),
+        efficiency, choice.param_dtype, choice.reduce_dtype, tf32=bool(cfg.training.enable_tf32),
+        model_overrides=tuple(sorted(overrides.items())),
     )  # fmt: skip
     return estimate(job, plan.parallel_dims.degrees, choice)
 

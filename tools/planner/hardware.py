@@ -1,7 +1,10 @@
 """GPUs and networks the planner prices layouts on, and the ring cost model of a collective.
 
-Peak FLOP/s come from the trainer's own table (``trainer/metrics.py`` ``PEAK_FLOPS``: dense,
-no sparsity; float32 matmuls run as TF32). Memory sizes are the parts' HBM capacities.
+Peak FLOP/s come from the trainer's own table (``trainer/metrics.py`` ``GPU_PEAKS``: dense, no
+sparsity, per matmul precision: "float32" is IEEE fp32, "tf32" a float32 run with
+``training.enable_tf32``, "bfloat16"/"float16" mixed precision). Memory sizes and bandwidths are the
+parts' datasheet HBM figures. Every part gets the same network defaults below (an NVSwitch node's
+NVLink); a PCIe or NVL card whose GPUs talk over PCIe or 2-GPU bridges needs a ``--profile``.
 
 The network defaults are PyTorch's collective cost model for DTensor redistribution,
 ``torch/distributed/tensor/_collective_utils.py`` (``MeshTopoInfo.build_from_mesh`` and
@@ -60,8 +63,11 @@ class Hardware:
 
     name: str
     peak_flops_bf16: float
+    # IEEE fp32 (CUDA cores): what a float32 run without training.enable_tf32 gets
     peak_flops_fp32: float
     memory_gib: float
+    # float32 on TF32 tensor cores (training.enable_tf32); None = peak_flops_fp32 (a CPU profile)
+    peak_flops_tf32: float | None = None
     # memory the planner keeps free: CUDA context, NCCL buffers, allocator fragmentation
     reserve_gib: float = 6.0
     intra_node_gbps: float = TORCH_INTRA_NODE_GBPS
@@ -98,7 +104,12 @@ class Hardware:
     collective_latency_us: dict = field(default_factory=dict, hash=False)
 
     def peak_flops(self, dtype: str) -> float:
-        return self.peak_flops_bf16 if dtype in ("bfloat16", "float16") else self.peak_flops_fp32
+        """Peak FLOP/s at a matmul precision: "bfloat16"/"float16", "tf32" or "float32" (IEEE)."""
+        if dtype in ("bfloat16", "float16"):
+            return self.peak_flops_bf16
+        if dtype == "tf32" and self.peak_flops_tf32 is not None:
+            return self.peak_flops_tf32
+        return self.peak_flops_fp32
 
     @property
     def usable_gib(self) -> float:
@@ -108,17 +119,38 @@ class Hardware:
 def _gpu_table() -> dict[str, Hardware]:
     from trainer.metrics import PEAK_FLOPS
 
-    def entry(name: str, key: str, memory_gib: float, memory_gbps: float) -> Hardware:
-        peak = PEAK_FLOPS[key]
-        return Hardware(name, peak["bfloat16"], peak["float32"], memory_gib, memory_gbps=memory_gbps)
+    def entry(name: str, part: str, memory_gib: float, memory_gbps: float) -> Hardware:
+        peak = PEAK_FLOPS[part]
+        return Hardware(
+            name, peak["bfloat16"], peak["float32"], memory_gib, peak_flops_tf32=peak["tf32"], memory_gbps=memory_gbps
+        )
 
-    # HBM capacities and bandwidths from the vendors' data sheets
+    # planner name -> trainer/metrics.py part, HBM capacity and bandwidth from NVIDIA's datasheets
     return {
-        "h100": entry("h100", "H100", 80.0, 3350.0),  # SXM, 80 GB HBM3, 3.35 TB/s
-        "h200": entry("h200", "H200", 141.0, 4800.0),  # 4.8 TB/s
-        "a100": entry("a100", "A100", 80.0, 2039.0),  # the 80 GB SXM part, 2.04 TB/s
-        "b200": entry("b200", "B200", 180.0, 8000.0),  # 8 TB/s
+        "h100": entry("h100", "H100 SXM", 80.0, 3350.0),  # 80 GB HBM3, 3.35 TB/s
+        "h100-pcie": entry("h100-pcie", "H100 PCIe", 80.0, 2000.0),  # 80 GB HBM2e, 2 TB/s
+        "h100-nvl": entry("h100-nvl", "H100 NVL", 94.0, 3900.0),  # 94 GB HBM3, 3.9 TB/s
+        "h200": entry("h200", "H200 SXM", 141.0, 4800.0),  # 141 GB HBM3e, 4.8 TB/s
+        "h200-nvl": entry("h200-nvl", "H200 NVL", 141.0, 4800.0),  # 141 GB HBM3e, 4.8 TB/s
+        "a100": entry("a100", "A100 SXM", 80.0, 2039.0),  # the 80 GB SXM4 part, 2,039 GB/s
+        "a100-pcie": entry("a100-pcie", "A100 PCIe", 80.0, 1935.0),  # the 80 GB PCIe part, 1,935 GB/s
+        "b200": entry("b200", "B200", 180.0, 8000.0),  # HGX B200: 180 GB HBM3e, 8 TB/s
     }
+
+
+# trainer/metrics.py part -> planner name (parts without one, e.g. L40S with no NVLink, GH200: None)
+_PLANNER_NAME = {
+    "H100 SXM": "h100",
+    "H100 PCIe": "h100-pcie",
+    "H100 NVL": "h100-nvl",
+    "H200 SXM": "h200",
+    "H200 NVL": "h200-nvl",
+    "A100 SXM": "a100",
+    "A100 PCIe": "a100-pcie",
+    "B200": "b200",
+}
+# the 40 GB A100s (SXM4 and PCIe): 40 GB HBM2, 1,555 GB/s
+_A100_40GB = {"memory_gib": 40.0, "memory_gbps": 1555.0}
 
 
 GPUS: dict[str, Hardware] = {}
@@ -131,7 +163,7 @@ def gpu_names() -> list[str]:
 
 
 def load_hardware(gpu: str, profile: str | None = None, **overrides) -> Hardware:
-    """The named GPU (``h100``, ``h200``, ``a100``, ``b200``), then the keys of the JSON
+    """The named GPU (:func:`gpu_names`: ``h100``, ``h100-pcie``, ``h200``, ...), then the keys of the JSON
     ``profile`` file, then ``overrides`` (None values ignored). Raises ValueError for an
     unknown GPU or profile key, naming the legal ones."""
     names = gpu_names()
@@ -164,22 +196,19 @@ def load_hardware(gpu: str, profile: str | None = None, **overrides) -> Hardware
 
 
 def hardware_for_device(device_name: str) -> Hardware | None:
-    """The table entry of a CUDA device name (``torch.cuda.get_device_name()``: "NVIDIA H100
-    80GB HBM3" -> h100), with the peak FLOP/s the trainer's MFU uses for that exact name (an H100
-    PCIe part has its own); None for a GPU the table lacks."""
-    from trainer.metrics import peak_flops
+    """The table entry of a CUDA device name (``torch.cuda.get_device_name()``), matched like the
+    trainer's MFU table (``trainer.metrics.find_gpu``: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H100
+    PCIe" -> h100-pcie, "NVIDIA H200 NVL" -> h200-nvl; a 40 GB A100 gets its memory); None for a GPU
+    the planner lacks."""
+    from trainer.metrics import find_gpu
 
-    name = device_name.lower()
-    for key in ("h200", "h100", "a100", "b200"):  # h200 before h100: no name holds both
-        if key in name:
-            hw = load_hardware(key)
-            return dataclasses.replace(
-                hw,
-                name=device_name,
-                peak_flops_bf16=peak_flops(device_name, "bfloat16") or hw.peak_flops_bf16,
-                peak_flops_fp32=peak_flops(device_name, "float32") or hw.peak_flops_fp32,
-            )
-    return None
+    row = find_gpu(device_name)
+    if row is None or row.part not in _PLANNER_NAME:
+        return None
+    hw = dataclasses.replace(load_hardware(_PLANNER_NAME[row.part]), name=device_name)
+    if row.part.startswith("A100") and "40gb" in device_name.lower().replace("-", " ").split():
+        hw = dataclasses.replace(hw, **_A100_40GB)
+    return hw
 
 
 def optimizer_seconds(local_params: float, hw: Hardware) -> float:

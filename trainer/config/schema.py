@@ -78,7 +78,22 @@ class Training:
     steps: int = _opt(10000, "Optimizer steps to train for.")
     max_norm: float = _opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping.")
     seed: int = _opt(0, "Seed for parameter init and the synthetic corpus.")
-    deterministic: bool = _opt(False, "Use deterministic kernels (slower).")
+    deterministic: bool = _opt(
+        False,
+        "Deterministic kernels, so a run repeats bitwise on the same hardware: "
+        "torch.use_deterministic_algorithms(True) (an op without a deterministic kernel raises), "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8 set before any CUDA work, and on CUDA cudnn.deterministic; "
+        "flash/memory-efficient attention then run their deterministic backward. Slower on GPU; "
+        "CPU kernels are deterministic without it (trainer/precision.py).",
+    )
+    enable_tf32: bool = _opt(
+        False,
+        "CUDA only: run float32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32), "
+        "~7x the IEEE fp32 peak on H100 with inputs rounded to a 10-bit mantissa; MFU then uses the "
+        "TF32 peak. false (torch's and torchtitan's default) keeps float32 exact IEEE fp32, the "
+        "precision the layout-comparison tolerances were measured in; speed runs use "
+        "parallelism.mixed_precision_param = bfloat16, which this does not affect.",
+    )
     dataset: str = _opt(
         "synthetic",
         "'synthetic' (built-in generated corpus), 'text' (.txt file or folder), "
@@ -254,8 +269,24 @@ class Profiling:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _opt(300, "Process-group timeout until the first step.")
-    train_timeout_seconds: int = _opt(100, "Collective timeout once training runs.")
+    init_timeout_seconds: int = _opt(
+        300,
+        "Process-group timeout (every group) until the first step ends; also the limit of the first "
+        "step, of each checkpoint save and of each validation pass (the step watchdog).",
+    )
+    train_timeout_seconds: int = _opt(
+        100,
+        "Collective timeout once training runs, and the limit of each training step after the first: "
+        "past it, the rank prints one line (step, this option, the flight-recorder dump) and exits "
+        "with code 3. On NCCL the step watchdog fires at this limit and the process groups time out "
+        "30 s later; on gloo the collective times out at this limit.",
+    )
+    trace_buf_size: int = _opt(
+        20000,
+        "NCCL flight recorder: collectives kept per rank (TORCH_NCCL_TRACE_BUFFER_SIZE), dumped on a "
+        "timeout to <dump_folder>/comm_traces/rank_<R>; 0 = off. Environment variables set before "
+        "launch win.",
+    )
     mode: str = _opt(
         "default",
         "'default' = real collectives; 'fake_backend' = run ONE rank (comm.fake_rank) of a "

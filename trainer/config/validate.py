@@ -165,7 +165,8 @@ def _validate_values(cfg: JobConfig) -> None:
     )
     need(
         cfg.comm.init_timeout_seconds > 0 and cfg.comm.train_timeout_seconds > 0,
-        "comm.init_timeout_seconds and comm.train_timeout_seconds must be > 0",
+        f"comm.init_timeout_seconds and comm.train_timeout_seconds must be > 0, got "
+        f"{cfg.comm.init_timeout_seconds} and {cfg.comm.train_timeout_seconds}",
     )
     _validate_comm(cfg, need)
     if cfg.validation.enable:
@@ -232,6 +233,11 @@ def _validate_validation(cfg: JobConfig, need) -> None:
 
 def _validate_comm(cfg: JobConfig, need) -> None:
     c = cfg.comm
+    need(
+        c.trace_buf_size >= 0,
+        f"comm.trace_buf_size must be >= 0 (collectives the NCCL flight recorder keeps per rank, "
+        f"0 = off; torchtitan's default is 20000), got {c.trace_buf_size}",
+    )
     need(
         c.record_step >= 0,
         f"comm.record_step must be >= 0 (a training step to record collectives of, 0 = off), got {c.record_step}",
