@@ -118,9 +118,17 @@ def _make_dry_run(tmp_path, target: str, **env) -> str:
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
     if not (tmp_path / "pyproject.toml").exists():
         (tmp_path / "pyproject.toml").write_text("")
-    base = {k: v for k, v in os.environ.items() if k not in ("SYSTEM_TORCH", "MAKEFLAGS", "MFLAGS")}
+    # a clean top-level make: under `make test` the inherited MAKELEVEL would make it print
+    # "Entering/Leaving directory" lines around the recipe
+    skip = ("SYSTEM_TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")
+    base = {k: v for k, v in os.environ.items() if k not in skip}
     res = subprocess.run(
-        ["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, env={**base, **env}, timeout=60
+        ["make", "--no-print-directory", "-n", target],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        timeout=60,
     )
     assert res.returncode == 0, res.stderr
     return res.stdout
