@@ -35,12 +35,13 @@ CORPUS_STEPS = 3  # the corpus holds this many global batches (the streaming pat
 
 def _corpus(folder: str, tokenizer) -> tuple[str, int]:
     """A jsonl file of synthetic documents holding at least CORPUS_STEPS global batches."""
-    from trainer.data import synthetic_document
+    from trainer.data.synthetic import synthetic_document
+    from trainer.files import atomic_file
 
     need = CORPUS_STEPS * GLOBAL_BATCH * (SEQ_LEN + 1)
     path = os.path.join(folder, "corpus.jsonl")
     tokens, i = 0, 0
-    with open(path, "w") as f:
+    with atomic_file(path, "w") as f:
         while tokens < need:
             docs = [synthetic_document(0, i + k) for k in range(1000)]
             tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(docs))
@@ -62,7 +63,7 @@ def _time_steps(loader, steps: int) -> tuple[float, float]:
 
 
 def _loader(source, tokenizer, degree: int):
-    from trainer.data import PackedDataLoader
+    from trainer.data.batching import PackedDataLoader
 
     return PackedDataLoader(
         source,
@@ -76,10 +77,10 @@ def _loader(source, tokenizer, degree: int):
 
 
 def run() -> dict:
-    from trainer.data import FileSource
-    from trainer.token_dataset import TokenDataset
-    from trainer.token_writer import tokenize_to_shards
-    from trainer.tokenizer import load_tokenizer
+    from tools.tokenize.writer import tokenize_to_shards
+    from trainer.data.sources import FileSource
+    from trainer.data.token_shards import TokenDataset
+    from trainer.data.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

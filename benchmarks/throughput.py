@@ -44,8 +44,8 @@ def bare_loop(steps: int, warmup: int) -> float:
 
     from models.registry import build_model
     from trainer.config import load_config
-    from trainer.data import build_dataloader
-    from trainer.tokenizer import load_tokenizer
+    from trainer.data.loader import build_dataloader
+    from trainer.data.tokenizer import load_tokenizer
 
     cfg = load_config([*ARGS, "--training.steps", str(steps)])
     torch.manual_seed(cfg.training.seed)

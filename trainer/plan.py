@@ -132,7 +132,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None
     p = cfg.parallelism
     pd = attempt(lambda: parallel_dims_from_config(cfg, world_size))
     if tokenizer_vocab is None:
-        from trainer.tokenizer import load_tokenizer
+        from trainer.data.tokenizer import load_tokenizer
 
         tokenizer = attempt(lambda: load_tokenizer(cfg.model.tokenizer_path))
         tokenizer_vocab = tokenizer.vocab_size if tokenizer is not None else None

@@ -50,7 +50,8 @@ from trainer.comm_watchdog import (
     write_flight_recorder_dump,
 )
 from trainer.config import ConfigError, JobConfig, load_config
-from trainer.data import build_dataloader, wrap_loader
+from trainer.data.loader import build_dataloader, wrap_loader
+from trainer.data.tokenizer import load_tokenizer
 from trainer.fake_backend import FakeStepMeter, init_fake_process_group, is_fake_backend, prepare_fake_config
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.hf_checkpoint import (
@@ -65,7 +66,6 @@ from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.precision import apply_precision_policy
 from trainer.profiling import MatmulCensus, StepProfiler
-from trainer.tokenizer import load_tokenizer
 from trainer.validation import Validator
 
 __all__ = ["Trainer", "TrainingDiverged", "main"]

@@ -34,7 +34,8 @@ from models.common.sequence import load_balanced_shard
 from models.parallel.tensor_parallel import loss_parallel_context
 from parallel_dims import ParallelDims
 from trainer.config import ConfigError, JobConfig
-from trainer.data import PackedDataLoader, build_validation_dataloader
+from trainer.data.batching import PackedDataLoader
+from trainer.data.loader import build_validation_dataloader
 
 if TYPE_CHECKING:
     # the pipeline runtime is imported where pp > 1 uses it (see trainer/train.py)

@@ -75,8 +75,8 @@ def hf_run(hf_dir, tmp_path_factory):
 def _global_batch(extra: list[str]):
     """The trainer's global batch of step 1, from its own data loader."""
     from trainer.config import load_config
-    from trainer.data import build_dataloader
-    from trainer.tokenizer import load_tokenizer
+    from trainer.data.loader import build_dataloader
+    from trainer.data.tokenizer import load_tokenizer
 
     cfg = load_config([*LLAMA, *extra])
     loader = build_dataloader(cfg, load_tokenizer(cfg.model.tokenizer_path), batch_rank=0, batch_degree=1)

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from trainer.token_writer import tokenize_to_shards
+from tools.tokenize.writer import tokenize_to_shards
 
 from .helpers import FAST, metric_records, read_metrics, run_train
 

@@ -14,9 +14,10 @@ from trainer.checkpoint import (
     save_seed_checkpoint,
 )
 from trainer.config import load_config
-from trainer.data import PackedDataLoader, SyntheticSource
+from trainer.data.batching import PackedDataLoader
+from trainer.data.sources import SyntheticSource
+from trainer.data.tokenizer import ByteTokenizer
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.tokenizer import ByteTokenizer
 
 CFG = load_config(["--config", "llama3.toml"])
 

@@ -28,6 +28,7 @@ import train_tokenizer  # noqa: E402
 from tools.compare_loss import cli as compare_loss_cli  # noqa: E402
 from tools.compare_loss import runner as compare_loss_runner  # noqa: E402
 from tools.planner import cli as planner_cli  # noqa: E402
+from tools.tokenize import shipped_tokenizer  # noqa: E402
 
 VOCAB = 512
 # the debug flavors at these sizes; transformers' models of the same shapes write the folders
@@ -312,7 +313,7 @@ def test_tokenize_dataset_verify_of_a_missing_folder(tmp_path, capsys):
     ids=["check_missing", "folder", "under_a_file"],
 )
 def test_train_tokenizer_bad_out(tmp_path, argv, needles, monkeypatch, capsys):
-    monkeypatch.setattr(train_tokenizer, "train", lambda: pytest.fail("the --out check comes before training"))
+    monkeypatch.setattr(shipped_tokenizer, "train", lambda: pytest.fail("the --out check comes before training"))
     (tmp_path / "a_file").write_text("x")
     before = sorted(p.name for p in tmp_path.iterdir())
     rc = train_tokenizer.main([a.replace("{tmp}", str(tmp_path)) for a in argv])

@@ -191,8 +191,8 @@ def preflight(plan: Plan, layouts: list[Layout]) -> None:
     layers vs pp) and vs the batch (global batch % batch degree * local batch). ``plan`` gives
     each run's train.py argv (:meth:`tools.compare_loss.runner.Plan.run_argv`)."""
     from trainer.config import load_config
+    from trainer.data.tokenizer import load_tokenizer
     from trainer.plan import plan_job
-    from trainer.tokenizer import load_tokenizer
 
     try:  # the TOML and the overrides after `--` on their own, so their errors read as such
         base = load_config(["--config", plan.config, *plan.extra])

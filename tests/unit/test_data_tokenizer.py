@@ -1,9 +1,10 @@
-"""Meta's Llama 3 ``tokenizer.model`` (tiktoken BPE ranks) against its ``tokenizer.json`` form.
+"""The tokenizers (trainer/data/tokenizer.py): the shipped BPE, the byte tokenizer, and Meta's
+Llama 3 ``tokenizer.model`` (tiktoken BPE ranks) against its ``tokenizer.json`` form.
 
 No downloads: a small rank file is trained here with tiktoken's educational BPE trainer, and
 the Hugging Face form of the same ranks is produced by transformers' own ``TikTokenConverter``.
 The split pattern and the special-token list below are written out independently of
-``trainer.tokenizer`` so that a wrong constant there makes the equality tests fail.
+``trainer.data.tokenizer`` so that a wrong constant there makes the equality tests fail.
 """
 
 import base64
@@ -17,8 +18,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer.config import ConfigError, load_config
-from trainer.data import build_dataloader
-from trainer.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
+from trainer.data.loader import build_dataloader
+from trainer.data.synthetic import synthetic_document
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer
+
+# ---------------------------------------------------------------- shipped and byte tokenizers
+
+
+def test_shipped_tokenizer():
+    shipped = load_tokenizer()
+    assert shipped.vocab_size == 2048 and (shipped.bos_id, shipped.eos_id, shipped.pad_id) == (0, 1, 2)
+    text = "Hello, world! The quick brown fox.\n"
+    assert shipped.decode(shipped.encode(text)) == text
+    doc = synthetic_document(0, 5)
+    assert len(shipped.encode(doc)) <= len(doc.split()) + 2  # corpus words are single tokens
+
+
+def test_byte_tokenizer_and_missing_path():
+    bt = load_tokenizer("bytes")
+    assert isinstance(bt, ByteTokenizer) and bt.vocab_size == 259
+    assert bt.decode(bt.encode("héllo") + [bt.eos_id]) == "héllo<|eos|>"
+    with pytest.raises(ConfigError, match="model.tokenizer_path: no tokenizer at '/nonexistent'"):
+        load_tokenizer("/nonexistent")
+
+
+# ---------------------------------------------------------------- Llama 3 tokenizer.model
 
 # Meta's llama3/tokenizer.py pattern, verbatim.
 META_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

@@ -19,9 +19,8 @@ import os
 from collections.abc import Iterable
 from typing import Protocol
 
-from trainer.config import ConfigError
+from trainer.config import REPO_ROOT, ConfigError
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TOKENIZER_PATH = os.path.join(REPO_ROOT, "assets", "tokenizer", "tokenizer.json")
 
 BOS_TOKEN = "<|bos|>"

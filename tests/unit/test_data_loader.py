@@ -1,3 +1,7 @@
+"""Packing and batching (trainer/data/packing.py, batching.py, loader.py): labels are the inputs
+shifted, every layout reads the same global batch, and the resume state is exact on any layout.
+(Sources: test_data_sources.py; the synthetic corpus: test_data_synthetic.py.)"""
+
 import json
 import re
 
@@ -5,16 +9,11 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, load_config
-from trainer.data import (
-    FileSource,
-    PackedDataLoader,
-    SyntheticSource,
-    bigram_conditional_entropy,
-    build_dataloader,
-    synthetic_document,
-    unigram_entropy,
-)
-from trainer.tokenizer import ByteTokenizer, load_tokenizer
+from trainer.data.batching import PackedDataLoader
+from trainer.data.loader import build_dataloader
+from trainer.data.sources import FileSource, SyntheticSource
+from trainer.data.synthetic import synthetic_document
+from trainer.data.tokenizer import load_tokenizer
 
 TOK = load_tokenizer()
 SEQ = 32
@@ -46,41 +45,6 @@ def global_batches(degree, local_bs, steps, global_bs=8, **kw):
                 ys.append(y)
         out.append((torch.cat(xs), torch.cat(ys)))
     return out
-
-
-def test_shipped_tokenizer():
-    assert TOK.vocab_size == 2048 and (TOK.bos_id, TOK.eos_id, TOK.pad_id) == (0, 1, 2)
-    text = "Hello, world! The quick brown fox.\n"
-    assert TOK.decode(TOK.encode(text)) == text
-    doc = synthetic_document(0, 5)
-    assert len(TOK.encode(doc)) <= len(doc.split()) + 2  # corpus words are single tokens
-
-
-def test_byte_tokenizer_and_missing_path():
-    bt = load_tokenizer("bytes")
-    assert isinstance(bt, ByteTokenizer) and bt.vocab_size == 259
-    assert bt.decode(bt.encode("héllo") + [bt.eos_id]) == "héllo<|eos|>"
-    with pytest.raises(ConfigError, match="model.tokenizer_path: no tokenizer at '/nonexistent'"):
-        load_tokenizer("/nonexistent")
-
-
-def test_synthetic_corpus_is_deterministic_and_seeded():
-    assert synthetic_document(0, 17) == synthetic_document(0, 17)
-    assert [synthetic_document(0, i) for i in range(20)] != [synthetic_document(1, i) for i in range(20)]
-
-
-def test_synthetic_corpus_has_learnable_structure():
-    toks = []
-    for i in range(400):
-        toks += TOK.encode(synthetic_document(0, i)) + [TOK.eos_id]
-    h1, h2 = unigram_entropy(toks), bigram_conditional_entropy(toks)
-    assert 3.0 < h1 < 6.0
-    assert h2 < 0.6 * h1  # a previous-token model already beats the unigram floor by far
-
-
-def test_entropy_helpers_on_known_distributions():
-    assert unigram_entropy([0, 1, 2, 3] * 10) == pytest.approx(torch.log(torch.tensor(4.0)).item())
-    assert bigram_conditional_entropy([0, 1] * 50) == pytest.approx(0.0)
 
 
 def test_labels_are_inputs_shifted_and_stream_is_contiguous():
@@ -161,55 +125,6 @@ def test_state_rejects_other_dataset(tmp_path):
     other = loader(source=FileSource(str(tmp_path), "text"))
     with pytest.raises(ValueError, match="exclude_from_loading"):
         other.load_state_dict(state)
-
-
-def test_text_folder_packing(tmp_path):
-    (tmp_path / "b.txt").write_text("second file\nline two\n")
-    (tmp_path / "a.txt").write_text("first file\n")
-    (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "skip.md").write_text("not a txt\n")
-    bt = ByteTokenizer()
-    ld = loader(global_bs=1, local_bs=1, source=FileSource(str(tmp_path), "text"), tok=bt, seq=40)
-    x, y = next(ld)
-    expected = list(b"first file\n") + [bt.eos_id] + list(b"second file\nline two\n") + [bt.eos_id]
-    expected = (expected * 2)[:41]  # the stream wraps around into the next epoch
-    assert x[0].tolist() == expected[:40] and y[0].tolist() == expected[1:41]
-
-
-def test_text_chunking_resumes_inside_a_long_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(FileSource, "CHUNK_BYTES", 16)
-    (tmp_path / "long.txt").write_text("".join(f"line {i:03d} é\n" for i in range(40)))
-    bt = ByteTokenizer()
-    src = lambda: FileSource(str(tmp_path / "long.txt"), "text")  # noqa: E731
-    full = loader(global_bs=2, local_bs=2, source=src(), tok=bt, seq=20)
-    batches = [next(full)[0] for _ in range(4)]
-    data = (tmp_path / "long.txt").read_bytes()
-    assert batches[0][0].tolist() == list(data[:20])
-    part = loader(global_bs=2, local_bs=2, source=src(), tok=bt, seq=20)
-    next(part)
-    resumed = loader(global_bs=2, local_bs=2, source=src(), tok=bt, seq=20)
-    resumed.load_state_dict(part.state_dict())
-    assert all(torch.equal(next(resumed)[0], b) for b in batches[1:])
-
-
-def test_jsonl_packing_and_bad_lines(tmp_path):
-    f = tmp_path / "d.jsonl"
-    f.write_text(json.dumps({"text": "alpha"}) + "\n\n" + json.dumps({"text": "beta", "id": 2}) + "\n")
-    bt = ByteTokenizer()
-    ld = loader(global_bs=1, local_bs=1, source=FileSource(str(f), "jsonl"), tok=bt, seq=11)
-    x, _ = next(ld)
-    assert x[0].tolist() == list(b"alpha") + [bt.eos_id] + list(b"beta") + [bt.eos_id]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"content": "x"}) + "\n")
-    with pytest.raises(ValueError, match="needs a string field 'text'"):
-        next(loader(global_bs=1, local_bs=1, source=FileSource(str(bad), "jsonl"), tok=bt, seq=4))
-
-
-def test_missing_dataset_path_errors(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
-        FileSource(str(tmp_path / "missing"), "jsonl")
-    with pytest.raises(ConfigError, match="no non-empty .jsonl files"):
-        FileSource(str(tmp_path), "jsonl")
 
 
 def test_build_dataloader_from_config(tmp_path):

@@ -1,6 +1,6 @@
-"""Pre-tokenized datasets: the offline tokenizer (scripts/tokenize_dataset.py ->
-trainer/token_writer.py) and the by-address reader (trainer/token_dataset.py) against the
-streaming path (trainer/data.py), resumable tokenization, and the errors."""
+"""Pre-tokenized datasets: the offline tokenizer (scripts/tokenize_dataset.py -> tools/tokenize/)
+and the by-address reader (trainer/data/token_shards.py) against the streaming path
+(trainer/data/), resumable tokenization, and the errors."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ import numpy as np
 import pytest
 import torch
 
+from tools.tokenize.writer import CRASH_ENV, tokenize_to_shards
 from trainer.config import ConfigError, load_config
-from trainer.data import FileSource, PackedDataLoader, SyntheticSource, build_dataloader, synthetic_document
-from trainer.token_dataset import INDEX_NAME, TokenDataset
-from trainer.token_writer import CRASH_ENV, tokenize_to_shards
-from trainer.tokenizer import load_tokenizer
+from trainer.data.batching import PackedDataLoader
+from trainer.data.loader import build_dataloader
+from trainer.data.shard_format import INDEX_NAME
+from trainer.data.sources import FileSource, SyntheticSource
+from trainer.data.synthetic import synthetic_document
+from trainer.data.token_shards import TokenDataset
+from trainer.data.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

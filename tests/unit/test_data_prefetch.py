@@ -1,4 +1,4 @@
-"""Background loading (trainer.data.BackgroundLoader), the data-wait metric, and the
+"""Background loading (trainer/data/prefetch.py BackgroundLoader), the data-wait metric, and the
 ``[validation]`` config checks."""
 
 from __future__ import annotations
@@ -12,16 +12,12 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, load_config
-from trainer.data import (
-    BackgroundLoader,
-    PackedDataLoader,
-    SyncLoader,
-    SyntheticSource,
-    build_validation_dataloader,
-    wrap_loader,
-)
+from trainer.data.batching import PackedDataLoader
+from trainer.data.loader import build_validation_dataloader, wrap_loader
+from trainer.data.prefetch import BackgroundLoader, SyncLoader
+from trainer.data.sources import SyntheticSource
+from trainer.data.tokenizer import load_tokenizer
 from trainer.metrics import MetricsLogger
-from trainer.tokenizer import load_tokenizer
 
 TOK = load_tokenizer()
 
@@ -262,7 +258,7 @@ def test_validation_data_is_held_out_and_starts_over(tmp_path):
 
 
 def test_tokens_validation_data_and_one_pass(tmp_path):
-    from trainer.token_writer import tokenize_to_shards
+    from tools.tokenize.writer import tokenize_to_shards
     from trainer.validation import one_pass_steps
 
     index = tokenize_to_shards(["synthetic:7:40"], str(tmp_path / "val"), shard_tokens=500, workers=1, log=None)

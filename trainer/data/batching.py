@@ -1,0 +1,116 @@
+"""Global batches that do not depend on the parallel layout, and exact resumption.
+
+Optimizer step s consumes global samples ``[s*G, (s+1)*G)``; the rank with batch coordinate b
+of batch degree D owns the contiguous slice ``[s*G + b*G/D, s*G + (b+1)*G/D)`` and yields it as
+micro-batches of local_batch_size. Consequently every parallel layout (any D, any local batch
+size) trains on exactly the same global batch at every step, which is what makes loss curves
+comparable across layouts and lets a run resume on a different number of GPUs.
+
+The resume state is the position of the next unconsumed step in the stream, identical on all
+ranks and independent of D.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from trainer.config import ConfigError, gradient_accumulation_steps, resolve_global_batch_size
+from trainer.data.packing import PackedStream
+from trainer.data.sources import DocumentSource
+from trainer.data.token_shards import TokenDataset
+
+logger = logging.getLogger(__name__)
+
+
+class PackedDataLoader:
+    """Infinite iterator of (inputs, labels) micro-batches, each a CPU LongTensor of shape
+    [local_batch_size, seq_len]; ``grad_accum_steps`` consecutive micro-batches form one
+    rank's share of a global step."""
+
+    def __init__(
+        self,
+        source: DocumentSource | TokenDataset,
+        tokenizer,
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        local_batch_size: int,
+        batch_rank: int,
+        batch_degree: int,
+    ):
+        if seq_len <= 0 or local_batch_size <= 0:
+            raise ConfigError(f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) must be > 0")
+        if not 0 <= batch_rank < batch_degree:
+            raise ConfigError(f"batch rank {batch_rank} must be in [0, batch degree {batch_degree})")
+        self.grad_accum_steps = gradient_accumulation_steps(global_batch_size, local_batch_size, batch_degree)
+        self.global_batch_size = resolve_global_batch_size(global_batch_size, local_batch_size, batch_degree)
+        self.local_batch_size, self.seq_len = local_batch_size, seq_len
+        self.batch_rank, self.batch_degree = batch_rank, batch_degree
+        self.rank_samples = self.global_batch_size // batch_degree
+        self.tokens_per_step = self.global_batch_size * seq_len  # global, for throughput
+        self.source_name = source.name
+        if isinstance(source, TokenDataset):  # pre-tokenized: read by address
+            source.check_tokenizer(tokenizer)
+            self._stream = source.stream(seq_len)
+        else:
+            self._stream = PackedStream(source, tokenizer, seq_len)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._step_start: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._pending:
+            self._prepare_step()
+        return self._pending.pop(0)
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """All grad_accum_steps micro-batches of the next step (must be at a step boundary)."""
+        if self._pending:
+            raise RuntimeError("next_step() called with micro-batches of the current step still unconsumed")
+        self._prepare_step()
+        batches, self._pending = self._pending, []
+        return batches
+
+    def _prepare_step(self) -> None:
+        s = self._stream
+        self._step_start = s.state()
+        s.skip(self.batch_rank * self.rank_samples)
+        windows = s.take(self.rank_samples)
+        s.skip((self.batch_degree - 1 - self.batch_rank) * self.rank_samples)
+        inputs, labels = windows[:, :-1], windows[:, 1:]
+        b = self.local_batch_size
+        self._pending = [
+            (inputs[i : i + b].contiguous(), labels[i : i + b].contiguous()) for i in range(0, self.rank_samples, b)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position of the first step not fully consumed (a half-consumed step is replayed
+        on resume, matching a model that has not taken that optimizer step)."""
+        state = dict(self._step_start) if self._pending else self._stream.state()
+        state.update(dataset=self.source_name, seq_len=self.seq_len)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("dataset") != self.source_name:
+            raise ValueError(
+                f"data loader state is for dataset '{state.get('dataset')}' but this run uses "
+                f"'{self.source_name}'; to start the new dataset from its beginning set "
+                f'checkpoint.exclude_from_loading = ["dataloader"]'
+            )
+        if state.get("seq_len") != self.seq_len:
+            logger.warning(
+                "resuming data with seq_len %s (checkpoint had %s): the token position is kept, "
+                "sample indices continue from %s",
+                self.seq_len,
+                state.get("seq_len"),
+                state["sample_index"],
+            )
+        self._stream.restore(state)
+        self._pending = []
+        self._step_start = None
