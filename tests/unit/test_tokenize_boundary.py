@@ -21,33 +21,34 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _PROBE = """
 import json, os, sys
-before = dict(os.environ)
-for name in sys.argv[1:]:
-    __import__(name)
-after = dict(os.environ)
-changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-print(json.dumps({"changed": changed, "tokenize": sorted(m for m in sys.modules if m.startswith("tools.tokenize"))}))
+def imported(names):
+    before = dict(os.environ)
+    for name in names:
+        __import__(name)
+    changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+    return {"changed": changed, "tokenize": sorted(m for m in sys.modules if m.startswith("tools.tokenize"))}
+print(json.dumps([imported(sys.argv[1:4]), imported(sys.argv[4:7]), imported(sys.argv[7:])]))
 """
+RUNTIME = ["trainer.train", "trainer.data.loader", "trainer.validation"]
+OFFLINE = ["tools.tokenize.writer", "tools.tokenize.cli", "tools.tokenize.shipped_tokenizer"]
 
 
-def _import_in_fresh_process(*modules: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != PARALLELISM_ENV}
+def test_the_runtime_imports_no_offline_tokenizer_and_neither_sets_the_environment(tmp_path):
+    """One fresh interpreter: the runtime first (no tools.tokenize module, no variable changed),
+    then the offline tokenizer (its modules are now imported; still no variable), then a module
+    that does set one at import (control: the probe sees it)."""
+    (tmp_path / "sets_env_at_import.py").write_text("import os\nos.environ['MESHTRAIN_PROBE_CONTROL'] = '1'\n")
+    env = {k: v for k, v in os.environ.items() if k not in (PARALLELISM_ENV, "MESHTRAIN_PROBE_CONTROL")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
     res = subprocess.run(
-        [sys.executable, "-c", _PROBE, *modules], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", _PROBE, *RUNTIME, *OFFLINE, "sets_env_at_import"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def test_the_runtime_imports_no_offline_tokenizer_and_sets_no_environment():
-    got = _import_in_fresh_process("trainer.train", "trainer.data.loader", "trainer.validation")
-    assert got == {"changed": [], "tokenize": []}
-
-
-def test_importing_the_offline_tokenizer_sets_no_environment_either():
-    modules = ["tools.tokenize.writer", "tools.tokenize.cli", "tools.tokenize.shipped_tokenizer"]
-    got = _import_in_fresh_process(*modules)
-    assert got["changed"] == [] and set(modules) <= set(got["tokenize"])  # control: they were imported
+    runtime, offline, control = json.loads(res.stdout.strip().splitlines()[-1])
+    assert runtime == {"changed": [], "tokenize": []}
+    assert offline["changed"] == [] and set(OFFLINE) <= set(offline["tokenize"])
+    assert control["changed"] == ["MESHTRAIN_PROBE_CONTROL"]
 
 
 @pytest.fixture
