@@ -481,3 +481,19 @@ def test_docs_pages_start_with_a_title_and_a_summary():
 
 def test_readme_is_a_front_door():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_readme_parallel_dims_example_runs():
+    """The README's ParallelDims snippet is a real program: it runs as shown (one process, the
+    fake backend), in a fresh interpreter so its process group stays out of this one; so do the
+    calls docs/parallel_dims.md lists."""
+    readme = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert readme and "ParallelDims(" in readme.group(1)
+    # docs/parallel_dims.md's API tour, inside a 16-rank fake group as its text says
+    api = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "parallel_dims.md").read_text(), re.S)
+    assert api and "world_size=16" in api.group(1)
+    fake_group = "dist.init_process_group('fake', store=FakeStore(), rank=3, world_size=16)\n"
+    code = readme.group(1) + fake_group + api.group(1)
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "DeviceMesh((dp_replicate=2, fsdp=4)" in res.stdout and "None" in res.stdout
