@@ -71,9 +71,14 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "planner",
         "Layout planner against measured steps",
-        "`make bench` section `planner`: step time of layouts of the llama3 debug model on 2 gloo "
-        "processes and each layout's busiest rank alone on the fake backend; reference: the planner's "
-        "estimates with a CPU profile measured in the same run",
+        "`make bench` section `planner` (also `python -m benchmarks.planner`): step time of layouts of "
+        "the llama3 debug model on 2 gloo processes (`train.py`, one thread each, interleaved rounds, "
+        "noise = spread of the round medians) and each layout's busiest rank alone on the fake backend "
+        "(its compute); reference: the planner's estimates with a CPU profile measured in the same run "
+        "(FLOP rate of a 1-process step net of its optimizer step, the optimizer's memory bandwidth, "
+        "full AC's recompute cost, gloo links per collective kind, a base latency per collective, TP's "
+        "and CP's host overhead per block from tp=2 / cp=2 runs of 1- and 3-layer models, not the timed "
+        "layouts; no overlap)",
     ),
     (
         "planner_search",
