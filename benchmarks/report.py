@@ -127,7 +127,8 @@ def fmt(v) -> str:
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)):
         return ", ".join(fmt(x) for x in v)
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    text = " ".join(str(v).split()).replace("|", "\\|")
+    return text if len(text) <= 300 else text[:297] + "..."  # e.g. a failed run's log tail
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -154,6 +155,22 @@ def dict_table(rows: list[dict]) -> list[str]:
     for r in flat:
         cols += [k for k in r if k not in cols]
     return table(cols, [[r.get(c) for c in cols] for r in flat])
+
+
+def grouped_tables(rows: list[dict], key: str = "name") -> list[str]:
+    """Rows of nested groups (a bench-gpu run: case, trainer, bare, planner): one table per group,
+    each row named by ``key``; the top-level scalars in a table of their own."""
+    groups: list[str] = []
+    for r in rows:
+        groups += [k for k, v in r.items() if isinstance(v, dict) and k not in groups]
+    lines: list[str] = []
+    scalars = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
+    if any(len(r) > 1 for r in scalars):
+        lines += dict_table(scalars) + [""]
+    for g in groups:
+        lines += [f"{g}:", ""]
+        lines += dict_table([{key: r.get(key), **_flatten(r.get(g) or {})} for r in rows]) + [""]
+    return lines
 
 
 def render_value(value, depth: int = 0) -> list[str]:
@@ -214,7 +231,7 @@ def render(files: list[tuple[str, dict]]) -> str:
                 per_section[sid].append(block + ([""] if sec.get("notes") else []))
         elif kind == "gpu":
             block = [f"From `{RESULTS_DIR}/{name}` ({_host(data)}):", ""]
-            per_section["gpu"].append(block + dict_table(data["rows"]) + [""])
+            per_section["gpu"].append(block + grouped_tables(data["rows"]))
         else:
             for sid in SECTION_IDS:
                 if sid in data:
