@@ -77,3 +77,31 @@ def test_report_check_mode(tmp_path):
     assert report.main([*args, "--check"]) == 1  # absent
     assert report.main(args) == 0
     assert report.main([*args, "--check"]) == 0
+
+
+def test_make_bench_regenerates_the_page(tmp_path):
+    """`make bench` ends by writing docs/benchmarks.md again (a dry run as a top-level make)."""
+    import os
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".installed").write_text("")  # set up already: only the bench recipe
+    skip = ("SYSTEM_TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    res = subprocess.run(
+        ["make", "--no-print-directory", "-n", "bench"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines() == [
+        ".venv/bin/python -m benchmarks.run --out bench_results/bench.json",
+        ".venv/bin/python -m benchmarks.report",
+    ]
