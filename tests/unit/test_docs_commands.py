@@ -9,7 +9,8 @@ the lines after a ``$`` prompt) are checked without doing their work:
   is wrapped to raise), so nothing after parsing runs. A module whose source has neither
   ``argparse`` nor a ``main(`` is refused rather than run. ``pytest`` and ``tests.kernel_lane``
   (which hands its arguments to pytest): the paths exist and ``-m`` names a declared marker.
-  ``python -c CODE``: the code compiles.
+  ``python -c CODE``: the code compiles. ``python -m tools.compare_loss ... -- OVERRIDES``: the
+  overrides after ``--`` go to every run's train.py, so the config loader checks them.
 * ``train.py ...`` (with python or through ``torchrun``): the trainer's config loader parses the
   options (``trainer.config.load_config``: ``--config`` resolves, every ``--section.key value``
   is a known key with a valid value); torchrun's own options go through torchrun's parser.
@@ -22,7 +23,8 @@ the lines after a ``$`` prompt) are checked without doing their work:
   exist.
 
 Skipped, by a stated rule: a command with a ``...`` argument or a ``<placeholder>`` is an
-illustration, not a command (``python -m tools.compare_loss ... --diagnose``). Any other program
+illustration, not a command (``python -m tools.compare_loss ... --diagnose``); the pages have none
+today, and at most three are allowed. Any other program
 fails the test, so a new kind of command gets a rule here.
 
 The same test checks that every relative link of those pages resolves (file, and the heading
@@ -262,7 +264,14 @@ def _check_python(args: list[str]) -> None:
                 raise AssertionError(f"no module named {module!r}")
             _check_pytest(rest)
             return
+        extra: list[str] = []
+        if module == "tools.compare_loss" and "--" in rest:  # train.py overrides for every run
+            cut = rest.index("--")
+            rest, extra = rest[:cut], rest[cut + 1 :]
         _run_parser("module", module, rest)
+        if extra:
+            config = rest[rest.index("--config") + 1]  # required by its parser
+            _check_train(["--config", config, *extra])
         return
     script, rest = args[0], args[1:]
     if script == "train.py":
@@ -402,6 +411,10 @@ def test_every_documented_command_runs_as_written(monkeypatch):
         ("sbatch --nodes=2 scripts/slurm_train.sh train_configs/nope.toml", "nope.toml"),
         ("frobnicate --now", "no rule for the program"),
         (".venv/bin/python -m benchmarks.run --only no_such_section", "exit 2"),
+        (
+            ".venv/bin/python -m tools.compare_loss --config llama3.toml --layouts fsdp=2 -- --training.nope 1",
+            "training.nope",
+        ),
     ],
 )
 def test_checker_rejects_what_would_not_run(command, why, monkeypatch):
