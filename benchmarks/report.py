@@ -126,6 +126,8 @@ def fmt(v) -> str:
             return str(int(v))
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)):
+        if any(isinstance(x, dict) for x in v):
+            return f"({len(v)} records: see the JSON)"
         return ", ".join(fmt(x) for x in v)
     text = " ".join(str(v).split()).replace("|", "\\|")
     return text if len(text) <= 300 else text[:297] + "..."  # e.g. a failed run's log tail

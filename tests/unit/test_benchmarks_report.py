@@ -44,7 +44,9 @@ def test_report_is_deterministic_and_renders_every_kind(tmp_path):
     bench = {
         "host": {"python": "3.11", "torch": "2.13.0", "cpus": 2},
         "started": "2026-01-01T00:00:00",
-        "memory": [{"model": "llama3", "fsdp": 2, "ranks": {"total_bytes": 1.5e6, "ratio": 1.0}}],
+        "memory": [
+            {"model": "llama3", "fsdp": 2, "ranks": {"total_bytes": 1.5e6, "ratio": 1.0}, "per_rank": [{"rank": 0}]}
+        ],
         "throughput": {"bare_loop_tps": [1.0, 2.0], "ratio_train_py_over_bare": 0.97, "goal": ">= 0.95"},
         "moe": {"config": {"rows": 4096}, "rows": [{"experts": 8, "seconds": {"grouped": 0.01, "loop": 0.02}}]},
     }
@@ -60,7 +62,8 @@ def test_report_is_deterministic_and_renders_every_kind(tmp_path):
     assert first == report.render(report.load(list(reversed(files))))  # file order does not matter
     assert "`bench_results/bench.json`" in first and "`bench_results/gpu.json`" in first
     assert "smoke.json" not in first and "tiny" not in first  # smoke runs' figures mean nothing
-    assert "| model | fsdp | ranks.total_bytes | ranks.ratio |" in first
+    assert "| model | fsdp | ranks.total_bytes | ranks.ratio | per_rank |" in first
+    assert "| llama3 | 2 | 1500000 | 1 | (1 records: see the JSON) |" in first
     assert "- ratio_train_py_over_bare: 0.97" in first and "| experts | seconds.grouped | seconds.loop |" in first
     assert "trainer:\n\n| name | mfu_pct |\n|---|---|\n| llama3 | 40 |" in first
 
