@@ -127,7 +127,7 @@ def fmt(v) -> str:
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)):
         if any(isinstance(x, dict) for x in v):
-            return f"({len(v)} records: see the JSON)"
+            return f"({len(v)} record{'' if len(v) == 1 else 's'}: see the JSON)"
         return ", ".join(fmt(x) for x in v)
     text = " ".join(str(v).split()).replace("|", "\\|")
     return text if len(text) <= 300 else text[:297] + "..."  # e.g. a failed run's log tail

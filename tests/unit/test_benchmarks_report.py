@@ -63,7 +63,7 @@ def test_report_is_deterministic_and_renders_every_kind(tmp_path):
     assert "`bench_results/bench.json`" in first and "`bench_results/gpu.json`" in first
     assert "smoke.json" not in first and "tiny" not in first  # smoke runs' figures mean nothing
     assert "| model | fsdp | ranks.total_bytes | ranks.ratio | per_rank |" in first
-    assert "| llama3 | 2 | 1500000 | 1 | (1 records: see the JSON) |" in first
+    assert "| llama3 | 2 | 1500000 | 1 | (1 record: see the JSON) |" in first
     assert "- ratio_train_py_over_bare: 0.97" in first and "| experts | seconds.grouped | seconds.loop |" in first
     assert "trainer:\n\n| name | mfu_pct |\n|---|---|\n| llama3 | 40 |" in first
 
