@@ -124,10 +124,13 @@ test-fast: lint
 train: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config train_configs/llama3.toml $(ARGS)
 
+# Then docs/benchmarks.md, the one page of measured figures, is generated again from
+# bench_results/*.json (benchmarks/report.py).
 bench: $(STAMP)
 	$(PY) -m benchmarks.run --out bench_results/bench.json
+	$(PY) -m benchmarks.report
 
-# One GPU: trainer vs a bare bf16 loop vs torchtitan's model, eager and compiled (see README).
+# One GPU: trainer vs a bare bf16 loop vs torchtitan's model, eager and compiled (docs/gpus.md).
 # On a GPU node with its own CUDA torch and no network: SYSTEM_TORCH=1 make bench-gpu (the
 # venv setup above needs no network), or run python -m benchmarks.gpu with that python from the
 # repository root, no venv at all. Ends with the first-GPU-run checklist.
@@ -138,4 +141,4 @@ describe: $(STAMP)
 	$(PY) -m parallel_dims --world-size 4096 --dp-shard -1 --cp 2 --tp 8 --pp 4 --ep 64 --rank 17 --gpus-per-node 8
 
 clean:
-	rm -rf $(VENV) outputs bench_results .pytest_cache .hypothesis
+	rm -rf $(VENV) outputs .pytest_cache .hypothesis

@@ -1,11 +1,11 @@
 """What the first run on a GPU must confirm: the parts of the CUDA and NCCL paths that no CPU test
 can prove, each with how to check it. One list, kept here: ``make bench-gpu`` prints it at the
-end of every run (``benchmarks/gpu.py``), and README.md's "Running on GPUs" section carries the
-same text (``python -m benchmarks.gpu_checklist --markdown`` prints it;
-``tests/unit/test_bench_gpu.py`` checks the README against it).
+end of every run (``benchmarks/gpu.py``), and docs/gpus.md ("The first-GPU-run checklist") carries
+the same text (``python -m benchmarks.gpu_checklist --markdown`` prints it;
+``tests/unit/test_bench_gpu.py`` checks the page against it).
 
 To add an entry: append a :class:`CheckItem` to :data:`CHECKLIST` in the block of its topic (or a
-new block), then paste the new markdown into the README between the checklist markers.
+new block), then paste the new markdown into docs/gpus.md between the checklist markers.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _wrap_markdown(text: str, width: int, indent: str) -> list[str]:
 
 
 def render_markdown(items: list[CheckItem] | None = None) -> str:
-    """The checklist as README.md carries it: a numbered list, one entry per item."""
+    """The checklist as docs/gpus.md carries it: a numbered list, one entry per item."""
     items = CHECKLIST if items is None else items
     out = []
     for i, item in enumerate(items, 1):
@@ -157,7 +157,7 @@ def render_markdown(items: list[CheckItem] | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_checklist", description=__doc__.split("\n\n")[0])
-    p.add_argument("--markdown", action="store_true", help="print the README's markdown instead of the text")
+    p.add_argument("--markdown", action="store_true", help="print docs/gpus.md's markdown instead of the text")
     args = p.parse_args(argv)
     print(render_markdown() if args.markdown else render_text())
     return 0

@@ -1,7 +1,7 @@
 """The layout planner's predicted collectives (tools/planner/collectives.py) against what the
 trainer really issues, recorded on real gloo ranks (parallel_dims/comm_record.py through the
-trainer's ``comm.record_step``), for every layout of the CPU proof matrix (README "Comparing
-loss curves across layouts") and for layouts that turn on what else changes a step's collectives
+trainer's ``comm.record_step``), for every layout of the CPU proof matrix (docs/compare_loss.md)
+and for layouts that turn on what else changes a step's collectives
 (:data:`LAYOUTS`): bf16 parameters with fp32 gradient reduction (FSDP2 over 2 ranks with
 gradients accumulated over 2 micro-batches, and over one; on the size-1 FSDP mesh of a pipeline
 stage without data parallelism; HSDP), a bf16 reduce dtype (with bf16 and with fp32
@@ -104,7 +104,7 @@ _BF16_REDUCE = (("parallelism.mixed_precision_param", "bfloat16"), ("parallelism
 _FP32_BF16 = (("parallelism.mixed_precision_param", "float32"), ("parallelism.mixed_precision_reduce", "bfloat16"))
 
 LAYOUTS = {
-    # the CPU proof matrix (README), fp32, no AC, sequence and loss parallel on, 1F1B
+    # the CPU proof matrix (docs/compare_loss.md), fp32, no AC, sequence and loss parallel on, 1F1B
     "llama3 fsdp=4": Layout("llama3", dict(dp_shard=4)),
     "llama3 dp_replicate=2,fsdp=2": Layout("llama3", dict(dp_replicate=2, dp_shard=2)),
     "llama3 tp=2,fsdp=2": Layout("llama3", dict(dp_shard=2, tp=2)),

@@ -1,6 +1,6 @@
 """`make bench-gpu` is only meaningful on a GPU; its --smoke mode runs every code path on tiny
 CPU shapes so a broken benchmark is caught here, not on a lent GPU. Also: the first-GPU-run
-checklist it prints (benchmarks/gpu_checklist.py, mirrored in the README) and the Makefile's
+checklist it prints (benchmarks/gpu_checklist.py, mirrored in docs/gpus.md) and the Makefile's
 two ways to set up the venv (plain, and SYSTEM_TORCH=1 on the node's own torch)."""
 
 from __future__ import annotations
@@ -88,14 +88,14 @@ def test_checklist_entries_say_what_and_how():
         assert f"{i:>3}. " + item.what.split()[0] in text
 
 
-def test_readme_carries_the_checklist():
-    """README.md's copy between the markers is what `python -m benchmarks.gpu_checklist
-    --markdown` prints: an entry added in code and not in the README (or the reverse) fails."""
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- gpu-checklist:start -->\n(.*?)\n<!-- gpu-checklist:end -->", readme, re.S)
-    assert m, "README.md lacks the gpu-checklist markers"
+def test_gpu_docs_carry_the_checklist():
+    """docs/gpus.md's copy between the markers is what `python -m benchmarks.gpu_checklist
+    --markdown` prints: an entry added in code and not in the page (or the reverse) fails."""
+    page = (ROOT / "docs" / "gpus.md").read_text()
+    m = re.search(r"<!-- gpu-checklist:start -->\n(.*?)\n<!-- gpu-checklist:end -->", page, re.S)
+    assert m, "docs/gpus.md lacks the gpu-checklist markers"
     assert m.group(1) == render_markdown(), (
-        "README.md's first-GPU-run checklist differs from benchmarks/gpu_checklist.py: paste the "
+        "docs/gpus.md's first-GPU-run checklist differs from benchmarks/gpu_checklist.py: paste the "
         "output of `python -m benchmarks.gpu_checklist --markdown` between the markers"
     )
 

@@ -1,0 +1,301 @@
+"""Write docs/benchmarks.md from bench_results/*.json: the one page that holds measured figures.
+
+``python -m benchmarks.report`` (the last step of ``make bench``) reads every JSON file in
+``bench_results/`` and renders it; the output depends on the files' contents only (no clock, no
+host), so the same files always give the same page, and ``tests/unit/test_benchmarks_report.py``
+checks that the committed page is what the committed files give. Three kinds of file:
+
+- ``make bench`` output (``benchmarks/run.py``: ``host``, ``started`` and one key per section);
+- ``make bench-gpu`` output (``benchmarks/gpu.py``: ``host`` and ``rows``); smoke runs
+  (``host.smoke``, tiny CPU shapes whose figures mean nothing) are left out;
+- archives (``"kind": "archive"``): figures measured before results were kept as files, each
+  section with how it was measured, its tables (``columns``, ``rows``) and notes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = "docs/benchmarks.md"
+RESULTS_DIR = "bench_results"
+
+# (section id, heading, what it measures and against which reference): the page's order
+SECTIONS: list[tuple[str, str, str]] = [
+    ("train", "The debug run (make train)", "the Llama 3 debug model, 50 steps, 4 CPU processes over gloo"),
+    (
+        "mesh_build",
+        "Mesh build",
+        "`make bench` section `mesh_build`: ParallelDims build time and process groups of rank 0 for "
+        "world sizes 8 ... 131072 on the fake backend, one fresh process per implementation and size; "
+        "reference: torchtitan 0.2.2's ParallelDims in the same run (the time ratio is the figure to "
+        "read: absolute times move with machine load)",
+    ),
+    (
+        "memory",
+        "Memory per rank",
+        "`make bench` section `memory`: per-rank bytes of params + grads + AdamW state under fsdp = 1, "
+        "2, 3, 4, 8, from the real sharded model on the fake backend; reference: ideal = fsdp=1 bytes / N",
+    ),
+    (
+        "throughput",
+        "Trainer throughput",
+        "`make bench` section `throughput`: tokens/s of the llama3 debug model through `train.py` (1 "
+        "process); reference: a bare PyTorch loop over the same model, data, AdamW and clipping",
+    ),
+    (
+        "pipeline",
+        "Pipeline schedules",
+        "`make bench` section `pipeline`: steps/s per schedule and micro-batch count at pp=2 (2 CPU "
+        "processes over gloo, llama3 debug model with 8 layers, local batch 8, seq 64); reference: "
+        "GPipe with the same micro-batches; theory = the bubble fraction",
+    ),
+    (
+        "moe",
+        "MoE kernels",
+        "`make bench` section `moe`: forward + backward of the routed experts against the number of "
+        "experts E (4096 routed rows, dim 256, hidden 128, fp32, one thread); reference: the grouped "
+        "GEMM path, and the old per-expert-indexing loop",
+    ),
+    (
+        "data_loading",
+        "Data loading",
+        "`make bench` section `data_loading`: one rank's (batch coordinate 0) data time per step "
+        "against the batch degree D at a global batch of 512 x 1024, streaming (`jsonl`) against "
+        "`tokens`, and the offline tokenizer's tokens/s with 1 and N workers; reference: the tokens "
+        "path at the same D",
+    ),
+    (
+        "planner",
+        "Layout planner against measured steps",
+        "`make bench` section `planner` (also `python -m benchmarks.planner`): step time of layouts of "
+        "the llama3 debug model on 2 gloo processes (`train.py`, one thread each, interleaved rounds, "
+        "noise = spread of the round medians) and each layout's busiest rank alone on the fake backend "
+        "(its compute); reference: the planner's estimates with a CPU profile measured in the same run "
+        "(FLOP rate of a 1-process step net of its optimizer step, the optimizer's memory bandwidth, "
+        "full AC's recompute cost, gloo links per collective kind, a base latency per collective, TP's "
+        "and CP's host overhead per block from tp=2 / cp=2 runs of 1- and 3-layer models, not the timed "
+        "layouts; no overlap)",
+    ),
+    (
+        "planner_search",
+        "Layout planner search time",
+        "`python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "
+        "--gpu h100 --seq-len 8192 --global-batch 512 --top 5`",
+    ),
+    (
+        "equivalence",
+        "Layouts against one process (one training step)",
+        "`tests/distributed/test_parallelize_equivalence.py`: every layout against a single-process "
+        "run on the same weights and global batch for one full training step (gloo, fp32, global "
+        "batch 8 x 32 tokens); measured worst cases against the test's tolerances",
+    ),
+    (
+        "compare_loss",
+        "Loss curves across layouts",
+        "`python -m tools.compare_loss` over 30 steps (fp32, CPU, default debug configs, one seed checkpoint)",
+    ),
+    (
+        "gpu",
+        "GPU runs (make bench-gpu)",
+        "`make bench-gpu`: the trainer against a bare bf16 loop and torchtitan's model on one GPU",
+    ),
+    ("tests", "Test suite time", "`make test` on a fresh clone (`bash .ci/run`)"),
+]
+SECTION_IDS = [s[0] for s in SECTIONS]
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    kept = "".join(c for c in heading.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if v == int(v) and abs(v) < 1e15:
+            return str(int(v))
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        if any(isinstance(x, dict) for x in v):
+            return f"({len(v)} record{'' if len(v) == 1 else 's'}: see the JSON)"
+        return ", ".join(fmt(x) for x in v)
+    text = " ".join(str(v).split()).replace("|", "\\|")
+    return text if len(text) <= 300 else text[:297] + "..."  # e.g. a failed run's log tail
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def table(columns: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(fmt(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def dict_table(rows: list[dict]) -> list[str]:
+    """A list of (nested) dicts as one table: a column per flattened key, in first-seen order."""
+    flat = [_flatten(r) for r in rows]
+    cols: list[str] = []
+    for r in flat:
+        cols += [k for k in r if k not in cols]
+    return table(cols, [[r.get(c) for c in cols] for r in flat])
+
+
+def grouped_tables(rows: list[dict], key: str = "name") -> list[str]:
+    """Rows of nested groups (a bench-gpu run: case, trainer, bare, planner): one table per group,
+    each row named by ``key``; the top-level scalars in a table of their own."""
+    groups: list[str] = []
+    for r in rows:
+        groups += [k for k, v in r.items() if isinstance(v, dict) and k not in groups]
+    lines: list[str] = []
+    scalars = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
+    if any(len(r) > 1 for r in scalars):
+        lines += dict_table(scalars) + [""]
+    for g in groups:
+        lines += [f"{g}:", ""]
+        lines += dict_table([{key: r.get(key), **_flatten(r.get(g) or {})} for r in rows]) + [""]
+    return lines
+
+
+def render_value(value, depth: int = 0) -> list[str]:
+    """Raw benchmark output of any shape: scalars as a list, lists of dicts as tables."""
+    if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+        return dict_table(value) + [""]
+    if not isinstance(value, dict):
+        return [fmt(value), ""]
+    lines: list[str] = []
+    scalars = {k: v for k, v in value.items() if not isinstance(v, (dict, list)) or (isinstance(v, list) and not v)}
+    scalars.update({k: v for k, v in value.items() if isinstance(v, list) and v and not isinstance(v[0], dict)})
+    for k, v in value.items():
+        if k in scalars:
+            lines.append(f"- {k}: {fmt(v)}")
+    if lines:
+        lines.append("")
+    for k, v in value.items():
+        if k in scalars:
+            continue
+        if isinstance(v, dict) and not any(isinstance(x, (dict, list)) for x in v.values()):
+            lines += [f"- {k}: " + ", ".join(f"{kk} {fmt(vv)}" for kk, vv in v.items()), ""]
+            continue
+        lines += [f"{k}:", ""] + render_value(v, depth + 1)
+    return lines
+
+
+def load(paths: list[Path]) -> list[tuple[str, dict]]:
+    return [(p.name, json.loads(p.read_text())) for p in sorted(paths, key=lambda p: p.name)]
+
+
+def classify(data: dict) -> str:
+    if data.get("kind") == "archive":
+        return "archive"
+    if "rows" in data and "host" in data:
+        return "gpu_smoke" if data["host"].get("smoke") else "gpu"
+    return "bench"
+
+
+def _host(data: dict) -> str:
+    host = data.get("host", {})
+    parts = [f"{k} {fmt(v)}" for k, v in host.items()]
+    return ", ".join(parts) + (f"; started {data['started']}" if "started" in data else "")
+
+
+def render(files: list[tuple[str, dict]]) -> str:
+    used = [(name, data) for name, data in files if classify(data) != "gpu_smoke"]
+    per_section: dict[str, list[list[str]]] = {s: [] for s in SECTION_IDS}
+    for name, data in used:
+        kind = classify(data)
+        if kind == "archive":
+            for sid, sec in data["sections"].items():
+                block = [f"From `{RESULTS_DIR}/{name}` (archived): {sec['measured']}", ""]
+                for t in sec.get("tables", []):
+                    if t.get("title"):
+                        block += [t["title"] + ":", ""]
+                    block += table(t["columns"], t["rows"]) + [""]
+                block += [f"- {n}" for n in sec.get("notes", [])]
+                per_section[sid].append(block + ([""] if sec.get("notes") else []))
+        elif kind == "gpu":
+            block = [f"From `{RESULTS_DIR}/{name}` ({_host(data)}):", ""]
+            per_section["gpu"].append(block + grouped_tables(data["rows"]))
+        else:
+            for sid in SECTION_IDS:
+                if sid in data:
+                    block = [f"From `{RESULTS_DIR}/{name}` ({_host(data)}):", ""]
+                    per_section[sid].append(block + render_value(data[sid]))
+    sources = ", ".join(f"`{RESULTS_DIR}/{name}`" for name, _ in used) or "(none)"
+    out = [
+        "# Benchmarks",
+        "",
+        f"<!-- generated by `python -m benchmarks.report` from {sources}; do not edit by hand: "
+        "`make bench` regenerates it -->",
+        "",
+        "Every measured figure of this project lives on this page, generated from the JSON files in "
+        f"`{RESULTS_DIR}/` by `python -m benchmarks.report` (`make bench` runs it after its "
+        "sections; `make bench-gpu` writes `bench_results/gpu.json`, then run the report). Figures "
+        "are ratios against a reference measured in the same run where possible, so they compare "
+        "across machines; absolute times move with machine load. Archived sections were measured "
+        "before results were kept as files and are transcribed from the README of that time, with "
+        "how they were measured. How to run each benchmark: [gpus.md](gpus.md) for `make bench-gpu`, "
+        "[testing.md](testing.md#benchmarks-make-bench) for `make bench`.",
+        "",
+        f"Sources: {sources}.",
+        "",
+        "| section | what, and the reference |",
+        "|---|---|",
+    ]
+    out += [f"| [{title}](#{anchor(title)}) | {what} |" for _sid, title, what in SECTIONS]
+    out.append("")
+    for sid, title, _what in SECTIONS:
+        out += [f"## {title}", ""]
+        blocks = per_section[sid]
+        if not blocks:
+            out += ["Not measured yet.", ""]
+        for block in blocks:
+            out += block
+    while out[-1] == "":
+        out.pop()
+    return "\n".join(out) + "\n"
+
+
+def result_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.json"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default=RESULTS_DIR, help="folder of the JSON results (default: %(default)s)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="the page to write (default: %(default)s)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page differs")
+    args = p.parse_args(argv)
+    text = render(load(result_files(Path(args.results))))
+    out = Path(args.out)
+    if args.check:
+        same = out.exists() and out.read_text() == text
+        print(f"{out} is {'up to date' if same else 'stale: run python -m benchmarks.report'}", file=sys.stderr)
+        return 0 if same else 1
+    from trainer.files import atomic_write
+
+    atomic_write(str(out), text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
