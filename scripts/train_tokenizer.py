@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from trainer.checkpoint import write_atomic
 from trainer.cli_errors import run_command
 from trainer.data import synthetic_document
+from trainer.files import atomic_write
 from trainer.tokenizer import DEFAULT_TOKENIZER_PATH, SPECIAL_TOKENS
 
 VOCAB_SIZE = 2048
@@ -184,7 +184,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{args.out}: {'up to date' if same else 'OUT OF DATE - rerun without --check'}")
         return 0 if same else 1
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    write_atomic(args.out, text)  # an interrupted run leaves the old file
+    atomic_write(args.out, text)  # an interrupted run leaves the old file
     print(
         f"wrote {args.out}: vocab_size={tok.get_vocab_size()} "
         f"special ids={[tok.token_to_id(t) for t in SPECIAL_TOKENS]}"

@@ -41,8 +41,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker 
 
 import numpy as np
 
-from trainer.checkpoint import _fsync_dir, write_atomic
 from trainer.config import ConfigError
+from trainer.files import atomic_write, fsync_dir
 from trainer.token_dataset import (
     DTYPES,
     FORMAT,
@@ -461,7 +461,7 @@ def tokenize_to_shards(
                 return index
         say(f"tokenize: {out} has a damaged index or shard; checking and redoing from the first bad shard")
         os.remove(index_path)  # the folder is visibly incomplete again
-        _fsync_dir(out)
+        fsync_dir(out)
     if os.path.isfile(progress_path):
         old_header, old_records = _read_progress(progress_path)
         if old_header is None:
@@ -481,7 +481,7 @@ def tokenize_to_shards(
                 f"choose an empty or new folder"
             )
     # progress = header + the good records; rewritten atomically, then appended to
-    write_atomic(progress_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *records]).encode())
+    atomic_write(progress_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *records]).encode())
     keep = {INDEX_NAME, PROGRESS_NAME} | {r["file"] for r in records} | {r["docs_file"] for r in records}
     for p in sorted(set(glob.glob(os.path.join(out, "shard_*")) + glob.glob(os.path.join(out, "*.tmp.*")))):
         if os.path.basename(p) not in keep:
@@ -509,8 +509,8 @@ def tokenize_to_shards(
         docs_io = io.BytesIO()
         np.save(docs_io, ends)
         docs_bytes = docs_io.getvalue()
-        write_atomic(os.path.join(out, shard_file(i)), data)
-        write_atomic(os.path.join(out, docs_file(i)), docs_bytes)
+        atomic_write(os.path.join(out, shard_file(i)), data)
+        atomic_write(os.path.join(out, docs_file(i)), docs_bytes)
         rec = {
             "shard": i,
             "file": shard_file(i),
@@ -571,7 +571,7 @@ def tokenize_to_shards(
             for r in records
         ],
     }
-    write_atomic(index_path, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+    atomic_write(index_path, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
     progress.report(n_docs, total, len(records), force=True)
     say(f"tokenize: wrote {len(records)} shard(s), {total:,} tokens, {n_docs:,} documents ({dtype_name}) to {out}")
     return index
