@@ -283,3 +283,14 @@ def test_read_failures_are_classified_and_bugs_are_not():
     # anything else is a bug: no reason, so the caller re-raises it with its traceback
     assert read_failure(RuntimeError("size mismatch for layers.0"), "shard file") is None
     assert read_failure(TypeError("bad"), ".metadata") is None
+
+
+def test_resave_after_a_crash_between_the_renames(gloo, tmp_path):
+    """A crash after step-N was moved to step-N.old but before it was removed: saving step N
+    again replaces the stale .old (trainer/checkpoint/folders.py), and a later save purges it."""
+    model = Net()
+    mgr = CheckpointFolder(str(tmp_path / "c"))
+    mgr.save(2, [model])
+    os.rename(mgr.step_dir(2), mgr.step_dir(2) + ".old")
+    mgr.save(2, [model])
+    assert sorted(os.listdir(tmp_path / "c")) == ["step-2"] and mgr.load([Net()])["step"] == 2
