@@ -37,15 +37,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.registry import flavor_names, get_model_spec, model_names
+from trainer.checkpoint.convert import convert_hf_to_dcp
+from trainer.checkpoint.hf_format import DEFAULT_MAX_SHARD_BYTES, parse_size
+from trainer.checkpoint.hf_reader import open_hf_checkpoint
+from trainer.checkpoint.hf_write import dcp_model_meta, export_dcp_to_hf
 from trainer.cli_errors import run_command
-from trainer.hf_checkpoint import (
-    DEFAULT_MAX_SHARD_BYTES,
-    _dcp_model_meta,
-    convert_hf_to_dcp,
-    export_dcp_to_hf,
-    open_hf_checkpoint,
-    parse_size,
-)
 
 
 class UsageError(ValueError):
@@ -186,7 +182,7 @@ def to_hf(ns) -> str:
         max_shard = parse_size(ns.max_shard_size)
     except ValueError as exc:
         raise UsageError(f"--max-shard-size: {exc}") from None
-    meta = _dcp_model_meta(ns.dcp_dir)
+    meta = dcp_model_meta(ns.dcp_dir)
     flavor, extra = _infer_flavor_from_dcp(ns, meta)
     args = _args(ns.model, flavor, ns, **extra)
     say = _progress(time.monotonic())

@@ -14,13 +14,11 @@ import datetime
 import logging
 import math
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -31,14 +29,8 @@ from models.parallel.tensor_parallel import loss_parallel_context
 from models.registry import build_model
 from parallel_dims import default_backend, default_device_type
 from parallel_dims.comm_record import record_comms, write_records
-from trainer.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    export_consolidated,
-    load_checkpoint,
-    model_state_dict,
-    save_seed_checkpoint,
-)
+from trainer.checkpoint.dcp import save_seed_checkpoint
+from trainer.checkpoint.manager import CheckpointManager, check_initial_load
 from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
 from trainer.comm_watchdog import (
     EXIT_COMM_TIMEOUT,
@@ -54,13 +46,6 @@ from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.data.tokenizer import load_tokenizer
 from trainer.fake_backend import FakeStepMeter, init_fake_process_group, is_fake_backend, prepare_fake_config
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
-from trainer.hf_checkpoint import (
-    HFCheckpoint,
-    export_dcp_to_hf,
-    hf_adapter_for,
-    load_hf_into_model,
-    validate_hf_checkpoint,
-)
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
@@ -206,7 +191,7 @@ class Trainer:
         opts = self.plan.parallelize
         # a Hugging Face folder to start from is checked (config.json against the flavor and
         # overrides, every tensor's shape from the headers) before anything is built
-        self._hf_initial: HFCheckpoint | None = self._check_hf_initial_load()
+        initial_hf = check_initial_load(cfg, self.plan.model.args)
         with torch.device("meta"):
             model = spec.model_cls(spec.args)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -281,74 +266,18 @@ class Trainer:
             )
         self.optimizer = build_optimizer(self.model_parts, cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
-        self.checkpoint = CheckpointManager.from_config(cfg)
+        self.ckpt = CheckpointManager(
+            cfg,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.data,
+            model_args=self.plan.model.args,
+            initial_hf=initial_hf,
+            log=_log,
+        )
         self.step = 0
         self._fake_meter = FakeStepMeter(cfg, self.device, self.pd.degrees.as_dict()) if self.fake else None
-
-    # ---------------------------------------------------------------- setup helpers
-    def _hf_context(self) -> str:
-        return f"model {self.cfg.model.name}/{self.cfg.model.flavor} (with this run's overrides)"
-
-    def _check_hf_initial_load(self) -> HFCheckpoint | None:
-        c = self.cfg.checkpoint
-        if not (c.initial_load_in_hf and c.initial_load_path):
-            return None
-        if c.enable and CheckpointManager.from_config(self.cfg).list_steps():
-            return None  # the run resumes from its own checkpoint; initial_load_path is unused
-        adapter = hf_adapter_for(self.cfg.model.name, self.plan.model.args)
-        try:
-            return validate_hf_checkpoint(c.initial_load_path, adapter, self._hf_context())
-        except CheckpointError as exc:
-            raise CheckpointError(f"checkpoint.initial_load_path (initial_load_in_hf = true): {exc}") from None
-
-    def resume(self) -> None:
-        cfg = self.cfg
-        extra = None
-        if cfg.checkpoint.enable:
-            extra = self.checkpoint.load(
-                self.model_parts,
-                self.optimizer,
-                self.lr_scheduler,
-                self.data,
-                step=cfg.checkpoint.load_step,
-                exclude=cfg.checkpoint.exclude_from_loading,
-            )
-        if extra:
-            self.step = int(extra["step"])
-            _log(f"resumed from {self.checkpoint.folder} at step {self.step}")
-        elif cfg.checkpoint.initial_load_path and cfg.checkpoint.initial_load_in_hf:
-            path = cfg.checkpoint.initial_load_path
-            try:
-                stats = load_hf_into_model(
-                    self.model_parts,
-                    path,
-                    cfg.model.name,
-                    self.plan.model.args,
-                    context=self._hf_context(),
-                    checkpoint=self._hf_initial,
-                )
-            except CheckpointError as exc:
-                raise CheckpointError(f"checkpoint.initial_load_path (initial_load_in_hf = true): {exc}") from None
-            _log(
-                f"loaded initial weights from Hugging Face folder {path} ({stats.tensors} tensors; rank 0 read "
-                f"{stats.elements_read:,} elements for its {stats.local_elements:,})"
-            )
-        elif cfg.checkpoint.initial_load_path:
-            path = cfg.checkpoint.initial_load_path
-            try:
-                if cfg.checkpoint.initial_load_model_only:
-                    load_checkpoint(path, self.model_parts)
-                else:
-                    extra = load_checkpoint(path, self.model_parts, self.optimizer, self.lr_scheduler, self.data)
-                    self.step = int(extra.get("step", 0))
-            except CheckpointError as exc:
-                hf = os.path.isfile(os.path.join(path, "config.json"))
-                raise CheckpointError(
-                    f"checkpoint.initial_load_path: {exc}; point it at a complete checkpoint "
-                    f"folder (a step-N folder with a .metadata file), or unset it"
-                    + ("; it looks like a Hugging Face folder: set checkpoint.initial_load_in_hf = true" if hf else "")
-                ) from exc.__cause__
-            _log(f"loaded initial weights from {path}")
 
     # ---------------------------------------------------------------- one step
     @staticmethod
@@ -491,13 +420,14 @@ class Trainer:
         ``stop_after`` without changing the schedule (to retrace a run up to one step)."""
         cfg = self.cfg
         last_step = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
-        self.resume()
+        resumed = self.ckpt.resume()
+        if resumed is not None:
+            self.step = resumed
         run_folder = cfg.job.dump_folder
         if self.step >= cfg.training.steps:
-            folder = cfg.resolve_path(cfg.checkpoint.folder)
             _log(
                 f"nothing to train: the run in {run_folder} is already complete (step {self.step} "
-                f"of training.steps = {cfg.training.steps}, resumed from {folder}). To train on, "
+                f"of training.steps = {cfg.training.steps}, resumed from {self.ckpt.folder}). To train on, "
                 f"pass a larger --training.steps (the learning-rate schedule is recomputed for the "
                 f"new length); to start over, delete {run_folder} or choose another --job.dump_folder"
             )
@@ -563,17 +493,18 @@ class Trainer:
                         self.step, loss=val.loss, steps=val.steps, tokens=val.tokens, seconds=val.seconds
                     )
                     metrics.reset_timer()
-                last = self.step == cfg.training.steps
-                saved = None
-                if cfg.checkpoint.enable and self.checkpoint.should_save(self.step, last):
-                    self.watchdog.long_phase(f"checkpoint save at step {self.step}")
-                    saved = self._save(last)
-                    metrics.reset_timer()
-                if last and cfg.checkpoint.last_save_in_hf:
-                    self.watchdog.long_phase(f"Hugging Face export at step {self.step}")
-                    self._save_hf(saved)
-                    metrics.reset_timer()
+                self.ckpt.maybe_save(
+                    self.step, last=self.step == cfg.training.steps, phase=lambda what: self._long_phase(what, metrics)
+                )
                 self.watchdog.disarm()
+
+    @contextlib.contextmanager
+    def _long_phase(self, what: str, metrics: MetricsLogger):
+        """A checkpoint save or export after a step: under the watchdog's long-phase deadline,
+        and not counted in the next logged step's time."""
+        self.watchdog.long_phase(what)
+        yield
+        metrics.reset_timer()
 
     def _start_watchdog(self) -> JobWatchdog | NullWatchdog:
         """The step watchdog of a run with peers; nothing for one process or the fake backend."""
@@ -587,53 +518,6 @@ class Trainer:
             init_timeout_seconds=c.init_timeout_seconds,
             dump_folder=self.cfg.job.dump_folder,
         )
-
-    def _save_hf(self, dcp_step_dir: str | None) -> str:
-        """The final weights as a Hugging Face folder ``<checkpoint.folder>/step-N-hf``,
-        converted from the step-N checkpoint just written or, without one, from a temporary
-        DCP save (every rank writes its shards; the conversion is spread over the ranks)."""
-        cfg = self.cfg
-        folder = cfg.resolve_path(cfg.checkpoint.folder)
-        out = os.path.join(folder, f"step-{self.step}-hf")
-        tmp_dcp = None
-        if dcp_step_dir is None:
-            tmp_dcp = CheckpointManager(folder).step_dir(self.step) + "-hf.dcp.tmp"
-            if self.rank == 0:
-                os.makedirs(folder, exist_ok=True)
-                if os.path.exists(tmp_dcp):
-                    shutil.rmtree(tmp_dcp)
-            dist.barrier()
-            dcp.save({"model": model_state_dict(self.model_parts)}, checkpoint_id=tmp_dcp)
-            dist.barrier()
-            dcp_step_dir = tmp_dcp
-        export_dcp_to_hf(
-            dcp_step_dir,
-            out,
-            cfg.model.name,
-            self.plan.model.args,
-            dtype=cfg.checkpoint.export_dtype,
-            progress=lambda msg: logger.info("hf export: %s", msg),
-        )
-        if tmp_dcp is not None and self.rank == 0:
-            shutil.rmtree(tmp_dcp, ignore_errors=True)
-        _log(f"wrote Hugging Face folder {out} ({cfg.checkpoint.export_dtype})")
-        return out
-
-    def _save(self, last: bool) -> str | None:
-        """Returns the resumable step-N folder written, or None for a consolidated export."""
-        cfg = self.cfg
-        if last and cfg.checkpoint.last_save_model_only and cfg.checkpoint.last_save_in_hf:
-            return None  # the Hugging Face folder replaces the consolidated export
-        if last and cfg.checkpoint.last_save_model_only:
-            path = cfg.resolve_path(os.path.join(cfg.checkpoint.folder, f"model-step-{self.step}.pt"))
-            export_consolidated(self.model_parts, path, cfg.checkpoint.export_dtype)
-            _log(f"exported consolidated weights to {path}")
-            return None
-        path = self.checkpoint.save(
-            self.step, self.model_parts, self.optimizer, self.lr_scheduler, self.data, extra={"step": self.step}
-        )
-        _log(f"saved checkpoint {path}")
-        return path
 
 
 def create_seed_checkpoint(cfg: JobConfig) -> str:

@@ -63,7 +63,7 @@ def _overrides(name: str) -> dict:
 
 def _reference(name: str, folder: str):
     from models.registry import build_model
-    from trainer.hf_checkpoint import load_hf_into_model
+    from trainer.checkpoint.hf_load import load_hf_into_model
 
     model = build_model(name, "debugmodel", device="cpu", **_overrides(name))
     model.init_weights(999)
@@ -82,7 +82,7 @@ def _run(rank, world_size, name, folder, degrees):
     from models.parallelize import ParallelizeOptions, parallelize_model
     from models.registry import build_model
     from parallel_dims import ParallelDims
-    from trainer.hf_checkpoint import load_hf_into_model
+    from trainer.checkpoint.hf_load import load_hf_into_model
 
     torch.manual_seed(0)
     pd = ParallelDims(world_size=world_size, **degrees)
@@ -159,7 +159,7 @@ def test_hf_import_into_layout(hf_folders, name, degrees):
 
 
 def _export(rank, world_size, name, dcp_dir, out_dir):
-    from trainer.hf_checkpoint import export_dcp_to_hf
+    from trainer.checkpoint.hf_write import export_dcp_to_hf
 
     args = _reference_args(name)
     export_dcp_to_hf(dcp_dir, out_dir, name, args, dtype="float32", max_shard_bytes=500_000)
@@ -176,7 +176,8 @@ def _reference_args(name: str):
 def test_hf_to_dcp_to_hf_bitwise_with_ranks_writing_shards(hf_folders, tmp_path, name):
     """HF -> our DCP (convert_hf_to_dcp) -> HF written by 4 ranks (shard i by rank i % 4):
     the same keys, each tensor bit for bit (fp32; DeepSeek's expert bias included)."""
-    from trainer.hf_checkpoint import convert_hf_to_dcp, open_hf_checkpoint
+    from trainer.checkpoint.convert import convert_hf_to_dcp
+    from trainer.checkpoint.hf_reader import open_hf_checkpoint
 
     folder, _ = hf_folders[name]
     dcp_dir, out = str(tmp_path / "dcp"), str(tmp_path / "hf")

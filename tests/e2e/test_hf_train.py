@@ -103,7 +103,7 @@ def test_last_save_in_hf_loads_in_transformers(hf_run):
 
     from models.common.hf_adapter import get_hf_adapter
     from models.registry import build_model
-    from trainer.checkpoint import load_checkpoint
+    from trainer.checkpoint.dcp import load_checkpoint
 
     ckpt = hf_run / "checkpoint"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-2-hf"]
@@ -131,7 +131,7 @@ def test_last_save_in_hf_loads_in_transformers(hf_run):
 def test_pipeline_run_exports_exactly_what_it_loaded(hf_dir, tmp_path):
     """pp=2 (each stage loads only its layers) without checkpoint.enable (the export goes through
     a temporary sharded save) and lr 0: the exported folder holds the input's tensors, bit for bit."""
-    from trainer.hf_checkpoint import open_hf_checkpoint
+    from trainer.checkpoint.hf_reader import open_hf_checkpoint
 
     run = tmp_path / "pp"
     res = run_train(
@@ -205,7 +205,7 @@ def test_convert_to_dcp_trains_like_hf_and_converts_back(hf_dir, hf_run, tmp_pat
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "wrote model-00001-of-" in res.stderr
-    from trainer.hf_checkpoint import open_hf_checkpoint
+    from trainer.checkpoint.hf_reader import open_hf_checkpoint
 
     src, dst = open_hf_checkpoint(str(hf_dir)), open_hf_checkpoint(str(back))
     assert set(src.tensors) == set(dst.tensors) and len(dst.files) > 1

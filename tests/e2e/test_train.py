@@ -161,7 +161,8 @@ def test_rank_killed_while_a_checkpoint_is_written(tmp_path, crash_job_reference
     those of an uninterrupted run."""
     import torch
 
-    from trainer.checkpoint import CheckpointManager, export_checkpoint
+    from trainer.checkpoint.dcp import CheckpointFolder
+    from trainer.checkpoint.export import export_checkpoint
 
     # CRASH_JOB saves at 4, 8 and 10 (the last step); llama3.toml keeps the newest 2
     common = CRASH_JOB
@@ -195,7 +196,7 @@ def test_rank_killed_while_a_checkpoint_is_written(tmp_path, crash_job_reference
     assert sorted(os.listdir(ckpt)) == ["step-4", "step-8.tmp"]
     assert any(n.endswith(".distcp") for n in os.listdir(tmp))
     assert not (tmp / ".metadata").exists(), "the kill landed after the shards were written"
-    assert CheckpointManager(str(ckpt)).list_steps() == [4]
+    assert CheckpointFolder(str(ckpt)).list_steps() == [4]
     # step-4 is complete and loads (its model weights, consolidated by one process)
     weights = torch.load(export_checkpoint(str(ckpt / "step-4"), str(tmp_path / "step4.pt")), weights_only=True)
     assert len(weights) > 10 and all(torch.isfinite(t).all() for t in weights.values())

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.hf_folders import rewrite_header
 from tests.hf_models import deepseek_v3_config, hf_model, llama_config
-from tests.unit.test_hf_checkpoint import _rewrite_header
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint.errors import CheckpointError
 from trainer.cli_errors import error_line, run_command, unwrap_dcp, user_error
 from trainer.config import ConfigError
 
@@ -159,7 +159,7 @@ def test_to_dcp_corrupt_safetensors_data_phase(hf_dirs, tmp_path, model, corrupt
     """Headers that parse and fit the file, but that safetensors refuses when the tensor data is
     read (inside dcp.save, which wraps the failure in a CheckpointException)."""
     src = _copy(hf_dirs[model], tmp_path)
-    _rewrite_header(src / "model.safetensors", HEADER_CORRUPTIONS[corruption])
+    rewrite_header(src / "model.safetensors", HEADER_CORRUPTIONS[corruption])
     out = tmp_path / "out"
     rc = convert_hf.main(["to-dcp", str(src), str(out), *_flags(model)])
     _one_error_line(rc, capsys.readouterr().err, src / "model.safetensors", "cannot be read", ": download it again")
@@ -169,10 +169,10 @@ def test_to_dcp_corrupt_safetensors_data_phase(hf_dirs, tmp_path, model, corrupt
 def test_convert_hf_to_dcp_raises_the_checkpoint_error_itself(hf_dirs, tmp_path):
     """The fix at the cause: what failed inside dcp.save is raised, not DCP's wrapper."""
     from models.registry import build_model
-    from trainer.hf_checkpoint import convert_hf_to_dcp
+    from trainer.checkpoint.convert import convert_hf_to_dcp
 
     src = _copy(hf_dirs["llama3"], tmp_path)
-    _rewrite_header(src / "model.safetensors", _negative_offsets)
+    rewrite_header(src / "model.safetensors", _negative_offsets)
     args = build_model("llama3", "debugmodel", device="meta", vocab_size=VOCAB, **SIZES["llama3"]).args
     with pytest.raises(CheckpointError, match="download it again"):
         convert_hf_to_dcp(str(src), str(tmp_path / "out"), "llama3", args)
@@ -194,7 +194,7 @@ def _huge_header_length(p: Path) -> None:
 
 
 def _unsupported_dtype(p: Path) -> None:
-    _rewrite_header(p / "model.safetensors", lambda h: h[_first(h)].update(dtype="F8_E4M3"))
+    rewrite_header(p / "model.safetensors", lambda h: h[_first(h)].update(dtype="F8_E4M3"))
 
 
 @pytest.mark.parametrize(

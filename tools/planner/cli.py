@@ -16,8 +16,8 @@ import os
 import sys
 import time
 
-from trainer.checkpoint import write_atomic
 from trainer.cli_errors import report_user_error
+from trainer.files import atomic_write
 
 from .estimate import Estimate, Job, plan_layouts, smallest_world_size, summarize_losers
 from .hardware import GIB, OPTIMIZER_BYTES_PER_PARAM, load_hardware
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     reasons = summarize_losers(result, job, len(top))
     if args.toml:
         try:
-            write_atomic(args.toml, toml_snippet(top[0], job))
+            atomic_write(args.toml, toml_snippet(top[0], job))
         except OSError as exc:
             return report_user_error(
                 ValueError(f"--toml {args.toml} cannot be written ({exc.strerror or exc}); choose another path")

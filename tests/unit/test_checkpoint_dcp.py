@@ -1,3 +1,7 @@
+"""DCP step checkpoints (trainer/checkpoint/dcp.py, state.py) and consolidated exports
+(trainer/checkpoint/export.py): round trips of the whole train state, crash safety, retention,
+resharding across layouts, seed checkpoints, and clear errors for unusable folders."""
+
 import os
 
 import pytest
@@ -5,14 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import trainer.checkpoint as ckpt
-from trainer.checkpoint import (
-    CheckpointManager,
-    checkpoint_keys,
-    export_checkpoint,
-    export_consolidated,
-    save_seed_checkpoint,
-)
+import trainer.checkpoint.dcp as ckpt
+from trainer.checkpoint.dcp import CheckpointFolder, save_seed_checkpoint
+from trainer.checkpoint.errors import CheckpointError, read_failure
+from trainer.checkpoint.export import export_checkpoint, export_consolidated
+from trainer.checkpoint.state import checkpoint_keys
 from trainer.config import load_config
 from trainer.data.batching import PackedDataLoader
 from trainer.data.sources import SyntheticSource
@@ -89,9 +90,9 @@ def same_params(a: nn.Module, b: nn.Module) -> bool:
 
 def test_save_load_roundtrip(gloo, tmp_path):
     model, opt, sched, data = train_state()
-    mgr = CheckpointManager(str(tmp_path / "ckpt"), keep_latest_k=3, interval=2)
+    mgr = CheckpointFolder(str(tmp_path / "ckpt"), keep_latest_k=3)
     path = mgr.save(3, [model], opt, sched, data, extra={"tokens_seen": 96})
-    assert path.endswith("step-3") and mgr.latest_step() == 3 and mgr.should_save(4) and not mgr.should_save(3)
+    assert path.endswith("step-3") and mgr.latest_step() == 3
     expected_rand = torch.rand(3)
     expected_batch = next(data)[0]
 
@@ -113,7 +114,7 @@ def test_save_load_roundtrip(gloo, tmp_path):
 
 def test_exclude_from_loading(gloo, tmp_path):
     model, opt, sched, data = train_state()
-    mgr = CheckpointManager(str(tmp_path))
+    mgr = CheckpointFolder(str(tmp_path))
     mgr.save(3, [model], opt, sched, data)
     model2, data2 = Net(), loader()
     opt2 = build_optimizer([model2], CFG)
@@ -129,7 +130,7 @@ def test_exclude_from_loading(gloo, tmp_path):
 def test_crash_mid_save_keeps_previous_checkpoint(gloo, tmp_path, monkeypatch):
     model, opt, sched, data = train_state()
     folder = tmp_path / "ckpt"
-    mgr = CheckpointManager(str(folder), keep_latest_k=0)
+    mgr = CheckpointFolder(str(folder), keep_latest_k=0)
     mgr.save(1, [model], opt, sched, data)
     real_save = ckpt.dcp.save
 
@@ -154,14 +155,14 @@ def test_crash_mid_save_keeps_previous_checkpoint(gloo, tmp_path, monkeypatch):
 
 def test_keep_latest_k_and_missing_steps(gloo, tmp_path):
     model = Net()
-    mgr = CheckpointManager(str(tmp_path / "c"), keep_latest_k=2)
+    mgr = CheckpointFolder(str(tmp_path / "c"), keep_latest_k=2)
     assert mgr.load([model]) is None  # nothing to resume from
     for step in (5, 10, 15, 20):
         mgr.save(step, [model])
     assert mgr.list_steps() == [15, 20]
     mgr.save(20, [model])  # re-saving a step replaces it
     assert mgr.list_steps() == [15, 20]
-    with pytest.raises(ckpt.CheckpointError, match=r"no complete checkpoint for step 5 .* available steps: \[15, 20\]"):
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint for step 5 .* available steps: \[15, 20\]"):
         mgr.load([model], step=5)
     assert mgr.load([model], step=15)["step"] == 15
 
@@ -172,7 +173,7 @@ def test_pipeline_parts_load_into_a_different_layout(gloo, tmp_path):
     opt = build_optimizer([stage0, stage1], CFG)
     (stage1(stage0(torch.tensor([[1, 2, 3]]))).sum()).backward()
     opt.step()
-    mgr = CheckpointManager(str(tmp_path))
+    mgr = CheckpointFolder(str(tmp_path))
     mgr.save(1, [stage0, stage1], opt)
     keys = checkpoint_keys(mgr.step_dir(1))
     assert {
@@ -198,7 +199,7 @@ def test_wrapper_prefixes_are_not_saved(gloo, tmp_path):
 
     model = Net()
     model.layers["0"] = checkpoint_wrapper(model.layers["0"])
-    mgr = CheckpointManager(str(tmp_path))
+    mgr = CheckpointFolder(str(tmp_path))
     mgr.save(1, [model])
     keys = checkpoint_keys(mgr.step_dir(1))
     assert "model.layers.0.ff.weight" in keys and not any("_checkpoint_wrapped_module" in k for k in keys)
@@ -208,9 +209,9 @@ def test_wrapper_prefixes_are_not_saved(gloo, tmp_path):
 
 
 def test_model_mismatch_is_a_clear_error(gloo, tmp_path):
-    mgr = CheckpointManager(str(tmp_path))
+    mgr = CheckpointFolder(str(tmp_path))
     mgr.save(1, [Net(layers=(0,))])
-    with pytest.raises(ckpt.CheckpointError, match=r"lacks 4 model weights, e.g. \['layers.1"):
+    with pytest.raises(CheckpointError, match=r"lacks 4 model weights, e.g. \['layers.1"):
         mgr.load([Net(layers=(0, 1))])
 
 
@@ -230,7 +231,7 @@ def test_seed_checkpoint_without_process_group_then_load_sharded(tmp_path):
         model = Net()
         fully_shard(model, mesh=mesh)
         opt = build_optimizer([model], CFG)
-        extra = CheckpointManager(str(tmp_path / "ckpt")).load([model], opt)
+        extra = CheckpointFolder(str(tmp_path / "ckpt")).load([model], opt)
         assert extra == {"step": 0}
         loaded = {k: v.full_tensor() for k, v in model.state_dict().items()}
         assert all(torch.equal(loaded[k], v) for k, v in seed_model.state_dict().items())
@@ -251,7 +252,7 @@ def test_export_consolidated_and_from_checkpoint(gloo, tmp_path):
     assert all(v.dtype == torch.bfloat16 for v in state.values())
     assert torch.equal(state["output.weight"], model.output.weight.detach().to(torch.bfloat16))
 
-    mgr = CheckpointManager(str(tmp_path / "ckpt"))
+    mgr = CheckpointFolder(str(tmp_path / "ckpt"))
     mgr.save(4, [Net(layers=(0,), head=False), Net(layers=(1,), embed=False)])
     from_dcp = torch.load(export_checkpoint(mgr.step_dir(4), str(tmp_path / "from_dcp.pt")), weights_only=True)
     assert set(from_dcp) == set(model.state_dict()) and from_dcp["output.weight"].dtype == torch.float32
@@ -267,19 +268,30 @@ def test_unreadable_checkpoint_folder_is_a_clear_error(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(ckpt.os, "listdir", denied)
-    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint folder .* is not readable \(permission denied\): fix"):
-        CheckpointManager(str(tmp_path)).load([Net()])
+    with pytest.raises(CheckpointError, match=r"checkpoint folder .* is not readable \(permission denied\): fix"):
+        CheckpointFolder(str(tmp_path)).load([Net()])
 
 
 def test_read_failures_are_classified_and_bugs_are_not():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    assert ckpt._read_failure(PermissionError(13, "Permission denied", "/c/x"), "shard file") == (
+    assert read_failure(PermissionError(13, "Permission denied", "/c/x"), "shard file") == (
         "permission denied reading /c/x"
     )
-    assert ckpt._read_failure(EOFError(), ".metadata") == "truncated or corrupt .metadata"
+    assert read_failure(EOFError(), ".metadata") == "truncated or corrupt .metadata"
     wrapped = CheckpointException("load", {1: (RuntimeError("PytorchStreamReader failed reading zip archive"), None)})
-    assert ckpt._read_failure(wrapped, "shard file") == "truncated or corrupt shard file"
+    assert read_failure(wrapped, "shard file") == "truncated or corrupt shard file"
     # anything else is a bug: no reason, so the caller re-raises it with its traceback
-    assert ckpt._read_failure(RuntimeError("size mismatch for layers.0"), "shard file") is None
-    assert ckpt._read_failure(TypeError("bad"), ".metadata") is None
+    assert read_failure(RuntimeError("size mismatch for layers.0"), "shard file") is None
+    assert read_failure(TypeError("bad"), ".metadata") is None
+
+
+def test_resave_after_a_crash_between_the_renames(gloo, tmp_path):
+    """A crash after step-N was moved to step-N.old but before it was removed: saving step N
+    again replaces the stale .old (trainer/checkpoint/folders.py), and a later save purges it."""
+    model = Net()
+    mgr = CheckpointFolder(str(tmp_path / "c"))
+    mgr.save(2, [model])
+    os.rename(mgr.step_dir(2), mgr.step_dir(2) + ".old")
+    mgr.save(2, [model])
+    assert sorted(os.listdir(tmp_path / "c")) == ["step-2"] and mgr.load([Net()])["step"] == 2

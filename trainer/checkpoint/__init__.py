@@ -1,0 +1,21 @@
+"""Checkpoints: the run's own (DCP) and Hugging Face folders, one concern per module.
+
+==============  ==============================================================================
+manager.py      :class:`CheckpointManager`, the trainer's checkpoint policy: resume, initial
+                load (DCP or Hugging Face), periodic saves, the last step's exports
+dcp.py          DCP step folders ``<folder>/step-N``: save, load, retention, seed checkpoint
+state.py        what a DCP checkpoint holds (model parts, RNG, train-state blob), process helpers
+folders.py      publishing a folder written under ``<final>.tmp`` (keeps ``<final>.old`` until done)
+export.py       consolidated ``.pt`` / ``.safetensors`` weights (``python -m trainer.checkpoint``)
+errors.py       :class:`CheckpointError` (bad input: one line, exit code 2), read failures
+hf_format.py    Hugging Face folder format: file names, dtypes, the safetensors header parser
+hf_reader.py    a checked Hugging Face folder and its memory-mapped, slice-reading reader
+hf_load.py      Hugging Face weights into this rank's (sharded) model parts
+hf_write.py     DCP checkpoint -> Hugging Face folder (final export, ``convert_hf.py to-hf``)
+convert.py      Hugging Face folder -> DCP folder (``convert_hf.py to-dcp``)
+==============  ==============================================================================
+
+Import from the module that holds a name (``from trainer.checkpoint.errors import
+CheckpointError``); this package file exports nothing, so a command that needs one module does
+not import the others.
+"""

@@ -1,0 +1,276 @@
+"""Crash-safe, layout-independent checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout on disk::
+
+    <folder>/step-N/        complete checkpoint (has DCP's .metadata)
+    <folder>/step-N.tmp/    a save in progress, or one that crashed (ignored, purged later)
+
+A save writes ``step-N.tmp`` and, after every rank finished writing, rank 0 renames it
+to ``step-N``; a crash at any point therefore leaves the previous ``step-N`` as the latest
+complete checkpoint, never a half-written one under a final name.
+
+State dict (flattened by DCP into keys like ``model.layers.0.attention.wq.weight``):
+
+    model      FQN -> tensor/DTensor, plain FQNs (no FSDP/compile/AC wrapper prefixes),
+               sharded; DCP reshards on load, so a checkpoint saved with one parallel
+               layout loads into another (FSDP/TP/PP/EP degree changes).
+    optimizer  flat FQN-keyed AdamW state (``state.<fqn>.exp_avg`` ...), reshardable too.
+    train_state  one blob written by rank 0 only: ``extra`` (step, ...), lr-scheduler
+               position, data-loader position (layout-independent by design) and rank 0's
+               RNG states. Per-rank RNG cannot be resharded when the world size changes,
+               so only rank 0's is kept and every rank restores it on load; the trainer's
+               per-rank seeding (if any) must not rely on RNG continuity across resumes.
+
+All ranks must call save/load (they are collective). The folder must be on a file system
+shared by all ranks. When to save, what to resume from and the final exports are the trainer's
+policy: :class:`trainer.checkpoint.manager.CheckpointManager`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from trainer.checkpoint.errors import CheckpointError, read_failure
+from trainer.checkpoint.folders import publish_folder
+from trainer.checkpoint.state import (
+    barrier,
+    checkpoint_keys,
+    distributed,
+    from_blob,
+    is_complete,
+    load_model_parts,
+    model_state_dict,
+    rank,
+    rng_state,
+    run_dcp,
+    set_rng_state,
+    to_blob,
+)
+
+__all__ = ["EXCLUDABLE", "CheckpointFolder", "load_checkpoint", "save_seed_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_STALE_RE = re.compile(r"^step-\d+\.(tmp|old)$")
+EXCLUDABLE = ("optimizer", "lr_scheduler", "dataloader", "rng")
+
+
+def load_checkpoint(
+    path: str,
+    model_parts: Sequence[nn.Module],
+    optimizer=None,
+    lr_scheduler=None,
+    dataloader=None,
+    *,
+    exclude: Iterable[str] = (),
+    process_group=None,
+) -> dict[str, Any]:
+    """Restore whatever ``path`` holds into the given objects (None = not restored) and
+    return the saved ``extra`` dict (empty for model-only checkpoints such as seeds)."""
+    exclude = set(exclude)
+    unknown = exclude - set(EXCLUDABLE)
+    if unknown:
+        raise ValueError(f"cannot exclude {sorted(unknown)} from loading; choose from {EXCLUDABLE}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
+    try:
+        stored = checkpoint_keys(path)
+    except Exception as exc:
+        reason = read_failure(exc, ".metadata")
+        if reason is None:
+            raise
+        raise CheckpointError(f"checkpoint {path} is unreadable ({reason})") from exc
+
+    model_sd = model_state_dict(model_parts)
+    missing = [k for k in model_sd if f"model.{k}" not in stored]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {len(missing)} model weights, e.g. {missing[:3]}; it was saved "
+            f"from a different model/flavor (stored model keys look like "
+            f"{sorted(k for k in stored if k.startswith('model.'))[:3]})"
+        )
+    state: dict[str, Any] = {"model": model_sd}
+    has_optimizer = any(k.startswith("optimizer.") for k in stored)
+    load_optimizer = optimizer is not None and has_optimizer and "optimizer" not in exclude
+    if load_optimizer:
+        state["optimizer"] = optimizer.state_dict()  # also materialises empty Adam state
+    if "train_state" in stored:
+        state["train_state"] = b""
+    try:
+        run_dcp(dcp.load, state, checkpoint_id=path, process_group=process_group)
+    except BaseException as exc:  # CheckpointException is a BaseException
+        reason = read_failure(exc, "shard file")
+        if reason is None:
+            raise
+        raise CheckpointError(f"checkpoint {path} is unreadable ({reason})") from exc
+
+    load_model_parts(model_parts, state["model"])
+    if load_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    elif optimizer is not None and "optimizer" not in exclude:
+        logger.warning("checkpoint %s has no optimizer state; optimizer starts fresh", path)
+    if "train_state" not in state:
+        return {}
+    train_state = from_blob(state["train_state"])
+    if lr_scheduler is not None and "lr_scheduler" not in exclude and train_state.get("lr_scheduler"):
+        lr_scheduler.load_state_dict(train_state["lr_scheduler"])
+    if dataloader is not None and "dataloader" not in exclude and train_state.get("dataloader"):
+        dataloader.load_state_dict(train_state["dataloader"])
+    if "rng" not in exclude and train_state.get("rng"):
+        set_rng_state(train_state["rng"])
+    return dict(train_state.get("extra") or {})
+
+
+class CheckpointFolder:
+    """A run's checkpoint folder: saves to ``<folder>/step-N``, retention of the newest K
+    (``keep_latest_k``, 0 keeps all), and loading a step back."""
+
+    def __init__(self, folder: str, keep_latest_k: int = 0, *, process_group=None):
+        if keep_latest_k < 0:
+            raise ValueError(f"keep_latest_k must be >= 0 (0 keeps all); got {keep_latest_k}")
+        self.folder, self.keep_latest_k = folder, keep_latest_k
+        self.process_group = process_group
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    def list_steps(self) -> list[int]:
+        """Steps with a complete checkpoint, ascending."""
+        if not os.path.isdir(self.folder):
+            return []
+        try:
+            names = os.listdir(self.folder)
+        except PermissionError:
+            raise CheckpointError(
+                f"checkpoint folder {self.folder} is not readable (permission denied): fix its "
+                f"permissions, or set job.dump_folder (or checkpoint.folder) to another folder"
+            ) from None
+        steps = []
+        for name in names:
+            m = _STEP_RE.match(name)
+            if m and is_complete(os.path.join(self.folder, name)):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        steps = self.list_steps()
+        return steps[-1] if steps else None
+
+    def save(
+        self,
+        step: int,
+        model_parts: Sequence[nn.Module],
+        optimizer=None,
+        lr_scheduler=None,
+        dataloader=None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        state: dict[str, Any] = {"model": model_state_dict(model_parts)}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        if rank(self.process_group) == 0:  # identical on all ranks, or rank 0's by definition
+            state["train_state"] = to_blob(
+                {
+                    "extra": {"step": step, **(extra or {})},
+                    "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                    "dataloader": dataloader.state_dict() if dataloader is not None else None,
+                    "rng": rng_state(),
+                }
+            )
+        return self.save_state(step, state)
+
+    def save_state(self, step: int, state: dict[str, Any]) -> str:
+        """Write an arbitrary DCP state dict as step-N with the tmp-then-rename protocol."""
+        pg = self.process_group
+        final = self.step_dir(step)
+        tmp = final + ".tmp"
+        publisher = rank(pg) == 0
+        if publisher:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)  # left over from a crashed save of this step
+            os.makedirs(tmp)
+        barrier(pg)
+        run_dcp(dcp.save, state, checkpoint_id=tmp, process_group=pg)
+        barrier(pg)  # every rank's shards are on disk before the rename publishes them
+
+        if publisher:
+            publish_folder(tmp, final)  # re-saving a step keeps the old one until the new one is in place
+            self._purge()
+        barrier(pg)
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def _purge(self) -> None:
+        for name in os.listdir(self.folder):
+            if _STALE_RE.match(name):
+                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        if self.keep_latest_k > 0:
+            for step in self.list_steps()[: -self.keep_latest_k]:
+                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    def load(
+        self,
+        model_parts: Sequence[nn.Module],
+        optimizer=None,
+        lr_scheduler=None,
+        dataloader=None,
+        *,
+        step: int = -1,
+        exclude: Iterable[str] = (),
+    ) -> dict[str, Any] | None:
+        """Resume from ``step`` (-1 = latest). Returns the saved extra dict (always with
+        'step'), or None when step=-1 and the folder has no complete checkpoint."""
+        steps = self.list_steps()
+        if step == -1:
+            if not steps:
+                return None
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.folder}; available steps: "
+                f"{steps or 'none'} (set checkpoint.load_step = -1 for the latest)"
+            )
+        try:
+            extra = load_checkpoint(
+                self.step_dir(step),
+                model_parts,
+                optimizer,
+                lr_scheduler,
+                dataloader,
+                exclude=exclude,
+                process_group=self.process_group,
+            )
+        except CheckpointError as exc:
+            others = [s for s in steps if s != step]
+            fix = (
+                f"delete it, or set checkpoint.load_step to one of {', '.join(map(str, others))}"
+                if others
+                else "delete it (or the whole folder) to start from scratch"
+            )
+            raise CheckpointError(f"{exc}: {fix}") from exc.__cause__
+        extra.setdefault("step", step)
+        logger.info("loaded checkpoint %s", self.step_dir(step))
+        return extra
+
+
+def save_seed_checkpoint(model: nn.Module, folder: str) -> str:
+    """Write the freshly initialised model as ``<folder>/step-0`` (model only), from a
+    single process, so that every later layout starts from identical weights."""
+    if distributed() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "create the seed checkpoint with one process (e.g. torchrun --nproc_per_node=1 ... "
+            "--checkpoint.create_seed_checkpoint --parallelism.dp_shard 1)"
+        )
+    return CheckpointFolder(folder).save_state(0, {"model": model_state_dict([model])})

@@ -1,0 +1,126 @@
+"""What a checkpoint holds, built from and restored into the live objects: the model parts'
+sharded state under plain FQNs, rank 0's RNG state, the pickled train-state blob, and the
+process helpers every save/load shares (collective when torch.distributed is initialized,
+single-process otherwise)."""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+__all__ = [
+    "EXPORT_DTYPES",
+    "checkpoint_keys",
+    "export_dtype",
+    "is_complete",
+    "load_model_parts",
+    "model_state_dict",
+]
+
+# the dtypes a weights export (consolidated file or Hugging Face folder) may be written in
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """An export dtype by name (``checkpoint.export_dtype``) or as a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
+    return EXPORT_DTYPES[dtype]
+
+
+# ------------------------------------------------------------------ process helpers
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(pg=None) -> int:
+    return dist.get_rank(pg) if distributed() else 0
+
+
+def barrier(pg=None) -> None:
+    if distributed():
+        dist.barrier(group=pg)
+
+
+def run_dcp(fn, state: dict[str, Any], **kwargs) -> Any:
+    """dcp.save/load; single-process use (seed checkpoints, offline export) is intended
+    here, so DCP's "assuming single process" warning is noise."""
+    if distributed():
+        return fn(state, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(state, no_dist=True, **kwargs)
+
+
+# -------------------------------------------------------------------- state builders
+
+
+def model_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
+    """Sharded (DTensor-aware) state of all parts, merged under their plain FQNs."""
+    merged: dict[str, Any] = {}
+    for part in model_parts:
+        sd = get_model_state_dict(part)
+        dup = merged.keys() & sd.keys()
+        if dup:
+            raise ValueError(f"model parts share parameter names {sorted(dup)[:5]}; each FQN must live in one part")
+        merged.update(sd)
+    return merged
+
+
+def load_model_parts(model_parts: Sequence[nn.Module], state: dict[str, Any]) -> None:
+    for part in model_parts:
+        keys = get_model_state_dict(part).keys()
+        set_model_state_dict(part, {k: state[k] for k in keys}, options=StateDictOptions(strict=True))
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def to_blob(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_blob(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+# ---------------------------------------------------------------------- on disk
+
+
+def checkpoint_keys(path: str) -> set[str]:
+    """Flattened keys stored in a DCP checkpoint (e.g. 'model.tok_embeddings.weight')."""
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys())
+
+
+def is_complete(path: str) -> bool:
+    """A DCP folder is complete once its ``.metadata`` exists (DCP writes it last)."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
