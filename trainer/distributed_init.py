@@ -10,12 +10,21 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
 
 from parallel_dims import default_backend, default_device_type
-from trainer.comm_watchdog import JobWatchdog, NullWatchdog, apply_flight_recorder_env, pg_timeout_seconds
+from trainer.comm_watchdog import (
+    EXIT_COMM_TIMEOUT,
+    JobWatchdog,
+    NullWatchdog,
+    apply_flight_recorder_env,
+    dump_prefix,
+    pg_timeout_seconds,
+    write_flight_recorder_dump,
+)
 from trainer.config import ConfigError, JobConfig
 from trainer.fake_backend import init_fake_process_group, is_fake_backend
 from trainer.run_mode import RunMode
@@ -25,6 +34,7 @@ __all__ = [
     "init_distributed",
     "is_collective_timeout",
     "log",
+    "report_collective_timeout",
     "require_writable_folder",
     "start_watchdog",
 ]
@@ -97,6 +107,26 @@ def start_watchdog(cfg: JobConfig, mode: RunMode, rank: int, world_size: int) ->
         init_timeout_seconds=c.init_timeout_seconds,
         dump_folder=cfg.job.dump_folder,
     )
+
+
+def report_collective_timeout(cfg: JobConfig, exc: Exception, phase: str) -> int:
+    """The one line a rank prints when a collective ran past its timeout (``phase``: what the
+    run was doing, from the watchdog), with a flight-recorder dump; the exit code."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    backend = dist.get_backend() if dist.is_initialized() else ""
+    # without the Python stacks (seconds to symbolize the first time); the entries' states and
+    # sequence numbers say which collective each rank waits in
+    dump = write_flight_recorder_dump(rank, backend, dump_prefix(), cfg.job.dump_folder, stack_traces=False)
+    print(
+        f"error: rank {rank}: {phase + ': ' if phase else ''}a collective did not finish within "
+        f"comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds} s (comm.init_timeout_seconds = "
+        f"{cfg.comm.init_timeout_seconds} s until the first step): another rank is hung or "
+        f"dead, see its log; if steps legitimately take that long, raise the timeout; "
+        f"flight-recorder dump: {dump}. ({str(exc).splitlines()[0][:200]})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_COMM_TIMEOUT
 
 
 def is_collective_timeout(exc: BaseException) -> bool:

@@ -38,13 +38,13 @@ from trainer.checkpoint import (
     save_seed_checkpoint,
 )
 from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
-from trainer.comm_watchdog import EXIT_COMM_TIMEOUT, dump_prefix, write_flight_recorder_dump
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data import build_dataloader, wrap_loader
 from trainer.distributed_init import (
     apply_train_timeout,
     init_distributed,
     is_collective_timeout,
+    report_collective_timeout,
     require_writable_folder,
     start_watchdog,
 )
@@ -465,22 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, Exception) or not is_collective_timeout(exc):
             raise
         # gloo (the exception path; on NCCL the step watchdog speaks first): the same one line
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        backend = dist.get_backend() if dist.is_initialized() else ""
-        phase = getattr(getattr(trainer, "watchdog", None), "phase", "")
-        # without the Python stacks (seconds to symbolize the first time); the entries' states and
-        # sequence numbers say which collective each rank waits in
-        dump = write_flight_recorder_dump(rank, backend, dump_prefix(), cfg.job.dump_folder, stack_traces=False)
-        print(
-            f"error: rank {rank}: {phase + ': ' if phase else ''}a collective did not finish within "
-            f"comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds} s (comm.init_timeout_seconds = "
-            f"{cfg.comm.init_timeout_seconds} s until the first step): another rank is hung or "
-            f"dead, see its log; if steps legitimately take that long, raise the timeout; "
-            f"flight-recorder dump: {dump}. ({str(exc).splitlines()[0][:200]})",
-            file=sys.stderr,
-            flush=True,
-        )
-        return EXIT_COMM_TIMEOUT
+        return report_collective_timeout(cfg, exc, getattr(getattr(trainer, "watchdog", None), "phase", ""))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
