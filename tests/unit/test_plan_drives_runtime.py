@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# the modules that may read [parallelism]: the planner and the config code; precision.py runs
-# before the plan exists (it sets the environment before the first CUDA handle)
-ALLOWED = {"trainer/plan.py", "trainer/precision.py"}
+# the modules that may read [parallelism]: the planner and the config code
+ALLOWED = {"trainer/plan.py"}
 ALLOWED_DIRS = ("trainer/config/",)
 RUNTIME_DIRS = ("trainer", "models/parallel/pipeline")
 
