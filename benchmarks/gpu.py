@@ -222,8 +222,8 @@ def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
 
     from models.parallel.activation_checkpoint import apply_activation_checkpointing
     from models.registry import build_model
+    from trainer.instruments.matmul_census import MatmulCensus
     from trainer.metrics import peak_flops, training_flops_per_token
-    from trainer.profiling import MatmulCensus
 
     device = torch.device(case.device)
     torch.manual_seed(0)

@@ -40,7 +40,7 @@ def _measure(rank: int, world_size: int, configs: list[tuple[str, int]]) -> list
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from models.parallel.pipeline import build_pipeline_schedule, pipeline_step, split_model
+    from models.parallel.pipeline import build_pipeline_schedule, pipeline_step, plan_stages, split_model
     from models.registry import build_model
     from parallel_dims import ParallelDims
 
@@ -55,7 +55,7 @@ def _measure(rank: int, world_size: int, configs: list[tuple[str, int]]) -> list
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     splits = {}
     for schedule in dict.fromkeys(s for s, _ in configs):  # one set of stage modules per schedule
-        splits[schedule] = split_model(meta, pd, N_LAYERS, None, schedule)
+        splits[schedule] = split_model(meta, plan_stages(N_LAYERS, pd.pp, schedule), pd)
         for module in splits[schedule].modules:
             module.to_empty(device="cpu")
             module.init_weights(0)
@@ -64,8 +64,7 @@ def _measure(rank: int, world_size: int, configs: list[tuple[str, int]]) -> list
             splits[s].modules,
             splits[s].stage_indices,
             pd,
-            s,
-            m,
+            plan_stages(N_LAYERS, pd.pp, s, m),
             loss_fn,
             local_batch_size=LOCAL_BATCH,
             seq_len=SEQ_LEN,

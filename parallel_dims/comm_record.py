@@ -60,7 +60,6 @@ __all__ = [
     "group_mesh_names",
     "record_comms",
     "summarize",
-    "write_records",
 ]
 
 # preference when nothing on the call stack says which role a shared group played
@@ -382,14 +381,3 @@ def record_comms(parallel_dims=None) -> Iterator[CommRecorder]:
     recorder = CommRecorder(parallel_dims)
     with recorder:
         yield recorder
-
-
-def write_records(recorder: CommRecorder, path: str, **meta: Any) -> None:
-    """Write ``meta`` (e.g. step, rank, world_size) with the recorder's records and summary as
-    one JSON object to ``path`` (atomically)."""
-    import json
-
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({**meta, **recorder.to_json()}, f, indent=1)
-    os.replace(tmp, path)

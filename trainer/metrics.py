@@ -189,6 +189,7 @@ class MetricsLogger:
         device: torch.device | str | None = None,
         peak_flops_per_device: float | None = None,
         total_steps: int | None = None,
+        param_dtype: str = "bfloat16",
     ):
         mcfg = cfg.metrics if isinstance(cfg, JobConfig) else cfg
         self.cfg, self.rank, self.world_size = mcfg, rank, world_size
@@ -201,9 +202,9 @@ class MetricsLogger:
         # what MFU divides by, in words, for the start-up log (None on CPU or with a given peak)
         self.peak_note: str | None = None
         if peak_flops_per_device is None and self.device.type == "cuda" and torch.cuda.is_available():
-            # the precision the matmuls run in: the FSDP compute dtype, float32 split by the TF32
-            # flag as it stands now (the trainer applied training.enable_tf32 at start-up)
-            param_dtype = cfg.parallelism.mixed_precision_param if isinstance(cfg, JobConfig) else "bfloat16"
+            # the precision the matmuls run in: the FSDP compute dtype (``param_dtype``, the job
+            # plan's), float32 split by the TF32 flag as it stands now (the trainer applied
+            # training.enable_tf32 at start-up)
             precision = matmul_precision(param_dtype, cuda_tf32_enabled())
             name = torch.cuda.get_device_name(self.device)
             peak_flops_per_device = peak_flops(name, precision)

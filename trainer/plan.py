@@ -258,20 +258,7 @@ def dry_run(plan: JobPlan, rank: int = 0) -> dict[str, Any]:
         with torch.device("meta"):
             model = spec.model_cls(spec.args)
         total = sum(p.numel() for p in model.parameters())
-        if pd.pp > 1:
-            p = plan.config.parallelism
-            parts = list(
-                split_model(
-                    model,
-                    pd,
-                    spec.args.n_layers,
-                    p.pipeline_parallel_split_points or None,
-                    p.pipeline_parallel_schedule,
-                    layers_per_stage=p.pipeline_parallel_layers_per_stage,
-                ).modules
-            )
-        else:
-            parts = [model]
+        parts = list(split_model(model, plan.stages, pd).modules) if plan.stages is not None else [model]
         local = 0
         for part in parts:
             spec.parallelize_fn(part, pd, plan.parallelize)

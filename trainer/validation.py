@@ -28,18 +28,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from models.common.sequence import load_balanced_shard
-from models.parallel.tensor_parallel import loss_parallel_context
-from parallel_dims import ParallelDims
 from trainer.config import ConfigError, JobConfig
 from trainer.data.batching import PackedDataLoader
 from trainer.data.loader import build_validation_dataloader
+from trainer.forward import LossFn, ModelForward
 
 if TYPE_CHECKING:
-    # the pipeline runtime is imported where pp > 1 uses it (see trainer/train.py)
-    from models.parallel.pipeline import Pipeline
+    from trainer.plan import JobPlan
 
 __all__ = ["ValidationResult", "Validator", "one_pass_steps"]
 
@@ -54,10 +50,6 @@ class ValidationResult:
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss) if math.isfinite(self.loss) and self.loss < 700 else math.inf
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def one_pass_steps(cfg: JobConfig, data: PackedDataLoader) -> int:
@@ -78,53 +70,53 @@ def one_pass_steps(cfg: JobConfig, data: PackedDataLoader) -> int:
 
 class Validator:
     """Built once by the trainer (``validation.enable``); ``should_run(step)`` says when,
-    ``validate()`` evaluates (a collective: every rank calls it at the same steps)."""
+    ``validate()`` evaluates (a collective: every rank calls it at the same steps). The layout
+    (degrees, stage plan, compute dtype) comes from the job plan; the validation batch from
+    ``[validation]``."""
 
     def __init__(
         self,
         cfg: JobConfig,
         tokenizer,
-        pd: ParallelDims,
+        plan: JobPlan,
         model_parts: list[nn.Module],
-        loss_fn,
+        loss_fn: LossFn,
         device: torch.device,
         *,
         loss_parallel: bool,
-        train_pipeline: Pipeline | None = None,
     ):
         v = cfg.validation
+        pd = plan.parallel_dims
         self.cfg, self.pd, self.model_parts, self.device = cfg, pd, model_parts, device
-        self.loss_fn, self.loss_parallel = loss_fn, loss_parallel
         self.freq, self.last_step = v.freq, cfg.training.steps
         self.data: PackedDataLoader = build_validation_dataloader(
-            cfg, tokenizer, batch_rank=pd.coordinate("batch"), batch_degree=pd.size("batch")
+            cfg, tokenizer, batch_rank=pd.coordinate("batch"), batch_degree=plan.batch.batch_degree
         )
         self._start = self.data.state_dict()  # every evaluation starts here
         self.steps = v.steps if v.steps > 0 else one_pass_steps(cfg, self.data)
         self.tokens_per_step = self.data.tokens_per_step
         self.pipeline = None
-        if train_pipeline is not None:
+        if plan.stages is not None:
             from models.parallel.pipeline import build_pipeline_schedule, stage_activation_dtype
 
-            # same schedule class, stages and micro-batch count; the validation batch shape
+            # the training schedule's class, stages and micro-batch count; the validation batch shape
             self.pipeline = build_pipeline_schedule(
-                train_pipeline.modules,
-                [stage.stage_index for stage in train_pipeline.stages],
+                model_parts,
+                plan.stages.stages_for_rank(pd.coordinate("pp")),
                 pd,
-                train_pipeline.schedule_name,
-                train_pipeline.n_microbatches,
+                plan.stages,
                 loss_fn,
                 local_batch_size=v.local_batch_size,
                 seq_len=v.seq_len,
-                activation_dtype=stage_activation_dtype(cfg.parallelism.mixed_precision_param),
+                activation_dtype=stage_activation_dtype(plan.parallelize.param_dtype),
                 loss_parallel=loss_parallel,
             )
+        self.forward = ModelForward(
+            pd, model_parts, loss_fn, device, loss_parallel=loss_parallel, pipeline=self.pipeline
+        )
 
     def should_run(self, step: int) -> bool:
         return step % self.freq == 0 or step == self.last_step
-
-    def _shard_for_cp(self, t: torch.Tensor) -> torch.Tensor:
-        return load_balanced_shard(t, 1, self.pd.coordinate("cp"), self.pd.size("cp"))
 
     @torch.no_grad()
     def validate(self) -> ValidationResult:
@@ -156,21 +148,9 @@ class Validator:
         """This rank's share of the sum over steps of each step's loss (token losses / the
         step's global token count); on pp ranks without the last stage, zero."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        global_tokens = self.tokens_per_step
-        model = self.model_parts[0]
         for _ in range(self.steps):
             for inputs, labels in self.data.next_step():
-                inputs = self._shard_for_cp(inputs).to(self.device, non_blocking=True)
-                labels = self._shard_for_cp(labels).to(self.device, non_blocking=True)
-                if self.pipeline is not None:
-                    from models.parallel.pipeline import pipeline_step
-
-                    part = pipeline_step(self.pipeline, inputs, labels, global_tokens, forward_only=True)
-                    if part is not None:
-                        loss_sum += _full(part).float()
-                    continue
-                with loss_parallel_context(self.loss_parallel):
-                    logits = model(inputs)
-                    loss = self.loss_fn(logits, labels) / global_tokens
-                loss_sum += _full(loss).float()
+                part = self.forward(inputs, labels, self.tokens_per_step, backward=False)
+                if part is not None:
+                    loss_sum += part
         return loss_sum

@@ -25,7 +25,7 @@ def _timeouts(groups) -> dict[str, float]:
 
 
 def _check_group_timeouts(rank, world_size, degrees):
-    from trainer.train import apply_train_timeout
+    from trainer.distributed_init import apply_train_timeout
 
     # the job's init timeout on WORLD, as init_distributed gives it (the launcher's group has
     # gloo's default)

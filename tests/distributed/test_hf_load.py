@@ -78,7 +78,7 @@ def _full(t):
 
 
 def _run(rank, world_size, name, folder, degrees):
-    from models.parallel.pipeline import split_model
+    from models.parallel.pipeline import plan_stages, split_model
     from models.parallelize import ParallelizeOptions, parallelize_model
     from models.registry import build_model
     from parallel_dims import ParallelDims
@@ -90,7 +90,7 @@ def _run(rank, world_size, name, folder, degrees):
     opts = ParallelizeOptions(loss_parallel=False)
     model = build_model(name, "debugmodel", device="meta", **_overrides(name))
     args = model.args
-    parts = list(split_model(model, pd, args.n_layers).modules) if pd.pp > 1 else [model]
+    parts = list(split_model(model, plan_stages(args.n_layers, pd.pp), pd).modules) if pd.pp > 1 else [model]
     for part in parts:
         parallelize_model(part, pd, opts)
         part.to_empty(device="cpu")

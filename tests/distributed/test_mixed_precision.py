@@ -2,7 +2,7 @@
 training step (``Trainer.train_step``: forward, backward, clipping, AdamW) on CPU, where bf16
 kernels exist.
 
-A :class:`~trainer.profiling.MatmulCensus` dispatch mode sees every mm/addmm/bmm/_grouped_mm and
+A :class:`~trainer.instruments.matmul_census.MatmulCensus` dispatch mode sees every mm/addmm/bmm/_grouped_mm and
 attention op after FSDP's parameter casts and adds up their FLOPs per dtype. With
 ``mixed_precision_param = "bfloat16"`` at least 99% of the matmul FLOPs must run in bf16 (the
 measured share is 100%: every linear, attention core, router gate and expert GEMM, forward and
@@ -42,7 +42,7 @@ DTYPES = ("bfloat16", "float32")
 def _census(rank, world_size, cases, folder):
     """One Trainer per case; the census of its first training step."""
     from trainer.config import load_config
-    from trainer.profiling import MatmulCensus
+    from trainer.instruments.matmul_census import MatmulCensus
     from trainer.train import Trainer
 
     out = []

@@ -32,6 +32,7 @@ from models.parallel.pipeline import (
     SCHEDULES,
     bubble_fraction,
     build_pipeline_schedule,
+    plan_stages,
     split_model,
     stage_indices_for_rank,
     stage_layer_ranges,
@@ -164,7 +165,7 @@ def _one_step(
     pd, opts = plan.parallel_dims, plan.parallelize
     with torch.device("meta"):
         meta = plan.model.model_cls(plan.model_args)
-    split = split_model(meta, pd, N_LAYERS, None, schedule)
+    split = split_model(meta, plan.stages, pd)
     for module in split.modules:
         parallelize_model(module, pd, opts)
         module.to_empty(device="cpu")
@@ -177,8 +178,7 @@ def _one_step(
         split.modules,
         split.stage_indices,
         pd,
-        schedule,
-        n_microbatches,
+        plan.stages,
         _cross_entropy_sum,
         local_batch_size=local_bs,
         seq_len=SEQ,
@@ -258,7 +258,7 @@ def _layouts_worker(rank, world_size, cases, schedule_checks=()):
         pd = ParallelDims(world_size=world_size, **_degrees())
         pd.build_mesh("cpu")
         for schedule, n_mb, local_bs in schedule_checks:
-            split = split_model(_meta(), pd, N_LAYERS, None, schedule)
+            split = split_model(_meta(), plan_stages(N_LAYERS, pd.pp, schedule), pd)
             for m in split.modules:
                 m.to_empty(device="cpu")
                 m.init_weights(SEED)
@@ -267,8 +267,7 @@ def _layouts_worker(rank, world_size, cases, schedule_checks=()):
                     split.modules,
                     split.stage_indices,
                     pd,
-                    schedule,
-                    n_mb,
+                    plan_stages(N_LAYERS, pd.pp, schedule, n_mb),
                     _cross_entropy_sum,
                     local_batch_size=local_bs,
                     seq_len=SEQ,
@@ -484,7 +483,7 @@ def test_split_validation(kwargs, message):
     n_layers = kwargs.pop("n_layers", 4)
     model = _meta(min(n_layers, 4))
     with pytest.raises(ValueError) as info:
-        split_model(model, _FakePD(pp), n_layers, **kwargs)
+        split_model(model, plan_stages(n_layers, pp, **kwargs), _FakePD(pp))
     assert message in str(info.value), str(info.value)
 
 
@@ -497,12 +496,12 @@ def test_split_layouts():
     assert stage_indices_for_rank(1, 2, 4) == [1, 3]
     assert stage_indices_for_rank(0, 2, 4, "v") == [0, 3]
     # a stage owns exactly its layers and the ends, with the full model's FQNs
-    split = split_model(_meta(4), _FakePD(2, rank=1), 4, None, "Interleaved1F1B")
+    split = split_model(_meta(4), plan_stages(4, 2, "Interleaved1F1B"), _FakePD(2, rank=1))
     assert split.stage_indices == [1, 3] and split.num_stages == 4
     first, last = split.modules
     assert list(first.layers) == ["1"] and first.tok_embeddings is None and first.output is None
     assert list(last.layers) == ["3"] and last.norm is not None and last.output is not None
-    split = split_model(lambda: _meta(4), _FakePD(2, rank=0), 4, None, "ZBVZeroBubble")
+    split = split_model(lambda: _meta(4), plan_stages(4, 2, "ZBVZeroBubble"), _FakePD(2, rank=0))
     assert split.stage_indices == [0, 3]
     assert split.modules[0].tok_embeddings is not None and split.modules[1].output is not None
 
@@ -530,7 +529,7 @@ def _boundary_mismatch_worker(rank, world_size):
 
     pd = ParallelDims(world_size=world_size, **_degrees())
     pd.build_mesh("cpu")
-    split = split_model(_meta(), pd, N_LAYERS, None, "1F1B")
+    split = split_model(_meta(), plan_stages(N_LAYERS, pd.pp, "1F1B"), pd)
     for m in split.modules:
         m.to_empty(device="cpu")
         m.init_weights(SEED)
@@ -539,8 +538,7 @@ def _boundary_mismatch_worker(rank, world_size):
         split.modules,
         split.stage_indices,
         pd,
-        "1F1B",
-        2,
+        plan_stages(N_LAYERS, pd.pp, "1F1B", 2),
         _cross_entropy_sum,
         local_batch_size=4,
         seq_len=SEQ,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
 from models.registry import build_model
-from trainer.profiling import MatmulCensus
+from trainer.instruments.matmul_census import MatmulCensus
 
 
 def _matmul_calls(model_name: str, mode: str) -> dict:

@@ -126,7 +126,9 @@ def test_mfu_uses_the_peak_of_the_precision_that_runs(fake_cuda, param_dtype, tf
     name, flag = fake_cuda
     flag["value"] = tf32
     c = cfg("--parallelism.mixed_precision_param", param_dtype)
-    m = MetricsLogger("/unused", 1, c, flops_per_token=1e9, device="cuda")
+    m = MetricsLogger(
+        "/unused", 1, c, flops_per_token=1e9, device="cuda", param_dtype=c.parallelism.mixed_precision_param
+    )
     assert m.peak_flops == peak_flops(name["value"], precision)
     assert f"dense {precision} peak" in m.peak_note and name["value"] in m.peak_note
     if precision == "float32":  # the hint at the faster settings
@@ -136,7 +138,10 @@ def test_mfu_uses_the_peak_of_the_precision_that_runs(fake_cuda, param_dtype, tf
 def test_mfu_is_omitted_for_an_unknown_gpu_and_on_cpu(fake_cuda):
     name, _ = fake_cuda
     name["value"] = "Tesla V100-SXM2-16GB"
-    m = MetricsLogger("/unused", 1, cfg(), flops_per_token=1e9, device="cuda")
+    c = cfg()
+    m = MetricsLogger(
+        "/unused", 1, c, flops_per_token=1e9, device="cuda", param_dtype=c.parallelism.mixed_precision_param
+    )
     assert m.peak_flops is None and "omitted" in m.peak_note and "not in the table" in m.peak_note
     name["value"] = "NVIDIA H100 80GB HBM3"
     cpu = MetricsLogger("/unused", 1, cfg(), flops_per_token=1e9, device="cpu")
@@ -150,7 +155,9 @@ def test_mfu_percentage_against_the_chosen_peak(tmp_path, fake_cuda, monkeypatch
     clock = iter([0.0, 2.0])  # __init__, then the log: 2 s
     monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))
     c = cfg("--parallelism.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false")
-    with MetricsLogger(str(tmp_path), 0, c, flops_per_token=67e9, device="cuda") as m:
+    with MetricsLogger(
+        str(tmp_path), 0, c, flops_per_token=67e9, device="cuda", param_dtype=c.parallelism.mixed_precision_param
+    ) as m:
         rec = m.log(1, loss=1.0, grad_norm=1.0, lr=1e-3, num_tokens=2000)
     # 1000 tokens/s x 67 GFLOP = 67 TFLOP/s: 100% of the H100's IEEE fp32 peak
     assert rec["mfu_pct"] == pytest.approx(100.0)

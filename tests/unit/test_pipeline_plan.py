@@ -567,15 +567,7 @@ def test_split_model_follows_the_plan(request, data):
 
     plan = _plan(request)
     rank = data.draw(st.integers(0, plan.pp - 1))
-    split = split_model(
-        Tiny(plan.n_layers),
-        _FakePD(plan.pp, rank),
-        plan.n_layers,
-        request.get("split_points"),
-        request["schedule"],
-        stages_per_rank=request.get("stages_per_rank"),
-        layers_per_stage=request.get("layers_per_stage"),
-    )
+    split = split_model(Tiny(plan.n_layers), plan, _FakePD(plan.pp, rank))
     assert split.num_stages == plan.num_stages
     assert split.layer_ranges == list(plan.layer_ranges)
     assert split.stage_indices == plan.stages_for_rank(rank)

@@ -1,4 +1,4 @@
-"""trainer/profiling.py: the profiler's step windows and the matmul dtype census."""
+"""trainer/instruments/profiler.py and matmul_census.py: the profiler's step windows and the matmul dtype census."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerAction
 
-from trainer.profiling import MatmulCensus, profiler_action
+from trainer.instruments.matmul_census import MatmulCensus
+from trainer.instruments.profiler import profiler_action
 
 R, W, N = ProfilerAction.RECORD, ProfilerAction.WARMUP, ProfilerAction.NONE
 S = ProfilerAction.RECORD_AND_SAVE

@@ -52,7 +52,7 @@ def measure_training_state(
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from models.parallel.pipeline import split_model
+    from models.parallel.pipeline import plan_stages, split_model
     from models.parallelize import ParallelizeOptions
     from models.registry import build_model, get_model_spec
     from parallel_dims import ParallelDims
@@ -65,7 +65,11 @@ def measure_training_state(
         pd.build_mesh("cpu")
         spec = get_model_spec(model, flavor)
         full = build_model(model, flavor, device="meta")
-        parts = list(split_model(full, pd, spec.args.n_layers, None, schedule).modules) if pd.pp > 1 else [full]
+        parts = (
+            list(split_model(full, plan_stages(spec.args.n_layers, pd.pp, schedule), pd).modules)
+            if pd.pp > 1
+            else [full]
+        )
         opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         params = []
         cp_seq = seq_len // pd.cp

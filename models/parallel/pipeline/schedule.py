@@ -46,10 +46,10 @@ from torch.distributed.tensor import DTensor
 
 from models.parallel.pipeline.plan import (
     SCHEDULE_FACTS,
+    StagePlan,
     _positive_int,
     check_microbatches,
     schedule_facts,
-    stage_indices_for_rank,
 )
 from models.parallel.tensor_parallel import loss_parallel_context
 from parallel_dims import ParallelDims
@@ -349,8 +349,7 @@ def build_pipeline_schedule(
     stages: Sequence[nn.Module],
     stage_indices: Sequence[int],
     pd: ParallelDims,
-    schedule_name: str,
-    n_microbatches: int,
+    stage_plan: StagePlan,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     local_batch_size: int,
@@ -359,7 +358,9 @@ def build_pipeline_schedule(
     loss_parallel: bool = False,
 ) -> Pipeline:
     """Wrap this rank's (parallelized, initialized) stage modules in ``PipelineStage``s on the
-    pp group and build ``schedule_name`` over them.
+    pp group and build the stage plan's schedule over them, with its micro-batch count.
+    ``stage_plan``: the job's :class:`~models.parallel.pipeline.plan.StagePlan` (``JobPlan.stages``),
+    made with a micro-batch count; the modules and indices are those ``split_model`` cut along it.
 
     ``loss_fn(logits, labels)`` must return the SUM of token losses of one micro-batch (see
     the module docstring for the normalization). ``local_batch_size`` is the number of
@@ -370,7 +371,10 @@ def build_pipeline_schedule(
     ``loss_parallel`` whether the logits are vocab-sharded DTensors (tp > 1 with loss
     parallelism).
     """
-    canonical, info = _schedule_info(schedule_name)
+    if stage_plan.n_microbatches is None:
+        raise ValueError("build_pipeline_schedule needs a stage plan made with n_microbatches (plan_stages)")
+    canonical, info = _schedule_info(stage_plan.schedule)
+    n_microbatches = stage_plan.n_microbatches
     pp = pd.pp
     if pp < 2:
         raise ValueError(f"build_pipeline_schedule needs pp > 1, got pp={pp}")
@@ -380,8 +384,10 @@ def build_pipeline_schedule(
             f"got {len(stages)} stage modules and {len(stage_indices)} stage indices; pass the "
             "modules and indices split_model returned"
         )
-    num_stages = pp * len(stages)
-    expected = stage_indices_for_rank(pd.coordinate("pp"), pp, num_stages, info.style)
+    if stage_plan.pp != pp:
+        raise ValueError(f"the stage plan is for pp={stage_plan.pp}, the layout has pp={pp}")
+    num_stages = stage_plan.num_stages
+    expected = stage_plan.stages_for_rank(pd.coordinate("pp"))
     if stage_indices != expected:
         raise ValueError(
             f"schedule {canonical} expects pp rank {pd.coordinate('pp')} to own stages "

@@ -1,4 +1,4 @@
-"""Cutting a model into the pipeline stages one pp rank owns (the layout comes from plan.py).
+"""Cutting a model into the pipeline stages one pp rank owns, along the job's stage plan (plan.py).
 
 A stage is the model class itself with the layers it does not own deleted and
 ``tok_embeddings`` / ``norm`` + ``output`` set to None away from the ends, so parameter FQNs
@@ -10,12 +10,12 @@ weights of an unpipelined one.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 from torch import nn
 
-from models.parallel.pipeline.plan import plan_stages, schedule_facts
+from models.parallel.pipeline.plan import StagePlan
 from parallel_dims import ParallelDims
 
 __all__ = ["StageSplit", "split_model"]
@@ -60,47 +60,34 @@ def _carve_stage(model: nn.Module, layer_range: tuple[int, int], is_first: bool,
     return model
 
 
-def split_model(
-    model: nn.Module | Callable[[], nn.Module],
-    pd: ParallelDims,
-    n_layers: int,
-    split_points: Sequence[int | str] | None = None,
-    schedule: str = "1F1B",
-    *,
-    stages_per_rank: int | None = None,
-    layers_per_stage: int | None = None,
-) -> StageSplit:
-    """The pipeline stages this pp rank owns, as separate modules (unparallelized, on the
-    model's device; use a meta-device model and materialize each stage after parallelizing).
+def split_model(model: nn.Module | Callable[[], nn.Module], stages: StagePlan, pd: ParallelDims) -> StageSplit:
+    """The pipeline stages this pp rank owns under the job's stage plan, as separate modules
+    (unparallelized, on the model's device; use a meta-device model and materialize each stage
+    after parallelizing).
 
     ``model`` is either a model (deep-copied once per local stage: cheap on meta) or a factory
-    returning a fresh one. The stage count is ``len(split_points) + 1``, or
-    ``n_layers / layers_per_stage``, or ``pp * stages_per_rank`` (default 1 for single-stage
-    schedules, 2 for interleaved ones); stage ``i`` goes to pp rank ``i % pp`` (looped) or, for
-    ZBVZeroBubble, V-shaped (rank r owns r and 2pp-1-r). The layout is
-    :func:`~models.parallel.pipeline.plan.plan_stages`'s.
+    returning a fresh one. ``stages``: the :class:`~models.parallel.pipeline.plan.StagePlan`
+    (``JobPlan.stages``, or :func:`~models.parallel.pipeline.plan.plan_stages` for the same
+    numbers): which layers each stage holds and which stages each pp rank runs; nothing is
+    re-planned here.
     """
-    schedule_facts(schedule)  # an unknown schedule is the first error, as before
     if pd.pp < 2:
         raise ValueError(f"split_model needs pipeline parallelism, but pp={pd.pp}; with pp=1 train the whole model")
-    plan = plan_stages(
-        n_layers,
-        pd.pp,
-        schedule,
-        split_points=split_points,
-        layers_per_stage=layers_per_stage,
-        stages_per_rank=stages_per_rank,
-    )
-    num_stages = plan.num_stages
-    ranges = list(plan.layer_ranges)
-    indices = plan.stages_for_rank(pd.coordinate("pp"))
+    if stages.pp != pd.pp:
+        raise ValueError(
+            f"the stage plan is for pp={stages.pp}, the layout has pp={pd.pp}; plan the stages for this layout"
+        )
+    num_stages, n_layers = stages.num_stages, stages.n_layers
+    ranges = list(stages.layer_ranges)
+    indices = stages.stages_for_rank(pd.coordinate("pp"))
     modules = []
     for stage in indices:
         full = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
         _check_pipelinable(full)
         if len(full.layers) != n_layers:
             raise ValueError(
-                f"n_layers={n_layers} but the model has {len(full.layers)} layers; pass the model's own layer count"
+                f"the stage plan splits n_layers={n_layers} but the model has {len(full.layers)} layers; "
+                f"plan the stages for the model's own layer count"
             )
         modules.append(_carve_stage(full, ranges[stage], stage == 0, stage == num_stages - 1))
     return StageSplit(modules, indices, num_stages, ranges)

@@ -1,0 +1,158 @@
+"""Joining the job: the process group (real, one process, or the fake backend), the timeouts
+every group runs under, the step watchdog, and printing from one rank.
+
+``init_distributed`` runs before the job plan (it needs only ``[comm]`` and ``[job]``);
+``apply_train_timeout`` after the first step; ``start_watchdog`` as the loop starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+from parallel_dims import default_backend, default_device_type
+from trainer.comm_watchdog import (
+    EXIT_COMM_TIMEOUT,
+    JobWatchdog,
+    NullWatchdog,
+    apply_flight_recorder_env,
+    dump_prefix,
+    pg_timeout_seconds,
+    write_flight_recorder_dump,
+)
+from trainer.config import ConfigError, JobConfig
+from trainer.fake_backend import init_fake_process_group, is_fake_backend
+from trainer.run_mode import RunMode
+
+__all__ = [
+    "apply_train_timeout",
+    "init_distributed",
+    "is_collective_timeout",
+    "log",
+    "report_collective_timeout",
+    "require_writable_folder",
+    "start_watchdog",
+]
+
+
+def log(msg: str) -> None:
+    """Print on rank 0 (a fake-backend run is one process playing any rank: it prints)."""
+    if not dist.is_initialized() or dist.get_rank() == 0 or is_fake_backend():
+        print(msg, flush=True)
+
+
+def init_distributed(cfg: JobConfig) -> torch.device:
+    """Join the torchrun job (or make a 1-process group for ``python train.py``)."""
+    device_type = default_device_type()
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized() and cfg.comm.mode == "fake_backend":
+        # one rank of a comm.fake_world_size job in this process (trainer/fake_backend.py)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                f"comm.mode = 'fake_backend' runs one process that plays rank comm.fake_rank of "
+                f"comm.fake_world_size ranks, but this launch started {os.environ['WORLD_SIZE']} "
+                f"processes: use python train.py (or torchrun --nproc_per_node=1)"
+            )
+        init_fake_process_group(cfg.comm.fake_world_size, cfg.comm.fake_rank)
+    if not dist.is_initialized():
+        backend = default_backend(device_type)
+        # NCCL's flight recorder reads its environment when the first group is created
+        apply_flight_recorder_env(backend, cfg.job.dump_folder, cfg.comm.trace_buf_size)
+        # every group gets it: ParallelDims.build_mesh gives its groups WORLD's timeout
+        timeout = datetime.timedelta(seconds=pg_timeout_seconds(backend, cfg.comm.init_timeout_seconds))
+        if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend=backend, timeout=timeout)
+    return device
+
+
+def apply_train_timeout(seconds: int) -> None:
+    """From the first completed step on, every collective of every process group must finish
+    within ``comm.train_timeout_seconds`` (start-up, the first step and compilation ran under
+    ``comm.init_timeout_seconds``): a dead or hung peer then ends the job in that time, not
+    after the long start-up timeout. Placeholder groups (size-1 axes) have no communicator.
+    NCCL groups get ``seconds`` + the watchdog's grace: the step watchdog speaks at ``seconds``
+    (trainer/comm_watchdog.py)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()  # every rank finished its first step: nothing is in flight under the old timeout
+    for group in list(dist.distributed_c10d._world.pg_map):
+        backend = dist.get_backend(group)
+        if backend != "fake":
+            timeout = datetime.timedelta(seconds=pg_timeout_seconds(backend, seconds))
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def start_watchdog(cfg: JobConfig, mode: RunMode, rank: int, world_size: int) -> JobWatchdog | NullWatchdog:
+    """The step watchdog of a run with peers; nothing for one process or the fake backend."""
+    if not mode.has_peers(world_size):
+        return NullWatchdog()
+    c = cfg.comm
+    return JobWatchdog(
+        rank,
+        dist.get_backend(),
+        train_timeout_seconds=c.train_timeout_seconds,
+        init_timeout_seconds=c.init_timeout_seconds,
+        dump_folder=cfg.job.dump_folder,
+    )
+
+
+def report_collective_timeout(cfg: JobConfig, exc: Exception, phase: str) -> int:
+    """The one line a rank prints when a collective ran past its timeout (``phase``: what the
+    run was doing, from the watchdog), with a flight-recorder dump; the exit code."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    backend = dist.get_backend() if dist.is_initialized() else ""
+    # without the Python stacks (seconds to symbolize the first time); the entries' states and
+    # sequence numbers say which collective each rank waits in
+    dump = write_flight_recorder_dump(rank, backend, dump_prefix(), cfg.job.dump_folder, stack_traces=False)
+    print(
+        f"error: rank {rank}: {phase + ': ' if phase else ''}a collective did not finish within "
+        f"comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds} s (comm.init_timeout_seconds = "
+        f"{cfg.comm.init_timeout_seconds} s until the first step): another rank is hung or "
+        f"dead, see its log; if steps legitimately take that long, raise the timeout; "
+        f"flight-recorder dump: {dump}. ({str(exc).splitlines()[0][:200]})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_COMM_TIMEOUT
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, dist.DistBackendError)) and (
+        "Timed out" in text or "timed out" in text or "Watchdog caught collective operation timeout" in text
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def require_writable_folder(folder: str, option: str) -> None:
+    """Create ``folder`` if needed and check it can be written, before anything is built: a
+    run that cannot write its outputs must not train for hours first."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write_test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"{option} '{folder}' cannot be used ({exc.strerror or exc}: {exc.filename or folder}); "
+            f"choose a writable folder with --{option} PATH"
+        ) from None

@@ -1,0 +1,103 @@
+"""One forward + loss for training and validation, whatever the layout.
+
+Training (``Trainer.train_step``) and evaluation (``Validator``) run the same code for one local
+batch: the context-parallel shard of inputs and labels (the load-balanced sequence chunks this
+cp rank holds), the pipeline schedule or the plain model, the loss-parallel context under
+tensor parallelism, and the loss convention of docs/design.md section 5 (``loss_fn`` returns
+the SUM of token losses; it is divided by the step's global token count here, so the parts add
+up to the step loss on every layout). Training adds the backward pass (and the MoE sequence
+auxiliary loss); evaluation runs the pipeline's forward-only path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.common.sequence import load_balanced_shard
+from models.parallel.tensor_parallel import loss_parallel_context
+from parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    # the pipeline runtime is imported where pp > 1 uses it (see trainer/train.py)
+    from models.parallel.pipeline import Pipeline
+
+__all__ = ["ModelForward", "cross_entropy_sum", "full_tensor"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss function: the SUM of the token cross-entropies (float32 logits)."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective over its mesh); a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class ModelForward:
+    """Forward and loss of one local batch on this rank's model parts.
+
+    ``pipeline``: the built schedule over ``model_parts`` (pp > 1), else None and
+    ``model_parts`` is the one whole model. ``loss_parallel``: the logits are vocab-sharded
+    DTensors (tp > 1 with loss parallelism)."""
+
+    def __init__(
+        self,
+        pd: ParallelDims,
+        model_parts: Sequence[nn.Module],
+        loss_fn: LossFn,
+        device: torch.device,
+        *,
+        loss_parallel: bool,
+        pipeline: Pipeline | None = None,
+    ) -> None:
+        self.pd, self.model_parts, self.loss_fn, self.device = pd, list(model_parts), loss_fn, device
+        self.loss_parallel, self.pipeline = loss_parallel, pipeline
+
+    def shard_for_cp(self, t: torch.Tensor) -> torch.Tensor:
+        """This cp rank's load-balanced part of a ``[batch, seq]`` tensor."""
+        return load_balanced_shard(t, 1, self.pd.coordinate("cp"), self.pd.size("cp"))
+
+    def __call__(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        global_tokens: int,
+        *,
+        backward: bool,
+        aux_loss_sequences: int | None = None,
+        moes: Sequence[nn.Module] = (),
+    ) -> torch.Tensor | None:
+        """This batch's share of the step loss (token losses / ``global_tokens``), detached, as
+        a float32 scalar; None on a pp rank without the last stage.
+
+        ``backward``: also run the backward pass (gradients accumulate into the parameters);
+        without it, evaluation (call under ``torch.no_grad()``; the pipeline runs forward-only).
+        ``aux_loss_sequences``: with ``moes``, add each MoE layer's sequence auxiliary loss
+        divided by this many sequences (the step's global batch) before the backward."""
+        inputs = self.shard_for_cp(inputs).to(self.device, non_blocking=True)
+        labels = self.shard_for_cp(labels).to(self.device, non_blocking=True)
+        if self.pipeline is not None:
+            # the schedule splits the local batch into pipeline micro-batches and, with
+            # backward, syncs FSDP gradients on its last backward
+            from models.parallel.pipeline import pipeline_step
+
+            part = pipeline_step(self.pipeline, inputs, labels, global_tokens, forward_only=not backward)
+            return None if part is None else full_tensor(part.detach()).float()
+        with loss_parallel_context(self.loss_parallel):
+            logits = self.model_parts[0](inputs)
+            loss = self.loss_fn(logits, labels) / global_tokens
+            if aux_loss_sequences is not None:
+                for moe in moes:
+                    if moe.aux_loss_sum is not None:
+                        loss = loss + moe.aux_loss_sum / aux_loss_sequences
+            if backward:
+                loss.backward()
+        return full_tensor(loss.detach()).float()

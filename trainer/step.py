@@ -1,0 +1,58 @@
+"""What one training step needs beside the forward (trainer/forward.py): its result, the
+divergence check, and the reductions over the meshes of ranks that hold different tokens."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel_dims import ParallelDims
+
+__all__ = ["StepResult", "TrainingDiverged", "check_finite", "reduce_loss", "update_expert_bias"]
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm: stopping beats silently training on garbage."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+def check_finite(loss: float, grad_norm: float, step: int) -> None:
+    """Raise :class:`TrainingDiverged` for a non-finite loss or gradient norm of ``step``."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise TrainingDiverged(
+            f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step "
+            f"{step} (loss={loss}, grad_norm={grad_norm}); the run is "
+            f"stopped before the optimizer applies it. Lower optimizer.lr, raise "
+            f"lr_scheduler.warmup_steps or check the data, then resume from the last checkpoint."
+        )
+
+
+def reduce_loss(loss_sum: torch.Tensor, pd: ParallelDims) -> torch.Tensor:
+    """Sum of the per-rank partial losses over every rank that holds different tokens."""
+    total = loss_sum.clone()
+    loss_mesh = pd.get_optional_mesh("loss")
+    if loss_mesh is not None:
+        dist.all_reduce(total, group=loss_mesh.get_group())
+    return total
+
+
+def update_expert_bias(moes: list[nn.Module], pd: ParallelDims) -> None:
+    """Load statistics are summed over the ranks that route different tokens: the loss
+    mesh, and tp (sequence parallel gives each tp rank its own tokens)."""
+    counts = torch.stack([m.tokens_per_expert for m in moes])
+    for name in ("loss", "tp"):
+        mesh = pd.get_optional_mesh(name)
+        if mesh is not None:
+            dist.all_reduce(counts, group=mesh.get_group())
+    for moe, c in zip(moes, counts):
+        moe.update_expert_bias(c)
