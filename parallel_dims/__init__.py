@@ -6,7 +6,7 @@ from ._torch_support import check_torch_version as _check_torch_version
 _check_torch_version()
 
 from .layout import Degrees, RankLayout, validate_degrees  # noqa: E402
-from .model_rules import check_model_layout  # noqa: E402
+from .model_rules import ModelRules, check_model_layout  # noqa: E402
 from .parallel_dims import (  # noqa: E402
     MESH_BUILDER_ENV,
     MESH_BUILDERS,
@@ -21,6 +21,7 @@ __all__ = [
     "MESH_BUILDERS",
     "MESH_BUILDER_ENV",
     "Degrees",
+    "ModelRules",
     "ParallelDims",
     "RankLayout",
     "check_model_layout",

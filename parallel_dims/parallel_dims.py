@@ -63,7 +63,6 @@ from .layout import (
     RankLayout,
     validate_degrees,
 )
-from .model_rules import check_model_layout
 
 __all__ = [
     "MESH_BUILDERS",
@@ -548,35 +547,6 @@ class ParallelDims(TorchtitanCompat):
             "placeholder": self.placeholder_groups_created,
             "distinct_real_rank_sets": self.layout.rank_sets_per_rank(),
         }
-
-    # ------------------------------------------------------------------ model rules
-    def check_model(
-        self,
-        *,
-        n_heads: int | None = None,
-        n_kv_heads: int | None = None,
-        n_experts: int | None = None,
-        seq_len: int | None = None,
-        n_layers: int | None = None,
-        pp_stages: int | None = None,
-        global_batch_size: int | None = None,
-        local_batch_size: int | None = None,
-        sequence_parallel: bool = True,
-    ) -> None:
-        """Model-dependent layout rules, each with a ValueError that says what to change
-        (:mod:`parallel_dims.model_rules`)."""
-        check_model_layout(
-            self.degrees,
-            sequence_parallel=sequence_parallel,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            n_experts=n_experts,
-            seq_len=seq_len,
-            n_layers=n_layers,
-            pp_stages=pp_stages,
-            global_batch_size=global_batch_size,
-            local_batch_size=local_batch_size,
-        )
 
 
 def _as_flattened(mesh: DeviceMesh) -> DeviceMesh:

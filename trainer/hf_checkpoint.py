@@ -4,7 +4,7 @@ A Hugging Face folder holds ``config.json`` and the weights as ``model.safetenso
 ``model.safetensors.index.json`` (``weight_map``: key -> shard file) plus the shards it lists.
 This module knows the folder format, never a model: the key names, layouts and ``config.json``
 contents come from the model's state-dict adapter (``models/common/hf_adapter.py``, reached via
-:func:`models.common.hf_adapter.get_hf_adapter`).
+:func:`models.registry.get_hf_adapter`).
 
 Reading (:func:`load_hf_into_model`, :func:`convert_hf_to_dcp`):
 
@@ -349,7 +349,7 @@ class HFReader:
 
 
 def hf_adapter_for(model_name: str, args):
-    from models.common.hf_adapter import get_hf_adapter
+    from models.registry import get_hf_adapter
 
     return get_hf_adapter(model_name, args)
 

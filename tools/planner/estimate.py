@@ -2,9 +2,10 @@
 
 Validity comes from the code the trainer runs, never from rules restated here:
 ``parallel_dims.validate_degrees`` (through ``ParallelDims``), the model rules
-(``models.parallelize.check_model_fits_layout``: heads and KV heads vs tp, experts vs ep,
-seq_len vs cp and tp, layers vs pp, experts need sequence parallel under tp), the batch rules
-(``ParallelDims.check_model`` and ``trainer.config.gradient_accumulation_steps``) and the
+(``parallel_dims.check_model_layout`` on ``models.registry.model_rules``: heads and KV heads vs
+tp, experts vs ep, seq_len vs cp and tp, layers vs pp, experts need sequence parallel under tp),
+the batch rules (``check_model_layout`` on the batch sizes and
+``trainer.config.gradient_accumulation_steps``) and the
 pipeline rules (``models.parallel.pipeline.plan_stages``: stage counts per schedule,
 micro-batch counts). ``trainer.plan.plan_job`` runs the same checks; the tests feed emitted
 layouts back through it.
@@ -165,10 +166,11 @@ def _check(fn) -> bool:
 def enumerate_degrees(job: Job, args):
     """Every set of degrees valid for the model on ``job.world_size`` ranks (the layout and
     model rules, checked by the real code)."""
-    from models.parallelize import check_model_fits_layout
-    from parallel_dims import ParallelDims
+    from models.registry import model_rules
+    from parallel_dims import ParallelDims, check_model_layout
 
     w = job.world_size
+    rules = model_rules(args, job.seq_len, True)
     seen = []
     for tp in _divisors(w):
         for cp in _divisors(w // tp):
@@ -188,7 +190,7 @@ def enumerate_degrees(job: Job, args):
                                     dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp,
                                     ep=ep, etp=etp, world_size=w,
                                 )  # fmt: skip
-                                check_model_fits_layout(args, pd, job.seq_len, True)
+                                check_model_layout(pd.degrees, rules)
                             except ValueError:
                                 continue
                             seen.append(pd.degrees)
@@ -198,12 +200,12 @@ def enumerate_degrees(job: Job, args):
 def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHEDULES):
     """The schedule / micro-batch / AC / reshard choices valid for ``degrees``."""
     from models.parallel.pipeline.plan import plan_stages
-    from parallel_dims.model_rules import check_model_layout
+    from parallel_dims.model_rules import ModelRules, check_model_layout
     from trainer.config import gradient_accumulation_steps
 
     d = degrees
     batch = d.dp_replicate * d.dp_shard
-    if not _check(lambda: check_model_layout(d, global_batch_size=job.global_batch)):
+    if not _check(lambda: check_model_layout(d, ModelRules(global_batch_size=job.global_batch))):
         return
     per_rank = job.global_batch // batch
     for lb in _divisors(per_rank):
