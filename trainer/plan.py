@@ -245,11 +245,11 @@ def dry_run(plan: JobPlan, rank: int = 0) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from models.parallel.pipeline import split_model
-    from parallel_dims.parallel_dims import _register_fake_backend
+    from parallel_dims.process_groups import register_fake_backend
 
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
-    _register_fake_backend()
+    register_fake_backend()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
