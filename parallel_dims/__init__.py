@@ -14,7 +14,7 @@ from .builders import (  # noqa: E402
 from .layout import Degrees, RankLayout, validate_degrees  # noqa: E402
 from .model_rules import ModelRules, check_model_layout  # noqa: E402
 from .parallel_dims import ParallelDims  # noqa: E402
-from .process_groups import default_backend, default_device_type  # noqa: E402
+from .process_groups import default_backend, default_device_type, process_group_timeout  # noqa: E402
 
 __all__ = [
     "MESH_BUILDERS",
@@ -27,6 +27,7 @@ __all__ = [
     "default_backend",
     "default_device_type",
     "layout_builder_available",
+    "process_group_timeout",
     "resolve_mesh_builder",
     "validate_degrees",
 ]
