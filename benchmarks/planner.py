@@ -196,7 +196,7 @@ def _optimizer_seconds() -> tuple[float, int]:
 
 def _choice(settings: dict, world_size: int = 2):
     from parallel_dims.layout import validate_degrees
-    from tools.planner.collectives import LayoutChoice
+    from tools.planner.choice import LayoutChoice
 
     degrees = {k: v for k, v in settings.items() if k not in ("ac", "n_layers")}
     d = validate_degrees(world_size=world_size, **degrees)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from models.common.args import DecoderArgs
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
 from models.parallel.context_parallel import apply_context_parallel
 from models.parallel.expert_parallel import apply_expert_parallel
@@ -22,7 +21,7 @@ from models.parallel.fsdp import apply_fsdp
 from models.parallel.tensor_parallel import apply_tensor_parallel
 from parallel_dims import ParallelDims
 
-__all__ = ["ParallelizeOptions", "check_model_fits_layout", "parallelize_model"]
+__all__ = ["ParallelizeOptions", "parallelize_model"]
 
 
 @dataclass
@@ -35,34 +34,6 @@ class ParallelizeOptions:
     ac_mode: str = "none"
     ac_selective_option: str = "op"
     compile: bool = False
-
-
-def check_model_fits_layout(
-    args: DecoderArgs,
-    parallel_dims: ParallelDims,
-    seq_len: int | None = None,
-    sequence_parallel: bool = True,
-) -> None:
-    """Model-dependent layout rules, checked before any weight exists. ``args`` is a model's
-    args (``models/common/args.DecoderArgs``): heads, the KV heads tp must divide, experts."""
-    parallel_dims.check_model(
-        n_heads=args.n_heads,
-        n_kv_heads=args.tp_kv_heads,
-        n_experts=args.num_experts if args.has_experts else None,
-        seq_len=seq_len,
-        n_layers=args.n_layers,
-        sequence_parallel=sequence_parallel,
-    )
-    if not args.has_experts and (parallel_dims.ep > 1 or parallel_dims.etp > 1):
-        raise ValueError(
-            f"ep={parallel_dims.ep}, etp={parallel_dims.etp} but this model has no experts: expert "
-            f"parallelism applies to MoE models only; use ep=1 and etp=1"
-        )
-    if parallel_dims.tp > 1 and args.has_experts and not sequence_parallel:
-        raise ValueError(
-            f"tp={parallel_dims.tp} with a MoE model needs sequence parallel (each tp rank "
-            f"routes its own tokens); set parallelism.enable_sequence_parallel = true"
-        )
 
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:

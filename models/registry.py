@@ -20,20 +20,24 @@ from torch import nn
 
 from models.common.args import DecoderArgs
 from models.common.decoder import Decoder
+from models.common.hf_adapter import HFStateDictAdapter
 from models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
 from models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from models.llama3 import Llama3, llama3_flavors
 from models.llama3.hf_adapter import Llama3HFAdapter
 from models.parallelize import parallelize_model
+from parallel_dims.model_rules import ModelRules
 
 __all__ = [
     "ModelEntry",
     "ModelSpec",
     "build_model",
     "flavor_names",
+    "get_hf_adapter",
     "get_model_spec",
     "has_experts",
     "model_names",
+    "model_rules",
     "register_model",
 ]
 
@@ -154,6 +158,33 @@ def get_model_spec(name: str, flavor: str) -> ModelSpec:
         entry.parallelize_fn,
         entry.hf_state_dict_adapter,
     )
+
+
+def model_rules(args: DecoderArgs, seq_len: int | None = None, sequence_parallel: bool = True) -> ModelRules:
+    """What the layout rules need to know about a model with ``args`` (a flavor's args after
+    overrides) trained on ``seq_len``: heads, the KV heads tp must divide, routed experts (0 for
+    a dense model), layers. Check them with ``parallel_dims.check_model_layout(degrees, rules)``."""
+    return ModelRules(
+        n_heads=args.n_heads,
+        n_kv_heads=args.tp_kv_heads,
+        n_experts=args.num_experts,
+        n_layers=args.n_layers,
+        seq_len=seq_len,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def get_hf_adapter(model_name: str, args: DecoderArgs) -> HFStateDictAdapter:
+    """The registered Hugging Face state-dict adapter of ``model_name`` for ``args`` (the
+    flavor's args after overrides). ValueError if the model has none."""
+    cls = _lookup_model(model_name).hf_state_dict_adapter
+    if cls is None:
+        raise ValueError(
+            f"Model {model_name!r} has no Hugging Face state-dict adapter, so it cannot load or save Hugging Face "
+            "checkpoints; register one with register_model(..., hf_state_dict_adapter=...) (see "
+            "models/common/hf_adapter.py)."
+        )
+    return cls(args)
 
 
 def build_model(name: str, flavor: str, device: torch.device | str = "meta", **arg_overrides: Any) -> Decoder:

@@ -76,7 +76,8 @@ def describe(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .parallel_dims import ParallelDims, _register_fake_backend
+    from .parallel_dims import ParallelDims
+    from .process_groups import register_fake_backend
 
     given = {n: getattr(args, n) for n in DEGREE_NAMES if getattr(args, n) is not None}
     degrees = validate_degrees(world_size=args.world_size, **given)
@@ -86,7 +87,7 @@ def describe(args) -> dict:
         )
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
-    _register_fake_backend()
+    register_fake_backend()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=degrees.world_size)

@@ -17,34 +17,14 @@ how the meshes come to be:
   ``_flatten`` that reuses a name with other ranks fails loudly instead of shadowing a group,
   and :meth:`ParallelDims.flatten` refuses clashes with a clear error.
 
-Two mesh builders make the same mesh objects from the same process groups:
-
-* ``layout`` (torch >= 2.13): each named 1-D mesh is a view of the world mesh made directly from
-  its (size, stride) modes with torch's ``_FlatLayout`` and the layout-based DeviceMesh
-  constructor.
-* ``portable`` (torch 2.11 .. 2.15): the world mesh from ``init_device_mesh`` is unflattened
-  (``DeviceMesh._unflatten``, as torchtitan 0.2.2 does) into row-major views in which every
-  named axis is one dimension -- dense, sparse and (pp, loss, tp) from the world mesh,
-  (dp_replicate, fsdp) and (batch, cp) from the loss mesh -- and each 1-D mesh is sliced out of
-  its view (``mesh[name]``), so all of them share the world mesh as root. The views are made
-  while the mesh being unflattened does not expose its process groups, so torch creates none:
-  every group is still ours (deduplicated, placeholders for size-1 axes, created only by its
-  members).
-
-n-D meshes come from ``DeviceMesh._concatenate`` under both builders (the dense and sparse views
-are those meshes under the portable one).
-
-``auto`` (the default) picks ``layout`` where torch has it, else ``portable``; the environment
-variable ``MESHTRAIN_MESH_BUILDER`` (or the ``mesh_builder`` argument) forces one. Supported
-torch: see :mod:`parallel_dims._torch_support`.
+Two mesh builders (``layout``, ``portable``: :mod:`parallel_dims.builders`) make the same mesh
+objects from the same process groups (:mod:`parallel_dims.process_groups`); the torch-private
+workarounds the portable one needs are in :mod:`parallel_dims.torch_compat`.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
-import inspect
-import os
 from collections.abc import Iterable
 
 import torch
@@ -52,7 +32,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .axes import DEGREE_NAMES
-from .compat import TorchtitanCompat
+from .builders import (
+    PORTABLE_VIEWS,
+    coalesce_modes,
+    flat_group,
+    layout_view,
+    resolve_mesh_builder,
+)
 from .layout import (
     ALL_NAMES,
     COMPOSITE_MESHES,
@@ -63,117 +49,11 @@ from .layout import (
     RankLayout,
     validate_degrees,
 )
-from .model_rules import check_model_layout
+from .process_groups import default_device_type, new_group, process_group_timeout, register_fake_backend
+from .torch_compat import as_flattened, unflatten_without_groups
+from .torchtitan_compat import TorchtitanCompat
 
-__all__ = [
-    "MESH_BUILDERS",
-    "MESH_BUILDER_ENV",
-    "ParallelDims",
-    "default_backend",
-    "default_device_type",
-    "layout_builder_available",
-    "process_group_timeout",
-    "resolve_mesh_builder",
-]
-
-MESH_BUILDER_ENV = "MESHTRAIN_MESH_BUILDER"
-MESH_BUILDERS = ("auto", "layout", "portable")
-
-# The portable builder's views, (parent mesh, dimensions outer -> inner): each named 1-D axis is
-# one dimension of the first view that lists it. fsdp, batch and loss have one stride each in
-# rank space, so a row-major unflatten has them as single dimensions; fsdp and batch come from
-# the (small) loss mesh, so only three views span the world (torch 2.11 checks every mesh it
-# constructs by enumerating its ranks in Python).
-_PORTABLE_VIEWS = (
-    ("world", DENSE_AXES),
-    ("world", SPARSE_AXES),
-    ("world", ("pp", "loss", "tp")),
-    ("loss", ("dp_replicate", "fsdp")),
-    ("loss", ("batch", "cp")),
-)
-
-
-@functools.cache
-def layout_builder_available() -> bool:
-    """Whether this torch has what the ``layout`` builder uses: ``_FlatLayout`` and the
-    layout-based DeviceMesh constructor (torch >= 2.13)."""
-    try:
-        from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout  # noqa: F401
-    except ImportError:
-        return False
-    try:
-        params = inspect.signature(DeviceMesh.__init__).parameters
-    except (TypeError, ValueError):
-        return False
-    needed = ("_layout", "_rank_map", "_root_mesh", "_init_backend")
-    return all(p in params for p in needed) and hasattr(DeviceMesh, "_concatenate")
-
-
-def resolve_mesh_builder(requested: str | None = None) -> str:
-    """``"layout"`` or ``"portable"``: ``requested`` if given, else ``$MESHTRAIN_MESH_BUILDER``;
-    ``auto`` (the default, also for an empty value) picks ``layout`` where this torch has it.
-    Raises ``ValueError`` for an unknown value, or for ``layout`` on a torch without it."""
-    if requested is None:
-        raw = os.environ.get(MESH_BUILDER_ENV, "")
-        source = f"{MESH_BUILDER_ENV}={raw!r}"
-    else:
-        raw = requested
-        source = f"mesh_builder={raw!r}"
-    value = raw.strip().lower() if isinstance(raw, str) else None
-    value = "auto" if value == "" else value
-    if value not in MESH_BUILDERS:
-        raise ValueError(
-            f"{source} is not a mesh builder; legal values: auto (the default: layout where "
-            f"this torch supports it, else portable), layout, portable"
-        )
-    if value == "auto":
-        return "layout" if layout_builder_available() else "portable"
-    if value == "layout" and not layout_builder_available():
-        raise ValueError(
-            f"{source} needs torch's layout-based DeviceMesh (torch.distributed._mesh_layout."
-            f"_FlatLayout, torch >= 2.13), which torch {torch.__version__} lacks; use "
-            f"{MESH_BUILDER_ENV}=portable or auto"
-        )
-    return value
-
-
-def default_device_type() -> str:
-    """``cuda`` when a GPU is present, else ``cpu``: the device never comes from model code."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_backend(device_type: str | None = None) -> str:
-    return "nccl" if (device_type or default_device_type()) == "cuda" else "gloo"
-
-
-def _register_fake_backend() -> None:
-    # The "fake" backend's factory lives in torch's testing package; importing it registers the
-    # backend. We use it only for placeholder groups of size-1 axes and for dry runs.
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
-
-
-def process_group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
-    """The collective timeout ``group``'s backend runs with (default: WORLD), as set at creation
-    or by ``_set_pg_timeout``; None for a backend that has none (the ``fake`` placeholders).
-    Read from the backend's options (``Backend.options._timeout``, torch 2.11 .. 2.15)."""
-    group = group if group is not None else dist.group.WORLD
-    if dist.get_backend(group) == "fake":
-        return None
-    for device in group._device_types:
-        options = getattr(group._get_backend(device), "options", None)
-        timeout = getattr(options, "_timeout", None)
-        if timeout is not None:
-            return timeout
-    return None
-
-
-def _new_group(ranks: list[int], backend: str | None, desc: str, timeout: datetime.timedelta | None = None):
-    if backend == "fake":
-        _register_fake_backend()
-        timeout = None  # a placeholder has no communicator to time out
-    return dist.new_group(
-        ranks, backend=backend, timeout=timeout, use_local_synchronization=True, group_desc=f"mesh_{desc}"
-    )
+__all__ = ["ParallelDims"]
 
 
 class ParallelDims(TorchtitanCompat):
@@ -262,7 +142,7 @@ class ParallelDims(TorchtitanCompat):
             group_names[name] = self._group_for(ranks, overrides.get(name), name)
         if self.mesh_builder == "layout":
             for name in ONE_D_AXES[1:]:
-                self._meshes[name] = self._one_d_mesh(name, group_names[name])
+                self._register(name, layout_view(world, name, group_names[name], self.layout.modes(name)))
         else:
             self._build_portable(group_names)
         self._verify()
@@ -270,9 +150,9 @@ class ParallelDims(TorchtitanCompat):
 
     def _build_portable(self, group_names: dict[str, str]) -> None:
         """Every named 1-D mesh as a dimension of an unflattened view of the world mesh
-        (``_PORTABLE_VIEWS``), with our process groups; API present in torch 2.11 .. 2.15."""
-        for parent, names in _PORTABLE_VIEWS:
-            view = self._unflatten_quietly(
+        (``PORTABLE_VIEWS``), with our process groups; API present in torch 2.11 .. 2.15."""
+        for parent, names in PORTABLE_VIEWS:
+            view = unflatten_without_groups(
                 self._meshes[parent],
                 tuple(self.layout.size(n) for n in names),
                 names,
@@ -283,29 +163,7 @@ class ParallelDims(TorchtitanCompat):
                 self._meshes["/".join(names)] = view
             for name in names:
                 if name not in self._meshes:
-                    self._register(name, _as_flattened(view[name]))
-
-    def _unflatten_quietly(self, parent: DeviceMesh, sizes, names, group_names) -> DeviceMesh:
-        """``parent._unflatten(0, sizes, names)`` (a 1-D mesh) with ``group_names`` as the
-        groups of its dimensions.
-
-        torch's ``_unflatten`` creates a process group per dimension (for every subgroup, on
-        every rank) only when the mesh it unflattens exposes ``_dim_group_names``; the
-        parent's is hidden for that one call, so torch creates none and the view gets ours."""
-        hidden = parent.__dict__.pop("_dim_group_names", None)
-        try:
-            view = parent._unflatten(0, tuple(sizes), tuple(names))
-        finally:
-            if hidden is not None:
-                parent._dim_group_names = hidden
-        if "_dim_group_names" in view.__dict__:
-            raise RuntimeError(
-                f"torch {torch.__version__} created process groups while unflattening a mesh "
-                f"into {tuple(names)}; the portable mesh builder cannot keep one group per "
-                f"rank set on it (use {MESH_BUILDER_ENV}=layout)"
-            )
-        view._dim_group_names = list(group_names)
-        return view
+                    self._register(name, as_flattened(view[name]))
 
     def _register(self, name: str, mesh: DeviceMesh) -> DeviceMesh:
         """Keep ``mesh`` under ``name`` and put it in the root mesh's flatten namespace."""
@@ -327,30 +185,13 @@ class ParallelDims(TorchtitanCompat):
         if len(ranks) == self.world_size and backend is None:
             group = dist.group.WORLD
         elif len(ranks) == 1:
-            group = _new_group(list(ranks), "fake", name)
+            group = new_group(list(ranks), "fake", name)
             self.placeholder_groups_created += 1
         else:
-            group = _new_group(list(ranks), backend, name, self._group_timeout)
+            group = new_group(list(ranks), backend, name, self._group_timeout)
             self.groups_created += 1
         self._group_by_rank_set[key] = group.group_name
         return group.group_name
-
-    def _one_d_mesh(self, name: str, group_name: str, modes=None) -> DeviceMesh:
-        from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
-
-        world = self._world_mesh
-        modes = modes or self.layout.modes(name)
-        layout = _MeshLayout([_FlatLayout(tuple(s for s, _ in modes), tuple(st for _, st in modes))])
-        mesh = DeviceMesh(
-            world.device_type,
-            _layout=layout,
-            _rank_map=world._rank_map,
-            mesh_dim_names=(name,),
-            _root_mesh=world,
-            _init_backend=False,
-        )
-        mesh._dim_group_names = [group_name]
-        return self._register(name, mesh)
 
     def _verify(self) -> None:
         """Every built group must have exactly the ranks the layout layer says."""
@@ -391,44 +232,36 @@ class ParallelDims(TorchtitanCompat):
         self.layout.check_composable(names)
         axes = self.layout.expand(names)
         modes = [m for n in axes for m in self.layout.modes(n)]
-        ranks = tuple(self._flat_group(modes, dist.get_rank()))
+        ranks = tuple(flat_group(modes, dist.get_rank()))
         group_name = self._group_for(ranks, None, new_name)
         if self.mesh_builder == "layout":
-            mesh = self._one_d_mesh(new_name, group_name, modes)
+            mesh = self._register(new_name, layout_view(self._world_mesh, new_name, group_name, modes))
         else:
             mesh = self._portable_flat_mesh(new_name, axes, modes, group_name)
         self._flat_names[new_name] = names
         return mesh
 
     def _portable_flat_mesh(self, new_name, axes, modes, group_name: str) -> DeviceMesh:
-        merged = _coalesce(modes)
+        merged = coalesce_modes(modes)
         if len(merged) == 1:
             # one stride in rank space: a dimension of a row-major view, like fsdp or loss
             ((size, stride),) = merged
-            view = self._unflatten_quietly(
+            view = unflatten_without_groups(
                 self._world_mesh,
                 (self.world_size // (size * stride), size, stride),
                 (f"{new_name}.outer", new_name, f"{new_name}.inner"),
                 [group_name] * 3,  # the view is dropped; only its middle dimension is kept
             )
-            return self._register(new_name, _as_flattened(view[new_name]))
+            return self._register(new_name, as_flattened(view[new_name]))
         # Several strides (e.g. dp_replicate x cp with dp_shard > 1): without the layout
         # constructor only torch's _flatten makes such a 1-D mesh, and it always creates a
         # group per subgroup. Ask it for placeholders (fake backend, no communicator), then
         # give the mesh our group.
-        _register_fake_backend()
+        register_fake_backend()
         mesh = self._mesh_nd(axes)._flatten(new_name, backend_override="fake")
         self.placeholder_groups_created += 1
         mesh._dim_group_names = [group_name]
         return self._register(new_name, mesh)
-
-    @staticmethod
-    def _flat_group(modes, rank: int) -> list[int]:
-        base = rank - sum(((rank // st) % s) * st for s, st in modes)
-        offsets = [0]
-        for size, stride in modes:
-            offsets = [o + i * stride for o in offsets for i in range(size)]
-        return [base + o for o in offsets]
 
     # ------------------------------------------------------------------ lookup
     def _require_built(self) -> None:
@@ -548,61 +381,3 @@ class ParallelDims(TorchtitanCompat):
             "placeholder": self.placeholder_groups_created,
             "distinct_real_rank_sets": self.layout.rank_sets_per_rank(),
         }
-
-    # ------------------------------------------------------------------ model rules
-    def check_model(
-        self,
-        *,
-        n_heads: int | None = None,
-        n_kv_heads: int | None = None,
-        n_experts: int | None = None,
-        seq_len: int | None = None,
-        n_layers: int | None = None,
-        pp_stages: int | None = None,
-        global_batch_size: int | None = None,
-        local_batch_size: int | None = None,
-        sequence_parallel: bool = True,
-    ) -> None:
-        """Model-dependent layout rules, each with a ValueError that says what to change
-        (:mod:`parallel_dims.model_rules`)."""
-        check_model_layout(
-            self.degrees,
-            sequence_parallel=sequence_parallel,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            n_experts=n_experts,
-            seq_len=seq_len,
-            n_layers=n_layers,
-            pp_stages=pp_stages,
-            global_batch_size=global_batch_size,
-            local_batch_size=local_batch_size,
-        )
-
-
-def _as_flattened(mesh: DeviceMesh) -> DeviceMesh:
-    """Give a 1-D mesh sliced from a view the layout torch's own ``_flatten`` gives a 1-D mesh,
-    so that torch finds it in the root's flatten namespace by layout (DTensor's flattened-mesh
-    lookup, ``root[name]``, a ``_flatten`` to the same name and ranks). Only torch 2.11/2.12,
-    whose ``_MeshLayout`` is a pycute Layout, need this: a sliced dimension keeps a nested
-    ``(size,):(stride,)`` there where ``_flatten`` makes ``size:stride``. From torch 2.13 on
-    both are the same ``_FlatLayout``. The stride of a size-1 mesh is kept (torch's coalesce
-    would make it 1): concatenated meshes must keep their strides in descending order."""
-    layout = mesh._layout
-    if not hasattr(layout, "coalesce") or mesh.__dict__.get("_hash"):
-        return mesh
-    shape, stride = layout.shape, layout.stride
-    if isinstance(shape, tuple) and len(shape) == 1 and isinstance(shape[0], int):
-        mesh._layout = type(layout)(shape[0], stride[0])
-    return mesh
-
-
-def _coalesce(modes) -> list[tuple[int, int]]:
-    """Merge (size, stride) modes, outer first, that are contiguous in rank space; drop size 1."""
-    out: list[tuple[int, int]] = []
-    for size, stride in reversed([m for m in modes if m[0] > 1]):
-        if out and stride == out[-1][0] * out[-1][1]:
-            inner_size, inner_stride = out.pop()
-            out.append((size * inner_size, inner_stride))
-        else:
-            out.append((size, stride))
-    return out[::-1] or [(1, 1)]

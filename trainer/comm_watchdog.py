@@ -58,6 +58,8 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 
+from trainer.files import atomic_write
+
 __all__ = [
     "DUMP_WAIT_SECONDS",
     "EXIT_COMM_TIMEOUT",
@@ -192,12 +194,12 @@ def write_flight_recorder_dump(
         if not data:
             return "none (the flight recorder is off: comm.trace_buf_size = 0)"
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        _write_atomically(path, data)
+        atomic_write(path, data)
         written = True
         if note is not None:
             note(path)
         if stack_traces:
-            _write_atomically(path, _call_dump(dump, stack_traces=True))
+            atomic_write(path, _call_dump(dump, stack_traces=True))
     except Exception as exc:  # a failed dump must not hide the timeout itself
         if written:
             return path
@@ -212,13 +214,6 @@ def _call_dump(dump, stack_traces: bool) -> bytes:
         return dump(True, stack_traces, False)
     except TypeError:
         return dump()
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _exit_process(code: int) -> None:

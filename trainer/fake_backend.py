@@ -62,9 +62,9 @@ FAKE_NOTE = (
 def init_fake_process_group(world_size: int, rank: int) -> None:
     """The default process group on torch's ``fake`` backend: this process is ``rank`` of
     ``world_size``."""
-    from parallel_dims.parallel_dims import _register_fake_backend
+    from parallel_dims.process_groups import register_fake_backend
 
-    _register_fake_backend()
+    register_fake_backend()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

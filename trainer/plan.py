@@ -20,9 +20,9 @@ from typing import Any
 from models.common.args import DecoderArgs
 from models.parallel.pipeline import StagePlan, plan_stages
 from models.parallel.pipeline.plan import schedule_facts
-from models.parallelize import ParallelizeOptions, check_model_fits_layout
-from models.registry import ModelSpec, get_model_spec
-from parallel_dims import ParallelDims
+from models.parallelize import ParallelizeOptions
+from models.registry import ModelSpec, get_model_spec, model_rules
+from parallel_dims import ModelRules, ParallelDims, check_model_layout
 from parallel_dims.axes import AXES
 from trainer.config import (
     ConfigError,
@@ -141,7 +141,9 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None
         spec = attempt(lambda: _model_spec(cfg, tokenizer_vocab))
     opts = parallelize_options(cfg)
     if pd is not None and spec is not None:
-        attempt(lambda: check_model_fits_layout(spec.args, pd, cfg.training.seq_len, opts.sequence_parallel))
+        attempt(
+            lambda: check_model_layout(pd.degrees, model_rules(spec.args, cfg.training.seq_len, opts.sequence_parallel))
+        )
     batch = None
     if pd is not None:
         batch = attempt(lambda: _batch_plan(cfg, pd))
@@ -202,7 +204,7 @@ def _batch_plan(cfg: JobConfig, pd: ParallelDims) -> BatchPlan:
     batch_degree = pd.size("batch")
     global_batch_size = resolve_global_batch_size(t.global_batch_size, t.local_batch_size, batch_degree)
     # the batch rules with the layout's wording (which degree to change), then the accumulation
-    pd.check_model(global_batch_size=global_batch_size, local_batch_size=t.local_batch_size)
+    check_model_layout(pd.degrees, ModelRules(global_batch_size=global_batch_size, local_batch_size=t.local_batch_size))
     return BatchPlan(
         global_batch_size=global_batch_size,
         local_batch_size=t.local_batch_size,
@@ -243,11 +245,11 @@ def dry_run(plan: JobPlan, rank: int = 0) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from models.parallel.pipeline import split_model
-    from parallel_dims.parallel_dims import _register_fake_backend
+    from parallel_dims.process_groups import register_fake_backend
 
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
-    _register_fake_backend()
+    register_fake_backend()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)

@@ -1,6 +1,6 @@
 """Hugging Face state-dict adapters: our parameter names and layouts <-> a ``transformers``
 checkpoint's, per model, reached through the registry (``register_model(...,
-hf_state_dict_adapter=Cls)``; :func:`get_hf_adapter`).
+hf_state_dict_adapter=Cls)``; :func:`models.registry.get_hf_adapter`).
 
 A model's adapter subclasses :class:`HFStateDictAdapter` and lists, for its args, one entry
 per tensor of our state dict (:meth:`HFStateDictAdapter._entries`):
@@ -42,7 +42,6 @@ __all__ = [
     "Plain",
     "RopeRows",
     "Stacked",
-    "get_hf_adapter",
     "half_split_to_interleaved",
     "interleaved_to_half_split",
 ]
@@ -447,19 +446,3 @@ class HFStateDictAdapter:
         if not exact and len(matches) == 1:
             return matches[0][0]
         return None
-
-
-def get_hf_adapter(model_name: str, args: DecoderArgs) -> HFStateDictAdapter:
-    """The registered adapter of ``model_name`` for ``args`` (the flavor's args after
-    overrides). ValueError if the model has none."""
-    from models.registry import flavor_names, get_model_spec
-
-    spec = get_model_spec(model_name, flavor_names(model_name)[0])
-    cls = spec.hf_state_dict_adapter
-    if cls is None:
-        raise ValueError(
-            f"Model {model_name!r} has no Hugging Face state-dict adapter, so it cannot load or save Hugging Face "
-            "checkpoints; register one with register_model(..., hf_state_dict_adapter=...) (see "
-            "models/common/hf_adapter.py)."
-        )
-    return cls(args)

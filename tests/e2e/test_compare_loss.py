@@ -205,8 +205,7 @@ def test_grad_dump_matches_across_layouts(llama3_comparison, tmp_path):
     import torch
 
     from tools.compare_loss.diagnose import compare_grad_dumps, format_grad_rows, run_grad_dump
-    from tools.compare_loss.layouts import parse_layout
-    from tools.compare_loss.runner import Plan
+    from tools.compare_loss.layouts import Plan, parse_layout
 
     _, llama_out = llama3_comparison
     seed = str(llama_out / "seed" / "checkpoint" / "step-0")

@@ -101,8 +101,7 @@ def test_last_save_in_hf_loads_in_transformers(hf_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from models.common.hf_adapter import get_hf_adapter
-    from models.registry import build_model
+    from models.registry import build_model, get_hf_adapter
     from trainer.checkpoint.dcp import load_checkpoint
 
     ckpt = hf_run / "checkpoint"

@@ -15,6 +15,7 @@ from tools.compare_loss import runner
 from tools.compare_loss.cli import main
 from tools.compare_loss.compare import (
     DEFAULT_RTOL,
+    RunResult,
     beyond_tolerance,
     compare,
     compare_validation,
@@ -35,7 +36,7 @@ from tools.compare_loss.layouts import (
     slug,
 )
 from tools.compare_loss.report import format_table, plot_runs
-from tools.compare_loss.runner import STEP_LINE, RunResult, log_excerpt, run_streaming
+from tools.compare_loss.runner import STEP_LINE, log_excerpt, run_streaming
 
 
 def write_metrics(path: Path, losses, grad_norms=None, tps=1000.0) -> Path:

@@ -8,6 +8,7 @@ from trainer.config import (
     CONFIG_DIR,
     ConfigError,
     JobConfig,
+    config_from_dict,
     gradient_accumulation_steps,
     load_config,
 )
@@ -240,9 +241,7 @@ def test_to_toml_roundtrip(tmp_path):
     again = load_config(["--config", str(path)])
     assert again.to_dict() == cfg.to_dict()
     assert (
-        JobConfig.from_dict(
-            cfg.to_dict() | {"model": {k: v for k, v in cfg.to_dict()["model"].items() if v is not None}}
-        )
+        config_from_dict(cfg.to_dict() | {"model": {k: v for k, v in cfg.to_dict()["model"].items() if v is not None}})
         == cfg
     )
 

@@ -44,13 +44,12 @@ from models.common.hf_adapter import (  # noqa: E402
     HFConfigMismatch,
     HFStateDictAdapter,
     Stacked,
-    get_hf_adapter,
 )
 from models.deepseek_v3 import deepseek_v3_flavors  # noqa: E402
 from models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter  # noqa: E402
 from models.llama3 import llama3_flavors  # noqa: E402
 from models.llama3.hf_adapter import Llama3HFAdapter  # noqa: E402
-from models.registry import build_model  # noqa: E402
+from models.registry import build_model, get_hf_adapter  # noqa: E402
 from tests.hf_models import LLAMA3_ROPE, llama_config, randomize_hf_  # noqa: E402
 
 RTOL = 1e-5

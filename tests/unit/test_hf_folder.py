@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
+from models import registry
 from tests.hf_folders import TinyAdapter, TinyArgs, one_line, rewrite_header, save_hf_checkpoint, save_tiny, tiny_state
-from trainer.checkpoint import hf_format
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.hf_format import parse_size
 from trainer.checkpoint.hf_reader import open_hf_checkpoint, validate_hf_checkpoint
@@ -22,7 +22,7 @@ from trainer.checkpoint.hf_write import HFFolderWriter, plan_shards
 def adapter(monkeypatch):
     """The tiny adapter, also for every model name the loader asks the registry for."""
     ad = TinyAdapter(TinyArgs())
-    monkeypatch.setattr(hf_format, "hf_adapter_for", lambda name, args: TinyAdapter(args))
+    monkeypatch.setattr(registry, "get_hf_adapter", lambda name, args: TinyAdapter(args))
     return ad
 
 

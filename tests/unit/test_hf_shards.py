@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models import registry
 from tests.hf_folders import TinyAdapter, TinyArgs, TinyModel, save_tiny, tiny_state
-from trainer.checkpoint import hf_format
 from trainer.checkpoint.hf_load import _slices_of, load_hf_into_model, local_index
 from trainer.checkpoint.hf_reader import validate_hf_checkpoint
 
@@ -20,7 +20,7 @@ from trainer.checkpoint.hf_reader import validate_hf_checkpoint
 def adapter(monkeypatch):
     """The tiny adapter, also for every model name the loader asks the registry for."""
     ad = TinyAdapter(TinyArgs())
-    monkeypatch.setattr(hf_format, "hf_adapter_for", lambda name, args: TinyAdapter(args))
+    monkeypatch.setattr(registry, "get_hf_adapter", lambda name, args: TinyAdapter(args))
     return ad
 
 

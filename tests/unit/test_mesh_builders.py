@@ -18,7 +18,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import parallel_dims.parallel_dims as pd_module
+import parallel_dims.builders as builders_module
 from parallel_dims import MESH_BUILDER_ENV, ParallelDims, layout_builder_available, resolve_mesh_builder
 from parallel_dims._torch_support import unsupported_torch_message
 from parallel_dims.layout import ONE_D_AXES
@@ -210,7 +210,7 @@ def test_bad_builder_values_are_rejected(monkeypatch):
 
 
 def test_layout_builder_refused_where_torch_lacks_it(monkeypatch):
-    monkeypatch.setattr(pd_module, "layout_builder_available", lambda: False)
+    monkeypatch.setattr(builders_module, "layout_builder_available", lambda: False)
     monkeypatch.setenv(MESH_BUILDER_ENV, "layout")
     with pytest.raises(ValueError) as err:
         ParallelDims(1, 2, 1, 1, 1, 1, 1, 2)

@@ -929,8 +929,8 @@ def toy_registered(monkeypatch):
 
 
 def test_toy_model_gets_the_contract_from_one_registry_line(toy_registered):
-    from models.parallelize import check_model_fits_layout
-    from parallel_dims import ParallelDims
+    from models.registry import model_rules
+    from parallel_dims import ParallelDims, check_model_layout
     from trainer.metrics import training_flops_per_token
 
     registry = toy_registered
@@ -947,9 +947,9 @@ def test_toy_model_gets_the_contract_from_one_registry_line(toy_registered):
     n = sum(p.numel() for p in cpu.parameters())
     assert training_flops_per_token(cpu, 64) == 6 * (n - 128 * 64) + 12 * 3 * 64 * 64
     with pytest.raises(ValueError, match="has no experts"):
-        check_model_fits_layout(
-            get_model_spec("toy", "tiny").args,
-            ParallelDims(world_size=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1),
+        check_model_layout(
+            ParallelDims(world_size=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1).degrees,
+            model_rules(get_model_spec("toy", "tiny").args),
         )
 
 

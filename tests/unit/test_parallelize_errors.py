@@ -2,7 +2,7 @@
 that names the degrees, the rule and what to use instead.
 
 Single process: ``ParallelDims`` validates on construction without building meshes, and
-``check_model_fits_layout`` reads the rules' inputs from the real model args (llama3's GQA
+``models.registry.model_rules`` reads the rules' inputs from the real model args (llama3's GQA
 ``n_kv_heads``, deepseek_v3's ``n_routed_experts``), so these tests also prove that each model's
 fields reach the rules. (tests/unit/test_validation.py covers the rules on raw numbers.)
 """
@@ -15,14 +15,19 @@ import pytest
 
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
 from models.parallel.fsdp import apply_fsdp
-from models.parallelize import ParallelizeOptions, check_model_fits_layout, parallelize_model
-from models.registry import build_model, get_model_spec
-from parallel_dims import ParallelDims
+from models.parallelize import ParallelizeOptions, parallelize_model
+from models.registry import build_model, get_model_spec, model_rules
+from parallel_dims import ParallelDims, check_model_layout
 
 
 def _dims(world_size: int, **degrees: int) -> ParallelDims:
     full = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1) | degrees
     return ParallelDims(world_size=world_size, **full)
+
+
+def _check_fits(args, pd: ParallelDims, seq_len: int, sequence_parallel: bool) -> None:
+    """What trainer.plan.plan_job checks: the model's rules from the registry, on the degrees."""
+    check_model_layout(pd.degrees, model_rules(args, seq_len, sequence_parallel))
 
 
 def _args(model: str, **overrides):
@@ -138,7 +143,7 @@ def test_bad_model_layout_is_refused(case):
     model, overrides, world_size, degrees, seq_len, sp, message = BAD[case]
     pd = _dims(world_size, **degrees)  # the degrees alone are legal
     with pytest.raises(ValueError, match=message):
-        check_model_fits_layout(_args(model, **overrides), pd, seq_len=seq_len, sequence_parallel=sp)
+        _check_fits(_args(model, **overrides), pd, seq_len, sp)
 
 
 @pytest.mark.parametrize(
@@ -153,7 +158,7 @@ def test_bad_model_layout_is_refused(case):
     ],
 )
 def test_good_model_layouts_pass(model, world_size, degrees, sp):
-    check_model_fits_layout(_args(model), _dims(world_size, **degrees), seq_len=64, sequence_parallel=sp)
+    _check_fits(_args(model), _dims(world_size, **degrees), 64, sp)
 
 
 def _meta_model(name: str):

@@ -15,13 +15,15 @@ import tomllib
 
 from parallel_dims.layout import validate_degrees
 from tools.planner.activations import activation_bytes
+from tools.planner.choice import LayoutChoice
 from tools.planner.cli import main as planner_main
 from tools.planner.cli import toml_snippet
-from tools.planner.collectives import LayoutChoice, predict_collectives
-from tools.planner.estimate import Job, enumerate_layouts, estimate, losing_reason, memory_for_rank
+from tools.planner.collectives import predict_collectives
+from tools.planner.estimate import Job, estimate, memory_for_rank
 from tools.planner.hardware import load_hardware
 from tools.planner.inventory import model_inventory
 from tools.planner.measure import measure_activations, measure_in_subprocess
+from tools.planner.search import enumerate_layouts, losing_reason
 
 REPO = Path(__file__).resolve().parents[2]
 H100 = load_hardware("h100")
@@ -452,7 +454,7 @@ def test_split_backward_rule_reads_the_same_compute_order_as_torchs_runtime(sche
     (seconds per schedule in a search); each rank's compute actions are the runtime's."""
     from torch.distributed.pipelining.schedules import _ComputationType
 
-    from tools.planner.collectives import _schedule_order
+    from tools.planner.schedule_order import schedule_order
 
     compute = {_ComputationType.FORWARD, _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT}
 
@@ -460,7 +462,7 @@ def test_split_backward_rule_reads_the_same_compute_order_as_torchs_runtime(sche
         return {r: [(a.computation_type, a.stage_index, a.microbatch_index) for a in acts
                     if a is not None and a.computation_type in compute] for r, acts in order.items()}  # fmt: skip
 
-    cheap, runtime = _schedule_order(schedule, pp, v, m), _schedule_order(schedule, pp, v, m, comms=True)
+    cheap, runtime = schedule_order(schedule, pp, v, m), schedule_order(schedule, pp, v, m, comms=True)
     assert ops(cheap) == ops(runtime) and all(ops(cheap).values())
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel_dims import ParallelDims, check_model_layout, validate_degrees
+from parallel_dims import ModelRules, ParallelDims, check_model_layout, validate_degrees
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,13 +116,16 @@ def test_infers_dp_shard():
 def test_model_rules(degrees, model, pattern):
     d = validate_degrees(**degrees)
     with pytest.raises(ValueError, match=pattern):
-        check_model_layout(d, **model)
+        check_model_layout(d, ModelRules(**model))
 
 
 def test_model_rules_accept_good_layouts():
     d = validate_degrees(dp_shard=2, cp=2, tp=2, ep=4, pp=1, world_size=8)
     check_model_layout(
-        d, n_heads=16, n_kv_heads=8, n_experts=8, seq_len=64, n_layers=6, global_batch_size=8, local_batch_size=2
+        d,
+        ModelRules(
+            n_heads=16, n_kv_heads=8, n_experts=8, seq_len=64, n_layers=6, global_batch_size=8, local_batch_size=2
+        ),
     )
 
 

@@ -26,6 +26,7 @@ from tools.compare_loss.compare import DEFAULT_ATOL, DEFAULT_GRAD_NORM_RTOL, DEF
 from tools.compare_loss.diagnose import diagnose
 from tools.compare_loss.layouts import (
     Layout,
+    Plan,
     UsageError,
     check_extra_overrides,
     parse_layouts,
@@ -33,7 +34,6 @@ from tools.compare_loss.layouts import (
     preflight,
 )
 from tools.compare_loss.report import format_table, plot_runs, write_summary
-from tools.compare_loss.runner import Plan
 from trainer.cli_errors import report_user_error
 
 CONSOLE_SCRIPT = "meshtrain-compare-loss"

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:
-    from tools.compare_loss.runner import RunResult
+from tools.compare_loss.layouts import Layout
 
 DEFAULT_RTOL = 1e-5
 DEFAULT_ATOL = 1e-5
@@ -38,6 +36,23 @@ DEFAULT_ATOL = 1e-5
 # another expert after a last-bit difference in its router score (whole expert gradients
 # change, the loss only by that token's share): measured 5e-6 relative on DeepSeek-V3 debug.
 DEFAULT_GRAD_NORM_RTOL = 1e-4
+
+
+@dataclass
+class RunResult:
+    """One layout's run: its exit status, folder, log and the records read back from it."""
+
+    layout: Layout
+    folder: str
+    returncode: int
+    wall_s: float
+    log_path: str
+    records: dict[int, dict] = field(default_factory=dict)
+    validation: dict[int, dict] = field(default_factory=dict)  # step -> evaluation, if any
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
 
 
 def _read_records(path: str) -> list[dict]:

@@ -10,9 +10,9 @@ import os
 import sys
 
 from tools.compare_loss.compare import relative
-from tools.compare_loss.layouts import Layout, slug
+from tools.compare_loss.layouts import Layout, Plan, slug
 from tools.compare_loss.report import fmt
-from tools.compare_loss.runner import Plan, Progress, log_excerpt, run_streaming, torchrun_cmd
+from tools.compare_loss.runner import Progress, log_excerpt, run_streaming, torchrun_cmd
 
 # Run by each torchrun worker as `python -m`, so the package resolves as it does here.
 GRAD_DUMP_MODULE = "tools.compare_loss.grad_dump"

@@ -21,15 +21,10 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from parallel_dims import validate_degrees
 from parallel_dims.axes import AXES, DEGREE_NAMES, PROCESS_AXES
 from trainer.config import PARALLELISM_ALIASES
-
-if TYPE_CHECKING:
-    from tools.compare_loss.runner import Plan
-
 
 DEGREE_KEYS = DEGREE_NAMES
 # PROCESS_AXES (parallel_dims/axes.py): the degrees that multiply into the process count; ep
@@ -185,11 +180,48 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.#-]+", "_", name.replace("=", "")).strip("_") or "run"
 
 
+@dataclass
+class Plan:
+    """What every run shares; ``run_argv`` adds one layout's degrees and folder."""
+
+    config: str
+    steps: int
+    out: str
+    extra: list[str]
+    seed_checkpoint: str
+
+    def run_folder(self, index: int, layout: Layout) -> str:
+        return os.path.join(self.out, f"{index:02d}-{slug(layout.name)}")
+
+    def run_argv(self, layout: Layout, dump_folder: str) -> list[str]:
+        return (
+            ["--config", self.config]
+            + layout.train_args()
+            + [
+                "--training.steps",
+                str(self.steps),
+                "--metrics.log_freq",
+                "1",
+                "--metrics.enable_jsonl",
+                "true",
+                "--comm.mode",
+                "default",
+                "--checkpoint.enable",
+                "false",
+                "--checkpoint.initial_load_path",
+                self.seed_checkpoint,
+                "--job.dump_folder",
+                dump_folder,
+            ]
+            + self.extra
+        )
+
+
 def preflight(plan: Plan, layouts: list[Layout]) -> None:
     """Every check train.py would make before its first collective, for every layout, now:
     config and override errors, degrees vs the model (heads % tp, experts % ep, seq_len vs cp*tp,
     layers vs pp) and vs the batch (global batch % batch degree * local batch). ``plan`` gives
-    each run's train.py argv (:meth:`tools.compare_loss.runner.Plan.run_argv`)."""
+    each run's train.py argv (:meth:`Plan.run_argv`)."""
     from trainer.config import load_config
     from trainer.data.tokenizer import load_tokenizer
     from trainer.plan import plan_job

@@ -12,52 +12,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from tools.compare_loss.compare import load_metrics, load_validation
-from tools.compare_loss.layouts import Layout, slug
+from tools.compare_loss.compare import RunResult, load_metrics, load_validation
+from tools.compare_loss.layouts import Layout, Plan
 from trainer.config import REPO_ROOT
 
 TRAIN_PY = os.path.join(REPO_ROOT, "train.py")
 
 STEP_LINE = re.compile(r"\bstep\s+(\d+)(?:/\d+)?\s+loss\s+(\S+)")
-
-
-@dataclass
-class Plan:
-    """What every run shares; ``run_argv`` adds one layout's degrees and folder."""
-
-    config: str
-    steps: int
-    out: str
-    extra: list[str]
-    seed_checkpoint: str
-
-    def run_folder(self, index: int, layout: Layout) -> str:
-        return os.path.join(self.out, f"{index:02d}-{slug(layout.name)}")
-
-    def run_argv(self, layout: Layout, dump_folder: str) -> list[str]:
-        return (
-            ["--config", self.config]
-            + layout.train_args()
-            + [
-                "--training.steps",
-                str(self.steps),
-                "--metrics.log_freq",
-                "1",
-                "--metrics.enable_jsonl",
-                "true",
-                "--comm.mode",
-                "default",
-                "--checkpoint.enable",
-                "false",
-                "--checkpoint.initial_load_path",
-                self.seed_checkpoint,
-                "--job.dump_folder",
-                dump_folder,
-            ]
-            + self.extra
-        )
 
 
 def torchrun_cmd(nproc: int, script: str, args: list[str], module: bool = False) -> list[str]:
@@ -73,21 +35,6 @@ def torchrun_cmd(nproc: int, script: str, args: list[str], module: bool = False)
         script,
         *args,
     ]
-
-
-@dataclass
-class RunResult:
-    layout: Layout
-    folder: str
-    returncode: int
-    wall_s: float
-    log_path: str
-    records: dict[int, dict] = field(default_factory=dict)
-    validation: dict[int, dict] = field(default_factory=dict)  # step -> evaluation, if any
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
 
 
 def run_streaming(

@@ -19,8 +19,9 @@ import time
 from trainer.cli_errors import report_user_error
 from trainer.files import atomic_write
 
-from .estimate import Estimate, Job, plan_layouts, smallest_world_size, summarize_losers
+from .estimate import Estimate, Job
 from .hardware import GIB, OPTIMIZER_BYTES_PER_PARAM, load_hardware
+from .search import plan_layouts, smallest_world_size, summarize_losers
 
 __all__ = ["main", "toml_snippet"]
 

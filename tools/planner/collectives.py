@@ -23,7 +23,7 @@ HSDP), a bf16 reduce dtype (with bf16 and with fp32 parameters), full AC (FSDP, 
 without sequence parallel, CP, MLA, MoE experts replicated over TP, EP, EP x ETP), selective AC
 (the per-op policy: FSDP, TP, MLA, EP x ETP; every N-th block: TP), ``fsdp_reshard_after_forward``
 ``never`` and, pipelined, ``always``, TP without sequence parallel and without loss parallel, TP
-and CP inside pipeline stages, every schedule :data:`tools.planner.estimate.SCHEDULES` lists
+and CP inside pipeline stages, every schedule :data:`tools.planner.search.SCHEDULES` lists
 (1F1B; GPipe, also with one micro-batch; Interleaved1F1B, LoopedBFS and InterleavedZeroBubble
 with two stages per rank; ZBVZeroBubble), CP without TP, MoE experts replicated over TP (no EP),
 and on 8 ranks HSDP x FSDP x TP, routed experts split over etp and sharded over efsdp = 2, and
@@ -80,138 +80,13 @@ estimates; the search enumerates only the per-op policy (its ``--toml`` says so)
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["LayoutChoice", "predict_collectives"]
+from .choice import DTYPE_BYTES, LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
+from .param_groups import grad_norm_all_reduces, tp_colwise_modules, tp_partial_grads
+from .schedule_order import split_backward_casts
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class LayoutChoice:
-    """Everything besides the degrees that changes what a step runs."""
-
-    global_batch: int
-    local_batch: int  # sequences per micro-batch per rank (training.local_batch_size)
-    seq_len: int
-    schedule: str | None = None  # pp > 1
-    n_microbatches: int | None = None  # pipeline micro-batches per local batch
-    ac: str = "none"
-    reshard: str = "default"  # fsdp_reshard_after_forward
-    param_dtype: str = "bfloat16"
-    reduce_dtype: str = "float32"
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-    # activation_checkpoint.selective_ac_option under ``ac == "selective"``: "op" (the per-op
-    # policy) or an integer N (every N-th block of a stage fully checkpointed)
-    selective_ac_option: str = "op"
-
-    @property
-    def mixed(self) -> bool:
-        return self.param_dtype != "float32" or self.reduce_dtype != "float32"
-
-
-def grad_accum_steps(choice: LayoutChoice, degrees) -> int:
-    return choice.global_batch // (degrees.dp_replicate * degrees.dp_shard * choice.local_batch)
-
-
-def stage_layers(params_args, degrees, choice: LayoutChoice, rank: int, layout):
-    """[(layers, has_embed, has_head)] of the pipeline stages ``rank`` runs."""
-    n_layers = params_args.n_layers
-    if degrees.pp == 1:
-        return [(range(n_layers), True, True)], None
-    return _stages(n_layers, degrees.pp, choice.schedule, choice.n_microbatches, choice.local_batch,
-                   layout.coordinate("pp", rank))  # fmt: skip
-
-
-@lru_cache(maxsize=65536)
-def _stages(n_layers: int, pp: int, schedule: str, m: int, local_batch: int, pp_rank: int):
-    from models.parallel.pipeline.plan import plan_stages
-
-    plan = plan_stages(n_layers, pp, schedule, m, local_batch)
-    stages = []
-    for s in plan.rank_stages[pp_rank]:
-        lo, hi = plan.layer_ranges[s]
-        stages.append((range(lo, hi), s == 0, s == plan.num_stages - 1))
-    return stages, plan
-
-
-def _fully_checkpointed(choice: LayoutChoice, layers) -> list[int]:
-    """The layers of one stage (``layers``, in order) whose forward the backward runs again with
-    every op (models/parallel/activation_checkpoint.py): all of them under full AC, every N-th
-    block of the stage's model chunk (counting from its first block) under selective AC with an
-    integer option, none otherwise (selective AC's per-op policy saves every collective's
-    output, and no recomputation happens without AC)."""
-    if choice.ac == "full":
-        return list(layers)
-    every = selective_every(choice)
-    if every:
-        return [layer for k, layer in enumerate(layers) if k % every == 0]
-    return []
-
-
-def selective_every(choice: LayoutChoice) -> int | None:
-    """N of selective AC's every-N-th-block option, None for any other AC choice."""
-    option = str(choice.selective_ac_option)
-    return int(option) if choice.ac == "selective" and option.isdigit() and int(option) > 0 else None
-
-
-@lru_cache(maxsize=1024)
-def _split_backward_casts(schedule: str, pp: int, stages_per_rank: int, m: int) -> dict[int, bool] | None:
-    """For a schedule that splits each backward into an input half (I) and a weight half (W):
-    stage -> whether FSDP2 moves the stage's gradients into its reduce-dtype accumulator before
-    the step's reduction, i.e. whether one of the stage's I actions runs after one of its W
-    actions (see :func:`predict_collectives`). None for a schedule of whole backwards. The
-    order is torch's own, computed from stand-in stages (building it reads only the stage
-    counts and ranks): the compute actions of ``pipeline_order``, without the communication
-    torch's constructor then inserts (``_prepare_schedule_with_comms``, seconds per schedule at
-    pp 8 x 128 micro-batches, most of a search's time), which leaves each rank's compute order
-    as it is (:func:`_schedule_order` with ``comms``; tests/unit/test_planner.py compares both)."""
-    from torch.distributed.pipelining.schedules import _ComputationType
-
-    from models.parallel.pipeline.plan import schedule_facts
-
-    name, facts = schedule_facts(schedule)
-    if not facts.split_backward:
-        return None
-    orders = _schedule_order(name, pp, stages_per_rank, m)
-    inp, weight = _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
-    out: dict[int, bool] = {}
-    for actions in orders.values():
-        seen_weight: set[int] = set()
-        for a in actions:
-            if a is None:
-                continue
-            if a.computation_type == weight:
-                seen_weight.add(a.stage_index)
-            elif a.computation_type == inp:
-                out[a.stage_index] = out.get(a.stage_index, False) or a.stage_index in seen_weight
-    return out or None
-
-
-def _schedule_order(name: str, pp: int, stages_per_rank: int, m: int, comms: bool = False) -> dict:
-    """rank -> the actions torch's schedule ``name`` runs on that pp rank (None = idle), built
-    from stand-in stages; ``comms``: as its runtime executes them, with the communication and
-    FSDP unshard/reshard actions torch inserts (slow), else the compute actions only."""
-    from types import SimpleNamespace
-
-    from models.parallel.pipeline.schedule import SCHEDULES
-
-    cls = SCHEDULES[name].cls
-    if not comms:
-        cls = type(f"_ComputeOrder{cls.__name__}", (cls,), {"_prepare_schedule_with_comms": _no_comms})
-    n = pp * stages_per_rank
-    stand_ins = [SimpleNamespace(num_stages=n, group_size=pp, group_rank=0, stage_index=i, submod=None)
-                 for i in range(stages_per_rank)]  # fmt: skip
-    built = cls(stand_ins, m)
-    if comms:
-        return getattr(built, "pipeline_order_with_comms", None) or built.pipeline_order
-    return built.pipeline_order
-
-
-def _no_comms(self, *args, **kwargs) -> None:
-    """Stands in for torch's ``_prepare_schedule_with_comms``: keep the compute order only."""
+__all__ = ["predict_collectives"]
 
 
 @lru_cache(maxsize=256)
@@ -231,7 +106,7 @@ def predict_collectives(
     _, args = model_inventory(model, flavor, **overrides)
     layout = layout or cached_layout(degrees)
     d = degrees
-    pb, rb = _BYTES[choice.param_dtype], _BYTES[choice.reduce_dtype]
+    pb, rb = DTYPE_BYTES[choice.param_dtype], DTYPE_BYTES[choice.reduce_dtype]
     a = pb  # activations are in the compute dtype
     accum = grad_accum_steps(choice, d)
     stages, plan = stage_layers(args, d, choice, rank, layout)
@@ -249,7 +124,7 @@ def predict_collectives(
     for stage_id, (layers, embed, head) in zip(stage_ids, stages):
         groups = stage_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head)
         last_block = f"layers.{max(layers)}" if len(layers) else None
-        ckpt = _fully_checkpointed(choice, layers)  # their forward collectives run twice
+        ckpt = fully_checkpointed(choice, layers)  # their forward collectives run twice
         for g in groups:
             if g.name is None:
                 continue
@@ -289,7 +164,7 @@ def predict_collectives(
                 rec[("all_gather", "tp", full)] += forwards * (4 * n + 2 * r)
                 rec[("reduce_scatter", "tp", full)] += forwards * (2 * n + r)
                 for i in layers:
-                    for stays_dtensor, widths in _colwise_modules(model, flavor, key, i):
+                    for stays_dtensor, widths in tp_colwise_modules(model, flavor, key, i):
                         if stays_dtensor:
                             rec[("reduce_scatter", "tp", full)] += forwards
                         else:
@@ -314,7 +189,7 @@ def predict_collectives(
                 # column-wise projection (as above)
                 rec[("all_reduce", "tp", full)] += forwards * (2 * n + r)
                 for i in layers:
-                    for stays_dtensor, widths in _colwise_modules(model, flavor, key, i):
+                    for stays_dtensor, widths in tp_colwise_modules(model, flavor, key, i):
                         if stays_dtensor:
                             rec[("all_reduce", "tp", full)] += forwards
                         else:
@@ -345,10 +220,10 @@ def predict_collectives(
                 if not pp:
                     gb = rb if accum > 1 else pb
                 else:
-                    casts = _split_backward_casts(plan.schedule, d.pp, plan.stages_per_rank, m)
+                    casts = split_backward_casts(plan.schedule, d.pp, plan.stages_per_rank, m)
                     gb = rb if casts is None or casts[stage_id] else pb
             partial_syncs = syncs if dense_size is not None else 1
-            for numel in _tp_partial_grads(model, flavor, key, layers, head, choice.sequence_parallel):
+            for numel in tp_partial_grads(model, flavor, key, layers, head, choice.sequence_parallel):
                 rec[("all_reduce", "tp", gb * numel)] += partial_syncs
 
         if d.cp > 1:
@@ -397,7 +272,7 @@ def predict_collectives(
         rec[("all_reduce", "loss", 4)] += 1
     if pp:
         rec[("all_reduce", "pp", 4)] += 2  # grad-norm squares, loss sum over stages
-    for mesh in _grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
+    for mesh in grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
         rec[("all_reduce", mesh, 4)] += 1
     if has_moe:
         n_moe = sum(1 for layers, _, _ in stages for i in layers if i >= getattr(args, "n_dense_layers", 0))
@@ -411,117 +286,6 @@ def predict_collectives(
         for (k, mesh, b), c in sorted(rec.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))
         if c
     ]
-
-
-def _params(model, flavor, key):
-    from .inventory import model_inventory
-
-    return model_inventory(model, flavor, **dict(key))[0]
-
-
-@lru_cache(maxsize=4096)
-def _colwise_modules(model, flavor, key, layer: int) -> tuple[tuple[bool, tuple[int, ...]], ...]:
-    """The TP-split modules of transformer layer ``layer`` (attention, dense or shared-expert
-    feed-forward): whether its input stays a DTensor (every weight of the module TP-split:
-    tensor_parallel._input_stays_dtensor) and the input width of each column-wise projection."""
-    params = [p for p in _params(model, flavor, key) if p.layer == layer and not p.expert]
-    out = []
-    for prefix in sorted({p.fqn.rsplit(".", 2)[0] for p in params if p.tp_dim == 0}):
-        inside = [p for p in params if p.fqn.startswith(prefix + ".")]
-        widths = tuple(p.shape[1] for p in inside if p.tp_dim == 0)
-        out.append((all(p.tp_dim is not None for p in inside), widths))
-    return tuple(out)
-
-
-def _replicated_on_tp(p, sp: bool) -> bool:
-    """Weights models/parallel/tensor_parallel.py makes Replicate DTensors on tp: the norms
-    under sequence parallel (SequenceParallel), the MoE router gate."""
-    if p.tp_dim is not None or p.expert:
-        return False
-    name = p.fqn.rsplit(".", 1)[0]
-    norm = name == "norm" or name.endswith(".attention_norm") or name.endswith(".ffn_norm")
-    return (sp and norm) or name.endswith(".moe.router.gate")
-
-
-@lru_cache(maxsize=4096)
-def _tp_partial_grads(model, flavor, key, layers, head: bool, sp: bool) -> tuple[int, ...]:
-    """Element counts of this stage's tp-replicated weights (their gradients come out Partial)."""
-    keep = set(layers)
-    return tuple(
-        p.numel
-        for p in _params(model, flavor, key)
-        if _replicated_on_tp(p, sp) and ((p.layer in keep) if p.layer is not None else (head and p.group == "head"))
-    )
-
-
-def _grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
-    """The grad-norm all-reduces, as ``trainer/grad_clip.py`` issues them: each gradient's sum
-    of squares is partial over the groups of the mesh dimensions it is sharded on (size > 1);
-    gradients with the same groups (compared by ranks) share one float32 all-reduce per
-    group. Dense weights: FSDP's shard group, plus tp for TP-split weights (norms and the
-    router gate are Replicate on tp); routed experts in their own FSDP group: efsdp, ep, and
-    etp for the etp-split weights; otherwise in the dense FSDP group."""
-    layers = tuple(sorted({i for layers, _, _ in stages for i in layers}))
-    embed = any(e for _, e, _ in stages)
-    head = any(h for _, _, h in stages)
-    name_sets = _grad_norm_name_sets(
-        model,
-        flavor,
-        key,
-        layers,
-        embed,
-        head,
-        separate,
-        (dense_size or 1) > 1,
-        (expert_size or 1) > 1,
-        d.tp > 1,
-        d.ep > 1,
-        d.etp > 1,
-    )
-    if len(name_sets) < 2:  # nothing to merge
-        return [name for names in name_sets for name in names]
-    keys: dict = {}  # ranks of each group -> the mesh names, in first-seen order
-    for names in name_sets:
-        keys.setdefault(tuple(_group_ranks(d, n, rank, layout) for n in names), names)
-    return [name for names in keys.values() for name in names]
-
-
-_GROUP_RANKS: dict = {}
-
-
-def _group_ranks(degrees, name: str, rank: int, layout) -> tuple[int, ...]:
-    """``layout.group(name, rank)`` as a tuple, memoized per (degrees, name, rank)."""
-    k = (degrees, name, rank)
-    if k not in _GROUP_RANKS:
-        if len(_GROUP_RANKS) > 65536:
-            _GROUP_RANKS.clear()
-        _GROUP_RANKS[k] = tuple(layout.group(name, rank))
-    return _GROUP_RANKS[k]
-
-
-@lru_cache(maxsize=4096)
-def _grad_norm_name_sets(model, flavor, key, layers, embed, head, separate, fsdp, efsdp, tp, ep, etp):
-    """The distinct tuples of mesh names the gradients of this rank's parameters are sharded
-    over (size > 1), in parameter order."""
-    from .inventory import _ETP_DIM
-
-    keep = set(layers)
-    out: dict = {}
-    for p in _params(model, flavor, key):
-        if p.layer is not None and p.layer not in keep:
-            continue
-        if p.layer is None and not ((p.group == "tok_embeddings" and embed) or (p.group == "head" and head)):
-            continue
-        if p.expert and separate:
-            names = [n for n, on in (("efsdp", efsdp), ("ep", ep)) if on]
-            if etp and _ETP_DIM.get(p.fqn.rsplit(".", 1)[-1]) is not None:
-                names.append("etp")
-        else:
-            names = ["fsdp"] if fsdp else []
-            if tp and p.tp_dim is not None and not p.expert:
-                names.append("tp")
-        out.setdefault(tuple(names), None)
-    return tuple(out)
 
 
 def _kv_bytes_per_token(args, tp: int) -> int:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .collectives import LayoutChoice, _fully_checkpointed, grad_accum_steps, stage_layers
+from .choice import LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
 from .inventory import cached_layout, model_inventory, rank_shards
 
 __all__ = ["rank_matmul_flops"]
@@ -123,7 +123,7 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
         blocks += block_flops(whole, router, experts, len(layers))
         head += 2 * tokens * head_numel
         # the fully checkpointed blocks run their forward again, but their last projection
-        redo = _fully_checkpointed(choice, layers)
+        redo = fully_checkpointed(choice, layers)
         if redo:
             if len(redo) < len(layers):
                 whole, router, experts, last, _ = _stage_weights(model, flavor, key, d, rank, tuple(redo), False, False)

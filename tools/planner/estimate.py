@@ -1,13 +1,4 @@
-"""Enumerate every valid layout of a job, estimate each one's memory and step time, rank them.
-
-Validity comes from the code the trainer runs, never from rules restated here:
-``parallel_dims.validate_degrees`` (through ``ParallelDims``), the model rules
-(``models.parallelize.check_model_fits_layout``: heads and KV heads vs tp, experts vs ep,
-seq_len vs cp and tp, layers vs pp, experts need sequence parallel under tp), the batch rules
-(``ParallelDims.check_model`` and ``trainer.config.gradient_accumulation_steps``) and the
-pipeline rules (``models.parallel.pipeline.plan_stages``: stage counts per schedule,
-micro-batch counts). ``trainer.plan.plan_job`` runs the same checks; the tests feed emitted
-layouts back through it.
+"""Estimates of one layout of a job: memory and step time per rank.
 
 Estimates, per rank (the worst rank: coordinate 0 of every axis, first and last pipeline
 stage) -- every assumption is also printed with the result:
@@ -43,33 +34,28 @@ stage) -- every assumption is also printed with the result:
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from models.parallel.pipeline.plan import bubble_fraction as bubble_fraction_of
 
 from .activations import activation_bytes
-from .collectives import LayoutChoice, grad_accum_steps, predict_collectives, selective_every, stage_layers
+from .choice import DTYPE_BYTES, LayoutChoice, grad_accum_steps, selective_every, stage_layers
+from .collectives import predict_collectives
 from .compute import rank_matmul_flops
 from .hardware import GIB, Hardware, collective_seconds, optimizer_seconds
 from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
 
 __all__ = [
+    "FSDP_OVERLAPPED",
     "Estimate",
     "Job",
-    "PlanResult",
     "choice_from_plan",
-    "enumerate_layouts",
     "estimate",
     "estimate_from_config",
-    "plan_layouts",
-    "smallest_world_size",
+    "memory_for_rank",
 ]
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-AC_MODES = ("none", "selective", "full")
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 FSDP_OVERLAPPED = ("fsdp", "efsdp", "dp_replicate")
 
 
@@ -150,83 +136,6 @@ class Estimate:
         }
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def _check(fn) -> bool:
-    try:
-        fn()
-        return True
-    except ValueError:
-        return False
-
-
-def enumerate_degrees(job: Job, args):
-    """Every set of degrees valid for the model on ``job.world_size`` ranks (the layout and
-    model rules, checked by the real code)."""
-    from models.parallelize import check_model_fits_layout
-    from parallel_dims import ParallelDims
-
-    w = job.world_size
-    seen = []
-    for tp in _divisors(w):
-        for cp in _divisors(w // tp):
-            for pp in _divisors(w // (tp * cp)):
-                rest = w // (tp * cp * pp)
-                for dp_rep in _divisors(rest):
-                    dp_shard = rest // dp_rep
-                    block = dp_shard * cp * tp
-                    eps = _divisors(block) if args.has_experts else [1]
-                    etps = sorted({1, tp}) if args.has_experts else [1]
-                    for ep in eps:
-                        for etp in etps:
-                            if block % (ep * etp):
-                                continue
-                            try:
-                                pd = ParallelDims(
-                                    dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp,
-                                    ep=ep, etp=etp, world_size=w,
-                                )  # fmt: skip
-                                check_model_fits_layout(args, pd, job.seq_len, True)
-                            except ValueError:
-                                continue
-                            seen.append(pd.degrees)
-    return seen
-
-
-def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHEDULES):
-    """The schedule / micro-batch / AC / reshard choices valid for ``degrees``."""
-    from models.parallel.pipeline.plan import plan_stages
-    from parallel_dims.model_rules import check_model_layout
-    from trainer.config import gradient_accumulation_steps
-
-    d = degrees
-    batch = d.dp_replicate * d.dp_shard
-    if not _check(lambda: check_model_layout(d, global_batch_size=job.global_batch)):
-        return
-    per_rank = job.global_batch // batch
-    for lb in _divisors(per_rank):
-        if not _check(lambda lb=lb: gradient_accumulation_steps(job.global_batch, lb, batch)):
-            continue
-        pipe: list[tuple[str | None, int | None]] = [(None, None)]
-        if d.pp > 1:
-            pipe = []
-            for sched in schedules:
-                for m in sorted({d.pp, 2 * d.pp, 4 * d.pp, lb} & set(_divisors(lb))):
-                    if _check(lambda sched=sched, m=m, lb=lb: plan_stages(args.n_layers, d.pp, sched, m, lb)):
-                        pipe.append((sched, m))
-        reshards = ("default", "never") if d.pp == 1 and d.dp_shard * d.cp > 1 else ("default",)
-        for sched, m in pipe:
-            for ac in ac_modes:
-                for reshard in reshards:
-                    yield LayoutChoice(
-                        global_batch=job.global_batch, local_batch=lb, seq_len=job.seq_len, schedule=sched,
-                        n_microbatches=m, ac=ac, reshard=reshard, param_dtype=job.param_dtype,
-                        reduce_dtype=job.reduce_dtype,
-                    )  # fmt: skip
-
-
 @lru_cache(maxsize=4096)
 def _crossing(degrees, gpus_per_node: int) -> dict[str, bool]:
     layout = cached_layout(degrees)
@@ -263,7 +172,7 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     layout = cached_layout(degrees)
     d = degrees
-    pb, rb = _BYTES[choice.param_dtype], _BYTES[choice.reduce_dtype]
+    pb, rb = DTYPE_BYTES[choice.param_dtype], DTYPE_BYTES[choice.reduce_dtype]
     stages, plan = stage_layers(args, d, choice, rank, layout)
     accum = grad_accum_steps(choice, d)
     m = choice.n_microbatches if d.pp > 1 else 1
@@ -289,7 +198,7 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     grads_unsharded = sum(biggest[:2]) * pb if sharded else 0
     if sharded and (accum > 1 or m > 1):
         grads_unsharded = unsharded_total * rb  # accumulated while the reduce-scatter waits
-    act_bytes = _BYTES[choice.param_dtype]
+    act_bytes = DTYPE_BYTES[choice.param_dtype]
     held_layers = 0.0
     head_b = recompute = 0
     every = selective_every(choice)
@@ -456,104 +365,3 @@ def estimate_from_config(
         model_overrides=tuple(sorted(overrides.items())),
     )  # fmt: skip
     return estimate(job, plan.parallel_dims.degrees, choice)
-
-
-def enumerate_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES):
-    """Every (degrees, choice) pair valid for ``job``."""
-    _, args = model_inventory(job.model, job.flavor, **job.overrides)
-    for degrees in enumerate_degrees(job, args):
-        for choice in enumerate_choices(job, degrees, args, ac_modes, schedules):
-            yield degrees, choice
-
-
-@dataclass
-class PlanResult:
-    estimates: list[Estimate]  # best first: fitting layouts by tokens/s per GPU, then the rest
-    pruned_oom: int  # layouts whose parameters, gradients and optimizer state alone do not fit
-
-    @property
-    def layouts(self) -> int:
-        return len(self.estimates) + self.pruned_oom
-
-
-def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES) -> PlanResult:
-    """Every valid layout of ``job``, estimated and ranked. Degrees whose training state
-    (fp32 parameters, gradients, AdamW) alone exceeds the usable memory are counted as out of
-    memory without estimating each of their choices."""
-    _, args = model_inventory(job.model, job.flavor, **job.overrides)
-    usable = job.hardware.usable_gib * GIB
-    ests: list[Estimate] = []
-    pruned = 0
-    for degrees in enumerate_degrees(job, args):
-        choices = list(enumerate_choices(job, degrees, args, ac_modes, schedules))
-        if not choices:
-            continue
-        stride_pp = degrees.world_size // degrees.pp
-        static = max(
-            sum(memory_for_rank(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
-            for r in sorted({0, (degrees.pp - 1) * stride_pp})
-        )
-        if static > usable:
-            pruned += len(choices)
-            continue
-        ests.extend(estimate(job, degrees, c, time_if_oom=False) for c in choices)
-    ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
-    return PlanResult(ests, pruned)
-
-
-def losing_reason(e: Estimate, best: Estimate, job: Job) -> str:
-    """Why ``e`` ranks below ``best``: out of memory, or the cost that grew the most."""
-    if not e.fits:
-        return "out of memory"
-    deltas = {
-        "pipeline bubble": e.time["bubble"] - best.time["bubble"],
-        "activation recompute": e.time["recompute"] - best.time["recompute"],
-        "compute": e.time["compute"] - best.time["compute"],
-        "tensor-parallel host overhead": e.time["tp_overhead"] - best.time["tp_overhead"],
-        "context-parallel host overhead": e.time["cp_overhead"] - best.time["cp_overhead"],
-        "optimizer step": e.time["optimizer"] - best.time["optimizer"],
-    }
-    for axis in set(e.time["comm"]) | set(best.time["comm"]):
-        mine = e.time["comm"].get(axis, 0.0)
-        theirs = best.time["comm"].get(axis, 0.0)
-        if axis in FSDP_OVERLAPPED:
-            mine = mine if e.time["comm_exposed_fsdp"] else 0.0
-            theirs = theirs if best.time["comm_exposed_fsdp"] else 0.0
-            share_e = e.time["comm_exposed_fsdp"] / max(sum(e.time["comm"].get(a, 0) for a in FSDP_OVERLAPPED), 1e-30)
-            share_b = best.time["comm_exposed_fsdp"] / max(
-                sum(best.time["comm"].get(a, 0) for a in FSDP_OVERLAPPED), 1e-30
-            )
-            mine, theirs = mine * share_e, theirs * share_b
-        crosses = axis in e.crosses_nodes or (axis == "fsdp" and "dp_shard" in e.crosses_nodes)
-        deltas[f"{axis} communication{' across nodes' if crosses else ''}"] = mine - theirs
-    reason, worst = max(deltas.items(), key=lambda kv: kv[1])
-    return reason if worst > 0 else "same estimate, ranked lower"
-
-
-def summarize_losers(result: PlanResult, job: Job, top: int) -> Counter:
-    """How many layouts below the ``top`` lost for each reason."""
-    ests = result.estimates
-    if not ests or not ests[0].fits:
-        return Counter({"out of memory": result.layouts})
-    best = ests[0]
-    reasons = Counter(losing_reason(e, best, job) for e in ests[top:])
-    if result.pruned_oom:
-        reasons["out of memory"] += result.pruned_oom
-    return reasons
-
-
-def smallest_world_size(job: Job, limit_factor: int = 64) -> int | None:
-    """The smallest world size (a multiple of gpus per node above ``job.world_size``) on which
-    some layout fits, searching only the least-memory choices (full AC; every degree, batch
-    split and schedule still enumerated); None up to ``limit_factor`` x the world size."""
-    import dataclasses
-
-    w = job.world_size
-    step = job.gpus_per_node
-    start = (w // step + 1) * step
-    for candidate in range(start, max(start, w * limit_factor) + 1, step):
-        j = dataclasses.replace(job, world_size=candidate)
-        for d, c in enumerate_layouts(j, ac_modes=("full",), schedules=("1F1B", "GPipe")):
-            if estimate(j, d, c, time_if_oom=False).fits:
-                return candidate
-    return None

@@ -56,9 +56,9 @@ def measure_training_state(
     from models.parallelize import ParallelizeOptions
     from models.registry import build_model, get_model_spec
     from parallel_dims import ParallelDims
-    from parallel_dims.parallel_dims import _register_fake_backend
+    from parallel_dims.process_groups import register_fake_backend
 
-    _register_fake_backend()
+    register_fake_backend()
     pd = ParallelDims(**degrees)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pd.world_size)
     try:

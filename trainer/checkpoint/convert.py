@@ -11,11 +11,11 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.checkpoint import hf_format
+from models import registry
+from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.hf_reader import validate_hf_checkpoint
 from trainer.checkpoint.hf_write import layer_groups
 from trainer.cli_errors import unwrap_dcp
-from trainer.files import fsync_dir
 
 __all__ = ["convert_hf_to_dcp"]
 
@@ -43,7 +43,7 @@ def convert_hf_to_dcp(
     say = progress or (lambda _m: None)
     if model_name not in model_names():
         raise ValueError(f"unknown model {model_name!r}; valid: {', '.join(model_names())}")
-    adapter = hf_format.hf_adapter_for(model_name, args)
+    adapter = registry.get_hf_adapter(model_name, args)
     ckpt = validate_hf_checkpoint(hf_dir, adapter, context)
     say(f"checked {hf_dir}: config.json fits, {len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s)")
     with torch.device("meta"):
@@ -97,9 +97,7 @@ def convert_hf_to_dcp(
         raise inner from None
     finally:
         reader.close()
-    os.replace(tmp, out_dir)
-    fsync_dir(os.path.dirname(out_dir))
-    return out_dir
+    return publish_folder(tmp, out_dir)
 
 
 def _first_flavor(model_name: str) -> str:

@@ -8,7 +8,7 @@ file before trusting it: :func:`read_header` is a small hand-written safetensors
 truncated or foreign file is one :class:`~trainer.checkpoint.errors.CheckpointError` naming
 the file and the fix, before anything is memory-mapped. It knows no model: key names, layouts
 and ``config.json`` contents come from the model's state-dict adapter
-(``models/common/hf_adapter.py``, reached via :func:`hf_adapter_for`).
+(``models/common/hf_adapter.py``, from the registry: ``models.registry.get_hf_adapter``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ __all__ = [
     "SINGLE_FILE",
     "ST_DTYPES",
     "HFTensorInfo",
-    "hf_adapter_for",
     "parse_size",
     "read_header",
     "read_json",
@@ -143,9 +142,3 @@ def read_header(path: str) -> dict[str, Any]:
     if 8 + n + end > size:
         raise CheckpointError(f"{path} is truncated ({size} bytes, its header needs {8 + n + end}): {redo}")
     return header
-
-
-def hf_adapter_for(model_name: str, args):
-    from models.common.hf_adapter import get_hf_adapter
-
-    return get_hf_adapter(model_name, args)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from trainer.checkpoint import hf_format
+from models import registry
 from trainer.checkpoint.hf_reader import HFCheckpoint, validate_hf_checkpoint
 
 __all__ = ["LoadStats", "load_hf_into_model", "local_index"]
@@ -121,7 +121,7 @@ def load_hf_into_model(
     config.json against ``args`` and every tensor's shape first (CheckpointError, one line).
     Buffers the checkpoint does not hold (RoPE tables are not state) keep their values; a
     parameter the checkpoint cannot fill is an error, never left silently at its init."""
-    adapter = hf_format.hf_adapter_for(model_name, args)
+    adapter = registry.get_hf_adapter(model_name, args)
     ckpt = checkpoint or validate_hf_checkpoint(folder, adapter, context)
     covered = adapter.our_keys()
     stats = LoadStats()

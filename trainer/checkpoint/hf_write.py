@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer.checkpoint import hf_format
+from models import registry
 from trainer.checkpoint.errors import CheckpointError, read_failure
 from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.hf_format import (
@@ -228,7 +228,7 @@ def export_dcp_to_hf(
     file's tensors."""
     say = progress or (lambda _m: None)
     target = export_dtype(dtype)
-    adapter = hf_format.hf_adapter_for(model_name, args)
+    adapter = registry.get_hf_adapter(model_name, args)
     meta = dcp_model_meta(dcp_dir)
     ours = adapter.our_keys()
     missing = [k for k in ours if k not in meta]

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from models import registry
 from trainer.checkpoint.dcp import CheckpointFolder, load_checkpoint
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.export import export_consolidated
-from trainer.checkpoint.hf_format import hf_adapter_for
 from trainer.checkpoint.hf_load import load_hf_into_model
 from trainer.checkpoint.hf_reader import HFCheckpoint, validate_hf_checkpoint
 from trainer.checkpoint.hf_write import export_dcp_to_hf
@@ -55,7 +55,7 @@ def check_initial_load(cfg, model_args) -> HFCheckpoint | None:
         return None
     if c.enable and CheckpointFolder(cfg.resolve_path(c.folder)).list_steps():
         return None  # the run resumes from its own checkpoint; initial_load_path is unused
-    adapter = hf_adapter_for(cfg.model.name, model_args)
+    adapter = registry.get_hf_adapter(cfg.model.name, model_args)
     try:
         return validate_hf_checkpoint(c.initial_load_path, adapter, _hf_context(cfg))
     except CheckpointError as exc:

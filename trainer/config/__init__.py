@@ -23,7 +23,7 @@ model,loss``); optional ints accept ``none``.
 
 from trainer.config.loader import (
     apply_mapping,
-    dump_toml,
+    config_from_dict,
     format_help,
     load_config,
     load_toml,
@@ -53,6 +53,7 @@ from trainer.config.schema import (
     gradient_accumulation_steps,
     resolve_global_batch_size,
 )
+from trainer.config.toml_writer import dump_toml
 from trainer.config.validate import validate_config
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "Training",
     "Validation",
     "apply_mapping",
+    "config_from_dict",
     "dump_toml",
     "format_help",
     "gradient_accumulation_steps",

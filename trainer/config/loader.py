@@ -1,5 +1,6 @@
 """Reading a job config (TOML file, then ``--section.key value`` overrides, typed and checked
-key by key with suggestions for misspelled keys) and writing one back as TOML.
+key by key with suggestions for misspelled keys); writing one back as TOML is
+:mod:`trainer.config.toml_writer`.
 
 The parser is hand-written (rather than argparse/tyro) so that misspelled keys fail loudly
 instead of being silently ignored.
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import sys
 import types
@@ -24,6 +24,7 @@ from trainer.config.schema import (
     ConfigError,
     JobConfig,
 )
+from trainer.config.validate import validate_config
 
 try:  # Python >= 3.11
     import tomllib
@@ -175,6 +176,14 @@ def apply_mapping(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
 # ------------------------------------------------------------------------ loading
 
 
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    """Build and validate a config from a nested ``{section: {key: value}}`` mapping (e.g. TOML)."""
+    cfg = JobConfig()
+    apply_mapping(cfg, data, source="config")
+    validate_config(cfg)
+    return cfg
+
+
 def resolve_config_path(path: str) -> str:
     """Find a config: as given, else a bare name (with or without .toml) in train_configs/."""
     candidates = [path]
@@ -246,7 +255,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
                 raise ConfigError(f"--{section_c}.{key_c} needs a value ({_describe(tp)})")
             value = "true"
         _set(cfg, section_c, key_c, value, from_cli=True)
-    cfg.validate()
+    validate_config(cfg)
     return cfg
 
 
@@ -262,54 +271,3 @@ def format_help() -> str:
         lines.append("")
     lines.append("aliases: " + ", ".join(f"--parallelism.{a} -> {k}" for a, k in PARALLELISM_ALIASES.items()))
     return "\n".join(lines)
-
-
-# -------------------------------------------------------------------- TOML writing
-
-
-def _toml_scalar(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)  # always has '.', 'e' or both, which TOML requires of floats
-    if isinstance(v, str):
-        out = []
-        for ch in v:
-            if ch == "\\":
-                out.append("\\\\")
-            elif ch == '"':
-                out.append('\\"')
-            elif ch == "\n":
-                out.append("\\n")
-            elif ch == "\t":
-                out.append("\\t")
-            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-                out.append(f"\\u{ord(ch):04x}")
-            else:
-                out.append(ch)
-        return '"' + "".join(out) + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_scalar(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} value {v!r} as TOML")
-
-
-def dump_toml(data: dict[str, dict[str, Any]], header: str = "") -> str:
-    """Minimal writer for one level of tables of scalars/lists; None values are omitted
-    (TOML has no null) and therefore fall back to their default when read back."""
-    lines = [f"# {header}"] if header else []
-    for section, values in data.items():
-        if lines:
-            lines.append("")
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                lines.append(f"# {key} = none (unset)")
-            else:
-                lines.append(f"{key} = {_toml_scalar(value)}")
-    return "\n".join(lines) + "\n"

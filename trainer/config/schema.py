@@ -1,8 +1,10 @@
 """The configuration schema: one dataclass per TOML section, with each key's default, help text
 and (for enums) legal values, and :class:`JobConfig` that holds them all.
 
-Validation of values lives in :mod:`trainer.config.validate`; reading TOML and command lines
-and writing TOML in :mod:`trainer.config.loader`.
+Validation of values lives in :mod:`trainer.config.validate` (:func:`validate_config`), reading
+TOML and command lines in :mod:`trainer.config.loader` (:func:`load_config`,
+:func:`config_from_dict`), writing TOML in :mod:`trainer.config.toml_writer`. This module imports
+none of them but the writer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from models.registry import model_names
 from parallel_dims.axes import AXES
+from trainer.config.toml_writer import dump_toml
 
 # trainer/config/schema.py -> the repository root, three levels up
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -372,30 +375,12 @@ class JobConfig:
             for name, cls in SECTIONS.items()
         }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
-        """Build and validate from a nested ``{section: {key: value}}`` mapping (e.g. TOML)."""
-        from trainer.config.loader import apply_mapping
-
-        cfg = cls()
-        apply_mapping(cfg, data, source="config")
-        cfg.validate()
-        return cfg
-
     def to_toml(self) -> str:
-        from trainer.config.loader import dump_toml
-
         return dump_toml(self.to_dict(), header="Resolved job config; load it with --config <file>.")
 
     def resolve_path(self, path: str) -> str:
         """Relative output paths are anchored at job.dump_folder so one run = one folder."""
         return path if os.path.isabs(path) else os.path.join(self.job.dump_folder, path)
-
-    def validate(self) -> None:
-        """Raise ConfigError for the first value the trainer could not run with."""
-        from trainer.config.validate import validate_config
-
-        validate_config(self)
 
 
 def _copy_value(v: Any) -> Any:

@@ -21,6 +21,8 @@ The package splits on those seams:
 - :mod:`.split`: :func:`split_model`, carving the model along a plan.
 - :mod:`.schedule`: the runtime (torch schedules, the step, the loss over pp); its docstring
   has the loss convention and the stage metadata.
+- :mod:`.stage`: the stage class the schedules run (torch's ``PipelineStage`` with the
+  torch-private fixes of :mod:`parallel_dims.torch_compat` and the boundary check).
 
 This module re-exports the public names, so ``from models.parallel.pipeline import X`` works as
 it did when all of it was one module. The :mod:`.schedule` names are imported on first use

@@ -18,7 +18,7 @@ tensor ``[microbatch, local seq / boundary_seq_shards, dim]``: the local sequenc
 rank's, and with sequence parallelism each tp rank sends its own sequence shard to the same tp
 rank of the next stage (the stage module's ``boundary_seq_shards`` is tp then, set by
 ``models/parallel/tensor_parallel.py``; 1 otherwise), so we give the metadata statically and
-check each stage's output against it (:class:`_CheckedStage`).
+check each stage's output against it (:class:`~models.parallel.pipeline.stage.CheckedStage`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
@@ -51,6 +50,7 @@ from models.parallel.pipeline.plan import (
     check_microbatches,
     schedule_facts,
 )
+from models.parallel.pipeline.stage import CheckedStage, PipelineBoundaryError
 from models.parallel.tensor_parallel import loss_parallel_context
 from parallel_dims import ParallelDims
 
@@ -110,159 +110,6 @@ def _schedule_info(name: str) -> tuple[str, ScheduleInfo]:
     """Canonical name and info; case-insensitive like torch's ``get_schedule_class``."""
     canonical, _ = schedule_facts(name)
     return canonical, SCHEDULES[canonical]
-
-
-class PipelineBoundaryError(ValueError):
-    """A stage's output does not match the metadata its pipeline was built with."""
-
-
-def _on_fake_backend(group) -> bool:
-    return group is not None and dist.get_backend(group) == "fake"
-
-
-def _inner_fsdp_modules(module: nn.Module) -> list[FSDPModule]:
-    """The outermost FSDP2-wrapped submodules of a stage module that is not itself wrapped
-    (e.g. the routed experts, wrapped on the expert mesh while the dense params have no FSDP:
-    a MoE model under tp > 1 without dp_shard). Empty when ``module`` is wrapped."""
-    if isinstance(module, FSDPModule):
-        return []
-    found: list[FSDPModule] = []
-
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            if isinstance(child, FSDPModule):
-                found.append(child)
-            else:
-                visit(child)
-
-    visit(module)
-    return found
-
-
-def _param_groups(state) -> list:
-    """An FSDP2 state's parameter groups: a list since torch 2.13, one optional group before."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [group] if group is not None else []
-
-
-def _zero_buffers(recv_infos: dict) -> None:
-    with torch.no_grad():
-        for infos in recv_infos.values():
-            for info in infos:
-                buffer = getattr(info, "buffer", None)
-                if isinstance(buffer, torch.Tensor):
-                    buffer.zero_()
-
-
-class _CheckedStage(PipelineStage):
-    """A ``PipelineStage`` that checks what it sends: the tensor must match the metadata the
-    receiving stage allocated its buffer from, or gloo/NCCL would fail obscurely (or hang).
-    The check lives on the stage, not as a hook on the module, so one module can serve
-    several pipelines (e.g. different micro-batch counts)."""
-
-    def __init__(self, *args, boundary: torch.Tensor, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._boundary_shape = tuple(boundary.shape)
-        self._boundary_dtype = boundary.dtype
-        self._inner_fsdp = _inner_fsdp_modules(self.submod)
-
-    # torch's stage defers FSDP's gradient reduce-scatter and resharding to the end of the step
-    # (perform_reduce_grad) only when the stage module itself is an FSDPModule. Where only
-    # submodules are wrapped (the experts on the expert mesh, dense params without FSDP),
-    # FSDP's post-backward hook would run after every micro-batch's backward instead. With a
-    # zero-bubble schedule that is after the input-gradient half: FSDP reduce-scatters
-    # gradients the weight half has not computed yet and reshards, swapping the module's
-    # unsharded parameters for the sharded DTensors, so torch's weight half no longer finds
-    # the parameters whose AccumulateGrad nodes it recorded (KeyError in
-    # stage_backward_weight). Give those submodules the treatment torch gives a wrapped stage.
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        for module in self._inner_fsdp:
-            module.set_is_last_backward(False)
-            module.set_reshard_after_backward(False)
-            module.set_requires_gradient_sync(False)
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
-
-    def perform_reduce_grad(self, grad_scale_factor: int):
-        roots: dict[int, object] = {}
-        for module in self._inner_fsdp:
-            module.set_is_last_backward(True)
-            module.set_reshard_after_backward(True)
-            module.set_requires_gradient_sync(True)
-            state = fully_shard.state(module)
-            roots.setdefault(id(state._state_ctx), state)
-        for state in roots.values():
-            states = state._state_ctx.all_states
-            root = next((s for s in states if s._is_root), None)
-            if root is None:  # never ran forward: nothing to reduce
-                continue
-            for s in states:
-                for group in _param_groups(s):
-                    group.post_backward()
-            root._root_post_backward_final_callback()
-        super().perform_reduce_grad(grad_scale_factor)
-
-    # torch 2.11 warms the pipeline's communicators up by sending a dummy tensor to each
-    # neighbouring stage and receiving one from it. A V-shaped schedule (ZBVZeroBubble) puts two
-    # neighbouring stages on one rank, which hand activations over in memory, never over the
-    # wire; the warm-up's send to oneself fails on gloo ("Pair is not connected"). Leave those
-    # out. (torch 2.13 warms up by a vote instead and does not call this.)
-    def _get_init_p2p_neighbors_ops(self):
-        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
-
-    # On torch's fake backend (comm.mode = "fake_backend": one rank of a larger job in one
-    # process) a receive leaves its buffer as it was, so torch's warm-up vote, in which every
-    # stage says whether its metadata is static, would read 0 ("dynamic") and go on to exchange
-    # shapes as objects, reading garbage sizes. Every _CheckedStage has static metadata, so the
-    # vote's outcome is known: static.
-    def _warmup_forward_vote(self, has_backward, received_acc=None):
-        if _on_fake_backend(self.group):
-            return torch.ones(1, dtype=torch.int32, device=self.device)
-        return super()._warmup_forward_vote(has_backward, received_acc=received_acc)
-
-    def _warmup_backward_result(self, received_result=None):
-        if _on_fake_backend(self.group):
-            return torch.ones(1, dtype=torch.int32, device=self.device)
-        return super()._warmup_backward_result(received_result=received_result)
-
-    # ... and the receive buffers (torch.empty) would hand the stages uninitialized memory,
-    # which can be NaN and turns every value NaN within a step; on the fake backend they are
-    # zeroed once, when torch allocates them.
-    def _prepare_forward_infra(self, *args, **kwargs):
-        out = super()._prepare_forward_infra(*args, **kwargs)
-        if _on_fake_backend(self.group):
-            _zero_buffers(getattr(self, "args_recv_info", {}))
-        return out
-
-    def _prepare_backward_infra(self, *args, **kwargs):
-        out = super()._prepare_backward_infra(*args, **kwargs)
-        if _on_fake_backend(self.group):
-            _zero_buffers(getattr(self, "grad_recv_info", {}))
-        return out
-
-    def forward_maybe_with_nosync(self, *args, **kwargs):
-        output = super().forward_maybe_with_nosync(*args, **kwargs)
-        if not self.is_last:
-            self._check(output)
-        return output
-
-    def _check(self, output) -> None:
-        if isinstance(output, DTensor) or not isinstance(output, torch.Tensor):
-            raise PipelineBoundaryError(
-                f"pipeline stage {self.stage_index} must hand a plain tensor to the next stage, "
-                f"got {type(output).__name__}"
-            )
-        if tuple(output.shape) != self._boundary_shape or output.dtype != self._boundary_dtype:
-            raise PipelineBoundaryError(
-                f"pipeline stage {self.stage_index} produced activations {tuple(output.shape)} "
-                f"{output.dtype}, but the pipeline was built for {self._boundary_shape} "
-                f"{self._boundary_dtype}; pass build_pipeline_schedule the activation_dtype the "
-                "stages compute in (the FSDP mixed-precision param_dtype when FSDP is on), the "
-                "local batch size and seq_len, and the stages as parallelized (their "
-                "boundary_seq_shards)"
-            )
 
 
 @dataclass
@@ -432,7 +279,7 @@ def build_pipeline_schedule(
             else hidden
         )
         pipeline_stages.append(
-            _CheckedStage(
+            CheckedStage(
                 module,
                 index,
                 num_stages,

@@ -1,0 +1,347 @@
+"""Every place meshtrain overrides or works around a torch-private API, in one module.
+
+The lowest layer that needs one is ``parallel_dims`` (its portable mesh builder), so they all
+live here; ``models/parallel/pipeline/stage.py`` mixes :class:`PipelineStageFixes` into its
+stage class. :data:`OVERRIDES` is the table (checked by ``tests/unit/test_torch_compat.py``:
+each override is applied exactly where it says, the torch API it touches exists on the
+installed torch, and the version column agrees with what the installed torch does). Version
+column: ``needed``; ``not needed`` (the torch code path is fixed or absent); ``not reached``
+(torch no longer calls the overridden method for our stages); ``n/a`` (the feature needs a
+newer torch, e.g. ``comm.mode = "fake_backend"`` needs >= 2.13); ``not checked`` (no torch
+source of that version was read; 2.13.0 and 2.14.1 were read).
+
+==========================  ===========================================  =====  =====  =====  =====  =====
+override                    where applied                                2.11   2.12   2.13   2.14   2.15
+==========================  ===========================================  =====  =====  =====  =====  =====
+fsdp_submodule_reduce       models.parallel.pipeline.stage.CheckedStage  ?      ?      need   need   ?
+p2p_warmup_self_send        models.parallel.pipeline.stage.CheckedStage  need*  ?      nr     nr     ?
+fake_backend_vote           models.parallel.pipeline.stage.CheckedStage  n/a    n/a    need   nr     ?
+fake_backend_recv_buffers   models.parallel.pipeline.stage.CheckedStage  n/a    n/a    need   need   ?
+unflatten_without_groups    parallel_dims.parallel_dims                  ?      ?      need   need   ?
+sliced_mesh_flat_layout     parallel_dims.parallel_dims                  need*  need*  no     no     ?
+schedule_compute_order      tools.planner.schedule_order                 ?      ?      need   need   ?
+==========================  ===========================================  =====  =====  =====  =====  =====
+
+(need = needed, nr = not reached, no = not needed, ? = not checked, * = from the project's runs
+on that torch, not from its source.) What each one fixes is in its row of :data:`OVERRIDES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from .builders import MESH_BUILDER_ENV
+
+__all__ = [
+    "OVERRIDES",
+    "TORCH_VERSIONS",
+    "Override",
+    "PipelineStageFixes",
+    "as_flattened",
+    "compute_order_only",
+    "on_fake_backend",
+    "render_table",
+    "unflatten_without_groups",
+]
+
+TORCH_VERSIONS = ("2.11", "2.12", "2.13", "2.14", "2.15")
+_SHORT = {"needed": "need", "not needed": "no", "not reached": "nr", "n/a": "n/a", "not checked": "?"}
+
+
+@dataclass(frozen=True)
+class Override:
+    """One override of a torch-private API."""
+
+    name: str
+    torch_api: str  # what of torch's it overrides or works around
+    members: tuple[str, ...]  # the names in this module that implement it
+    applied_in: str  # "module.Class" (mixed in there) or "module" (called from there only)
+    fixes: str
+    versions: dict[str, str]  # torch version -> needed / not needed / not reached / n/a / not checked
+    from_runs: tuple[str, ...] = ()  # versions whose entry comes from the project's runs, not the source
+
+
+_STAGE = "models.parallel.pipeline.stage.CheckedStage"
+_BUILDER = "parallel_dims.parallel_dims"
+_PLANNER = "tools.planner.schedule_order"
+
+OVERRIDES: tuple[Override, ...] = (
+    Override(
+        "fsdp_submodule_reduce",
+        "PipelineStage.backward_maybe_with_nosync / perform_reduce_grad, FSDPState._fsdp_param_groups",
+        ("backward_maybe_with_nosync", "perform_reduce_grad"),
+        _STAGE,
+        "torch defers FSDP's reduce-scatter and resharding to the end of the step only when the "
+        "stage module itself is an FSDPModule; with only submodules wrapped (experts on the "
+        "expert mesh, dense params without FSDP) a zero-bubble schedule's weight half fails "
+        "(KeyError in stage_backward_weight). Gives those submodules the same treatment.",
+        {"2.11": "not checked", "2.12": "not checked", "2.13": "needed", "2.14": "needed", "2.15": "not checked"},
+    ),
+    Override(
+        "p2p_warmup_self_send",
+        "PipelineStage._get_init_p2p_neighbors_ops",
+        ("_get_init_p2p_neighbors_ops",),
+        _STAGE,
+        "torch's communicator warm-up sends a dummy tensor to each neighbouring stage; under a "
+        "V-shaped schedule two neighbours share a rank and the send to oneself fails on gloo "
+        "('Pair is not connected'). Drops those ops.",
+        {"2.11": "needed", "2.12": "not checked", "2.13": "not reached", "2.14": "not reached", "2.15": "not checked"},
+        from_runs=("2.11",),
+    ),
+    Override(
+        "fake_backend_vote",
+        "PipelineStage._warmup_forward_vote / _warmup_backward_result",
+        ("_warmup_forward_vote", "_warmup_backward_result"),
+        _STAGE,
+        "on the fake backend a receive leaves its buffer unchanged, so torch's static-or-dynamic "
+        "metadata vote reads 0 ('dynamic') and then exchanges garbage shapes; our stages are "
+        "always static, so the vote's outcome is returned directly.",
+        {"2.11": "n/a", "2.12": "n/a", "2.13": "needed", "2.14": "not reached", "2.15": "not checked"},
+    ),
+    Override(
+        "fake_backend_recv_buffers",
+        "PipelineStage._prepare_forward_infra / _prepare_backward_infra",
+        ("_prepare_forward_infra", "_prepare_backward_infra"),
+        _STAGE,
+        "on the fake backend the receive buffers (allocated uninitialized) are never written, and "
+        "NaN garbage spreads through a step; they are zeroed once when torch allocates them.",
+        {"2.11": "n/a", "2.12": "n/a", "2.13": "needed", "2.14": "needed", "2.15": "not checked"},
+    ),
+    Override(
+        "unflatten_without_groups",
+        "DeviceMesh._unflatten (creates a process group per dimension when _dim_group_names is set)",
+        ("unflatten_without_groups",),
+        _BUILDER,
+        "the portable builder's views must carry our deduplicated groups, created only by their "
+        "members; the parent's _dim_group_names is hidden for the one call so torch creates none.",
+        {"2.11": "not checked", "2.12": "not checked", "2.13": "needed", "2.14": "needed", "2.15": "not checked"},
+    ),
+    Override(
+        "sliced_mesh_flat_layout",
+        "DeviceMesh._layout (a pycute Layout with coalesce on 2.11/2.12)",
+        ("as_flattened",),
+        _BUILDER,
+        "a 1-D mesh sliced from a view keeps a nested (size,):(stride,) layout where _flatten "
+        "makes size:stride, so torch's flattened-mesh lookups by layout miss it; rewritten flat.",
+        {"2.11": "needed", "2.12": "needed", "2.13": "not needed", "2.14": "not needed", "2.15": "not checked"},
+        from_runs=("2.11", "2.12"),
+    ),
+    Override(
+        "schedule_compute_order",
+        "_PipelineScheduleRuntime._prepare_schedule_with_comms (multi-stage schedule constructors)",
+        ("compute_order_only",),
+        _PLANNER,
+        "the layout planner builds torch's schedules on stand-in stages only to read each rank's "
+        "compute order; the pass that inserts communication (seconds per schedule at pp 8 x 128 "
+        "micro-batches) is skipped, which leaves the compute order as it is.",
+        {"2.11": "not checked", "2.12": "not checked", "2.13": "needed", "2.14": "needed", "2.15": "not checked"},
+    ),
+)
+
+
+def render_table() -> str:
+    """The table of the module docstring, from :data:`OVERRIDES`."""
+    widths = (26, 43) + (5,) * len(TORCH_VERSIONS)
+    rule = "  ".join("=" * w for w in widths)
+    rows = [rule, _row(("override", "where applied", *TORCH_VERSIONS), widths), rule]
+    for o in OVERRIDES:
+        cells = [_SHORT[o.versions[v]] + ("*" if v in o.from_runs else "") for v in TORCH_VERSIONS]
+        rows.append(_row((o.name, o.applied_in, *cells), widths))
+    rows.append(rule)
+    return "\n".join(rows)
+
+
+def _row(cells, widths) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+# ------------------------------------------------------------------ the pipeline stage
+
+
+def on_fake_backend(group) -> bool:
+    return group is not None and dist.get_backend(group) == "fake"
+
+
+def _inner_fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    """The outermost FSDP2-wrapped submodules of a stage module that is not itself wrapped
+    (e.g. the routed experts, wrapped on the expert mesh while the dense params have no FSDP:
+    a MoE model under tp > 1 without dp_shard). Empty when ``module`` is wrapped."""
+    if isinstance(module, FSDPModule):
+        return []
+    found: list[FSDPModule] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, FSDPModule):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return found
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list since torch 2.13, one optional group before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def _zero_buffers(recv_infos: dict) -> None:
+    with torch.no_grad():
+        for infos in recv_infos.values():
+            for info in infos:
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor):
+                    buffer.zero_()
+
+
+class PipelineStageFixes:
+    """Mixed in before torch's ``PipelineStage`` (``class CheckedStage(PipelineStageFixes,
+    PipelineStage)``): the rows of :data:`OVERRIDES` applied there."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._inner_fsdp = _inner_fsdp_modules(self.submod)
+
+    # fsdp_submodule_reduce.
+    # torch's stage defers FSDP's gradient reduce-scatter and resharding to the end of the step
+    # (perform_reduce_grad) only when the stage module itself is an FSDPModule. Where only
+    # submodules are wrapped (the experts on the expert mesh, dense params without FSDP),
+    # FSDP's post-backward hook would run after every micro-batch's backward instead. With a
+    # zero-bubble schedule that is after the input-gradient half: FSDP reduce-scatters
+    # gradients the weight half has not computed yet and reshards, swapping the module's
+    # unsharded parameters for the sharded DTensors, so torch's weight half no longer finds
+    # the parameters whose AccumulateGrad nodes it recorded (KeyError in
+    # stage_backward_weight). Give those submodules the treatment torch gives a wrapped stage.
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        for module in self._inner_fsdp:
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        roots: dict[int, object] = {}
+        for module in self._inner_fsdp:
+            module.set_is_last_backward(True)
+            module.set_reshard_after_backward(True)
+            module.set_requires_gradient_sync(True)
+            state = fully_shard.state(module)
+            roots.setdefault(id(state._state_ctx), state)
+        for state in roots.values():
+            states = state._state_ctx.all_states
+            root = next((s for s in states if s._is_root), None)
+            if root is None:  # never ran forward: nothing to reduce
+                continue
+            for s in states:
+                for group in _param_groups(s):
+                    group.post_backward()
+            root._root_post_backward_final_callback()
+        super().perform_reduce_grad(grad_scale_factor)
+
+    # p2p_warmup_self_send.
+    # torch 2.11 warms the pipeline's communicators up by sending a dummy tensor to each
+    # neighbouring stage and receiving one from it. A V-shaped schedule (ZBVZeroBubble) puts two
+    # neighbouring stages on one rank, which hand activations over in memory, never over the
+    # wire; the warm-up's send to oneself fails on gloo ("Pair is not connected"). Leave those
+    # out. (torch 2.13 warms up by a vote instead and does not call this.)
+    def _get_init_p2p_neighbors_ops(self):
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    # fake_backend_vote.
+    # On torch's fake backend (comm.mode = "fake_backend": one rank of a larger job in one
+    # process) a receive leaves its buffer as it was, so torch's warm-up vote, in which every
+    # stage says whether its metadata is static, would read 0 ("dynamic") and go on to exchange
+    # shapes as objects, reading garbage sizes. Every CheckedStage has static metadata, so the
+    # vote's outcome is known: static.
+    def _warmup_forward_vote(self, has_backward, received_acc=None):
+        if on_fake_backend(self.group):
+            return torch.ones(1, dtype=torch.int32, device=self.device)
+        return super()._warmup_forward_vote(has_backward, received_acc=received_acc)
+
+    def _warmup_backward_result(self, received_result=None):
+        if on_fake_backend(self.group):
+            return torch.ones(1, dtype=torch.int32, device=self.device)
+        return super()._warmup_backward_result(received_result=received_result)
+
+    # fake_backend_recv_buffers.
+    # On the fake backend the receive buffers (torch.empty) would hand the stages uninitialized memory,
+    # which can be NaN and turns every value NaN within a step; on the fake backend they are
+    # zeroed once, when torch allocates them.
+    def _prepare_forward_infra(self, *args, **kwargs):
+        out = super()._prepare_forward_infra(*args, **kwargs)
+        if on_fake_backend(self.group):
+            _zero_buffers(getattr(self, "args_recv_info", {}))
+        return out
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        out = super()._prepare_backward_infra(*args, **kwargs)
+        if on_fake_backend(self.group):
+            _zero_buffers(getattr(self, "grad_recv_info", {}))
+        return out
+
+
+# ------------------------------------------------------------------ the layout planner
+
+
+def _no_comms(self, *args, **kwargs) -> None:
+    """Stands in for torch's ``_prepare_schedule_with_comms``: keep the compute order only."""
+
+
+def compute_order_only(schedule_cls: type) -> type:
+    """A subclass of torch's pipeline schedule class ``schedule_cls`` whose constructor builds
+    the compute actions of ``pipeline_order`` without inserting the communication."""
+    return type(f"_ComputeOrder{schedule_cls.__name__}", (schedule_cls,), {"_prepare_schedule_with_comms": _no_comms})
+
+
+# ------------------------------------------------------------------ the portable mesh builder
+
+
+def unflatten_without_groups(parent: DeviceMesh, sizes, names, group_names) -> DeviceMesh:
+    """``parent._unflatten(0, sizes, names)`` (a 1-D mesh) with ``group_names`` as the groups of
+    its dimensions.
+
+    torch's ``_unflatten`` creates a process group per dimension (for every subgroup, on every
+    rank) only when the mesh it unflattens exposes ``_dim_group_names``; the parent's is hidden
+    for that one call, so torch creates none and the view gets ours."""
+    hidden = parent.__dict__.pop("_dim_group_names", None)
+    try:
+        view = parent._unflatten(0, tuple(sizes), tuple(names))
+    finally:
+        if hidden is not None:
+            parent._dim_group_names = hidden
+    if "_dim_group_names" in view.__dict__:
+        raise RuntimeError(
+            f"torch {torch.__version__} created process groups while unflattening a mesh "
+            f"into {tuple(names)}; the portable mesh builder cannot keep one group per "
+            f"rank set on it (use {MESH_BUILDER_ENV}=layout)"
+        )
+    view._dim_group_names = list(group_names)
+    return view
+
+
+def as_flattened(mesh: DeviceMesh) -> DeviceMesh:
+    """Give a 1-D mesh sliced from a view the layout torch's own ``_flatten`` gives a 1-D mesh,
+    so that torch finds it in the root's flatten namespace by layout (DTensor's flattened-mesh
+    lookup, ``root[name]``, a ``_flatten`` to the same name and ranks). Only torch 2.11/2.12,
+    whose ``_MeshLayout`` is a pycute Layout, need this: a sliced dimension keeps a nested
+    ``(size,):(stride,)`` there where ``_flatten`` makes ``size:stride``. From torch 2.13 on
+    both are the same ``_FlatLayout``. The stride of a size-1 mesh is kept (torch's coalesce
+    would make it 1): concatenated meshes must keep their strides in descending order."""
+    layout = mesh._layout
+    if not hasattr(layout, "coalesce") or mesh.__dict__.get("_hash"):
+        return mesh
+    shape, stride = layout.shape, layout.stride
+    if isinstance(shape, tuple) and len(shape) == 1 and isinstance(shape[0], int):
+        mesh._layout = type(layout)(shape[0], stride[0])
+    return mesh

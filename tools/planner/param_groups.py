@@ -1,0 +1,121 @@
+"""The parameters of one rank's stages as the collectives group them: the TP-split modules of a
+block and the width of their column-wise projections, the tp-replicated weights whose gradients
+come out Partial, and the sets of groups the grad-norm all-reduces run over
+(``trainer/grad_clip.py``). From the parameter inventory (:mod:`tools.planner.inventory`)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+__all__ = ["grad_norm_all_reduces", "tp_colwise_modules", "tp_partial_grads"]
+
+
+def _params(model, flavor, key):
+    from .inventory import model_inventory
+
+    return model_inventory(model, flavor, **dict(key))[0]
+
+
+@lru_cache(maxsize=4096)
+def tp_colwise_modules(model, flavor, key, layer: int) -> tuple[tuple[bool, tuple[int, ...]], ...]:
+    """The TP-split modules of transformer layer ``layer`` (attention, dense or shared-expert
+    feed-forward): whether its input stays a DTensor (every weight of the module TP-split:
+    tensor_parallel._input_stays_dtensor) and the input width of each column-wise projection."""
+    params = [p for p in _params(model, flavor, key) if p.layer == layer and not p.expert]
+    out = []
+    for prefix in sorted({p.fqn.rsplit(".", 2)[0] for p in params if p.tp_dim == 0}):
+        inside = [p for p in params if p.fqn.startswith(prefix + ".")]
+        widths = tuple(p.shape[1] for p in inside if p.tp_dim == 0)
+        out.append((all(p.tp_dim is not None for p in inside), widths))
+    return tuple(out)
+
+
+def _replicated_on_tp(p, sp: bool) -> bool:
+    """Weights models/parallel/tensor_parallel.py makes Replicate DTensors on tp: the norms
+    under sequence parallel (SequenceParallel), the MoE router gate."""
+    if p.tp_dim is not None or p.expert:
+        return False
+    name = p.fqn.rsplit(".", 1)[0]
+    norm = name == "norm" or name.endswith(".attention_norm") or name.endswith(".ffn_norm")
+    return (sp and norm) or name.endswith(".moe.router.gate")
+
+
+@lru_cache(maxsize=4096)
+def tp_partial_grads(model, flavor, key, layers, head: bool, sp: bool) -> tuple[int, ...]:
+    """Element counts of this stage's tp-replicated weights (their gradients come out Partial)."""
+    keep = set(layers)
+    return tuple(
+        p.numel
+        for p in _params(model, flavor, key)
+        if _replicated_on_tp(p, sp) and ((p.layer in keep) if p.layer is not None else (head and p.group == "head"))
+    )
+
+
+def grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
+    """The grad-norm all-reduces, as ``trainer/grad_clip.py`` issues them: each gradient's sum
+    of squares is partial over the groups of the mesh dimensions it is sharded on (size > 1);
+    gradients with the same groups (compared by ranks) share one float32 all-reduce per
+    group. Dense weights: FSDP's shard group, plus tp for TP-split weights (norms and the
+    router gate are Replicate on tp); routed experts in their own FSDP group: efsdp, ep, and
+    etp for the etp-split weights; otherwise in the dense FSDP group."""
+    layers = tuple(sorted({i for layers, _, _ in stages for i in layers}))
+    embed = any(e for _, e, _ in stages)
+    head = any(h for _, _, h in stages)
+    name_sets = _grad_norm_name_sets(
+        model,
+        flavor,
+        key,
+        layers,
+        embed,
+        head,
+        separate,
+        (dense_size or 1) > 1,
+        (expert_size or 1) > 1,
+        d.tp > 1,
+        d.ep > 1,
+        d.etp > 1,
+    )
+    if len(name_sets) < 2:  # nothing to merge
+        return [name for names in name_sets for name in names]
+    keys: dict = {}  # ranks of each group -> the mesh names, in first-seen order
+    for names in name_sets:
+        keys.setdefault(tuple(_group_ranks(d, n, rank, layout) for n in names), names)
+    return [name for names in keys.values() for name in names]
+
+
+_GROUP_RANKS: dict = {}
+
+
+def _group_ranks(degrees, name: str, rank: int, layout) -> tuple[int, ...]:
+    """``layout.group(name, rank)`` as a tuple, memoized per (degrees, name, rank)."""
+    k = (degrees, name, rank)
+    if k not in _GROUP_RANKS:
+        if len(_GROUP_RANKS) > 65536:
+            _GROUP_RANKS.clear()
+        _GROUP_RANKS[k] = tuple(layout.group(name, rank))
+    return _GROUP_RANKS[k]
+
+
+@lru_cache(maxsize=4096)
+def _grad_norm_name_sets(model, flavor, key, layers, embed, head, separate, fsdp, efsdp, tp, ep, etp):
+    """The distinct tuples of mesh names the gradients of this rank's parameters are sharded
+    over (size > 1), in parameter order."""
+    from .inventory import _ETP_DIM
+
+    keep = set(layers)
+    out: dict = {}
+    for p in _params(model, flavor, key):
+        if p.layer is not None and p.layer not in keep:
+            continue
+        if p.layer is None and not ((p.group == "tok_embeddings" and embed) or (p.group == "head" and head)):
+            continue
+        if p.expert and separate:
+            names = [n for n, on in (("efsdp", efsdp), ("ep", ep)) if on]
+            if etp and _ETP_DIM.get(p.fqn.rsplit(".", 1)[-1]) is not None:
+                names.append("etp")
+        else:
+            names = ["fsdp"] if fsdp else []
+            if tp and p.tp_dim is not None and not p.expert:
+                names.append("tp")
+        out.setdefault(tuple(names), None)
+    return tuple(out)
