@@ -38,26 +38,6 @@ def _tmp_name(path: str) -> str:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str, mode: str = "wb") -> Iterator[Any]:
-    """Open a temporary file next to ``path`` for writing (``mode`` "wb" or "w"); when the block
-    ends without an exception the file is fsynced and renamed over ``path``, else removed."""
-    if mode not in ("wb", "w"):
-        raise ValueError(f"atomic_file writes a whole file: mode must be 'wb' or 'w', not {mode!r}")
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-@contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
     """Yield a temporary path next to ``path`` for a writer that takes a file name (e.g.
     ``safetensors.torch.save_file``); renamed over ``path`` when the block succeeds."""
@@ -72,6 +52,16 @@ def atomic_path(path: str) -> Iterator[str]:
             os.remove(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@contextlib.contextmanager
+def atomic_file(path: str, mode: str = "wb") -> Iterator[Any]:
+    """Open a temporary file next to ``path`` for writing (``mode`` "wb" or "w"); when the block
+    ends without an exception the file is fsynced and renamed over ``path``, else removed."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_file writes a whole file: mode must be 'wb' or 'w', not {mode!r}")
+    with atomic_path(path) as tmp, open(tmp, mode) as f:
+        yield f
 
 
 def atomic_write(path: str, data: bytes | str) -> None:
