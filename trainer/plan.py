@@ -80,9 +80,12 @@ def parallel_dims_from_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     return ParallelDims(world_size=world_size, **{a.name: getattr(p, a.config_key) for a in AXES})
 
 
-def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict[str, Any]:
+def model_overrides(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> dict[str, Any]:
     """The model args the config changes: the vocabulary (>= the tokenizer's), the RoPE table
-    length (>= seq_len, and >= validation.seq_len when validation is on) and, with ``model.n_layers``, the depth."""
+    length (>= seq_len, and >= validation.seq_len when validation is on), with
+    ``model.n_layers`` the depth, and the attention settings (``model.attn_mask_type``,
+    ``attn_type``, ``document_positions``; ``eos_id`` is the tokenizer's EOS, which ends each
+    packed document)."""
     spec = get_model_spec(cfg.model.name, cfg.model.flavor)
     vocab = cfg.model.vocab_size or spec.args.vocab_size
     if vocab < tokenizer_vocab:
@@ -98,7 +101,51 @@ def model_overrides(cfg: JobConfig, tokenizer_vocab: int) -> dict[str, Any]:
     }
     if cfg.model.n_layers is not None:
         overrides["n_layers"] = cfg.model.n_layers
+    m = cfg.model
+    overrides.update(attn_mask_type=m.attn_mask_type, attn_type=m.attn_type, document_positions=m.document_positions)
+    if m.attn_mask_type == "block_causal" or m.document_positions:
+        if tokenizer_eos is None:
+            raise ConfigError(
+                f"model.attn_mask_type={m.attn_mask_type!r} needs the tokenizer's EOS token, which ends each "
+                "packed document, and this tokenizer has none; use a tokenizer with an EOS token or "
+                "model.attn_mask_type = 'causal'"
+            )
+        overrides["eos_id"] = tokenizer_eos
     return overrides
+
+
+def check_attention_device(cfg: JobConfig, device_type: str, cp: int) -> None:
+    """``model.attn_type`` against the device the job trains on and the cp degree: FlexAttention
+    has no CPU backward in torch 2.13, varlen attention is a CUDA kernel over whole documents
+    (no cp)."""
+    attn_type = cfg.model.attn_type
+    if attn_type == "flex" and device_type != "cuda":
+        raise ConfigError(
+            f"model.attn_type='flex' needs a CUDA device (torch {_torch_version()}'s FlexAttention has no "
+            f"backward on {device_type}); use model.attn_type = 'sdpa', which runs block_causal masks "
+            "everywhere"
+        )
+    if attn_type == "varlen":
+        if device_type != "cuda" or not _has_varlen():
+            raise ConfigError(
+                f"model.attn_type='varlen' needs a CUDA device and torch.nn.attention.varlen (torch "
+                f"{_torch_version()} on {device_type}); use model.attn_type = 'sdpa' or 'flex'"
+            )
+    _check_varlen_cp(cfg, cp)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _has_varlen() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
@@ -115,9 +162,19 @@ def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
     )
 
 
-def plan_job(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None) -> JobPlan:
+def plan_job(
+    cfg: JobConfig,
+    world_size: int,
+    tokenizer_vocab: int | None = None,
+    *,
+    tokenizer_eos: int | None = None,
+    device_type: str | None = None,
+) -> JobPlan:
     """The validated plan of ``cfg`` on ``world_size`` ranks. ``tokenizer_vocab``: the
-    tokenizer's vocabulary size (None loads ``model.tokenizer_path`` to find it). Raises one
+    tokenizer's vocabulary size (None loads ``model.tokenizer_path`` to find it and its EOS id),
+    ``tokenizer_eos`` its EOS id (needed by block-causal masking). ``device_type``: the device
+    the job trains on, to check ``model.attn_type`` against (None skips that check, e.g. when
+    planning for another machine; varlen with cp > 1 is refused either way). Raises one
     ``ValueError`` (a ``ConfigError`` when every problem is one) listing every problem; checks
     that need an earlier result which failed are skipped."""
     problems: list[str] = []
@@ -136,9 +193,15 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None
 
         tokenizer = attempt(lambda: load_tokenizer(cfg.model.tokenizer_path))
         tokenizer_vocab = tokenizer.vocab_size if tokenizer is not None else None
+        tokenizer_eos = getattr(tokenizer, "eos_id", None)
     spec = None
     if tokenizer_vocab is not None:
-        spec = attempt(lambda: _model_spec(cfg, tokenizer_vocab))
+        spec = attempt(lambda: _model_spec(cfg, tokenizer_vocab, tokenizer_eos))
+    if pd is not None:
+        if device_type is not None:
+            attempt(lambda: check_attention_device(cfg, device_type, pd.cp))
+        else:
+            attempt(lambda: _check_varlen_cp(cfg, pd.cp))
     opts = parallelize_options(cfg)
     if pd is not None and spec is not None:
         attempt(
@@ -192,9 +255,17 @@ def _check_reshard_with_schedule(policy: str, schedule: str) -> None:
         )
 
 
-def _model_spec(cfg: JobConfig, tokenizer_vocab: int) -> ModelSpec:
+def _check_varlen_cp(cfg: JobConfig, cp: int) -> None:
+    if cfg.model.attn_type == "varlen" and cp > 1:
+        raise ConfigError(
+            f"model.attn_type='varlen' does not compose with context parallelism (cp={cp}): it runs "
+            "whole documents, not one rank's load-balanced chunks; use 'flex' or 'sdpa' with cp > 1"
+        )
+
+
+def _model_spec(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:
     spec = get_model_spec(cfg.model.name, cfg.model.flavor)
-    args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer_vocab))
+    args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer_vocab, tokenizer_eos))
     args.validate()
     return dataclasses.replace(spec, args=args)
 

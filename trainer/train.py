@@ -87,7 +87,13 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
         # every check that needs no process group, in one place (trainer/plan.py); from here on
         # the layout and the batch come from the plan, never from cfg.parallelism
-        self.plan = plan = plan_job(cfg, self.world_size, self.tokenizer.vocab_size)
+        self.plan = plan = plan_job(
+            cfg,
+            self.world_size,
+            self.tokenizer.vocab_size,
+            tokenizer_eos=self.tokenizer.eos_id,
+            device_type=self.device.type,
+        )
         self.pd = plan.parallel_dims
         # a Hugging Face folder to start from is checked (config.json against the flavor and
         # overrides, every tensor's shape from the headers) before anything is built
@@ -311,7 +317,7 @@ def create_seed_checkpoint(cfg: JobConfig) -> str:
         )
     require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model = build_model(cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size))
+    model = build_model(cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size, tokenizer.eos_id))
     with torch.no_grad():
         model.init_weights(cfg.training.seed)
     folder = cfg.resolve_path(cfg.checkpoint.folder)

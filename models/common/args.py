@@ -6,6 +6,11 @@ read by the decoder shell (``models/common/decoder.py``), the trainer and the la
 
 * ``dim`` (residual width), ``n_layers``, ``n_heads``, ``vocab_size``, ``max_seq_len``,
   ``norm_eps``;
+* ``attn_mask_type`` (``causal`` | ``block_causal``), ``attn_type`` (``sdpa`` | ``flex`` |
+  ``varlen``), ``eos_id`` (the token that ends each packed document; None when no document
+  masking is used) and ``document_positions`` (restart RoPE positions at each document start):
+  the attention settings of ``models/common/attention.py`` and ``documents.py``, checked by
+  :func:`check_attention_args`;
 * ``validate()``: raise ``ValueError`` naming the bad field. The shell calls it before building.
 
 and overrides the properties below where the default does not fit. Properties rather than
@@ -17,10 +22,54 @@ No torch import here: flavor tables can be read without loading model code.
 
 from __future__ import annotations
 
+ATTN_MASK_TYPES = ("causal", "block_causal")
+ATTN_TYPES = ("sdpa", "flex", "varlen")
+
+
+def check_attention_args(owner: str, attn_mask_type: object, attn_type: object, eos_id: object, document_positions: object) -> None:
+    """Raise ``ValueError`` naming the bad field of a model's attention settings."""
+    if attn_mask_type not in ATTN_MASK_TYPES:
+        raise ValueError(f"{owner}.attn_mask_type must be one of {', '.join(ATTN_MASK_TYPES)}; got {attn_mask_type!r}.")
+    if attn_type not in ATTN_TYPES:
+        raise ValueError(f"{owner}.attn_type must be one of {', '.join(ATTN_TYPES)}; got {attn_type!r}.")
+    if not isinstance(document_positions, bool):
+        raise ValueError(f"{owner}.document_positions must be true or false; got {document_positions!r}.")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or eos_id < 0):
+        raise ValueError(f"{owner}.eos_id must be a token id (an int >= 0) or None; got {eos_id!r}.")
+    needs_documents = attn_mask_type == "block_causal" or document_positions
+    if needs_documents and eos_id is None:
+        raise ValueError(
+            f"{owner}: attn_mask_type='block_causal' and document_positions need the EOS token id that ends "
+            "each packed document (eos_id); the trainer sets it from the tokenizer, set it yourself when "
+            "building the model by hand."
+        )
+    if document_positions and attn_mask_type != "block_causal":
+        raise ValueError(
+            f"{owner}.document_positions restarts RoPE positions at each document start, which only "
+            "makes sense when documents cannot see each other; set attn_mask_type='block_causal' too."
+        )
+    if attn_type == "varlen" and attn_mask_type != "block_causal":
+        raise ValueError(
+            f"{owner}.attn_type='varlen' runs one attention per document, so it needs "
+            "attn_mask_type='block_causal'; use 'sdpa' or 'flex' for plain causal attention."
+        )
+
 
 class DecoderArgs:
     """Base of every model's args dataclass; see the module docstring for the required
     fields."""
+
+    @property
+    def needs_documents(self) -> bool:
+        """Whether the forward needs each row's document structure (block-causal masking or
+        in-document RoPE positions)."""
+        return self.attn_mask_type == "block_causal" or self.document_positions
+
+    def check_attention(self) -> None:
+        """Raise ``ValueError`` naming a bad attention setting (call from ``validate()``)."""
+        check_attention_args(
+            type(self).__name__, self.attn_mask_type, self.attn_type, self.eos_id, self.document_positions
+        )
 
     @property
     def num_experts(self) -> int:

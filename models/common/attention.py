@@ -2,25 +2,199 @@
 
 Everything before it (projections, RoPE, head repetition) and after it (output projection) is
 per-token, so the core is the only piece context parallelism must replace. Every attention
-module owns one as ``.core`` and calls it with already-rotated, already-repeated heads; the CP
-applier swaps in a module with the same ``forward(q, k, v, scale=None)`` signature.
+module owns one as ``.core`` and calls it with already-rotated, already-repeated heads and the
+micro-batch's mask: ``forward(q, k, v, mask, scale=None)``. The mask is whatever the core's
+:meth:`~AttentionCore.prepare` built from the micro-batch's document structure
+(``models/common/documents.py``); the decoder shell calls ``prepare`` once per micro-batch on
+its first layer's core and hands the result to every layer, so no layer rebuilds it and
+activation checkpointing saves one reference to it, not one copy per layer. The context-parallel
+applier swaps in a core with the same two methods (``models/parallel/context_parallel.py``).
+
+Masks (``attn_mask_type``): ``causal`` (every token sees every earlier token of the row) or
+``block_causal`` (a token sees the earlier tokens of its own document only).
+
+Kernels (``attn_type``):
+
+* ``sdpa``: ``scaled_dot_product_attention``; ``causal`` uses its ``is_causal`` fast path,
+  ``block_causal`` a boolean ``[bs, 1, q, k]`` mask. The reference path, and the only one that
+  trains on CPU.
+* ``flex``: FlexAttention with a ``BlockMask`` built per micro-batch and the kernel compiled
+  (uncompiled it materializes the whole score matrix). Its block sparsity skips key blocks that
+  are entirely in other documents, so many short documents cost less than full causal
+  attention. torch 2.13 has no FlexAttention backward on CPU: training needs CUDA (forward runs
+  on CPU, which is how the tests check the masks).
+* ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention over the concatenated
+  documents, one causal sequence each); CUDA only, no context parallelism, ``block_causal`` only.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.documents import ATTN_MASK_TYPES, ATTN_TYPES, Documents
 
-class CausalAttentionCore(nn.Module):
-    """Causal softmax attention over ``q, k`` [bs, heads, s, d_qk] and ``v`` [bs, heads, s, d_v].
+__all__ = [
+    "AttentionCore",
+    "VarlenLayout",
+    "block_causal_mask",
+    "chunk_block_mask",
+    "repeat_kv",
+    "varlen_layout",
+]
+
+
+def block_causal_mask(docs: Documents, q_start: int, n_q: int) -> torch.Tensor:
+    """Boolean ``[bs, 1, n_q, q_start + n_q]`` mask (True = attend) for the queries at global
+    positions ``q_start .. q_start + n_q - 1`` against the key prefix ``[0, q_start + n_q)``:
+    causal (lower-right aligned) and within one document."""
+    ids = docs.ids
+    n_k = q_start + n_q
+    q_pos = torch.arange(q_start, n_k, device=ids.device)
+    k_pos = torch.arange(n_k, device=ids.device)
+    causal = k_pos[None, :] <= q_pos[:, None]
+    same_doc = ids[:, q_start:n_k, None] == ids[:, None, :n_k]
+    return (causal[None] & same_doc).unsqueeze(1)
+
+
+def chunk_block_mask(docs: Documents | None, q_start: int, n_q: int, bs: int, device: torch.device):
+    """FlexAttention ``BlockMask`` for the same query chunk and key prefix as
+    :func:`block_causal_mask`; plain causal (lower-right aligned) when ``docs`` is None."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n_k = q_start + n_q
+    if docs is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + q_start
+
+        batch = None
+    else:
+        ids = docs.ids
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            q_global = q_idx + q_start
+            return (kv_idx <= q_global) & (ids[b, q_global] == ids[b, kv_idx])
+
+        batch = bs
+    # compiled mask construction avoids materializing [bs, q, k] on the GPU; on CPU (tests,
+    # forward only) the eager construction is fine and compiles nothing
+    return create_block_mask(mask_mod, batch, None, n_q, n_k, device=device, _compile=device.type == "cuda")
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    # flex_attention must run compiled: eagerly it materializes the full score matrix
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float | None) -> torch.Tensor:
+    """FlexAttention (compiled) of ``q, k, v`` under ``block_mask``."""
+    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale)
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """The packed-sequence description ``varlen_attn`` takes: every document of every row as
+    one sequence of the flattened ``[bs * s]`` tokens. ``cu_seqlens``: int32 ``[n_docs + 1]``
+    offsets; ``max_len``: the longest document."""
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+
+def varlen_layout(docs: Documents) -> VarlenLayout:
+    """Split every row at its document ends and list the pieces in flattened token order."""
+    ids = docs.ids
+    docs_per_row = ids[:, -1] + 1
+    row_offset = torch.cumsum(docs_per_row, 0) - docs_per_row
+    flat = (ids + row_offset[:, None]).flatten()
+    lengths = torch.bincount(flat, minlength=int(docs_per_row.sum()))
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=ids.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return VarlenLayout(cu_seqlens=cu, max_len=int(lengths.max()))
+
+
+def _varlen_kernel(q, k, v, cu, cu_k, max_q, max_k, *, scale, window_size):  # pragma: no cover - CUDA only
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float | None, kernel=None
+) -> torch.Tensor:
+    """Causal attention within each document of ``layout`` for ``q, k, v`` ``[bs, h, s, d]``:
+    the rows are flattened to ``[bs * s, h, d]`` and each document is one sequence of the
+    varlen kernel (``kernel`` defaults to torch's ``varlen_attn``; tests pass a reference)."""
+    bs, h, s, d = q.shape
+    kernel = kernel or _varlen_kernel
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(bs * s, t.size(1), t.size(-1))
+
+    cu = layout.cu_seqlens
+    out = kernel(flat(q), flat(k), flat(v), cu, cu, layout.max_len, layout.max_len, scale=scale, window_size=(-1, 0))
+    return out.reshape(bs, s, h, out.size(-1)).transpose(1, 2)
+
+
+def _check_kinds(mask_type: str, attn_type: str) -> None:
+    if mask_type not in ATTN_MASK_TYPES:
+        raise ValueError(f"attn_mask_type must be one of {', '.join(ATTN_MASK_TYPES)}; got {mask_type!r}")
+    if attn_type not in ATTN_TYPES:
+        raise ValueError(f"attn_type must be one of {', '.join(ATTN_TYPES)}; got {attn_type!r}")
+
+
+class AttentionCore(nn.Module):
+    """Softmax attention over ``q, k`` [bs, heads, s, d_qk] and ``v`` [bs, heads, s, d_v] with
+    the mask ``mask_type`` on the kernel ``attn_type`` (see the module docstring).
 
     Query and key heads must already match (GQA repetition happens before the core) so that a
     replacement core never needs to know the head grouping."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    def __init__(self, mask_type: str = "causal", attn_type: str = "sdpa") -> None:
+        super().__init__()
+        _check_kinds(mask_type, attn_type)
+        self.mask_type = mask_type
+        self.attn_type = attn_type
+
+    def extra_repr(self) -> str:
+        return f"mask_type={self.mask_type}, attn_type={self.attn_type}"
+
+    def prepare(self, docs: Documents | None, bs: int, s: int, device: torch.device) -> Any:
+        """The mask of one micro-batch of ``bs`` rows of ``s`` tokens (``docs`` is None for
+        ``causal``): None (sdpa causal), a boolean mask, a ``BlockMask`` or a
+        :class:`VarlenLayout`."""
+        if self.mask_type == "block_causal" and docs is None:
+            raise ValueError("block_causal attention needs the micro-batch's document structure")
+        if self.attn_type == "flex":
+            return chunk_block_mask(docs if self.mask_type == "block_causal" else None, 0, s, bs, device)
+        if self.mask_type == "causal":
+            return None
+        if self.attn_type == "varlen":
+            return varlen_layout(docs)
+        return block_causal_mask(docs, 0, s)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, scale: float | None = None
+    ) -> torch.Tensor:
+        if self.attn_type == "flex":
+            return flex_attention(q, k, v, mask, scale)
+        if self.attn_type == "varlen":
+            return varlen_attention(q, k, v, mask, scale)
+        if mask is None:
+            if self.mask_type != "causal":
+                raise ValueError("block_causal attention called without its mask; build it with core.prepare")
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

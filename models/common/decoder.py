@@ -10,7 +10,15 @@ extra init). The parallelism code relies on this structure, so it is the contrac
   entries and sets ``tok_embeddings`` / ``norm`` + ``output`` to None away from the ends (so
   parameter FQNs, and with them FQN-seeded init and checkpoints, are the full model's);
 * ``cp_rank`` / ``cp_size``: set by the context-parallel applier; :meth:`Decoder.local_positions`
-  turns them into the positions of this rank's load-balanced tokens;
+  turns them into the positions of this rank's load-balanced tokens, and ``sequence_gather``
+  (set by the same applier) turns this rank's token ids into the whole row's, from which the
+  document structure is computed (``models/common/documents.py``);
+* the forward takes ``doc_tokens``: on a pipeline stage without ``tok_embeddings`` (fed hidden
+  states) the micro-batch's token ids, from which the stage computes the same document
+  structure and positions as the first stage (the schedule passes them as a keyword argument
+  to every stage; only needed when ``args.needs_documents``);
+* every layer gets ``(h, rope, mask)``: the RoPE rows and the attention mask are built once per
+  micro-batch here (the mask by the first layer's ``attention.core.prepare``), not per layer;
 * ``boundary_seq_shards``: set by the tensor-parallel applier (tp under sequence parallel): the
   hidden states a pipeline stage receives and sends hold this rank's ``1 / boundary_seq_shards``
   of its local sequence (:meth:`Decoder.local_seq_len`);
@@ -27,10 +35,13 @@ The args half of the contract is ``models/common/args.DecoderArgs``; the registr
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from models.common.args import DecoderArgs
+from models.common.documents import Documents, document_ids, positions_in_document
 from models.common.flops import model_flops_per_token
 from models.common.init import InitRule, init_parameters, standard_rule
 from models.common.norms import RMSNorm
@@ -73,8 +84,8 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -99,6 +110,9 @@ class Decoder(nn.Module):
         # ``cp_rank`` of ``cp_size`` of every sequence.
         self.cp_rank = 0
         self.cp_size = 1
+        # Set by the context-parallel applier: this rank's [bs, s_local] token ids -> the whole
+        # row's [bs, seq] in sequence order (an all-gather over cp); identity without cp.
+        self.sequence_gather = _identity
         # Set by the tensor-parallel applier under sequence parallelism: hidden states cross
         # pipeline stage boundaries sharded along the sequence into this many parts (tp), so
         # each tp rank sends its own shard to the same tp rank of the next stage.
@@ -130,21 +144,56 @@ class Decoder(nn.Module):
             return inputs.shape[1]
         return inputs.shape[1] * self.boundary_seq_shards
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without
-        ``tok_embeddings`` the input is hidden states [bs, s / boundary_seq_shards, dim];
+        ``tok_embeddings`` the input is hidden states [bs, s / boundary_seq_shards, dim] and
+        ``doc_tokens`` the micro-batch's token ids [bs, s] (needed when ``args.needs_documents``);
         without ``output`` the hidden states after the last local layer (normed if ``norm`` is
         kept) are returned, in the layout of the blocks' output (sequence-sharded under
         sequence parallelism)."""
         h = self._embed(tokens)
-        rope = self.rope(self.local_positions(self.local_seq_len(tokens), tokens.device))
+        ids = tokens if self.tok_embeddings is not None else doc_tokens
+        rope, mask = self.attention_inputs(ids, self.local_seq_len(tokens), h.size(0), tokens.device)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
             return h
         return self.output(h)
+
+    def documents(self, ids: torch.Tensor | None, positions: torch.Tensor) -> Documents:
+        """The document structure of this rank's micro-batch: ``ids`` [bs, s_local] token ids of
+        this rank's tokens (at global ``positions``)."""
+        if ids is None:
+            raise ValueError(
+                f"attn_mask_type={self.args.attn_mask_type!r} / document_positions="
+                f"{self.args.document_positions} need the micro-batch's token ids on every pipeline "
+                "stage: call a stage without tok_embeddings as stage(hidden, doc_tokens=token_ids)"
+            )
+        if ids.dim() != 2 or ids.is_floating_point() or ids.size(1) != positions.numel():
+            raise ValueError(
+                f"doc_tokens must be integer token ids [bs, {positions.numel()}] (this rank's local "
+                f"sequence), got {tuple(ids.shape)} {ids.dtype}"
+            )
+        full = self.sequence_gather(ids)
+        return Documents(ids=document_ids(full, self.args.eos_id), q_positions=positions)
+
+    def attention_inputs(
+        self, ids: torch.Tensor | None, seqlen_local: int, bs: int, device: torch.device
+    ) -> tuple[torch.Tensor, Any]:
+        """The RoPE rows and the attention mask every layer of this micro-batch uses (built once
+        per micro-batch). RoPE rows are ``[s_local, ...]`` for the row's global positions, or
+        ``[bs, s_local, ...]`` for in-document positions (``args.document_positions``)."""
+        positions = self.local_positions(seqlen_local, device)
+        docs = self.documents(ids, positions) if self.args.needs_documents else None
+        if docs is not None and self.args.document_positions:
+            rope = self.rope(positions_in_document(docs.ids).index_select(1, positions))
+        else:
+            rope = self.rope(positions)
+        core = next(iter(self.layers.values())).attention.core
+        mask = core.prepare(docs if self.args.attn_mask_type == "block_causal" else None, bs, seqlen_local, device)
+        return rope, mask
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
@@ -203,6 +252,10 @@ class Decoder(nn.Module):
             seq_len,
             self.tok_embeddings.weight.numel(),
         )
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def moe_layers(model: Decoder) -> list[nn.Module]:

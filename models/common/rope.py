@@ -184,15 +184,21 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"RoPE positions must be an integer tensor, got {positions.dtype}.")
-        return self.table.index_select(0, positions.to(self.table.device))
+        positions = positions.to(self.table.device)
+        if positions.dim() == 1:
+            return self.table.index_select(0, positions)
+        # per-row positions [bs, s] -> [bs, s, rope_dim // 2, 2]
+        rows = self.table.index_select(0, positions.reshape(-1))
+        return rows.view(*positions.shape, *self.table.shape[1:])
 
     def extra_repr(self) -> str:
         return f"rope_dim={self.rope_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}, scaling={self.scaling}"
 
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ([bs, s, heads, d]) by the rows ``rope`` ([s, d // 2, 2]) for its positions.
-
+    """Rotate ``x`` ([bs, s, heads, d]) by the rows ``rope`` for its positions: ``[s, d // 2,
+    2]`` (one position per sequence index, shared by the batch) or ``[bs, s, d // 2, 2]`` (per
+    row, e.g. positions that restart at each document).
     The rotation is done in float32 and cast back: bf16 loses the small sin terms at low
     frequencies. It is one complex multiplication over views of the (cos, sin) pairs: three
     kernels per call (cast up, multiply, cast back) where the written-out real form took nine,
@@ -200,20 +206,21 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     and backward)."""
     if x.dim() != 4:
         raise ValueError(f"apply_rotary_emb expects x of shape [bs, s, heads, d], got {tuple(x.shape)}.")
-    s, d = x.shape[1], x.shape[-1]
-    if rope.shape != (s, d // 2, 2):
+    bs, s, d = x.shape[0], x.shape[1], x.shape[-1]
+    if rope.shape not in ((s, d // 2, 2), (bs, s, d // 2, 2)):
         raise ValueError(
-            f"RoPE rows have shape {tuple(rope.shape)} but x needs ({s}, {d // 2}, 2). The model "
-            "builds these rows from the sequence length of its input; if a parallelism plan "
-            "shards the sequence of the layer input (e.g. sequence parallel between pipeline "
-            "stages), gather it before the model forward so positions cover the full local "
+            f"RoPE rows have shape {tuple(rope.shape)} but x needs ({s}, {d // 2}, 2) or ({bs}, {s}, "
+            f"{d // 2}, 2). The model builds these rows from the sequence length of its input; if a "
+            "parallelism plan shards the sequence of the layer input (e.g. sequence parallel between "
+            "pipeline stages), gather it before the model forward so positions cover the full local "
             "sequence."
         )
     # (x0 + i x1) * (cos + i sin); view_as_complex needs the pairs contiguous (a no-op after
     # the bf16 -> fp32 cast, one copy for strided fp32 slices such as MLA's rope parts)
     xc = torch.view_as_complex(x.float().contiguous().unflatten(-1, (d // 2, 2)))
     rc = torch.view_as_complex(rope.float().contiguous())
-    return torch.view_as_real(xc * rc[None, :, None, :]).flatten(-2).type_as(x)
+    rc = rc[None, :, None, :] if rope.dim() == 3 else rc[:, :, None, :]
+    return torch.view_as_real(xc * rc).flatten(-2).type_as(x)
 
 
 def local_positions(

@@ -59,6 +59,13 @@ class DeepSeekV3Args(DecoderArgs):
     mscale: float = 1.0
     max_seq_len: int = 16384
     norm_eps: float = 1e-6
+    # Attention masking of packed rows (models/common/attention.py, documents.py): causal or
+    # block_causal (documents ended by eos_id cannot see each other), the kernel, and whether
+    # RoPE positions restart at each document start.
+    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"
+    eos_id: int | None = None
+    document_positions: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -77,6 +84,7 @@ class DeepSeekV3Args(DecoderArgs):
         return self.n_heads * self.qk_head_dim
 
     def validate(self) -> None:
+        self.check_attention()
         for name in (
             "vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads",
             "n_routed_experts", "n_activated_experts", "n_expert_groups", "n_limited_groups",

@@ -7,13 +7,15 @@ RoPE table and the blocks, and resets the MoE balancing buffers at init.
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.attention import CausalAttentionCore
+from models.common.attention import AttentionCore
 from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
 from models.common.norms import RMSNorm
@@ -71,14 +73,14 @@ class Attention(DecoderAttention):
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
         self.softmax_scale = yarn_softmax_scale(self.qk_head_dim, _yarn(args), args.mscale, args.max_seq_len)
-        self.core = CausalAttentionCore()
+        self.core = AttentionCore(args.attn_mask_type, args.attn_type)
         # Heads come out of wkv_b and of wq (or wq_b after the query latent).
         self.tp_colwise = ("wkv_b", "wq" if self.q_lora_rank == 0 else "wq_b")
         # The decoupled rope key is computed by replicated weights but read by this rank's
         # heads only; tensor parallelism sets this to an all-reduce of its gradient.
         self.k_pe_grad_sync: Callable[[torch.Tensor], torch.Tensor] = _identity
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
         bs, s, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(bs, s, -1, self.qk_head_dim)
@@ -103,7 +105,7 @@ class Attention(DecoderAttention):
             # output columns and leave the others exact; they are sliced off below.
             v = F.pad(v, (0, self.qk_head_dim - self.v_head_dim))
 
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.softmax_scale)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.softmax_scale)
         out = out[..., : self.v_head_dim].transpose(1, 2).reshape(bs, s, -1)
         return self.wo(out)
 

@@ -32,6 +32,13 @@ class Llama3Args(DecoderArgs):
     # Llama 3.1 long-context frequency rescaling (factor 8, low 1, high 4, original 8192).
     use_rope_scaling: bool = True
     max_seq_len: int = 8192
+    # Attention masking of packed rows (models/common/attention.py, documents.py): causal or
+    # block_causal (documents ended by eos_id cannot see each other), the kernel, and whether
+    # RoPE positions restart at each document start.
+    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"
+    eos_id: int | None = None
+    document_positions: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -60,6 +67,7 @@ class Llama3Args(DecoderArgs):
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def validate(self) -> None:
+        self.check_attention()
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             _positive_int(name, getattr(self, name))
         if self.n_kv_heads is not None:

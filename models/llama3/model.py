@@ -7,10 +7,12 @@ RoPE table and the blocks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from models.common.attention import CausalAttentionCore, repeat_kv
+from models.common.attention import AttentionCore, repeat_kv
 from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
 from models.common.norms import RMSNorm
@@ -34,9 +36,9 @@ class Attention(DecoderAttention):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.core = CausalAttentionCore()
+        self.core = AttentionCore(args.attn_mask_type, args.attn_type)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
         bs, s, _ = x.shape
         q = self.wq(x).view(bs, s, -1, self.head_dim)
         k = self.wk(x).view(bs, s, -1, self.head_dim)
@@ -52,7 +54,7 @@ class Attention(DecoderAttention):
         n_rep = local_q_heads // local_kv_heads
         k = repeat_kv(k, n_rep)
         v = repeat_kv(v, n_rep)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         out = out.transpose(1, 2).reshape(bs, s, -1)
         return self.wo(out)
 

@@ -35,6 +35,10 @@ _SAVE_OPS = {
     )
     if hasattr(torch.ops.aten, name)
 }
+# FlexAttention (model.attn_type = flex) is a higher-order op, not an aten one.
+_flex_op = getattr(torch.ops.higher_order, "flex_attention", None)
+if _flex_op is not None:
+    _SAVE_OPS.add(_flex_op)
 # Collectives are never recomputed (recomputing would re-communicate).
 for _name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "all_to_all_single"):
     _op = getattr(torch.ops._c10d_functional, _name, None)

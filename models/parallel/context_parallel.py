@@ -1,4 +1,5 @@
-"""Context parallelism (CP) for causal attention, with one code path for CPU/gloo and GPU/NCCL.
+"""Context parallelism (CP) for causal and block-causal attention, with one code path for
+CPU/gloo and GPU/NCCL.
 
 torch's ``context_parallel`` relies on DTensor sharding rules that exist only for the CUDA SDPA
 kernels, so it cannot run on CPU. This module does CP with plain collectives instead:
@@ -15,6 +16,12 @@ kernels, so it cannot run on CPU. This module does CP with plain collectives ins
 * Each local chunk attends only to the key prefix it can see (head chunk ``r``: keys
   ``[0, (r+1)c)``; tail chunk: keys ``[0, (2cp-r)c)``) with a lower-right-aligned causal mask,
   so no work goes to key blocks that are entirely in the future.
+
+* Block-causal (document) masking composes with this: document ids are defined on the global
+  row, so the model gathers the row's token ids over cp once per micro-batch
+  (:class:`SequenceGather`, set as the model's ``sequence_gather``), and :meth:`prepare` builds
+  each chunk's mask (causal within the key prefix AND same document) once per micro-batch for
+  every layer. On FlexAttention the two chunk masks are ``BlockMask`` s over the same prefixes.
 
 Memory: the gathered K and V hold the *global* sequence on every rank, i.e. O(global seq) per
 rank and per attention layer (kept for backward), against O(global seq / cp) for Q and the
@@ -33,10 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from models.common.attention import AttentionCore, block_causal_mask, chunk_block_mask, flex_attention
+from models.common.documents import Documents
 from models.common.sequence import load_balanced_shard, load_balanced_unshard
 
 __all__ = [
     "ContextParallelAttentionCore",
+    "SequenceGather",
     "apply_context_parallel",
     "load_balanced_causal_attention",
     "shard_batch_for_cp",
@@ -79,15 +89,27 @@ def _chunk_attention(
     v: torch.Tensor,
     first_query_pos: int,
     scale: float | None,
+    mask=None,
+    attn_type: str = "sdpa",
 ) -> torch.Tensor:
     n_q = q.size(2)
     n_k = first_query_pos + n_q
     k, v = k[:, :, :n_k], v[:, :, :n_k]
+    if attn_type == "flex":
+        return flex_attention(q, k, v, mask, scale)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if first_query_pos == 0:
         # Square block at the sequence start: the plain causal kernel is exact and fastest.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     mask = _lower_right_causal_mask(n_q, first_query_pos, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _chunk_starts(s_local: int, cp_rank: int, cp_size: int) -> tuple[int, int, int]:
+    """(chunk length, global start of the head chunk, global start of the tail chunk)."""
+    c = s_local // 2
+    return c, cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
 
 
 def load_balanced_causal_attention(
@@ -97,12 +119,16 @@ def load_balanced_causal_attention(
     cp_rank: int,
     cp_size: int,
     scale: float | None = None,
+    masks: tuple | None = None,
+    attn_type: str = "sdpa",
 ) -> torch.Tensor:
     """Causal attention of rank ``cp_rank``'s load-balanced local queries against the full
     sequence's keys/values (global order). Kept free of collectives so the per-rank math can be
     checked in one process and on any device.
 
     q: [bs, h, s_local, d_qk]; k_global: [bs, h, s_local*cp, d_qk]; v_global: [..., d_v].
+    ``masks``: the (head chunk, tail chunk) masks :meth:`ContextParallelAttentionCore.prepare`
+    built (block-causal, or any FlexAttention mask); None for plain causal SDPA.
     """
     s_local = q.size(2)
     if s_local % 2 != 0:
@@ -118,11 +144,10 @@ def load_balanced_causal_attention(
         )
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} out of range for cp_size={cp_size}")
-    c = s_local // 2
-    head_start = cp_rank * c
-    tail_start = (2 * cp_size - 1 - cp_rank) * c
-    out_head = _chunk_attention(q[:, :, :c], k_global, v_global, head_start, scale)
-    out_tail = _chunk_attention(q[:, :, c:], k_global, v_global, tail_start, scale)
+    c, head_start, tail_start = _chunk_starts(s_local, cp_rank, cp_size)
+    head_mask, tail_mask = masks if masks is not None else (None, None)
+    out_head = _chunk_attention(q[:, :, :c], k_global, v_global, head_start, scale, head_mask, attn_type)
+    out_tail = _chunk_attention(q[:, :, c:], k_global, v_global, tail_start, scale, tail_mask, attn_type)
     return torch.cat([out_head, out_tail], dim=2)
 
 
@@ -154,9 +179,18 @@ class ContextParallelAttentionCore(nn.Module):
     the module docstring for the algorithm, its memory cost and why the layout is load-balanced.
     """
 
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, mask_type: str = "causal", attn_type: str = "sdpa") -> None:
         super().__init__()
         _check_mesh(cp_mesh)
+        if attn_type not in ("sdpa", "flex"):
+            raise ValueError(
+                f"attn_type={attn_type!r} does not compose with context parallelism (varlen attention "
+                "runs whole documents, not one rank's load-balanced chunks); use 'sdpa' or 'flex' with cp > 1"
+            )
+        if mask_type not in ("causal", "block_causal"):
+            raise ValueError(f"mask_type must be 'causal' or 'block_causal', got {mask_type!r}")
+        self.mask_type = mask_type
+        self.attn_type = attn_type
         self.cp_mesh = cp_mesh
         self.cp_size = cp_mesh.size()
         self.cp_rank = cp_mesh.get_local_rank()
@@ -165,7 +199,26 @@ class ContextParallelAttentionCore(nn.Module):
         self._group = cp_mesh.get_group() if self.cp_size > 1 else None
 
     def extra_repr(self) -> str:
-        return f"cp_rank={self.cp_rank}, cp_size={self.cp_size}"
+        return f"cp_rank={self.cp_rank}, cp_size={self.cp_size}, mask_type={self.mask_type}, attn_type={self.attn_type}"
+
+    def prepare(self, docs: Documents | None, bs: int, s_local: int, device: torch.device):
+        """The (head chunk, tail chunk) masks of one micro-batch (``s_local`` = this rank's
+        tokens per row): None for causal SDPA (the causal kernels need none), boolean
+        block-causal masks, or FlexAttention ``BlockMask`` s."""
+        if self.mask_type == "block_causal" and docs is None:
+            raise ValueError("block_causal attention needs the micro-batch's document structure")
+        if self.cp_size == 1:
+            s_local_docs = docs if self.mask_type == "block_causal" else None
+            if self.attn_type == "flex":
+                return chunk_block_mask(s_local_docs, 0, s_local, bs, device)
+            return None if s_local_docs is None else block_causal_mask(s_local_docs, 0, s_local)
+        c, head_start, tail_start = _chunk_starts(s_local, self.cp_rank, self.cp_size)
+        if self.attn_type == "flex":
+            chunk_docs = docs if self.mask_type == "block_causal" else None
+            return tuple(chunk_block_mask(chunk_docs, start, c, bs, device) for start in (head_start, tail_start))
+        if self.mask_type == "causal":
+            return None
+        return tuple(block_causal_mask(docs, start, c) for start in (head_start, tail_start))
 
     def _gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather K and V in one collective and return them in global sequence order.
@@ -193,10 +246,17 @@ class ContextParallelAttentionCore(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        mask=None,
         scale: float | None = None,
     ) -> torch.Tensor:
         _validate_qkv(q, k, v)
+        if self.mask_type == "block_causal" and mask is None:
+            raise ValueError("block_causal attention called without its masks; build them with core.prepare")
         if self.cp_size == 1:
+            if self.attn_type == "flex":
+                return flex_attention(q, k, v, mask, scale)
+            if mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         if q.size(2) % 2 != 0:
             raise ValueError(
@@ -205,7 +265,28 @@ class ContextParallelAttentionCore(nn.Module):
                 f"shard the batch with shard_batch_for_cp"
             )
         k_full, v_full = self._gather_kv(k, v)
-        return load_balanced_causal_attention(q, k_full, v_full, self.cp_rank, self.cp_size, scale=scale)
+        return load_balanced_causal_attention(
+            q, k_full, v_full, self.cp_rank, self.cp_size, scale=scale, masks=mask, attn_type=self.attn_type
+        )
+
+
+class SequenceGather:
+    """This rank's ``[bs, s_local]`` token ids -> the whole row's ``[bs, s_local * cp]`` in
+    sequence order: one all-gather over the cp group per micro-batch (integers, no gradient),
+    then the load-balanced layout undone. The model computes document ids from the result."""
+
+    def __init__(self, cp_mesh: DeviceMesh) -> None:
+        self._group = cp_mesh.get_group()
+        self.cp_size = cp_mesh.size()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids.t().contiguous()  # [s_local, bs]: collectives gather along dim 0
+        gathered = _wait(funcol.all_gather_tensor(local, 0, self._group))
+        full = load_balanced_unshard(list(gathered.chunk(self.cp_size, dim=0)), dim=0)
+        return full.t()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cp_size={self.cp_size})"
 
 
 class _AllReduceCounts:
@@ -229,9 +310,12 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
 
     Every module with an ``nn.Module`` attribute ``core`` (the attention kernel) gets a
     :class:`ContextParallelAttentionCore`; every module with ``reduce_aux_counts`` (MoE) gets a
-    cp all-reduce; and ``model.cp_rank`` / ``model.cp_size`` are set so the model computes RoPE
-    positions for its load-balanced tokens. The replaced core must be plain causal attention
-    without parameters: anything else (sliding window, document masks) would be silently lost.
+    cp all-reduce; ``model.cp_rank`` / ``model.cp_size`` are set so the model computes RoPE
+    positions for its load-balanced tokens, and ``model.sequence_gather`` so it computes document
+    ids on the whole row. The replaced core must be a parameter-free
+    :class:`~models.common.attention.AttentionCore`; its mask type (causal or block-causal) and
+    kernel (sdpa or flex) carry over, and a core of any other kind is refused rather than
+    silently replaced.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -249,8 +333,13 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
                 f"{name or type(model).__name__}.core has parameters; the CP core is "
                 f"parameter-free causal attention and would drop them"
             )
+        if not isinstance(m.core, AttentionCore):
+            raise ValueError(
+                f"{name or type(model).__name__}.core is a {type(m.core).__name__}, not an AttentionCore; "
+                "context parallelism knows how to shard causal and block-causal attention only"
+            )
     for _, m in attention:
-        m.core = ContextParallelAttentionCore(cp_mesh)
+        m.core = ContextParallelAttentionCore(cp_mesh, m.core.mask_type, m.core.attn_type)
     if cp_mesh.size() > 1:
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] = _AllReduceCounts(cp_mesh)
         for _, m in modules:
@@ -258,6 +347,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
                 m.reduce_aux_counts = reduce_counts
     model.cp_rank = cp_mesh.get_local_rank()
     model.cp_size = cp_mesh.size()
+    if cp_mesh.size() > 1:
+        model.sequence_gather = SequenceGather(cp_mesh)
     return model
 
 

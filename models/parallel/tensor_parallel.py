@@ -128,10 +128,12 @@ def _attention_plan(attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     colwise, rowwise = _declared_tp(attention, "attention")
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
-        # x -> full sequence, replicated: every projection below sees all tokens.
+        # x -> full sequence, replicated: every projection below sees all tokens. The RoPE rows
+        # and the attention mask are plain tensors of the full local sequence (the decoder
+        # builds them once per micro-batch before the blocks).
         "": PrepareModuleInput(
-            input_layouts=(seq, None),
-            desired_input_layouts=(Replicate(), None),
+            input_layouts=(seq, None, None),
+            desired_input_layouts=(Replicate(), None, None),
             use_local_output=not _input_stays_dtensor(attention, colwise, rowwise),
         ),
         rowwise: RowwiseParallel(output_layouts=seq),

@@ -19,6 +19,7 @@ from models.common.sequence import (
     load_balanced_shard,
     load_balanced_unshard,
 )
+from models.common.attention import AttentionCore
 from models.parallel.context_parallel import (
     ContextParallelAttentionCore,
     apply_context_parallel,
@@ -135,12 +136,7 @@ def test_bad_sequence_length_raises_clear_error():
 class _Attention(nn.Module):
     def __init__(self):
         super().__init__()
-        self.core = _SDPACore()
-
-
-class _SDPACore(nn.Module):
-    def forward(self, q, k, v, scale=None):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        self.core = AttentionCore()
 
 
 class _MoE(nn.Module):

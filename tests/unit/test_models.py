@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.args import DecoderArgs
-from models.common.attention import CausalAttentionCore
+from models.common.attention import AttentionCore
 from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.init import ParamInit, full_init_tensor, init_parameters, param_seed
 from models.common.norms import RMSNorm
@@ -314,10 +314,10 @@ def test_rope_with_load_balanced_positions_matches_full_sequence(cp_rank):
     torch.testing.assert_close(local, load_balanced_shard(full, 1, cp_rank, 2), rtol=0, atol=0)
 
 
-class _RecordingCore(CausalAttentionCore):
-    def forward(self, q, k, v, scale=None):
+class _RecordingCore(AttentionCore):
+    def forward(self, q, k, v, mask=None, scale=None):
         self.q, self.k = q.detach(), k.detach()
-        return super().forward(q, k, v, scale)
+        return super().forward(q, k, v, mask, scale)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -858,6 +858,10 @@ class ToyArgs(DecoderArgs):
     max_seq_len: int = 64
     norm_eps: float = 1e-5
     mlp_ratio: int = 2
+    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"
+    eos_id: int | None = None
+    document_positions: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -879,13 +883,13 @@ class ToyAttention(DecoderAttention):  # plain multi-head attention
         super().__init__()
         self.head_dim = args.head_dim
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(args.dim, args.dim, bias=False) for _ in range(4))
-        self.core = CausalAttentionCore()
+        self.core = AttentionCore()
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, mask=None):
         bs, s, _ = x.shape
         q, k, v = (w(x).view(bs, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, s, -1))
 
 

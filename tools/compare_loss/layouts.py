@@ -244,12 +244,13 @@ def preflight(plan: Plan, layouts: list[Layout]) -> None:
             f"{base.validation.local_batch_size * 4}"
         )
     try:
-        vocab = load_tokenizer(base.model.tokenizer_path).vocab_size
+        tokenizer = load_tokenizer(base.model.tokenizer_path)
     except ValueError as exc:
         raise UsageError(f"config {plan.config}: {exc}") from None
     for layout in layouts:
         try:
             # the trainer's own job plan: every check train.py makes before any process group
-            plan_job(load_config(plan.run_argv(layout, os.path.join(plan.out, "preflight"))), layout.nproc, vocab)
+            cfg = load_config(plan.run_argv(layout, os.path.join(plan.out, "preflight")))
+            plan_job(cfg, layout.nproc, tokenizer.vocab_size, tokenizer_eos=tokenizer.eos_id)
         except ValueError as exc:
             raise UsageError(f"layout '{layout.name}' ({layout.describe()}): {exc}") from None

@@ -67,6 +67,22 @@ class Model:
         "Override the flavor's number of transformer layers (e.g. a real-size model with a "
         "few layers for benchmarks); none = the flavor's.",
     )
+    attn_mask_type: str = _opt(
+        "causal",
+        "causal = every token attends to every earlier token of its packed row; block_causal = only "
+        "to the earlier tokens of its own document (documents end at the tokenizer's EOS token).",
+        choices=("causal", "block_causal"),
+    )
+    attn_type: str = _opt(
+        "sdpa",
+        "Attention kernel: sdpa (any device), flex (FlexAttention, compiled; CUDA), varlen "
+        "(torch's varlen_attn over whole documents; CUDA, block_causal, no cp).",
+        choices=("sdpa", "flex", "varlen"),
+    )
+    document_positions: bool = _opt(
+        False,
+        "Restart RoPE positions at each document start (needs attn_mask_type = block_causal).",
+    )
 
 
 @dataclass

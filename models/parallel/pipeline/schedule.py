@@ -125,6 +125,9 @@ class Pipeline:
     local_batch_size: int
     seq_len_local: int
     loss_parallel: bool
+    # every stage needs the micro-batch's token ids (document masking / positions): the
+    # schedule passes them to each stage as the keyword argument doc_tokens
+    needs_documents: bool = False
     has_first_stage: bool = field(init=False)
     has_last_stage: bool = field(init=False)
 
@@ -309,6 +312,7 @@ def build_pipeline_schedule(
         local_batch_size=local_batch_size,
         seq_len_local=seq_local,
         loss_parallel=loss_parallel,
+        needs_documents=any(module.args.needs_documents for module in stages),
     )
 
 
@@ -334,7 +338,8 @@ def pipeline_step(
 
     ``inputs``/``labels``: this rank's ``[local_batch_size, seq_len / cp]`` token ids and
     targets (the same slice every pp rank of a pipeline would read; only the ranks holding the
-    first / last stage use them, others may pass None). ``global_token_count``: the number of
+    first / last stage use them, others may pass None, except that with document masking or
+    positions every stage reads the token ids: they go to each stage as ``doc_tokens``). ``global_token_count``: the number of
     tokens the whole optimizer step's loss is normalized by.
 
     Returns the sum of this rank's micro-batch losses (already divided by the global token
@@ -349,10 +354,12 @@ def pipeline_step(
         raise ValueError(f"global_token_count must be a positive number, got {global_token_count!r}")
     want = (pipe.local_batch_size, pipe.seq_len_local)
     for name, t, end in (("inputs", inputs, "first"), ("labels", labels, "last")):
-        if not (pipe.has_first_stage if end == "first" else pipe.has_last_stage):
+        needed = pipe.has_first_stage or pipe.needs_documents if end == "first" else pipe.has_last_stage
+        if not needed:
             continue
         if t is None:
-            raise ValueError(f"this rank holds the {end} pipeline stage; pass {name}")
+            why = f"holds the {end} pipeline stage" if end == "last" or pipe.has_first_stage else "runs document masking"
+            raise ValueError(f"this rank {why}; pass {name}")
         if tuple(t.shape) != want:
             raise ValueError(
                 f"pipeline {name} have shape {tuple(t.shape)}, but the pipeline was built for "
@@ -365,7 +372,10 @@ def pipeline_step(
     try:
         with loss_parallel_context(pipe.loss_parallel):
             run = pipe.schedule.eval if forward_only else pipe.schedule.step
-            run(*args, target=target, losses=losses, return_outputs=False)
+            # the stage modules take the token ids as doc_tokens; torch splits keyword arguments
+            # into micro-batches like the positional ones and hands them to every stage
+            doc_kwargs = {"doc_tokens": inputs} if pipe.needs_documents else {}
+            run(*args, target=target, losses=losses, return_outputs=False, **doc_kwargs)
     except RuntimeError as exc:
         # torch wraps errors raised in a stage's forward in a RuntimeError; surface ours as the
         # ValueError it is (the trainer reports ValueErrors as user errors, without traceback)
