@@ -55,6 +55,7 @@ __all__ = [
 # ``all_gather_tensor_autograd`` is deprecated in newer torch in favour of the ``_single`` name;
 # older builds (e.g. on a GPU box) only have the former.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -281,7 +282,7 @@ class SequenceGather:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids.t().contiguous()  # [s_local, bs]: collectives gather along dim 0
-        gathered = _wait(funcol.all_gather_tensor(local, 0, self._group))
+        gathered = _wait(_all_gather(local, 0, self._group))
         full = load_balanced_unshard(list(gathered.chunk(self.cp_size, dim=0)), dim=0)
         return full.t()
 

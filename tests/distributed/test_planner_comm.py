@@ -130,6 +130,13 @@ LAYOUTS = {
     "llama3 pp=2,cp=2 GPipe": Layout(
         "llama3", dict(dp_shard=1, pp=2, cp=2), (("parallelism.pipeline_parallel_schedule", "GPipe"),)
     ),
+    # block-causal masking: each stage gathers the micro-batch's token ids over cp once per
+    # forward (document ids are defined on the whole row)
+    "llama3 pp=2,cp=2 GPipe block_causal": Layout(
+        "llama3",
+        dict(dp_shard=1, pp=2, cp=2),
+        (("parallelism.pipeline_parallel_schedule", "GPipe"), ("model.attn_mask_type", "block_causal")),
+    ),
     # two stages per rank: 4 layers
     "llama3 pp=2,fsdp=2 Interleaved1F1B": Layout(
         "llama3",
@@ -282,7 +289,17 @@ def _plan(name: str):
     from trainer.config import load_config
     from trainer.plan import plan_job
 
-    return plan_job(load_config(_argv(LAYOUTS[name], "unused")), LAYOUTS[name].world, tokenizer_vocab=2048)
+    return plan_job(
+        load_config(_argv(LAYOUTS[name], "unused")), LAYOUTS[name].world, tokenizer_vocab=2048, tokenizer_eos=_eos_id()
+    )
+
+
+@functools.cache
+def _eos_id() -> int:
+    """The shipped tokenizer's EOS id (the recorded runs use it; block-causal masking reads it)."""
+    from trainer.data.tokenizer import load_tokenizer
+
+    return load_tokenizer("").eos_id
 
 
 def predicted(name: str, rank: int) -> list[dict]:
@@ -294,7 +311,7 @@ def predicted(name: str, rank: int) -> list[dict]:
 
     plan = _plan(name)
     pd, choice = plan.parallel_dims, choice_from_plan(plan)
-    overrides = model_overrides(plan.config, 2048)
+    overrides = model_overrides(plan.config, 2048, _eos_id())
     return predict_collectives(LAYOUTS[name].model, "debugmodel", pd.degrees, choice, rank, **overrides)
 
 

@@ -233,6 +233,12 @@ def predict_collectives(
             n = len(layers)
             rec[("all_gather", "cp", kv)] += forwards * (n + len(ckpt))
             rec[("reduce_scatter", "cp", kv)] += forwards * n
+            if args.needs_documents:
+                # block-causal masking / document positions: every stage module gathers the
+                # micro-batch's int64 token ids over cp once per forward (its document ids are
+                # defined on the whole row; models/parallel/context_parallel.SequenceGather),
+                # outside the blocks, so no checkpoint re-issues it
+                rec[("all_gather", "cp", 8 * t * d.cp)] += forwards
 
         moe_layers = [i for i in layers if args.has_experts and i >= getattr(args, "n_dense_layers", 0)]
         tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
