@@ -176,7 +176,10 @@ def test_block_causal_equals_each_document_alone(name, positions):
             alone = model(doc[None])[0]
             assert _max_err(packed[span], alone) <= LOGIT_ATOL, (i, _max_err(packed[span], alone))
             if not positions:
-                shifted = _at_offset(_model(name), offset)(doc[None])[0]
+                placed = _at_offset(_model(name), offset)
+                rope, _ = placed.attention_inputs(doc[None], len(doc), 1, doc.device)
+                assert torch.equal(rope, placed.rope.table[offset : offset + len(doc)])  # really moved
+                shifted = placed(doc[None])[0]
                 assert _max_err(packed[span], shifted) <= LOGIT_ATOL, (i, _max_err(packed[span], shifted))
             if i > 0:
                 # negative control: causal attention lets a later document see the earlier ones
@@ -220,7 +223,9 @@ def test_replacing_doc_a_leaves_doc_b_unchanged(name):
     logits2, grads2 = _doc_b_logits_and_grads(model, doc_a2, doc_b)
     if name == "llama3":
         assert torch.equal(logits, logits2)
-        assert all(torch.equal(grads[n], grads2[n]) for n in grads), [n for n in grads if not torch.equal(grads[n], grads2[n])]
+        assert all(torch.equal(grads[n], grads2[n]) for n in grads), [
+            n for n in grads if not torch.equal(grads[n], grads2[n])
+        ]
     else:
         assert _max_err(logits, logits2) <= LOGIT_ATOL
         assert _grad_err(grads, grads2) <= GRAD_ATOL
@@ -269,7 +274,10 @@ def test_document_positions_doc_b_same_wherever_it_sits(name):
     with torch.no_grad():
         logits = {p: _model(name, positions=p)(rows) for p in (True, False)}
     for p, out in logits.items():
-        assert _max_err(out[0, start:], out[1, : len(doc_b)]) <= LOGIT_ATOL, (p, _max_err(out[0, start:], out[1, : len(doc_b)]))
+        assert _max_err(out[0, start:], out[1, : len(doc_b)]) <= LOGIT_ATOL, (
+            p,
+            _max_err(out[0, start:], out[1, : len(doc_b)]),
+        )
     # both settings give the same logits for block_causal: inside one document every query-key
     # offset is the same under both numberings (they differ by a constant per document), and
     # RoPE scores depend on that offset only
