@@ -102,6 +102,16 @@ def model_overrides(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | N
     if cfg.model.n_layers is not None:
         overrides["n_layers"] = cfg.model.n_layers
     m = cfg.model
+    if m.document_positions and m.attn_mask_type != "block_causal":
+        raise ConfigError(
+            "model.document_positions = true restarts RoPE positions at each document start, which only "
+            "makes sense when documents cannot see each other; set model.attn_mask_type = 'block_causal' too"
+        )
+    if m.attn_type == "varlen" and m.attn_mask_type != "block_causal":
+        raise ConfigError(
+            "model.attn_type = 'varlen' runs one attention per document, so it needs "
+            "model.attn_mask_type = 'block_causal'; use 'sdpa' or 'flex' for plain causal attention"
+        )
     overrides.update(attn_mask_type=m.attn_mask_type, attn_type=m.attn_type, document_positions=m.document_positions)
     if m.attn_mask_type == "block_causal" or m.document_positions:
         if tokenizer_eos is None:

@@ -126,8 +126,10 @@ def _build(tmp_path, monkeypatch, *, plan_argv=(), poison_before_plan=False):
     cfg = load_config([*ARGV, "--job.dump_folder", str(tmp_path)])
     planned = {}
 
-    def plan_then_poison(c, world_size, vocab=None):
-        plan = real_plan_job(load_config([*ARGV, *plan_argv, "--job.dump_folder", str(tmp_path)]), world_size, vocab)
+    def plan_then_poison(c, world_size, vocab=None, **kwargs):
+        plan = real_plan_job(
+            load_config([*ARGV, *plan_argv, "--job.dump_folder", str(tmp_path)]), world_size, vocab, **kwargs
+        )
         plan = dataclasses.replace(plan, config=c)
         c.parallelism = _Poison()
         planned["plan"] = plan
