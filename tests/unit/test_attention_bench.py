@@ -43,7 +43,8 @@ def test_attention_section_times_both_paths_on_one_run():
     for r in rows:
         s = r["seconds"]
         assert s["causal"] > 0 and s["block_causal"] > 0 and r["mask_build_s"] > 0
-        assert r["best_over_best"] == round(s["block_causal"] / s["causal"], 3)
+        # of this run's best times (rounded to 10 us in the JSON: 0.1% of a 10 ms step)
+        assert r["best_over_best"] == pytest.approx(s["block_causal"] / s["causal"], rel=5e-3)
         assert r["block_causal_over_causal"] > 0
         assert r["mean_doc_len"] == r["doc_len"] and r["docs_per_window"] == 128 / r["doc_len"]
         if r["doc_len"] == 128:
