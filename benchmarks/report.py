@@ -64,9 +64,9 @@ SECTIONS: list[tuple[str, str, str]] = [
         "attention",
         "Block-causal attention on CPU",
         "`make bench` section `attention`: forward + backward of one attention layer of each debug model "
-        "(Llama 3 GQA, DeepSeek-V3 MLA; fp32, one thread) on one packed row of 2048 tokens holding "
-        "documents of 64 ... 2048 tokens, SDPA with the block-causal boolean mask "
-        "(`model.attn_mask_type = \"block_causal\"`, the CPU reference path; see [attention.md](attention.md)); "
+        "(Llama 3 GQA, DeepSeek-V3 MLA; fp32, one thread) on one packed row of 1024 tokens holding "
+        "documents of 64 ... 1024 tokens, SDPA with the block-causal boolean mask "
+        '(`model.attn_mask_type = "block_causal"`, the CPU reference path; see [attention.md](attention.md)); '
         "reference: causal SDPA (`is_causal`) on the same weights in the same run",
     ),
     (
