@@ -13,6 +13,12 @@ GPU issue's measurements) and each mode (eager, compiled):
 * ``torchtitan``: torchtitan's model of the same shapes (``attn_type="sdpa"``, causal) in the
   very same bare loop, when torchtitan is importable.
 
+* ``block_causal`` rows (``model.attn_mask_type = "block_causal"``, ``attn_type = "flex"``,
+  compiled only; unmeasured until a GPU runs them): the trainer and the bare loop on the same
+  packed windows of the trainer's data (its synthetic documents, EOS between them; the trainer's
+  ``data:`` startup line gives their mean length), to read against the causal compiled row of the
+  same model. FlexAttention has no CPU backward, so the smoke row runs this code on ``sdpa``.
+
 * ``planner``: the layout planner's estimate of the trainer's run (``tools.planner``: the same
   config through ``estimate_from_config``, the GPU's table entry, the planner's default
   efficiency 0.5): predicted step time and memory against the trainer's measured ones
@@ -68,20 +74,29 @@ class Case:
     compile: bool = False
     device: str = "cuda"
     vocab_size: int | None = None  # None: the flavor's
+    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"
 
     @property
     def name(self) -> str:
-        return f"{self.model} {self.flavor} x{self.n_layers} layers, {'compiled' if self.compile else 'eager'}"
+        mask = "" if self.attn_mask_type == "causal" else f", {self.attn_mask_type} {self.attn_type}"
+        return f"{self.model} {self.flavor} x{self.n_layers} layers{mask}, {'compiled' if self.compile else 'eager'}"
 
 
 GPU_CASES = [
     Case("llama3", "8B", n_layers=8, seq_len=8192, local_batch_size=1),
     Case("deepseek_v3", "16B", n_layers=6, seq_len=4096, local_batch_size=2),
-]
+    Case("llama3", "8B", n_layers=8, seq_len=8192, local_batch_size=1, attn_mask_type="block_causal",
+         attn_type="flex"),
+    Case("deepseek_v3", "16B", n_layers=6, seq_len=4096, local_batch_size=2, attn_mask_type="block_causal",
+         attn_type="flex"),
+]  # fmt: skip
 SMOKE_CASES = [
     Case("llama3", "debugmodel", n_layers=2, seq_len=64, local_batch_size=2, vocab_size=2048),
     Case("deepseek_v3", "debugmodel", n_layers=3, seq_len=64, local_batch_size=2, vocab_size=2048),
-]
+    Case("llama3", "debugmodel", n_layers=2, seq_len=64, local_batch_size=2, vocab_size=2048,
+         attn_mask_type="block_causal", attn_type="sdpa"),
+]  # fmt: skip
 
 
 # ------------------------------------------------------------------ the trainer (train.py)
@@ -103,6 +118,7 @@ def trainer_args(case: Case, steps: int, folder: str) -> list[str]:
         "--checkpoint.enable", "false", "--metrics.log_freq", "1",
         "--metrics.enable_tensorboard", "false", "--job.dump_folder", folder,
         "--lr_scheduler.warmup_steps", "2",
+        "--model.attn_mask_type", case.attn_mask_type, "--model.attn_type", case.attn_type,
     ]  # fmt: skip
     if case.vocab_size is not None:
         args += ["--model.vocab_size", str(case.vocab_size)]
@@ -159,7 +175,9 @@ def run_trainer(case: Case, steps: int, warmup: int) -> dict:
         records = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
     timed = [r for r in records if r["step"] > warmup]
     mem_key = next((k for k in records[0] if k.endswith("_gib")), None)
+    data_line = next((line for line in res.stdout.splitlines() if line.startswith("data: ")), None)
     return {
+        "data": data_line,  # the trainer's startup line: mean document length, documents per window
         "tokens_per_s": statistics.median(r["tps"] for r in timed),
         "mfu_pct": statistics.median(r["mfu_pct"] for r in timed) if "mfu_pct" in timed[0] else None,
         "peak_memory_gib": max(r[mem_key] for r in records) if mem_key == "cuda_max_alloc_gib" else None,
@@ -170,12 +188,31 @@ def run_trainer(case: Case, steps: int, warmup: int) -> dict:
 # ------------------------------------------------------------------ bare loops (a worker process)
 
 
-def _build_ours(case: Case, device):
+def _trainer_windows(case: Case, steps: int):
+    """``[steps, local_batch_size, seq_len + 1]`` packed windows of the trainer's data (its
+    config, dataset and tokenizer) and the tokenizer's EOS id."""
+    import torch
+
+    from trainer.config import load_config
+    from trainer.data.loader import build_source
+    from trainer.data.packing import PackedStream
+    from trainer.data.tokenizer import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        cfg = load_config(trainer_args(case, steps, folder))
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    windows = PackedStream(build_source(cfg), tokenizer, case.seq_len).take(steps * case.local_batch_size)
+    return torch.as_tensor(windows).view(steps, case.local_batch_size, case.seq_len + 1), tokenizer.eos_id
+
+
+def _build_ours(case: Case, device, eos_id: int | None = None):
     from models.registry import build_model
 
     overrides = {"n_layers": case.n_layers, "max_seq_len": case.seq_len}
     if case.vocab_size is not None:
         overrides["vocab_size"] = case.vocab_size
+    if case.attn_mask_type != "causal":
+        overrides.update(attn_mask_type=case.attn_mask_type, attn_type=case.attn_type, eos_id=eos_id)
     model = build_model(case.model, case.flavor, device="meta", **overrides)
     model.to_empty(device=device)
     import torch
@@ -185,7 +222,7 @@ def _build_ours(case: Case, device):
     return model, model.args.vocab_size
 
 
-def _build_torchtitan(case: Case, device):
+def _build_torchtitan(case: Case, device, eos_id=None):
     import copy
 
     import torch
@@ -228,7 +265,8 @@ def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
     device = torch.device(case.device)
     torch.manual_seed(0)
     build = _build_ours if implementation == "ours" else _build_torchtitan
-    model, vocab = build(case, device)
+    windows, eos_id = _trainer_windows(case, steps + 1) if case.attn_mask_type != "causal" else (None, None)
+    model, vocab = build(case, device, eos_id)
     model.to(torch.bfloat16)
     apply_activation_checkpointing(model, case.ac_mode, "op")
     if case.compile:
@@ -242,7 +280,8 @@ def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
         fused=device.type == "cuda",
         foreach=device.type != "cuda",
     )
-    tokens = torch.randint(0, vocab, (steps + 1, case.local_batch_size, case.seq_len + 1), device=device)
+    shape = (steps + 1, case.local_batch_size, case.seq_len + 1)  # block_causal: the trainer's documents
+    tokens = windows.to(device) if windows is not None else torch.randint(0, vocab, shape, device=device)
     n_tokens = case.local_batch_size * case.seq_len
 
     def step(i: int) -> None:
@@ -345,7 +384,9 @@ def measure(
         row["planner"] = planner_check(case, row["trainer"], device_name)
         row["bare"] = run_bare(case, "ours", steps, warmup)
         row["trainer_over_bare"] = _ratio(row["trainer"], row["bare"])
-        if with_torchtitan and case.device == "cpu" and case.model == "deepseek_v3":
+        if with_torchtitan and case.attn_mask_type != "causal":
+            row["torchtitan_model"] = {"skipped": "the torchtitan comparison runs causal sdpa only"}
+        elif with_torchtitan and case.device == "cpu" and case.model == "deepseek_v3":
             # its router counts tokens with torch.histc, which has no CPU kernel for integers
             row["torchtitan_model"] = {"skipped": "torchtitan's MoE does not run on CPU"}
         elif with_torchtitan:
@@ -425,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in base
         if c.model in args.models
         for mode in args.modes
+        if not (c.attn_type == "flex" and mode == "eager")  # flex rows: compiled only
     ]
     with_titan = _torchtitan_available()
     if not with_titan:

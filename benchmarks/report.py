@@ -61,6 +61,15 @@ SECTIONS: list[tuple[str, str, str]] = [
         "GEMM path, and the old per-expert-indexing loop",
     ),
     (
+        "attention",
+        "Block-causal attention on CPU",
+        "`make bench` section `attention`: forward + backward of one attention layer of each debug model "
+        "(Llama 3 GQA, DeepSeek-V3 MLA; fp32, one thread) on one packed row of 1024 tokens holding "
+        "documents of 64 ... 1024 tokens, SDPA with the block-causal boolean mask "
+        '(`model.attn_mask_type = "block_causal"`, the CPU reference path; see [attention.md](attention.md)); '
+        "reference: causal SDPA (`is_causal`) on the same weights in the same run",
+    ),
+    (
         "data_loading",
         "Data loading",
         "`make bench` section `data_loading`: one rank's (batch coordinate 0) data time per step "

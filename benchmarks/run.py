@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-SECTIONS = ["mesh_build", "memory", "throughput", "pipeline", "moe", "data_loading", "planner"]
+SECTIONS = ["mesh_build", "memory", "throughput", "pipeline", "moe", "attention", "data_loading", "planner"]
 
 
 def main(argv=None) -> int:

@@ -32,6 +32,7 @@ from trainer.checkpoint.dcp import save_seed_checkpoint
 from trainer.checkpoint.manager import CheckpointManager, check_initial_load
 from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
 from trainer.config import ConfigError, JobConfig, load_config
+from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.data.tokenizer import load_tokenizer
 from trainer.distributed_init import (
@@ -253,6 +254,8 @@ class Trainer:
                 self.watchdog.step(self.step + 1, first=not timeout_applied)
                 microbatches = self.data.next_step()
                 data_wait += self.data.wait_s
+                if not timeout_applied:  # the first step of this run (also after a resume)
+                    _log(document_stats_line(microbatches, self.tokenizer.eos_id, cfg.model.attn_mask_type))
                 result, step_extra = instruments.run_step(self.step + 1, self.train_step, microbatches)
                 self.step += 1
                 if not timeout_applied:

@@ -53,7 +53,12 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["case"]["model"] for r in rows] == ["llama3", "deepseek_v3"]
+    assert [(r["case"]["model"], r["case"]["attn_mask_type"]) for r in rows] == [
+        ("llama3", "causal"),
+        ("deepseek_v3", "causal"),
+        ("llama3", "block_causal"),  # the GPU's flex row, on the CPU reference kernel (sdpa)
+    ]
+    assert "block_causal sdpa" in rows[2]["name"] and "attn_mask_type=block_causal" in rows[2]["trainer"]["data"]
     for r in rows:
         assert r["trainer"]["tokens_per_s"] > 0 and r["bare"]["tokens_per_s"] > 0, r
         assert r["trainer_over_bare"] > 0
@@ -66,7 +71,7 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
 
     if _torchtitan_available():  # make test installs it (the `peer` extra)
         assert rows[0]["torchtitan_model"]["tokens_per_s"] > 0
-        assert "skipped" in rows[1]["torchtitan_model"]
+        assert "skipped" in rows[1]["torchtitan_model"] and "skipped" in rows[2]["torchtitan_model"]
     else:
         assert all("torchtitan_model" not in r for r in rows)
     assert "tr/bare" in res.stdout and "plan/meas s" in res.stdout  # the table
