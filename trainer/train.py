@@ -320,7 +320,9 @@ def create_seed_checkpoint(cfg: JobConfig) -> str:
         )
     require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model = build_model(cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size, tokenizer.eos_id))
+    model = build_model(
+        cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size, tokenizer.eos_id)
+    )
     with torch.no_grad():
         model.init_weights(cfg.training.seed)
     folder = cfg.resolve_path(cfg.checkpoint.folder)

@@ -26,7 +26,9 @@ ATTN_MASK_TYPES = ("causal", "block_causal")
 ATTN_TYPES = ("sdpa", "flex", "varlen")
 
 
-def check_attention_args(owner: str, attn_mask_type: object, attn_type: object, eos_id: object, document_positions: object) -> None:
+def check_attention_args(
+    owner: str, attn_mask_type: object, attn_type: object, eos_id: object, document_positions: object
+) -> None:
     """Raise ``ValueError`` naming the bad field of a model's attention settings."""
     if attn_mask_type not in ATTN_MASK_TYPES:
         raise ValueError(f"{owner}.attn_mask_type must be one of {', '.join(ATTN_MASK_TYPES)}; got {attn_mask_type!r}.")

@@ -135,7 +135,7 @@ def varlen_attention(
     """Causal attention within each document of ``layout`` for ``q, k, v`` ``[bs, h, s, d]``:
     the rows are flattened to ``[bs * s, h, d]`` and each document is one sequence of the
     varlen kernel (``kernel`` defaults to torch's ``varlen_attn``; tests pass a reference)."""
-    bs, h, s, d = q.shape
+    bs, h, s = q.shape[:3]
     kernel = kernel or _varlen_kernel
 
     def flat(t: torch.Tensor) -> torch.Tensor:

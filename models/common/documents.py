@@ -33,6 +33,7 @@ __all__ = [
     "positions_in_document",
 ]
 
+
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     """``[bs, s]`` int64: the index of the document each token belongs to within its row (the
     number of EOS tokens strictly before it; an EOS belongs to the document it ends)."""

@@ -7,9 +7,8 @@ RoPE table and the blocks, and resets the MoE balancing buffers at init.
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.attention import AttentionCore
 from models.common.sequence import (
     load_balanced_positions,
     load_balanced_shard,
     load_balanced_unshard,
 )
-from models.common.attention import AttentionCore
 from models.parallel.context_parallel import (
     ContextParallelAttentionCore,
     apply_context_parallel,

@@ -358,7 +358,9 @@ def pipeline_step(
         if not needed:
             continue
         if t is None:
-            why = f"holds the {end} pipeline stage" if end == "last" or pipe.has_first_stage else "runs document masking"
+            why = (
+                f"holds the {end} pipeline stage" if end == "last" or pipe.has_first_stage else "runs document masking"
+            )
             raise ValueError(f"this rank {why}; pass {name}")
         if tuple(t.shape) != want:
             raise ValueError(
