@@ -229,6 +229,7 @@ def _host(data: dict) -> str:
 def render(files: list[tuple[str, dict]]) -> str:
     used = [(name, data) for name, data in files if classify(data) != "gpu_smoke"]
     per_section: dict[str, list[list[str]]] = {s: [] for s in SECTION_IDS}
+    newest: dict[str, list[tuple[str, str, dict]]] = {}
     for name, data in used:
         kind = classify(data)
         if kind == "archive":
@@ -246,8 +247,13 @@ def render(files: list[tuple[str, dict]]) -> str:
         else:
             for sid in SECTION_IDS:
                 if sid in data:
-                    block = [f"From `{RESULTS_DIR}/{name}` ({_host(data)}):", ""]
-                    per_section[sid].append(block + render_value(data[sid]))
+                    newest.setdefault(sid, []).append((str(data.get("started", "")), name, data))
+    # a section measured in several `make bench` files (a full run's bench.json and an
+    # `--only` run's file): the most recent measurement only, so no figure is shown twice
+    for sid, candidates in newest.items():
+        _started, name, data = max(candidates, key=lambda c: (c[0], c[1]))
+        block = [f"From `{RESULTS_DIR}/{name}` ({_host(data)}):", ""]
+        per_section[sid].append(block + render_value(data[sid]))
     sources = ", ".join(f"`{RESULTS_DIR}/{name}`" for name, _ in used) or "(none)"
     out = [
         "# Benchmarks",

@@ -108,3 +108,17 @@ def test_make_bench_regenerates_the_page(tmp_path):
         ".venv/bin/python -m benchmarks.run --out bench_results/bench.json",
         ".venv/bin/python -m benchmarks.report",
     ]
+
+
+def test_a_section_in_several_files_shows_only_its_newest_measurement():
+    """A full `make bench` writes every section to bench.json, an `--only` run one section to its
+    own file: the page shows the section once, from the more recent run."""
+    host = {"cpus": 2}
+    older = {"host": host, "started": "2026-01-01T00:00:00", "moe": {"note": "old figure"}, "memory": {"x": 1}}
+    newer = {"host": host, "started": "2026-02-01T00:00:00", "moe": {"note": "new figure"}}
+    page = report.render([("bench.json", older), ("moe.json", newer)])
+    assert "new figure" in page and "old figure" not in page
+    assert page.count("From `bench_results/moe.json`") == 1
+    assert "From `bench_results/bench.json`" in page  # its other section stays
+    flipped = report.render([("bench.json", {**older, "started": "2026-03-01T00:00:00"}), ("moe.json", newer)])
+    assert "old figure" in flipped and "new figure" not in flipped
