@@ -69,6 +69,10 @@ ROUTING_MIN_MARGIN = 1e-6
 
 
 VOCAB = 512
+# The EOS id the harness's "tokenizer" reports (the trainer sets the model's eos_id from the
+# tokenizer): it ends each packed document under --model.attn_mask_type block_causal. 1 is also
+# the shipped tokenizer's EOS.
+EOS = 1
 
 
 def small_layers(model_name: str) -> int:
@@ -102,7 +106,7 @@ def harness_plan(
     ]
     for axis in AXES:
         argv += [f"--parallelism.{axis.name}", str(d[axis.name])]
-    plan = plan_job(load_config(argv), world_size_of(degrees), tokenizer_vocab=VOCAB)
+    plan = plan_job(load_config(argv), world_size_of(degrees), tokenizer_vocab=VOCAB, tokenizer_eos=EOS)
     if opts_kwargs:
         plan = dataclasses.replace(plan, parallelize=dataclasses.replace(plan.parallelize, **opts_kwargs))
     return plan
@@ -124,6 +128,22 @@ def world_size_of(degrees: dict) -> int:
 def make_batch(global_bs: int, seq_len: int, vocab: int):
     g = torch.Generator().manual_seed(SEED + 1)
     tokens = torch.randint(0, vocab, (global_bs, seq_len + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def make_packed_batch(global_bs: int, seq_len: int, vocab: int, mean_doc_len: int = 8):
+    """:func:`make_batch` with EOS at seeded positions instead (none elsewhere): rows of packed
+    documents, 1 to 2 * mean_doc_len - 1 tokens long, cut by the row edges like the trainer's
+    windows, so block-causal masking has several documents per row to keep apart."""
+    inputs, labels = make_batch(global_bs, seq_len, vocab)
+    tokens = torch.cat([inputs, labels[:, -1:]], dim=1)
+    tokens[tokens == EOS] = EOS + 1
+    g = torch.Generator().manual_seed(SEED + 2)
+    for row in tokens:
+        pos = int(torch.randint(0, mean_doc_len, (1,), generator=g))
+        while pos < row.numel():
+            row[pos] = EOS
+            pos += int(torch.randint(1, 2 * mean_doc_len, (1,), generator=g))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
