@@ -49,6 +49,8 @@ LAYOUTS = {
     "llama3-fsdp2-tp2": ("llama3", dict(dp_shard=2, tp=2)),
     "llama3-cp2": ("llama3", dict(cp=2)),
     "llama3-cp2-tp2": ("llama3", dict(cp=2, tp=2)),
+    # FSDP over dp_shard x cp (the README matrix's cp=2,fsdp=2, which tests/e2e runs block-causal)
+    "llama3-fsdp2-cp2": ("llama3", dict(dp_shard=2, cp=2)),
     "llama3-ddp4": ("llama3", dict(dp_replicate=4)),
     "deepseek-fsdp4": ("deepseek_v3", dict(dp_shard=4)),
     "deepseek-tp2": ("deepseek_v3", dict(tp=2)),

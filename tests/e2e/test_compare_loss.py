@@ -15,12 +15,10 @@ stage, masks under tp and ep) only an end-to-end run exercises together with the
 loader, accumulation and optimizer. Running the matrices once more with causal masking would
 double the cost (~3-4 min each); causal layouts stay proven step by step (one optimizer step
 against the single-process model, fp32 bounds) by tests/distributed/test_parallelize_equivalence.py
-(fsdp=4, dp_replicate=2 x fsdp=2, tp=2 x fsdp=2, cp=2 x tp=2, dp_replicate=4; deepseek fsdp=4,
+(fsdp=4, dp_replicate=2 x fsdp=2, tp=2 x fsdp=2, cp=2 x fsdp=2, cp=2 x tp=2, dp_replicate=4; deepseek fsdp=4,
 fsdp=4 x ep=2, fsdp=2 x cp=2 x ep=4, fsdp=2 x tp=2 x ep=2 x etp=2, dp_replicate=2 x fsdp=2 x
 ep=2) and tests/distributed/test_pipeline.py (pp=2 x fsdp=2 with and without accumulation,
-deepseek pp=2 x fsdp=2 x ep=2). The one README layout without its own causal step proof is
-llama3 cp=2 x fsdp=2; its pieces are: llama3 cp=2 and cp=2 x tp=2 (the causal CP kernel) and
-deepseek fsdp=2 x cp=2 x ep=4 (FSDP over the dp_shard x cp mesh). The same-layout-twice and
+deepseek pp=2 x fsdp=2 x ep=2). The same-layout-twice and
 grad-dump tests below stay causal (they reuse the matrices' seed checkpoints only).
 
 Block-causal differs from causal only where a window holds several documents: the shipped
