@@ -35,6 +35,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
 
 from models.common.documents import document_stats
 from models.parallel.pipeline import (
@@ -247,10 +248,11 @@ def _one_step(
         "replica": b + pd.coordinate("cp") + pd.coordinate("tp"),
         "stage_indices": split.stage_indices,
         # (own pp rank, [pp ranks of the communicator warm-up's sends and receives]) per stage:
-        # torch 2.11 runs that warm-up, and a send to oneself fails on gloo
-        "warmup_peers": [
-            (s.group_rank, [op.group_peer for op in s._get_init_p2p_neighbors_ops()]) for s in pipe.stages
-        ],
+        # torch 2.11 runs that warm-up, and a send to oneself fails on gloo; None where the
+        # installed torch has no such warm-up (2.15 removed the method)
+        "warmup_peers": [(s.group_rank, [op.group_peer for op in s._get_init_p2p_neighbors_ops()]) for s in pipe.stages]
+        if hasattr(PipelineStage, "_get_init_p2p_neighbors_ops")
+        else None,
         "loss_rel": abs(loss.item() - ref["loss"]) / abs(ref["loss"]),
         "norm_rel": abs(norm.item() - ref["norm"]) / ref["norm"],
         "fqns": sorted(weights),
@@ -504,6 +506,8 @@ def test_communicator_warm_up_never_sends_to_its_own_rank(pp2_world):
     memory. The warm-up torch 2.11 runs before the first step (2.13 votes instead) must leave
     that pair out, yet still reach the neighbours on the other rank."""
     report = pp2_world[0]["llama3", "ZBVZeroBubble", "causal"]
+    if report["warmup_peers"][0] is None:
+        pytest.skip(f"torch {torch.__version__} has no PipelineStage._get_init_p2p_neighbors_ops warm-up")
     for rank_stages in report["warmup_peers"]:
         peers = [p for own, ps in rank_stages for p in ps]
         owns = {own for own, _ in rank_stages}
