@@ -25,6 +25,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from models.common.attention import (
     AttentionCore,
@@ -325,6 +326,21 @@ def test_flex_matches_sdpa_forward_on_cpu():
         assert _max_err(out, ref) <= LOGIT_ATOL
         causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert _max_err(out, causal) > 1000 * LOGIT_ATOL  # negative control: the masks differ
+
+        # the next micro-batch (other documents, same shapes) reuses the compiled kernel: the
+        # BlockMask and the document ids its mask_mod reads are graph inputs, not constants, so
+        # training does not recompile flex every step (on a GPU: minutes, then dynamo's
+        # recompile limit and an eager fallback that materializes every score). The counter does
+        # catch it: a mask_mod closing over a Python int per micro-batch recompiles (measured:
+        # unique_graphs 1 -> 2)
+        graphs = counters["stats"]["unique_graphs"]
+        other = (torch.arange(s) // 7).expand(2, s).contiguous()  # documents of 7 tokens
+        docs2 = Documents(ids=other, q_positions=docs.q_positions)
+        assert not torch.equal(docs2.ids, docs.ids)
+        out2 = flex(q, k, v, flex.prepare(docs2, 2, s, q.device))
+        assert counters["stats"]["unique_graphs"] == graphs, "flex recompiled for new documents"
+        assert _max_err(out2, sdpa(q, k, v, sdpa.prepare(docs2, 2, s, q.device))) <= LOGIT_ATOL
+        assert _max_err(out2, out) > 1000 * LOGIT_ATOL  # the new documents did change the mask
 
         c = s // (2 * cp)
         starts = (rank * c, (2 * cp - 1 - rank) * c)
