@@ -34,7 +34,7 @@ import sys
 LANE_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "MESHTRAIN_KERNEL_LANE": "portable"}
 
 # models, MoE kernels, optimizer, mixed precision, context parallel, Hugging Face adapters,
-# activation checkpointing, and the lane's own check
+# activation checkpointing, block-causal document masking, and the lane's own check
 NUMERICS_TESTS = [
     "tests/unit/test_kernel_lane.py",
     "tests/unit/test_models.py",
@@ -42,6 +42,7 @@ NUMERICS_TESTS = [
     "tests/unit/test_optim.py",
     "tests/unit/test_hf_adapters.py",
     "tests/unit/test_activation_checkpoint.py",
+    "tests/unit/test_document_masking.py",
     "tests/distributed/test_mixed_precision.py",
     "tests/distributed/test_context_parallel.py",
 ]

@@ -20,6 +20,7 @@ what the negative controls show (plain causal attention moves later documents' l
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -308,6 +309,17 @@ def _qkv_and_docs(s: int):
     return q, k, v, Documents(ids=document_ids(tokens, EOS), q_positions=torch.arange(s))
 
 
+# The kernel lane (tests/kernel_lane.py) runs this file again under ATEN_CPU_CAPABILITY=default;
+# inductor's CPU C++ code does not build there (torch 2.13: at::vec::transpose_block and
+# pack_vnni2 are missing from the scalar vec headers), so the two compiled tests run in the main
+# suite only.
+_NO_INDUCTOR_IN_LANE = pytest.mark.skipif(
+    os.environ.get("MESHTRAIN_KERNEL_LANE") == "portable",
+    reason="inductor's CPU codegen does not build under ATEN_CPU_CAPABILITY=default; the main suite runs it",
+)
+
+
+@_NO_INDUCTOR_IN_LANE
 def test_flex_matches_sdpa_forward_on_cpu():
     """FlexAttention (compiled; torch 2.13 runs its forward on CPU, not its backward) against the
     SDPA reference, on a whole row (AttentionCore) and on the context-parallel chunk path of cp
@@ -434,6 +446,7 @@ def test_activation_checkpointing_block_causal_is_bitwise(name, mode, monkeypatc
     assert all(torch.equal(grads[n], ac_grads[n]) for n in grads)
 
 
+@_NO_INDUCTOR_IN_LANE
 def test_compiled_blocks_block_causal_match_eager():
     """torch.compile per block, as models/parallelize.py does, on a one-layer Llama 3 with
     block_causal: forward and backward. Inductor fuses the elementwise ops (norms, RoPE, SiLU)
