@@ -252,6 +252,32 @@ def reference_step(model_name: str, global_bs: int, seq_len: int, max_norm: floa
     }
 
 
+def build_layout_model(plan: JobPlan):
+    """The plan's model built on meta, parallelized with its options, then materialized on CPU
+    with the harness's seeded, layout-independent init (the mesh must be built already)."""
+    with torch.device("meta"):
+        model = plan.model.model_cls(plan.model_args)
+    parallelize_model(model, plan.parallel_dims, plan.parallelize)
+    model.to_empty(device="cpu")
+    model.init_weights(SEED)
+    return model
+
+
+def build_layout_stages(plan: JobPlan):
+    """:func:`build_layout_model` for a pp plan: the model split along ``plan.stages``, each of
+    this rank's stage modules parallelized and initialized; returns the split."""
+    from models.parallel.pipeline import split_model
+
+    with torch.device("meta"):
+        meta = plan.model.model_cls(plan.model_args)
+    split = split_model(meta, plan.stages, plan.parallel_dims)
+    for module in split.modules:
+        parallelize_model(module, plan.parallel_dims, plan.parallelize)
+        module.to_empty(device="cpu")
+        module.init_weights(SEED)
+    return split
+
+
 def run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm) -> dict:
     """One step under ``degrees`` on this rank (all ranks must call it). Returns the global loss
     and grad norm and this rank's view of the FULL initial weights, grads (before clipping),
@@ -266,11 +292,7 @@ def run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len,
         raise ValueError(f"degrees {degrees} need {plan.world_size} ranks, the launch has {world_size}")
     pd, opts = plan.parallel_dims, plan.parallelize
     pd.build_mesh("cpu")
-    with torch.device("meta"):
-        model = plan.model.model_cls(plan.model_args)
-    parallelize_model(model, pd, opts)
-    model.to_empty(device="cpu")
-    model.init_weights(SEED)
+    model = build_layout_model(plan)
     initial = {n: _full(p) for n, p in model.named_parameters()}
 
     inputs, labels = make_batch(global_bs, seq_len, model.args.vocab_size)

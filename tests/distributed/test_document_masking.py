@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from models.common.documents import document_ids
 from models.common.sequence import load_balanced_shard
-from tests.distributed.parallel_harness import EOS, SEED, VOCAB, harness_plan
+from tests.distributed.parallel_harness import EOS, SEED, VOCAB, build_layout_model, build_layout_stages, harness_plan
 from tools.launcher import run_distributed
 
 BS, SEQ = 2, 32  # seq divisible by 2 * cp * tp = 8
@@ -153,17 +153,12 @@ def _run_model(plan, data: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from models.parallel.tensor_parallel import loss_parallel_context
-    from models.parallelize import parallelize_model
     from trainer.grad_clip import finalize_grads
 
     torch.manual_seed(0)
     pd, opts = plan.parallel_dims, plan.parallelize
     pd.build_mesh("cpu")
-    with torch.device("meta"):
-        model = plan.model.model_cls(plan.model_args)
-    parallelize_model(model, pd, opts)
-    model.to_empty(device="cpu")
-    model.init_weights(SEED)
+    model = build_layout_model(plan)
     rows, shard = _local(pd)
     after = shard(data["after"][rows])
     n_after = int(data["after"].sum())
@@ -193,23 +188,15 @@ def _run_pipeline(plan, data: dict) -> dict:
     from models.parallel.pipeline import (
         build_pipeline_schedule,
         pipeline_step,
-        split_model,
         stage_activation_dtype,
         sum_loss_over_pp,
     )
-    from models.parallelize import parallelize_model
     from trainer.grad_clip import finalize_grads
 
     torch.manual_seed(0)
     pd, opts = plan.parallel_dims, plan.parallelize
     pd.build_mesh("cpu")
-    with torch.device("meta"):
-        meta = plan.model.model_cls(plan.model_args)
-    split = split_model(meta, plan.stages, pd)
-    for module in split.modules:
-        parallelize_model(module, pd, opts)
-        module.to_empty(device="cpu")
-        module.init_weights(SEED)
+    split = build_layout_stages(plan)
     pipe = build_pipeline_schedule(
         split.modules,
         split.stage_indices,

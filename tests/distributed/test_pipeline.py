@@ -54,6 +54,7 @@ from tests.distributed.parallel_harness import (
     SEED,
     VOCAB,
     _optimizer,
+    build_layout_stages,
     harness_plan,
     make_batch,
     make_packed_batch,
@@ -192,18 +193,11 @@ def _one_step(
 
     from models.common.sequence import load_balanced_shard
     from models.parallel.pipeline import pipeline_step, stage_activation_dtype, sum_loss_over_pp
-    from models.parallelize import parallelize_model
     from trainer.grad_clip import clip_grad_norm_, finalize_grads
 
     torch.manual_seed(0)
     pd, opts = plan.parallel_dims, plan.parallelize
-    with torch.device("meta"):
-        meta = plan.model.model_cls(plan.model_args)
-    split = split_model(meta, plan.stages, pd)
-    for module in split.modules:
-        parallelize_model(module, pd, opts)
-        module.to_empty(device="cpu")
-        module.init_weights(SEED)
+    split = build_layout_stages(plan)
     initial = {n: _full(p) for m in split.modules for n, p in m.named_parameters()}
 
     slice_bs = GLOBAL_BS // pd.size("batch")
