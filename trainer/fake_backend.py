@@ -95,6 +95,9 @@ def prepare_fake_config(cfg) -> list[str]:
     if ck.last_save_in_hf:
         ck.last_save_in_hf = False
         off.append("checkpoint.last_save_in_hf")
+    if ck.save_in_hf_every:
+        ck.save_in_hf_every = 0
+        off.append("checkpoint.save_in_hf_every")
     if off:
         notes.append(
             f"comm.mode = fake_backend: checkpoint reading and writing are off ({', '.join(off)} ignored): "

@@ -214,6 +214,7 @@ class MetricsLogger:
         self._tb = None
         self._jsonl = None
         self._last_time = time.perf_counter()
+        self._excluded = 0.0  # seconds to leave out of the interval being timed (checkpoint saves)
         if rank != 0:
             return
         os.makedirs(run_folder, exist_ok=True)
@@ -235,6 +236,12 @@ class MetricsLogger:
     def reset_timer(self) -> None:
         """Exclude non-training time (checkpoint saves, evaluation) from throughput."""
         self._last_time = time.perf_counter()
+        self._excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` spent since the last log (a checkpoint save) out of the next logged
+        interval's time."""
+        self._excluded += seconds
 
     def eta_seconds(self, step: int, now: float) -> float | None:
         """Time left to ``total_steps`` at the pace since the first logged step (which carries
@@ -264,8 +271,8 @@ class MetricsLogger:
         shown as ``data X ms``: when it is a large part of the step, data is the bottleneck.
         Returns the record on rank 0."""
         now = time.perf_counter()
-        elapsed = max(now - self._last_time, 1e-9)
-        self._last_time = now
+        elapsed = max(now - self._last_time - self._excluded, 1e-9)
+        self._last_time, self._excluded = now, 0.0
         eta = self.eta_seconds(step, now)
         self._marks.append((step, now))
         if self.rank != 0:
@@ -308,6 +315,12 @@ class MetricsLogger:
             line += f"  tflops {record['tflops']:7.2f}"
         if "mfu_pct" in record:
             line += f"  mfu {record['mfu_pct']:5.2f}%"
+        if "checkpoint_stall_s" in record:
+            line += f"  ckpt stall {record['checkpoint_stall_s']:.2f}s"
+        if "checkpoint_write_s" in record:
+            line += f"  ckpt write {record['checkpoint_write_s']:.2f}s"
+        if "hf_export_s" in record:
+            line += f"  hf export {record['hf_export_s']:.2f}s"
         if eta is not None:
             line += f"  eta {format_duration(eta)}"
         print(line, flush=True)
@@ -339,6 +352,16 @@ class MetricsLogger:
             f"({steps} steps, {tokens:,} tokens, {seconds:.2f}s)",
             flush=True,
         )
+        self._write(step, record)
+        return record
+
+    def log_checkpoint(self, step: int, values: dict[str, float]) -> dict[str, Any] | None:
+        """Checkpoint metrics that come after the step's line (the last save, finished at the
+        end of training): a metrics.jsonl record and TensorBoard scalars, no console line (the
+        checkpoint manager printed one). Returns the record on rank 0."""
+        if self.rank != 0:
+            return None
+        record: dict[str, Any] = {"step": step, **{k: float(v) for k, v in values.items()}, "time": time.time()}
         self._write(step, record)
         return record
 

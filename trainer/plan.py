@@ -144,6 +144,16 @@ def check_attention_device(cfg: JobConfig, device_type: str, cp: int) -> None:
     _check_varlen_cp(cfg, cp)
 
 
+def check_checkpoint_device(cfg: JobConfig, device_type: str) -> None:
+    """``checkpoint.async_mode = async_with_pinned_mem`` stages into pinned host memory with
+    non-blocking copies from a CUDA side stream: there is no such thing on other devices."""
+    if cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem" and device_type != "cuda":
+        raise ConfigError(
+            f"checkpoint.async_mode='async_with_pinned_mem' copies from CUDA into pinned host memory; this run "
+            f"trains on {device_type}: use checkpoint.async_mode = 'async' (the background write is the same)"
+        )
+
+
 def _torch_version() -> str:
     import torch
 
@@ -210,6 +220,7 @@ def plan_job(
     if pd is not None:
         if device_type is not None:
             attempt(lambda: check_attention_device(cfg, device_type, pd.cp))
+            attempt(lambda: check_checkpoint_device(cfg, device_type))
         else:
             attempt(lambda: _check_varlen_cp(cfg, pd.cp))
     opts = parallelize_options(cfg)

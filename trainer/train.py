@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from torch import nn
 from models.registry import build_model
 from parallel_dims import default_device_type
 from trainer.build import build_model_parts, build_pipeline
+from trainer.checkpoint.async_save import CheckpointWriteFailed
 from trainer.checkpoint.dcp import save_seed_checkpoint
 from trainer.checkpoint.manager import CheckpointManager, check_initial_load
 from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
@@ -187,6 +189,7 @@ class Trainer:
         loss_value, norm_value = torch.stack([loss_total, grad_norm.to(loss_total)]).tolist()
         if self.mode.checks_divergence:
             check_finite(loss_value, norm_value, self.step + 1)
+        self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -262,7 +265,12 @@ class Trainer:
                     apply_train_timeout(cfg.comm.train_timeout_seconds)
                     timeout_applied = True
                 steps_since_log += 1
-                if metrics.should_log(self.step) or self.step == cfg.training.steps:
+                # checkpointing first (a finished background save published, the save or export
+                # due now), so its numbers are in this step's line; its time is not step time
+                ckpt = self.ckpt.after_step(
+                    self.step, last=self.step == cfg.training.steps, phase=lambda what: self._long_phase(what, metrics)
+                )
+                if metrics.should_log(self.step) or self.step == cfg.training.steps or ckpt:
                     metrics.log(
                         self.step,
                         loss=result.loss,
@@ -270,7 +278,7 @@ class Trainer:
                         lr=result.lr,
                         num_tokens=steps_since_log * self.data.tokens_per_step,
                         data_wait_s=data_wait / steps_since_log,
-                        extra=step_extra or None,
+                        extra={**(step_extra or {}), **ckpt} or None,
                     )
                     steps_since_log, data_wait = 0, 0.0
                 if self.validator is not None and self.validator.should_run(self.step):
@@ -280,18 +288,23 @@ class Trainer:
                         self.step, loss=val.loss, steps=val.steps, tokens=val.tokens, seconds=val.seconds
                     )
                     metrics.reset_timer()
-                self.ckpt.maybe_save(
-                    self.step, last=self.step == cfg.training.steps, phase=lambda what: self._long_phase(what, metrics)
-                )
                 self.watchdog.disarm()
+            # the end of training (also of a run stopped early): the save in flight is finished
+            # and published before the process may exit
+            done = self.ckpt.close(phase=lambda what: self._long_phase(what, metrics))
+            if done:
+                metrics.log_checkpoint(self.step, done)
 
     @contextlib.contextmanager
     def _long_phase(self, what: str, metrics: MetricsLogger):
         """A checkpoint save or export after a step: under the watchdog's long-phase deadline,
-        and not counted in the next logged step's time."""
+        and not counted in the step's time."""
         self.watchdog.long_phase(what)
-        yield
-        metrics.reset_timer()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            metrics.exclude(time.perf_counter() - t0)
 
     def _build_instruments(self) -> Instruments:
         """The config's step hooks (trainer/instruments/), built as the loop starts."""
@@ -348,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except CheckpointWriteFailed as exc:  # a save failed mid-run: not bad input, the run stops
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            message = trainer.ckpt.stopped_message(exc) if trainer is not None else str(exc)
+            print(f"error: {message}", file=sys.stderr, flush=True)
         return 1
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         # bad input (config, degrees vs world size, model vs layout, a checkpoint, also when

@@ -73,8 +73,9 @@ def _read_records(path: str) -> list[dict]:
 
 
 def load_metrics(path: str) -> dict[int, dict]:
-    """step -> training record from a metrics.jsonl (evaluation records are left out)."""
-    return {int(rec["step"]): rec for rec in _read_records(path) if "validation_loss" not in rec}
+    """step -> training record from a metrics.jsonl (evaluation records and the checkpoint
+    record written after the last step are left out: a training record has a loss)."""
+    return {int(rec["step"]): rec for rec in _read_records(path) if "loss" in rec}
 
 
 def load_validation(path: str) -> dict[int, dict]:

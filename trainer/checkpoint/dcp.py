@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from trainer.checkpoint.async_save import DrillWriter
+from trainer.checkpoint.drill import drill_point
 from trainer.checkpoint.errors import CheckpointError, read_failure
 from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.state import (
@@ -168,7 +170,7 @@ class CheckpointFolder:
         steps = self.list_steps()
         return steps[-1] if steps else None
 
-    def save(
+    def state(
         self,
         step: int,
         model_parts: Sequence[nn.Module],
@@ -176,7 +178,9 @@ class CheckpointFolder:
         lr_scheduler=None,
         dataloader=None,
         extra: dict[str, Any] | None = None,
-    ) -> str:
+    ) -> dict[str, Any]:
+        """What a resumable step-N checkpoint holds (the live, sharded objects: a synchronous
+        save writes them, an asynchronous one copies them first)."""
         state: dict[str, Any] = {"model": model_state_dict(model_parts)}
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
@@ -189,24 +193,48 @@ class CheckpointFolder:
                     "rng": rng_state(),
                 }
             )
-        return self.save_state(step, state)
+        return state
+
+    def save(
+        self,
+        step: int,
+        model_parts: Sequence[nn.Module],
+        optimizer=None,
+        lr_scheduler=None,
+        dataloader=None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        return self.save_state(step, self.state(step, model_parts, optimizer, lr_scheduler, dataloader, extra))
 
     def save_state(self, step: int, state: dict[str, Any]) -> str:
         """Write an arbitrary DCP state dict as step-N with the tmp-then-rename protocol."""
         pg = self.process_group
-        final = self.step_dir(step)
-        tmp = final + ".tmp"
-        publisher = rank(pg) == 0
-        if publisher:
+        tmp = self.begin(step)
+        writer = DrillWriter(tmp, step=step, rank=rank(pg))
+        run_dcp(dcp.save, state, checkpoint_id=tmp, storage_writer=writer, process_group=pg)
+        return self.publish(step)
+
+    def begin(self, step: int) -> str:
+        """Collective: an empty ``step-N.tmp`` exists for every rank to write into; returns it."""
+        pg = self.process_group
+        tmp = self.step_dir(step) + ".tmp"
+        if rank(pg) == 0:
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)  # left over from a crashed save of this step
             os.makedirs(tmp)
         barrier(pg)
-        run_dcp(dcp.save, state, checkpoint_id=tmp, process_group=pg)
-        barrier(pg)  # every rank's shards are on disk before the rename publishes them
+        return tmp
 
-        if publisher:
-            publish_folder(tmp, final)  # re-saving a step keeps the old one until the new one is in place
+    def publish(self, step: int) -> str:
+        """Collective, once every rank's write of ``step-N.tmp`` returned (DCP returns on every
+        rank only after all shards and the ``.metadata`` are written): rank 0 renames it to
+        ``step-N`` and purges what ``keep_latest_k`` no longer keeps."""
+        pg = self.process_group
+        final = self.step_dir(step)
+        barrier(pg)  # every rank's shards are on disk before the rename publishes them
+        if rank(pg) == 0:
+            drill_point("publish", step, 0)
+            publish_folder(final + ".tmp", final)  # re-saving a step keeps the old one until the new one is in place
             self._purge()
         barrier(pg)
         logger.info("saved checkpoint %s", final)
@@ -218,7 +246,11 @@ class CheckpointFolder:
                 shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
         if self.keep_latest_k > 0:
             for step in self.list_steps()[: -self.keep_latest_k]:
-                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+                # renamed first: a purge cut short leaves a stale ``.old`` folder, never a
+                # half-deleted one under a complete checkpoint's name
+                doomed = self.step_dir(step) + ".old"
+                os.replace(self.step_dir(step), doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
 
     def load(
         self,

@@ -6,27 +6,30 @@
 * :meth:`CheckpointManager.resume`: the run's own latest (or ``load_step``) checkpoint, else
   the initial weights (a Hugging Face folder, or a DCP folder, model only or the whole train
   state);
-* :meth:`CheckpointManager.maybe_save` after each step: a resumable ``step-N`` every
-  ``interval`` steps and at the last step, where ``last_save_model_only`` makes it a
-  consolidated ``model-step-N.pt`` instead and ``last_save_in_hf`` adds ``step-N-hf``.
+* :meth:`CheckpointManager.after_step` after each step: notices a background save that
+  finished (publishes it) or failed (stops the run); a resumable ``step-N`` every ``interval``
+  steps and at the last step (written in the background with ``async_mode``, see
+  trainer/checkpoint/async_save.py), where ``last_save_model_only`` makes it a consolidated
+  ``model-step-N.pt`` instead; a Hugging Face ``step-N-hf`` at the last step
+  (``last_save_in_hf``) and every ``save_in_hf_every`` steps, written from the live model;
+* :meth:`CheckpointManager.close` at the end: waits for the save in flight.
 
-Every rank calls ``resume`` and ``maybe_save`` (they are collective).
+Every rank calls ``resume``, ``after_step`` and ``close`` (they are collective).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from models import registry
+from trainer.checkpoint.async_save import DISABLED, BackgroundSaver, CheckpointWriteFailed, SaveDone, failure_line
 from trainer.checkpoint.dcp import CheckpointFolder, load_checkpoint
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.export import export_consolidated
@@ -92,6 +95,10 @@ class CheckpointManager:
         self.log = log
         self.folder = cfg.resolve_path(self.config.folder)
         self.steps = CheckpointFolder(self.folder, self.config.keep_latest_k)
+        # asynchronous saves: built by every rank (it creates process groups)
+        self.saver: BackgroundSaver | None = None
+        if self.config.enable and self.config.async_mode != DISABLED:
+            self.saver = BackgroundSaver(self.config.async_mode, timeout_s=cfg.comm.init_timeout_seconds)
 
     # ---------------------------------------------------------------- resume
     def resume(self) -> int | None:
@@ -158,66 +165,151 @@ class CheckpointManager:
         """A step-N checkpoint is due (``checkpoint.enable``, every ``interval`` steps and the last)."""
         return self.config.enable and (last or step % self.config.interval == 0)
 
+    def should_export_hf(self, step: int, last: bool = False) -> bool:
+        """A Hugging Face folder is due: ``last_save_in_hf`` at the last step, and every
+        ``save_in_hf_every`` steps."""
+        every = self.config.save_in_hf_every
+        return (last and self.config.last_save_in_hf) or (every > 0 and step % every == 0)
+
+    def after_step(
+        self,
+        step: int,
+        *,
+        last: bool,
+        phase: Callable[[str], AbstractContextManager[Any]] = lambda _what: nullcontext(),
+    ) -> dict[str, float]:
+        """Everything checkpointing does after ``step`` (collective): notice a background save
+        that finished (publish it) or failed (:class:`CheckpointWriteFailed`, exit 1); the save
+        when one is due; the Hugging Face export when one is due. Each save or export runs
+        inside ``phase(description)`` (the trainer's watchdog phase, left out of the step
+        time). Returns the metrics of what happened at this step (empty when nothing did):
+        ``checkpoint_stall_s`` (seconds this save held training), ``checkpoint_write_s`` (seconds
+        from the start of a save to its last byte; for a background save, reported at the step
+        it was noticed finished), ``checkpoint_poll_stall_s`` (seconds a background save held
+        training after it started: completion checks and the publish), ``hf_export_s``."""
+        out: dict[str, float] = {}
+        if self.saver is not None and self.saver.in_flight is not None:
+            out.update(self._finish(self.saver.poll()))
+        if self.should_save(step, last):
+            with phase(f"checkpoint save at step {step}"):
+                t0 = time.monotonic()
+                if self.saver is not None and self.saver.in_flight is not None:
+                    out.update(self._finish(self.saver.poll(block=True)))  # at most one in flight
+                background = self._save(step, last)
+                out["checkpoint_stall_s"] = time.monotonic() - t0
+                if not background:
+                    out["checkpoint_write_s"] = out["checkpoint_stall_s"]
+        if self.should_export_hf(step, last):
+            with phase(f"Hugging Face export at step {step}"):
+                t0 = time.monotonic()
+                self._save_hf(step)
+                out["hf_export_s"] = time.monotonic() - t0
+        return out
+
     def maybe_save(
         self,
         step: int,
         *,
         last: bool,
         phase: Callable[[str], AbstractContextManager[Any]] = lambda _what: nullcontext(),
-    ) -> None:
-        """After ``step``: the checkpoint save when one is due, and at the ``last`` step the
-        Hugging Face export (``last_save_in_hf``). Each runs inside ``phase(description)``
-        (the trainer's watchdog phase and timer reset)."""
-        saved = None
-        if self.should_save(step, last):
-            with phase(f"checkpoint save at step {step}"):
-                saved = self._save(step, last)
-        if last and self.config.last_save_in_hf:
-            with phase(f"Hugging Face export at step {step}"):
-                self._save_hf(step, saved)
+    ) -> dict[str, float]:
+        """:meth:`after_step`, and at the ``last`` step also :meth:`close` (waits for the save)."""
+        out = self.after_step(step, last=last, phase=phase)
+        if last:
+            out.update(self.close(phase=phase))
+        return out
 
-    def _save(self, step: int, last: bool) -> str | None:
-        """Returns the resumable step-N folder written, or None for a consolidated export."""
+    def wait_for_staging(self) -> None:
+        """Before the optimizer changes the weights: the in-flight save's copy of them is
+        complete (only ``async_with_pinned_mem`` copies in the background)."""
+        if self.saver is not None:
+            self.saver.wait_for_staging()
+
+    def close(
+        self, *, phase: Callable[[str], AbstractContextManager[Any]] = lambda _what: nullcontext()
+    ) -> dict[str, float]:
+        """The end of training (collective): wait for the save in flight, publish it, release
+        the staging buffers. Returns its metrics (empty when nothing was in flight)."""
+        out: dict[str, float] = {}
+        if self.saver is None:
+            return out
+        if self.saver.in_flight is not None:
+            with phase(f"waiting for the checkpoint of step {self.saver.in_flight}"):
+                out = self._finish(self.saver.poll(block=True))
+        self.saver.close()
+        return out
+
+    def _finish(self, done: SaveDone | None) -> dict[str, float]:
+        """Publish a background save every rank finished; its metrics."""
+        if done is None:
+            return {}
+        t0 = time.monotonic()
+        path = self.steps.publish(done.step)
+        stall = done.poll_stall_s + time.monotonic() - t0
+        self.log(f"saved checkpoint {path} (written in the background in {done.write_s:.2f}s)")
+        return {"checkpoint_write_s": done.write_s, "checkpoint_poll_stall_s": stall}
+
+    def _save(self, step: int, last: bool) -> bool:
+        """The save due at ``step``; True when it goes on in the background."""
         c = self.config
         if last and c.last_save_model_only and c.last_save_in_hf:
-            return None  # the Hugging Face folder replaces the consolidated export
+            return False  # the Hugging Face folder replaces the consolidated export
         if last and c.last_save_model_only:
             path = os.path.join(self.folder, f"model-step-{step}.pt")
             export_consolidated(self.model_parts, path, c.export_dtype)
             self.log(f"exported consolidated weights to {path}")
-            return None
-        path = self.steps.save(
+            return False
+        state = self.steps.state(
             step, self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, extra={"step": step}
         )
+        if self.saver is not None:
+            tmp = self.steps.begin(step)
+            self.saver.start(step, state, tmp)
+            self.log(f"checkpoint of step {step}: writing {tmp} in the background ({c.async_mode})")
+            return True
+        try:
+            path = self.steps.save_state(step, state)
+        except BaseException as exc:  # DCP raises a CheckpointException (a BaseException) on every rank
+            line = failure_line(exc, step)
+            if line is None:
+                raise
+            raise CheckpointWriteFailed(line) from exc
         self.log(f"saved checkpoint {path}")
-        return path
+        return False
 
-    def _save_hf(self, step: int, dcp_step_dir: str | None) -> str:
-        """The final weights as a Hugging Face folder ``<checkpoint.folder>/step-N-hf``,
-        converted from the step-N checkpoint just written or, without one, from a temporary
-        DCP save (every rank writes its shards; the conversion is spread over the ranks)."""
+    def stopped_message(self, exc: CheckpointWriteFailed) -> str:
+        """The one line printed when a save failed: what failed and what is still on disk."""
+        newest = self.steps.latest_step()
+        kept = (
+            f"its newest complete checkpoint, step-{newest}, is intact"
+            if newest is not None
+            else "it has no complete checkpoint"
+        )
+        return (
+            f"{exc}; training stopped. {self.folder}: {kept}. Fix the folder (free space, permissions) "
+            f"and run the same command again to resume"
+        )
+
+    def _save_hf(self, step: int) -> str:
+        """The weights as a Hugging Face folder ``<checkpoint.folder>/step-N-hf``, written from
+        the live sharded model (every rank writes the files it is given; no temporary DCP)."""
         c = self.config
         out = os.path.join(self.folder, f"step-{step}-hf")
-        tmp_dcp = None
-        if dcp_step_dir is None:
-            tmp_dcp = self.steps.step_dir(step) + "-hf.dcp.tmp"
-            if dist.get_rank() == 0:
-                os.makedirs(self.folder, exist_ok=True)
-                if os.path.exists(tmp_dcp):
-                    shutil.rmtree(tmp_dcp)
-            dist.barrier()
-            dcp.save({"model": model_state_dict(self.model_parts)}, checkpoint_id=tmp_dcp)
-            dist.barrier()
-            dcp_step_dir = tmp_dcp
-        export_dcp_to_hf(
-            dcp_step_dir,
-            out,
-            self.cfg.model.name,
-            self.model_args,
-            dtype=c.export_dtype,
-            progress=lambda msg: logger.info("hf export: %s", msg),
-        )
-        if tmp_dcp is not None and dist.get_rank() == 0:
+        tmp_dcp = self.steps.step_dir(step) + "-hf.dcp.tmp"  # INTERIM until hf_live lands
+        import shutil
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if dist.get_rank() == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            if os.path.exists(tmp_dcp):
+                shutil.rmtree(tmp_dcp)
+        dist.barrier()
+        dcp.save({"model": model_state_dict(self.model_parts)}, checkpoint_id=tmp_dcp)
+        dist.barrier()
+        export_dcp_to_hf(tmp_dcp, out, self.cfg.model.name, self.model_args, dtype=c.export_dtype)
+        if dist.get_rank() == 0:
             shutil.rmtree(tmp_dcp, ignore_errors=True)
         self.log(f"wrote Hugging Face folder {out} ({c.export_dtype})")
         return out

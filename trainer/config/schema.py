@@ -221,6 +221,15 @@ class Checkpoint:
     folder: str = _opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
     interval: int = _opt(500, "Save every N steps (the last step is always saved).")
     keep_latest_k: int = _opt(10, "Keep the newest K checkpoints; 0 keeps all.")
+    async_mode: str = _opt(
+        "disabled",
+        "How a resumable checkpoint is written: disabled = training waits for the whole save; async = "
+        "the state is copied to CPU memory (training waits for that only) and written by a background "
+        "thread while training goes on; async_with_pinned_mem (CUDA) = the copy goes into pinned host "
+        "buffers reused by every save, in the background, and a separate process writes. At most one "
+        "save is in flight; a failed background write stops the run (exit 1).",
+        choices=("disabled", "async", "async_with_pinned_mem"),
+    )
     load_step: int = _opt(-1, "Step to resume from; -1 = latest found in the folder.")
     create_seed_checkpoint: bool = _opt(
         False, "Only initialise the model, save it as step-0 and exit (run with 1 process)."
@@ -246,6 +255,11 @@ class Checkpoint:
         "from_pretrained loads it; export_dtype) to <dump_folder>/<checkpoint.folder>/step-N-hf; "
         "works without checkpoint.enable. With checkpoint.enable the resumable step-N is still "
         "written, unless last_save_model_only, where the folder replaces the .pt export.",
+    )
+    save_in_hf_every: int = _opt(
+        0,
+        "Also write a Hugging Face folder step-N-hf (export_dtype) every N steps, from the live model "
+        "(each rank writes its files; training waits for it); 0 = off. Works without checkpoint.enable.",
     )
     exclude_from_loading: list[str] = _opt(
         [], "Parts not restored on resume: optimizer, lr_scheduler, dataloader, rng."

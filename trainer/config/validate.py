@@ -132,6 +132,7 @@ def _validate_values(cfg: JobConfig) -> None:
 
     c = cfg.checkpoint
     need(c.interval > 0, f"checkpoint.interval must be > 0, got {c.interval}")
+    need(c.save_in_hf_every >= 0, f"checkpoint.save_in_hf_every must be >= 0 (0 = off), got {c.save_in_hf_every}")
     need(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
     need(c.load_step >= -1, f"checkpoint.load_step must be >= 0 or -1 (latest), got {c.load_step}")
     if c.initial_load_in_hf:
