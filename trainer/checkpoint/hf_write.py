@@ -1,5 +1,6 @@
-"""Writing Hugging Face folders: a run's final export (``checkpoint.last_save_in_hf``) and
-``scripts/convert_hf.py to-hf``, both from a DCP checkpoint (:func:`export_dcp_to_hf`).
+"""Writing Hugging Face folders: from a DCP checkpoint (:func:`export_dcp_to_hf`, for
+``scripts/convert_hf.py to-hf``) and the plan and folder frame it shares with the export from
+the live model (:mod:`trainer.checkpoint.hf_live`): :class:`HFExportPlan`, :func:`write_hf_folder`.
 
 ``to_hf`` per group of tensors (a layer), shards of at most ``max_shard_bytes`` named
 ``model-0000i-of-0000N.safetensors`` (or one ``model.safetensors``), the index with
