@@ -6,12 +6,16 @@ manager.py      :class:`CheckpointManager`, the trainer's checkpoint policy: res
 dcp.py          DCP step folders ``<folder>/step-N``: save, load, retention, seed checkpoint
 state.py        what a DCP checkpoint holds (model parts, RNG, train-state blob), process helpers
 folders.py      publishing a folder written under ``<final>.tmp`` (keeps ``<final>.old`` until done)
-export.py       consolidated ``.pt`` / ``.safetensors`` weights (``python -m trainer.checkpoint``)
+export.py       consolidated ``.pt`` / ``.safetensors`` weights (from the live model or a DCP
+                folder: ``python -m trainer.checkpoint``)
 errors.py       :class:`CheckpointError` (bad input: one line, exit code 2), read failures
 hf_format.py    Hugging Face folder format: file names, dtypes, the safetensors header parser
 hf_reader.py    a checked Hugging Face folder and its memory-mapped, slice-reading reader
 hf_load.py      Hugging Face weights into this rank's (sharded) model parts
-hf_write.py     DCP checkpoint -> Hugging Face folder (final export, ``convert_hf.py to-hf``)
+hf_write.py     DCP checkpoint -> Hugging Face folder (``convert_hf.py to-hf``); the folder plan
+                and writer frame shared with hf_live.py
+hf_live.py      live sharded model -> Hugging Face folder, no temporary DCP (final export)
+live.py         full tensors of the live sharded model gathered to one rank (hf_live, export)
 convert.py      Hugging Face folder -> DCP folder (``convert_hf.py to-dcp``)
 ==============  ==============================================================================
 

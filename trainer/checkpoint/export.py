@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +18,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainer.checkpoint.errors import CheckpointError
-from trainer.checkpoint.state import barrier, distributed, export_dtype, is_complete, model_state_dict, rank
+from trainer.checkpoint.live import LiveModel
+from trainer.checkpoint.state import barrier, distributed, export_dtype, is_complete, rank
 from trainer.files import atomic_path
 
 __all__ = ["export_checkpoint", "export_consolidated"]
@@ -69,8 +69,10 @@ def export_consolidated(
 
     Collective. Without pipeline parallelism rank 0 holds every FQN and the weights are
     gathered with ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``. With
-    pipeline stages on other ranks, rank 0 cannot gather their weights that way, so the
-    parts are written to a temporary sharded DCP checkpoint and rank 0 consolidates it.
+    pipeline stages on other ranks, rank 0 cannot gather their weights that way, so each
+    tensor is gathered by the ranks that hold it and the first of them sends it to rank 0,
+    already in the export dtype (:class:`~trainer.checkpoint.live.LiveModel`): rank 0 holds the
+    model in the export dtype, which it writes anyway; no temporary checkpoint is written.
     """
     pg = process_group
     writer = rank(pg) == 0
@@ -88,14 +90,11 @@ def export_consolidated(
             _write_consolidated(full, path, dtype)
         barrier(pg)
         return path
-    tmp = path + ".dcp.tmp"
-    if writer and os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    barrier(pg)
-    dcp.save({"model": model_state_dict(model_parts)}, checkpoint_id=tmp, process_group=pg)
-    barrier(pg)
+    target = export_dtype(dtype)
+    live = LiveModel(model_parts, pg)
+    state = live.fetch(live.order, 0, cast=lambda t: t.to(target) if t.is_floating_point() else t)
     if writer:
-        export_checkpoint(tmp, path, dtype)
-        shutil.rmtree(tmp)
+        _write_consolidated(state, path, dtype)
+    del state
     barrier(pg)
     return path

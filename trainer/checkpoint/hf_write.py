@@ -1,5 +1,6 @@
-"""Writing Hugging Face folders: a run's final export (``checkpoint.last_save_in_hf``) and
-``scripts/convert_hf.py to-hf``, both from a DCP checkpoint (:func:`export_dcp_to_hf`).
+"""Writing Hugging Face folders: from a DCP checkpoint (:func:`export_dcp_to_hf`, for
+``scripts/convert_hf.py to-hf``) and the plan and folder frame it shares with the export from
+the live model (:mod:`trainer.checkpoint.hf_live`): :class:`HFExportPlan`, :func:`write_hf_folder`.
 
 ``to_hf`` per group of tensors (a layer), shards of at most ``max_shard_bytes`` named
 ``model-0000i-of-0000N.safetensors`` (or one ``model.safetensors``), the index with
@@ -17,6 +18,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,14 +40,17 @@ from trainer.cli_errors import unwrap_dcp
 from trainer.files import atomic_path, atomic_write, fsync_dir
 
 __all__ = [
+    "HFExportPlan",
     "HFFolderWriter",
     "dcp_model_meta",
     "export_dcp_to_hf",
     "layer_groups",
+    "plan_hf_export",
     "plan_shards",
     "prepare_tensor",
     "shard_names",
     "stored_dtype",
+    "write_hf_folder",
 ]
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
@@ -207,6 +212,105 @@ def _hf_of_group(adapter, group_state: Mapping[str, Tensor], placeholders: Mappi
     return {h: hf[h] for h in wanted}
 
 
+@dataclass
+class HFExportPlan:
+    """What a Hugging Face folder of one model holds, from shapes only: which of our keys make
+    each layer group, which Hugging Face keys each shard file holds (and their stored dtypes).
+    Shared by the DCP converter (:func:`export_dcp_to_hf`) and the live export
+    (:func:`trainer.checkpoint.hf_live.export_model_to_hf`), so both write the same folder."""
+
+    adapter: Any
+    dtype: torch.dtype  # the export dtype
+    placeholders: dict[str, Tensor]  # our key -> meta tensor
+    group_keys: dict[str, list[str]]  # layer group -> our keys, in order
+    files: list[list[str]]  # shard file -> its Hugging Face keys
+    group_of: dict[str, str]  # Hugging Face key -> layer group
+    dtypes: dict[str, torch.dtype]  # Hugging Face key -> stored dtype
+    total_size: int
+
+    @property
+    def names(self) -> list[str]:
+        return shard_names(len(self.files))
+
+    def file_groups(self, i: int) -> list[str]:
+        """The layer groups shard file ``i`` needs, in order."""
+        return list(dict.fromkeys(self.group_of[h] for h in self.files[i]))
+
+    def to_hf(self, group_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Full tensors of one group (our keys) -> its Hugging Face tensors."""
+        return _hf_of_group(self.adapter, group_state, self.placeholders)
+
+    def file_tensors(self, i: int, hf_groups: Mapping[str, Mapping[str, Tensor]]) -> dict[str, Tensor]:
+        """Shard file ``i``'s tensors, in their stored dtypes, from its groups' Hugging Face tensors."""
+        return {h: prepare_tensor(hf_groups[self.group_of[h]][h], self.dtypes[h]) for h in self.files[i]}
+
+    def config(self) -> dict:
+        return self.adapter.hf_config(_dtype_name(self.dtype))
+
+
+def plan_hf_export(
+    adapter,
+    meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    dtype: str | torch.dtype,
+    max_shard_bytes: int,
+) -> HFExportPlan:
+    """The plan of the folder for our full tensors of shapes and dtypes ``meta`` (every key of
+    ``adapter.our_keys()``, checked by the caller)."""
+    target = export_dtype(dtype)
+    ours = adapter.our_keys()
+    # to_hf on meta tensors gives every Hugging Face key and shape
+    placeholders = {k: torch.empty(s, dtype=meta[k][1], device="meta") for k, s in ours.items()}
+    groups = layer_groups(ours)
+    hf_meta: list[tuple[str, str, Tensor]] = []  # (group, hf key, meta tensor)
+    for gname, keys in groups:
+        for h, t in _hf_of_group(adapter, {k: placeholders[k] for k in keys}, placeholders).items():
+            hf_meta.append((gname, h, t))
+    expected = adapter.hf_keys()
+    produced = {h: tuple(t.shape) for _, h, t in hf_meta}
+    if produced != {k: tuple(v) for k, v in expected.items()}:
+        raise RuntimeError(f"{type(adapter).__name__}.to_hf does not produce exactly hf_keys()")
+    dtypes = {h: stored_dtype(t, target, adapter.keep_in_fp32(h)) for _, h, t in hf_meta}
+    sizes = [(h, t.numel() * dtypes[h].itemsize) for _, h, t in hf_meta]
+    return HFExportPlan(
+        adapter=adapter,
+        dtype=target,
+        placeholders=placeholders,
+        group_keys=dict(groups),
+        files=plan_shards(sizes, max_shard_bytes),
+        group_of={h: g for g, h, _ in hf_meta},
+        dtypes=dtypes,
+        total_size=sum(n for _, n in sizes),
+    )
+
+
+def write_hf_folder(
+    plan: HFExportPlan, out_dir: str, write_shards: Callable[[HFFolderWriter], None], process_group=None
+) -> str:
+    """The frame of a (collective) folder write: rank 0 starts ``<out>.tmp``, every rank runs
+    ``write_shards(writer)`` (its part of the shard files), then rank 0 writes the index and
+    config files and publishes the folder."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(process_group) if distributed else 0
+    writer = HFFolderWriter(out_dir)
+    if rank == 0:
+        writer.start()
+    if distributed:
+        dist.barrier(group=process_group)
+    try:
+        write_shards(writer)
+    except BaseException:
+        if not distributed:
+            writer.abort()
+        raise
+    if distributed:
+        dist.barrier(group=process_group)
+    if rank == 0:
+        writer.commit(plan.config(), plan.files, plan.total_size)
+    if distributed:
+        dist.barrier(group=process_group)
+    return os.path.abspath(out_dir)
+
+
 def export_dcp_to_hf(
     dcp_dir: str,
     out_dir: str,
@@ -227,7 +331,7 @@ def export_dcp_to_hf(
     holds at most the layer groups of the file it is writing (ours and Hugging Face's) plus that
     file's tensors."""
     say = progress or (lambda _m: None)
-    target = export_dtype(dtype)
+    export_dtype(dtype)  # a bad dtype fails before the checkpoint is read
     adapter = registry.get_hf_adapter(model_name, args)
     meta = dcp_model_meta(dcp_dir)
     ours = adapter.our_keys()
@@ -244,55 +348,24 @@ def export_dcp_to_hf(
             f"checkpoint {dcp_dir}: {k} has shape {list(got)}, expected {list(want)} for {model_name} with these args: "
             f"pick the flavor (and model.n_layers / vocab_size) it was trained with"
         )
+    plan = plan_hf_export(adapter, meta, dtype, max_shard_bytes)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     world = dist.get_world_size(process_group) if distributed else 1
 
-    # plan from shapes only: to_hf on meta tensors gives every Hugging Face key and shape
-    placeholders = {k: torch.empty(s, dtype=meta[k][1], device="meta") for k, s in ours.items()}
-    groups = layer_groups(ours)
-    hf_meta: list[tuple[str, str, Tensor]] = []  # (group, hf key, meta tensor)
-    for gname, keys in groups:
-        for h, t in _hf_of_group(adapter, {k: placeholders[k] for k in keys}, placeholders).items():
-            hf_meta.append((gname, h, t))
-    expected = adapter.hf_keys()
-    produced = {h: tuple(t.shape) for _, h, t in hf_meta}
-    if produced != {k: tuple(v) for k, v in expected.items()}:
-        raise RuntimeError(f"{type(adapter).__name__}.to_hf does not produce exactly hf_keys()")
-    dtypes = {h: stored_dtype(t, target, adapter.keep_in_fp32(h)) for _, h, t in hf_meta}
-    sizes = [(h, t.numel() * dtypes[h].itemsize) for _, h, t in hf_meta]
-    files = plan_shards(sizes, max_shard_bytes)
-    names = shard_names(len(files))
-    group_of = {h: g for g, h, _ in hf_meta}
-    group_keys = dict(groups)
-
-    writer = HFFolderWriter(out_dir)
-    if rank == 0:
-        writer.start()
-    if distributed:
-        dist.barrier(group=process_group)
-    try:
-        mine = [i for i in range(len(files)) if i % world == rank]
+    def write_mine(writer: HFFolderWriter) -> None:
+        names = plan.names
         cache: dict[str, dict[str, Tensor]] = {}  # group -> its Hugging Face tensors
-        for i in mine:
-            needed = list(dict.fromkeys(group_of[h] for h in files[i]))
+        for i in range(rank, len(plan.files), world):
+            needed = plan.file_groups(i)
             for g in list(cache):
                 if g not in needed:
                     del cache[g]
             for g in needed:
                 if g not in cache:
-                    cache[g] = _hf_of_group(adapter, _dcp_read(dcp_dir, group_keys[g], meta), placeholders)
-            writer.write_file(names[i], {h: prepare_tensor(cache[group_of[h]][h], dtypes[h]) for h in files[i]})
-            say(f"wrote {names[i]} ({len(files[i])} tensors) [{i + 1}/{len(files)}]")
+                    cache[g] = plan.to_hf(_dcp_read(dcp_dir, plan.group_keys[g], meta))
+            writer.write_file(names[i], plan.file_tensors(i, cache))
+            say(f"wrote {names[i]} ({len(plan.files[i])} tensors) [{i + 1}/{len(plan.files)}]")
         cache.clear()
-    except BaseException:
-        if not distributed:
-            writer.abort()
-        raise
-    if distributed:
-        dist.barrier(group=process_group)
-    if rank == 0:
-        writer.commit(adapter.hf_config(_dtype_name(target)), files, sum(n for _, n in sizes))
-    if distributed:
-        dist.barrier(group=process_group)
-    return os.path.abspath(out_dir)
+
+    return write_hf_folder(plan, out_dir, write_mine, process_group)
