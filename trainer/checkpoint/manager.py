@@ -33,10 +33,9 @@ from trainer.checkpoint.async_save import DISABLED, BackgroundSaver, CheckpointW
 from trainer.checkpoint.dcp import CheckpointFolder, load_checkpoint
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.export import export_consolidated
+from trainer.checkpoint.hf_live import export_model_to_hf
 from trainer.checkpoint.hf_load import load_hf_into_model
 from trainer.checkpoint.hf_reader import HFCheckpoint, validate_hf_checkpoint
-from trainer.checkpoint.hf_write import export_dcp_to_hf
-from trainer.checkpoint.state import model_state_dict
 
 __all__ = ["CheckpointManager", "check_initial_load"]
 
@@ -295,21 +294,13 @@ class CheckpointManager:
         the live sharded model (every rank writes the files it is given; no temporary DCP)."""
         c = self.config
         out = os.path.join(self.folder, f"step-{step}-hf")
-        tmp_dcp = self.steps.step_dir(step) + "-hf.dcp.tmp"  # INTERIM until hf_live lands
-        import shutil
-
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        if dist.get_rank() == 0:
-            os.makedirs(self.folder, exist_ok=True)
-            if os.path.exists(tmp_dcp):
-                shutil.rmtree(tmp_dcp)
-        dist.barrier()
-        dcp.save({"model": model_state_dict(self.model_parts)}, checkpoint_id=tmp_dcp)
-        dist.barrier()
-        export_dcp_to_hf(tmp_dcp, out, self.cfg.model.name, self.model_args, dtype=c.export_dtype)
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp_dcp, ignore_errors=True)
+        export_model_to_hf(
+            self.model_parts,
+            out,
+            self.cfg.model.name,
+            self.model_args,
+            dtype=c.export_dtype,
+            progress=lambda msg: logger.info("hf export: %s", msg),
+        )
         self.log(f"wrote Hugging Face folder {out} ({c.export_dtype})")
         return out
