@@ -7,8 +7,10 @@ saved with ``save_pretrained`` in several shards. Then:
   transformers computes on the same global batch (rtol 1e-5);
 * its ``last_save_in_hf`` folder loads with ``AutoModelForCausalLM.from_pretrained``, whose
   logits equal ours on the run's final weights (rtol 1e-5), and holds exactly those weights;
-* a pp=2 run without ``checkpoint.enable`` (export through a temporary sharded save) at lr 0
-  exports exactly the tensors it loaded;
+* a pp=2 run without ``checkpoint.enable`` (exported from the live stages, layers sent to the
+  file writers across stages) at lr 0 exports exactly the tensors it loaded;
+* ``save_in_hf_every`` during a run with asynchronous checkpoints: every ``step-N-hf`` holds
+  exactly what ``convert_hf.py to-hf`` makes of the ``step-N`` checkpoint saved at that step;
 * ``convert_hf.py to-dcp`` (flavor inferred) and training from the DCP folder gives the same
   step-1 loss, bit for bit, as loading the Hugging Face folder directly; ``to-hf`` of that DCP
   folder gives back every tensor bit for bit;
@@ -128,8 +130,8 @@ def test_last_save_in_hf_loads_in_transformers(hf_run):
 
 
 def test_pipeline_run_exports_exactly_what_it_loaded(hf_dir, tmp_path):
-    """pp=2 (each stage loads only its layers) without checkpoint.enable (the export goes through
-    a temporary sharded save) and lr 0: the exported folder holds the input's tensors, bit for bit."""
+    """pp=2 (each stage loads only its layers) without checkpoint.enable (the export is written
+    from the live stages) and lr 0: the exported folder holds the input's tensors, bit for bit."""
     from trainer.checkpoint.hf_reader import open_hf_checkpoint
 
     run = tmp_path / "pp"
@@ -154,12 +156,62 @@ def test_pipeline_run_exports_exactly_what_it_loaded(hf_dir, tmp_path):
         "true",
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-1-hf"]  # temporary save removed
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-1-hf"]  # no temporary save
     src, dst = open_hf_checkpoint(str(hf_dir)), open_hf_checkpoint(str(run / "checkpoint" / "step-1-hf"))
     assert set(src.tensors) == set(dst.tensors)
     with src.reader() as a, dst.reader() as b:
         for key in src.tensors:
             assert torch.equal(a.read(key), b.read(key)), key
+
+
+def test_hf_every_n_steps_equals_the_offline_conversion_of_that_steps_checkpoint(tmp_path):
+    """fsdp=2, async checkpoints and a Hugging Face folder every 2 steps: the live export at step N
+    (written while the background save of step N may still be in flight) and the offline
+    conversion of the published step-N checkpoint hold the same tensors, bit for bit (the same
+    weights through the same conversion: a file round trip). The weights change every step, so
+    a folder exported at another step would differ."""
+    from trainer.checkpoint.hf_reader import open_hf_checkpoint
+
+    run = tmp_path / "every"
+    res = run_train(
+        2,
+        *LLAMA,
+        "--parallelism.dp_shard",
+        "2",
+        "--training.steps",
+        "4",
+        "--job.dump_folder",
+        str(run),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.save_in_hf_every",
+        "2",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    ck = run / "checkpoint"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-2-hf", "step-4", "step-4-hf"]
+    assert res.stdout.count("(written in the background in") == 2
+    tensors = {}
+    for step in (2, 4):
+        out = tmp_path / f"offline-{step}"
+        conv = _convert("to-hf", str(ck / f"step-{step}"), str(out), "--model", "llama3", "--dtype", "float32")
+        assert conv.returncode == 0, conv.stderr[-3000:]
+        live, offline = open_hf_checkpoint(str(ck / f"step-{step}-hf")), open_hf_checkpoint(str(out))
+        assert set(live.tensors) == set(offline.tensors)
+        with live.reader() as a, offline.reader() as b:
+            tensors[step] = {key: a.read(key) for key in live.tensors}
+            for key in live.tensors:
+                assert torch.equal(tensors[step][key], b.read(key)), (step, key)
+    # negative control: the two exports differ (training moved the weights between them)
+    assert not torch.equal(
+        tensors[2]["model.layers.0.self_attn.q_proj.weight"], tensors[4]["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def _convert(*args: str) -> subprocess.CompletedProcess:
