@@ -1,0 +1,301 @@
+"""Background checkpoint saves (trainer/checkpoint/async_save.py, ``checkpoint.async_mode``) in
+one gloo process: the staged copy is isolated from training, at most one save is in flight,
+retention purges only complete checkpoints, the kill-drill spec parser, the one-line failure
+messages, and the config checks of the new options."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tests.unit.test_checkpoint_dcp import Net, loader, same_params, train_state
+from trainer.checkpoint.async_save import (
+    BackgroundSaver,
+    CheckpointWriteFailed,
+    DrillWriter,
+    describe_failure,
+    failure_line,
+)
+from trainer.checkpoint.dcp import CheckpointFolder
+from trainer.checkpoint.drill import _wanted
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.config import ConfigError, load_config
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.plan import plan_job
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def gloo(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(["--config", "llama3.toml", "--job.dump_folder", str(tmp_path / "run"), *overrides])
+
+
+def _manager(cfg, model, opt=None, sched=None, data=None, lines=None):
+    return CheckpointManager(
+        cfg,
+        model_parts=[model],
+        optimizer=opt,
+        lr_scheduler=sched,
+        dataloader=data,
+        model_args=None,
+        log=(lines.append if lines is not None else lambda _m: None),
+    )
+
+
+def _fresh(cfg, seed=7):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = build_optimizer([model], cfg)
+    return model, opt, build_lr_scheduler(opt, cfg), loader()
+
+
+def _gate_writes(monkeypatch):
+    """Hold every background write until the returned event is set (the writer thread waits
+    in DrillWriter.write_data, before any file is written)."""
+    gate = threading.Event()
+    real = DrillWriter.write_data
+
+    def held(self, plan, planner):
+        assert gate.wait(60), "the test never released the write"
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(DrillWriter, "write_data", held)
+    return gate
+
+
+def test_staged_copy_is_isolated_from_training(gloo, tmp_path, monkeypatch):
+    """The save of step 2 copies the state when it starts: weights and Adam moments changed in
+    place right after (while the write is held back) are not what the checkpoint holds."""
+    cfg = _cfg(tmp_path, "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    model, opt, sched, data = train_state()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    adam = opt.optimizers[0].state[model.output.weight]
+    exp_avg = adam["exp_avg"].clone()
+    gate = _gate_writes(monkeypatch)
+    lines: list[str] = []
+    mgr = _manager(cfg, model, opt, sched, data, lines)
+    out = mgr.after_step(2, last=False)
+    assert mgr.saver.in_flight == 2 and "checkpoint_stall_s" in out and "checkpoint_write_s" not in out
+    with torch.no_grad():  # training goes on: every tensor changes in place
+        for p in model.parameters():
+            p.add_(1.0)
+        adam["exp_avg"].mul_(-3.0)
+    gate.set()
+    done = mgr.close()
+    assert done["checkpoint_write_s"] > 0 and done["checkpoint_poll_stall_s"] >= 0
+    assert lines[-1].startswith(f"saved checkpoint {os.path.join(mgr.folder, 'step-2')} (written in the background")
+    assert CheckpointFolder(mgr.folder).list_steps() == [2]
+
+    model2, opt2, sched2, data2 = _fresh(cfg)
+    assert _manager(cfg, model2, opt2, sched2, data2).resume() == 2
+    after = model2.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)  # bitwise the values at the save
+    assert torch.equal(opt2.optimizers[0].state[model2.output.weight]["exp_avg"], exp_avg)
+    # negative control: the live model really did change
+    assert not same_params(model, model2)
+
+
+def test_at_most_one_save_in_flight(gloo, tmp_path, monkeypatch):
+    """A save due while the previous one is still written waits for it (and publishes it) before
+    it starts; the saver refuses a second start outright."""
+    cfg = _cfg(tmp_path, "--checkpoint.interval", "1", "--checkpoint.async_mode", "async")
+    model, opt, sched, data = train_state()
+    gate = _gate_writes(monkeypatch)
+    lines: list[str] = []
+    mgr = _manager(cfg, model, opt, sched, data, lines)
+    mgr.after_step(1, last=False)
+    with pytest.raises(RuntimeError, match="save of step 1 still in flight"):
+        mgr.saver.start(2, {"x": torch.zeros(1)}, str(tmp_path / "elsewhere"))
+    # a non-blocking poll while the write is held: still in flight, nothing published
+    assert mgr.saver.poll() is None and mgr.saver.in_flight == 1
+    assert CheckpointFolder(mgr.folder).list_steps() == []
+    timer = threading.Timer(0.5, gate.set)
+    timer.start()
+    out = mgr.after_step(2, last=False)  # waits for step 1 (released after 0.5 s), then starts step 2
+    timer.join()
+    assert out["checkpoint_stall_s"] >= 0.4, out  # it really waited
+    assert "checkpoint_write_s" in out  # step 1's write time, noticed at this step
+    assert mgr.saver.in_flight == 2
+    assert CheckpointFolder(mgr.folder).list_steps() == [1]
+    mgr.close()
+    assert CheckpointFolder(mgr.folder).list_steps() == [1, 2]
+    assert mgr.saver.in_flight is None
+
+
+def test_keep_latest_k_purges_only_complete_checkpoints(gloo, tmp_path, monkeypatch):
+    """keep_latest_k = 1: publishing step 2 removes step 1 and a step-9.tmp left by a crash, but
+    never the step-3.tmp being written (it is purged only by being published)."""
+    cfg = _cfg(tmp_path, "--checkpoint.interval", "1", "--checkpoint.async_mode", "async",
+               "--checkpoint.keep_latest_k", "1")  # fmt: skip
+    model, opt, sched, data = train_state()
+    gate = _gate_writes(monkeypatch)
+    gate.set()
+    mgr = _manager(cfg, model, opt, sched, data)
+    folder = Path(mgr.folder)
+    mgr.after_step(1, last=False)
+    mgr.after_step(2, last=False)  # publishes step 1
+    assert sorted(os.listdir(folder)) == ["step-1", "step-2.tmp"]
+    (folder / "step-9.tmp").mkdir()  # a crash's leftover: never complete under its name
+    (folder / "step-9.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    gate.clear()
+    mgr.after_step(3, last=False)  # waits for step 2, publishes it (purging), starts step 3
+    # step 2's publish purged step 1 and the crash's .tmp; step-3.tmp (started after) exists
+    assert sorted(os.listdir(folder)) == ["step-2", "step-3.tmp"]
+    # while step 3 is in flight, the purge a synchronous publish would run keeps it
+    assert mgr.saver.in_flight == 3
+    gate.set()
+    mgr.close()
+    assert sorted(os.listdir(folder)) == ["step-3"]
+
+
+@pytest.mark.parametrize(
+    "spec, point, step, rank, wanted",
+    [
+        ("write", "write", 4, 1, True),
+        ("write", "staging", 4, 1, False),
+        ("write:1", "write", 4, 1, True),
+        ("write:1", "write", 4, 0, False),
+        ("write:1@4", "write", 4, 1, True),
+        ("write:1@4", "write", 8, 1, False),
+        ("write:@4", "write", 4, 3, True),
+        ("write:@4", "write", 6, 3, False),
+        ("publish:0@10", "publish", 10, 0, True),
+        ("stage", "staging", 4, 0, False),  # names match whole, not by prefix
+    ],
+)
+def test_drill_spec(spec, point, step, rank, wanted):
+    assert _wanted(spec, point, step, rank) is wanted
+
+
+def test_drill_point_does_nothing_when_unset(monkeypatch):
+    from trainer.checkpoint.drill import drill_point
+
+    monkeypatch.delenv("MESHTRAIN_CHECKPOINT_DRILL", raising=False)
+    drill_point("write", 4, 0)  # returns at once
+    monkeypatch.setenv("MESHTRAIN_CHECKPOINT_DRILL", "write:1@4")
+    drill_point("write", 4, 0)  # another rank's drill
+    drill_point("publish", 4, 1)
+
+
+def _full(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def test_describe_failure_names_the_file_and_the_cause():
+    assert describe_failure(_full("/c/step-4.tmp/__1_0.distcp"), 1) == (
+        "No space left on device writing /c/step-4.tmp/__1_0.distcp"
+    )
+    assert describe_failure(OSError(errno.EIO, "Input/output error"), 0) == (
+        "Input/output error ([Errno 5] Input/output error)"
+    )
+    assert describe_failure(ValueError("bad"), 0) == "ValueError: bad"
+    # DCP hands every rank's failure to every rank: each rank describes its own, or None
+    wrapped = CheckpointException("save failed", {1: (_full("/c/step-4.tmp/__1_0.distcp"), None)})
+    assert describe_failure(wrapped, 1) == "No space left on device writing /c/step-4.tmp/__1_0.distcp"
+    assert describe_failure(wrapped, 0) is None
+
+
+def test_failure_line_of_a_synchronous_save():
+    wrapped = CheckpointException(
+        "save failed", {0: (RuntimeError("peer"), None), 1: (_full("/c/step-4.tmp/__1_0.distcp"), None)}
+    )
+    assert failure_line(wrapped, 4) == (
+        "checkpoint save of step 4 failed on rank 1: No space left on device writing /c/step-4.tmp/__1_0.distcp"
+    )
+    assert failure_line(_full("/c/step-4.tmp"), 4) == (
+        "checkpoint save of step 4 failed: No space left on device writing /c/step-4.tmp"
+    )
+    # not about writing files: a bug, which keeps its traceback
+    assert failure_line(CheckpointException("x", {0: (KeyError("k"), None)}), 4) is None
+    assert failure_line(KeyError("k"), 4) is None
+
+
+def _fail_writes(monkeypatch, rank_file="__0_0.distcp"):
+    """Every DCP data file named ``rank_file`` fails to open, as on a full disk."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs.FileSystem.create_stream
+
+    def create_stream(self, path, mode):
+        if str(path).endswith(rank_file) and "w" in mode:
+            raise _full(str(path))
+        return real(self, path, mode)
+
+    monkeypatch.setattr(fs.FileSystem, "create_stream", create_stream)
+
+
+@pytest.mark.parametrize("mode", ["async", "disabled"])
+def test_a_failed_write_stops_with_one_line_and_keeps_the_previous_checkpoint(gloo, tmp_path, monkeypatch, mode):
+    cfg = _cfg(tmp_path, "--checkpoint.interval", "1", "--checkpoint.async_mode", mode)
+    model, opt, sched, data = train_state()
+    mgr = _manager(cfg, model, opt, sched, data)
+    mgr.after_step(1, last=False)
+    mgr.close() if mode == "async" else None
+    assert CheckpointFolder(mgr.folder).list_steps() == [1]
+    _fail_writes(monkeypatch)
+    with pytest.raises(CheckpointWriteFailed) as info:
+        mgr.after_step(2, last=False)
+        mgr.after_step(3, last=False)  # async: noticed at the next step boundary at the latest
+    tmp = os.path.join(mgr.folder, "step-2.tmp", "__0_0.distcp")
+    assert str(info.value) == f"checkpoint save of step 2 failed on rank 0: No space left on device writing {tmp}"
+    assert "\n" not in str(info.value)
+    assert mgr.saver is None or mgr.saver.in_flight is None
+    message = mgr.stopped_message(info.value)
+    assert f"{mgr.folder}: its newest complete checkpoint, step-1, is intact" in message
+    assert sorted(os.listdir(mgr.folder)) == ["step-1", "step-2.tmp"]  # nothing new published
+    model2, opt2, sched2, data2 = _fresh(cfg)
+    monkeypatch.undo()
+    assert _manager(cfg, model2, opt2, sched2, data2).resume() == 1
+
+
+def test_background_saver_refuses_disabled():
+    with pytest.raises(ValueError, match="not 'disabled'"):
+        BackgroundSaver("disabled", timeout_s=10)
+
+
+def test_async_with_pinned_mem_on_cpu_is_a_config_error():
+    cfg = load_config(["--config", "llama3.toml", "--checkpoint.enable", "true",
+                       "--checkpoint.async_mode", "async_with_pinned_mem"])  # fmt: skip
+    with pytest.raises(ConfigError, match="use checkpoint.async_mode = 'async'"):
+        plan_job(cfg, 1, device_type="cpu")
+    plan_job(cfg, 1, device_type="cuda")  # fine where there is CUDA
+    off = load_config(["--config", "llama3.toml", "--checkpoint.enable", "false",
+                       "--checkpoint.async_mode", "async_with_pinned_mem"])  # fmt: skip
+    plan_job(off, 1, device_type="cpu")  # no checkpoints, nothing to stage: no error
+
+
+def test_bad_async_options_exit_2_with_one_line(tmp_path):
+    for args, message in [
+        (["--checkpoint.async_mode", "async_with_pinned_mem"], "async_with_pinned_mem' copies from CUDA"),
+        (["--checkpoint.save_in_hf_every", "-1"], "checkpoint.save_in_hf_every must be >= 0"),
+        (["--checkpoint.async_mode", "background"], "async_mode"),
+    ]:
+        cmd = [sys.executable, "train.py", "--config", "llama3.toml", "--job.dump_folder", str(tmp_path),
+               "--checkpoint.enable", "true", *args]  # fmt: skip
+        res = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=120,
+        )
+        assert res.returncode == 2, (args, res.stderr[-2000:])
+        assert message in res.stderr and "Traceback" not in res.stderr, (args, res.stderr[-2000:])
+        assert len([ln for ln in res.stderr.splitlines() if ln.startswith("error")]) == 1, res.stderr
