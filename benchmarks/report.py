@@ -90,6 +90,18 @@ SECTIONS: list[tuple[str, str, str]] = [
         "layouts; no overlap)",
     ),
     (
+        "checkpoint",
+        "Checkpoint saves and Hugging Face export",
+        "`make bench` section `checkpoint` (also `python -m benchmarks.run --only checkpoint --out "
+        "bench_results/checkpoint.json`): `train.py` on 2 gloo processes (fsdp 2, one thread each) of a "
+        "llama3 debug model with several hundred MB of fp32 weights + AdamW state, saving every few steps, "
+        "once per `checkpoint.async_mode`; per save, the seconds it held training "
+        "(`checkpoint_stall_s` + `checkpoint_poll_stall_s`), the step time of steps a background write "
+        "overlaps, the background write time; and the Hugging Face export of the same model in one "
+        "process, direct from the live model and through a temporary DCP; reference: `disabled` "
+        "(the synchronous save) in the same run, goal async / disabled <= 0.2",
+    ),
+    (
         "planner_search",
         "Layout planner search time",
         "`python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "
@@ -191,6 +203,9 @@ def render_value(value, depth: int = 0) -> list[str]:
     if not isinstance(value, dict):
         return [fmt(value), ""]
     lines: list[str] = []
+    if depth == 0 and isinstance(value.get("summary"), str):  # a section's own paragraph, in full
+        lines += [" ".join(value["summary"].split()), ""]
+        value = {k: v for k, v in value.items() if k != "summary"}
     scalars = {k: v for k, v in value.items() if not isinstance(v, (dict, list)) or (isinstance(v, list) and not v)}
     scalars.update({k: v for k, v in value.items() if isinstance(v, list) and v and not isinstance(v[0], dict)})
     for k, v in value.items():

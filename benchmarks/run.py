@@ -10,7 +10,17 @@ import sys
 import time
 from pathlib import Path
 
-SECTIONS = ["mesh_build", "memory", "throughput", "pipeline", "moe", "attention", "data_loading", "planner"]
+SECTIONS = [
+    "mesh_build",
+    "memory",
+    "throughput",
+    "pipeline",
+    "moe",
+    "attention",
+    "data_loading",
+    "planner",
+    "checkpoint",
+]
 
 
 def main(argv=None) -> int:
