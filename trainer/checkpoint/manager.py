@@ -182,18 +182,23 @@ class CheckpointManager:
         when one is due; the Hugging Face export when one is due. Each save or export runs
         inside ``phase(description)`` (the trainer's watchdog phase, left out of the step
         time). Returns the metrics of what happened at this step (empty when nothing did):
-        ``checkpoint_stall_s`` (seconds this save held training), ``checkpoint_write_s`` (seconds
-        from the start of a save to its last byte; for a background save, reported at the step
-        it was noticed finished), ``checkpoint_poll_stall_s`` (seconds a background save held
-        training after it started: completion checks and the publish), ``hf_export_s``."""
+        ``checkpoint_stall_s`` (seconds this save held training when it started: for a
+        background save the copy and the launch, otherwise the whole save),
+        ``checkpoint_write_s`` (seconds from the start of a save to its last byte; for a
+        background save, reported at the step it was noticed finished),
+        ``checkpoint_poll_stall_s`` (seconds a background save held training after it started:
+        completion checks, the publish, and any wait for it by the next save or the end of
+        training), ``hf_export_s``. Each second is counted once: stall + poll stall of a save is
+        all the time it held training."""
         out: dict[str, float] = {}
         if self.saver is not None and self.saver.in_flight is not None:
             out.update(self._finish(self.saver.poll()))
         if self.should_save(step, last):
             with phase(f"checkpoint save at step {step}"):
-                t0 = time.monotonic()
                 if self.saver is not None and self.saver.in_flight is not None:
-                    out.update(self._finish(self.saver.poll(block=True)))  # at most one in flight
+                    # at most one in flight: the wait is the previous save's (its poll stall)
+                    out.update(self._finish(self.saver.poll(block=True)))
+                t0 = time.monotonic()
                 background = self._save(step, last)
                 out["checkpoint_stall_s"] = time.monotonic() - t0
                 if not background:
