@@ -302,3 +302,16 @@ def test_bad_async_options_exit_2_with_one_line(tmp_path):
         assert res.returncode == 2, (args, res.stderr[-2000:])
         assert message in res.stderr and "Traceback" not in res.stderr, (args, res.stderr[-2000:])
         assert len([ln for ln in res.stderr.splitlines() if ln.startswith("error")]) == 1, res.stderr
+
+
+def test_the_stager_keeps_its_buffers_where_torch_allows():
+    """torch 2.13 and 2.15 stage a second save into the first one's buffers (the stall of every
+    later save is a copy, no allocation); torch 2.11's stager closes its cache after every stage,
+    so there each save builds a new one (read in torch's staging.py of each version)."""
+    from trainer.checkpoint.async_save import stager_keeps_buffers
+
+    version = ".".join(torch.__version__.split(".")[:2])
+    expected = {"2.11": False, "2.13": True, "2.15": True}
+    if version not in expected:
+        pytest.skip(f"torch {version}: not one of the versions whose staging.py was read")
+    assert stager_keeps_buffers() is expected[version]

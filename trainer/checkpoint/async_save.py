@@ -4,8 +4,9 @@
                            last byte (the stall is the whole save).
 ``async``                  ``dcp.async_save``: the state dict is copied into CPU memory on the
                            main thread (torch's ``DefaultStager``; the stall; the buffers are
-                           allocated by the first save and reused by every later one), then
-                           written by a background thread while training goes on.
+                           allocated by the first save and reused by every later one where
+                           torch's stager can, see :func:`stager_keeps_buffers`), then written
+                           by a background thread while training goes on.
 ``async_with_pinned_mem``  CUDA only: the copy goes into pinned, shared host buffers that are kept
                            and reused by every later save, runs on a side stream in the
                            background, and the write runs in a separate checkpoint process
@@ -29,6 +30,7 @@ previous checkpoints untouched.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import time
 from concurrent.futures import Future
@@ -108,6 +110,42 @@ def failure_line(exc: BaseException, step: int) -> str | None:
     return None
 
 
+def _new_stager(mode: str):
+    """torch's staging for ``mode``: ``async`` = a synchronous deep copy of every tensor into
+    CPU memory (what async_save builds for itself when given no stager); pinned = pinned, shared
+    buffers filled from a side stream in the background."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    if mode == ASYNC:
+        return DefaultStager(StagingOptions(False, False, False, False))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=True
+        )
+    )
+
+
+@functools.cache
+def stager_keeps_buffers() -> bool:
+    """Whether this torch's ``DefaultStager`` can stage again into the buffers of its previous
+    stage (torch 2.13, 2.15: it keeps a copy per source storage and copies into it). torch 2.11's
+    closes its cache after every stage (and cannot stage a second time), so there each save gets
+    a new stager and fresh memory. Probed by behaviour: the same source staged twice lands in the
+    same buffer."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    source = {"t": torch.arange(4.0), "kind": torch.Tensor}
+    try:
+        first = stager.stage(source)["t"]
+        second = stager.stage(source)["t"]
+        return first.data_ptr() == second.data_ptr()
+    except Exception:  # torch 2.11: the second stage fails on the cleared dispatch table
+        return False
+    finally:
+        stager.close()
+
+
 @dataclass
 class SaveDone:
     """A save whose every rank finished (successfully) at the step it was noticed."""
@@ -158,15 +196,12 @@ class BackgroundSaver:
         drill_point("staging", step, self.rank)
         started = time.monotonic()
         writer = DrillWriter(path, step=step, rank=self.rank)
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
+        if self._stager is None or not stager_keeps_buffers():
+            self._close_stager()
+            self._stager = _new_stager(self.mode)
         if self.mode == ASYNC:
-            if self._stager is None:
-                # torch's own staging (a deep copy of every tensor into CPU memory), kept for the
-                # run: every later save copies into the buffers the first one allocated (a copy
-                # into fresh memory costs about 6x more on CPU: page faults). Named explicitly
-                # also because our writer is an AsyncStager that async_save would stage through.
-                self._stager = DefaultStager(StagingOptions(False, False, False, False))
+            # our writer is also an AsyncStager, which async_save would stage through if not
+            # given a stager
             fut = dcp.async_save(
                 state, checkpoint_id=path, storage_writer=writer, process_group=self.write_pg, async_stager=self._stager
             )
@@ -174,15 +209,6 @@ class BackgroundSaver:
         else:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-            if self._stager is None:  # pinned + shared buffers, reused by every save of the run
-                self._stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=True,
-                        use_shared_memory=True,
-                        use_async_staging=True,
-                        use_non_blocking_copy=True,
-                    )
-                )
             response = dcp.async_save(
                 state,
                 checkpoint_id=path,
@@ -251,6 +277,9 @@ class BackgroundSaver:
 
     def close(self) -> None:
         """Release the kept staging buffers (the run's last save must be finished)."""
+        self._close_stager()
+
+    def _close_stager(self) -> None:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
