@@ -78,11 +78,24 @@ def init_distributed(cfg: JobConfig) -> torch.device:
     return device
 
 
+# groups whose collectives legitimately wait for a long operation on a peer (a background
+# checkpoint write): they keep the timeout they were created with
+_LONG_WAIT_GROUPS: set = set()
+
+
+def keep_creation_timeout(group) -> None:
+    """Exempt ``group`` from :func:`apply_train_timeout` (trainer/checkpoint/async_save.py: the
+    background write's collectives wait for the slowest rank's write, which may take longer than
+    a training step's deadline)."""
+    _LONG_WAIT_GROUPS.add(group)
+
+
 def apply_train_timeout(seconds: int) -> None:
     """From the first completed step on, every collective of every process group must finish
     within ``comm.train_timeout_seconds`` (start-up, the first step and compilation ran under
     ``comm.init_timeout_seconds``): a dead or hung peer then ends the job in that time, not
-    after the long start-up timeout. Placeholder groups (size-1 axes) have no communicator.
+    after the long start-up timeout. Placeholder groups (size-1 axes) have no communicator;
+    groups passed to :func:`keep_creation_timeout` keep theirs.
     NCCL groups get ``seconds`` + the watchdog's grace: the step watchdog speaks at ``seconds``
     (trainer/comm_watchdog.py)."""
     if not dist.is_initialized():
@@ -90,7 +103,7 @@ def apply_train_timeout(seconds: int) -> None:
     dist.barrier()  # every rank finished its first step: nothing is in flight under the old timeout
     for group in list(dist.distributed_c10d._world.pg_map):
         backend = dist.get_backend(group)
-        if backend != "fake":
+        if backend != "fake" and group not in _LONG_WAIT_GROUPS:
             timeout = datetime.timedelta(seconds=pg_timeout_seconds(backend, seconds))
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 

@@ -179,6 +179,12 @@ class BackgroundSaver:
         # completion checks, which must not interleave with a collective the writer has in flight
         self.write_pg = dist.new_group(backend="gloo", timeout=timeout)
         self.status_pg = dist.new_group(backend="gloo", timeout=timeout)
+        # both wait for the slowest rank's write (DCP's gathers; a blocking completion check), which
+        # may take longer than comm.train_timeout_seconds: they keep this timeout for the run
+        from trainer.distributed_init import keep_creation_timeout
+
+        keep_creation_timeout(self.write_pg)
+        keep_creation_timeout(self.status_pg)
         self.rank = dist.get_rank()
         self._stager = None
         self._inflight: _InFlight | None = None
