@@ -129,6 +129,20 @@ CHECKLIST: list[CheckItem] = [
         ),
         topic="block-causal attention (issue 26)",
     ),
+    # -- asynchronous checkpoints (issue 27)
+    CheckItem(
+        what="`checkpoint.async_mode = async_with_pinned_mem` saves and resumes on CUDA and holds training less than `async`.",
+        how=(
+            "Train the llama3 debug model for 20 steps with `--checkpoint.enable true --checkpoint.interval 5` "
+            "three times: `--checkpoint.async_mode disabled`, `async`, `async_with_pinned_mem`; each run "
+            "prints `saved checkpoint .../step-N` for every save and metrics.jsonl has "
+            "`checkpoint_stall_s` + `checkpoint_poll_stall_s` per save: expect pinned < async < disabled "
+            "from the second save on (the first allocates the pinned buffers). Then rerun the pinned "
+            "command with `--training.steps 30`: it resumes at step 20 and its losses match a 30-step "
+            "run. Record the stalls in docs/training.md, which lists pinned mode as unmeasured."
+        ),
+        topic="asynchronous checkpoints (issue 27)",
+    ),
 ]
 
 
