@@ -138,14 +138,17 @@ RANDOM_KILLS = int(os.environ.get("MESHTRAIN_RANDOM_KILLS", "2"))
 
 def test_kills_at_random_moments_of_a_background_save(tmp_path, drill_reference):
     """No drill: SIGKILL (the whole job, or rank 1 alone) at a random delay after step-4.tmp
-    appears; classify what the folder shows, resume, and check the newest complete checkpoint
-    loads and the resumed steps are bitwise. MESHTRAIN_RANDOM_KILLS sets the repeats."""
+    appears, drawn over the reference run's longest background write (so most kills land while
+    the save is in flight); classify what the folder shows, resume, and check the newest
+    complete checkpoint loads and the resumed steps are bitwise. MESHTRAIN_RANDOM_KILLS sets the
+    repeats."""
     rng = random.Random(int(os.environ.get("MESHTRAIN_RANDOM_SEED", "0")))
+    write_s = max(r["checkpoint_write_s"] for r in drill_reference.values() if "checkpoint_write_s" in r)
     hits: dict[str, int] = {}
     for i in range(RANDOM_KILLS):
         run = tmp_path / f"run{i}"
         ckpt, tmp = run / "checkpoint", run / "checkpoint" / "step-4.tmp"
-        delay, ranks = rng.uniform(0.0, 1.5), (None if i % 2 == 0 else [1])
+        delay, ranks = rng.uniform(0.0, write_s), (None if i % 2 == 0 else [1])
         job = Job(2, *DRILL_JOB, "--job.dump_folder", str(run))
         try:
             deadline = time.monotonic() + 600

@@ -2,8 +2,10 @@
 
 ==============  ==============================================================================
 manager.py      :class:`CheckpointManager`, the trainer's checkpoint policy: resume, initial
-                load (DCP or Hugging Face), periodic saves, the last step's exports
+                load (DCP or Hugging Face), periodic saves, Hugging Face exports, the end
 dcp.py          DCP step folders ``<folder>/step-N``: save, load, retention, seed checkpoint
+async_save.py   ``checkpoint.async_mode``: background saves, their completion and failure
+drill.py        fault-injection points of the kill drills (``MESHTRAIN_CHECKPOINT_DRILL``)
 state.py        what a DCP checkpoint holds (model parts, RNG, train-state blob), process helpers
 folders.py      publishing a folder written under ``<final>.tmp`` (keeps ``<final>.old`` until done)
 export.py       consolidated ``.pt`` / ``.safetensors`` weights (from the live model or a DCP
@@ -14,7 +16,7 @@ hf_reader.py    a checked Hugging Face folder and its memory-mapped, slice-readi
 hf_load.py      Hugging Face weights into this rank's (sharded) model parts
 hf_write.py     DCP checkpoint -> Hugging Face folder (``convert_hf.py to-hf``); the folder plan
                 and writer frame shared with hf_live.py
-hf_live.py      live sharded model -> Hugging Face folder, no temporary DCP (final export)
+hf_live.py      live sharded model -> Hugging Face folder, no temporary DCP (the run's exports)
 live.py         full tensors of the live sharded model gathered to one rank (hf_live, export)
 convert.py      Hugging Face folder -> DCP folder (``convert_hf.py to-dcp``)
 ==============  ==============================================================================
