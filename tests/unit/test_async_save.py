@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.unit import test_checkpoint_manager as manager_tests
 from tests.unit.test_checkpoint_dcp import Net, loader, same_params, train_state
 from trainer.checkpoint.async_save import (
     BackgroundSaver,
@@ -27,35 +27,14 @@ from trainer.checkpoint.async_save import (
 )
 from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.drill import _wanted
-from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import ConfigError, load_config
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import plan_job
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def gloo(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _cfg(tmp_path, *overrides):
-    return load_config(["--config", "llama3.toml", "--job.dump_folder", str(tmp_path / "run"), *overrides])
-
-
-def _manager(cfg, model, opt=None, sched=None, data=None, lines=None):
-    return CheckpointManager(
-        cfg,
-        model_parts=[model],
-        optimizer=opt,
-        lr_scheduler=sched,
-        dataloader=data,
-        model_args=None,
-        log=(lines.append if lines is not None else lambda _m: None),
-    )
+# the one-rank gloo group fixture, the config and manager builders of the manager's tests
+gloo = manager_tests.gloo
+_cfg, _manager = manager_tests._cfg, manager_tests._manager
 
 
 def _fresh(cfg, seed=7):
