@@ -165,9 +165,14 @@ def _torn_save(saver):
         gate.wait(60)
         return write_data(self, plan, planner)
 
-    kept, saver._stager = saver._stager, _NoCopyStager()
+    # the saver builds its stager through _new_stager (every save on torch 2.11, whose stager
+    # cannot be reused): hand it the no-copy one
+    kept, saver._stager = saver._stager, None
     try:
-        with mock.patch.object(DrillWriter, "write_data", late_write):
+        with (
+            mock.patch.object(DrillWriter, "write_data", late_write),
+            mock.patch("trainer.checkpoint.async_save._new_stager", lambda _mode: _NoCopyStager()),
+        ):
             yield gate
     finally:
         gate.set()
