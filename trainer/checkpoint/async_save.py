@@ -43,10 +43,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from parallel_dims.process_groups import host_group
 from trainer.checkpoint.drill import drill_point
 
 __all__ = [
-    "ASYNC_MODES",
     "BackgroundSaver",
     "CheckpointWriteFailed",
     "DrillWriter",
@@ -57,8 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DISABLED, ASYNC, ASYNC_PINNED = "disabled", "async", "async_with_pinned_mem"
-ASYNC_MODES = (DISABLED, ASYNC, ASYNC_PINNED)
+DISABLED, ASYNC, ASYNC_PINNED = "disabled", "async", "async_with_pinned_mem"  # checkpoint.async_mode
 
 
 class CheckpointWriteFailed(RuntimeError):
@@ -177,8 +176,8 @@ class BackgroundSaver:
         timeout = datetime.timedelta(seconds=timeout_s)
         # DCP's collectives in the writer thread / process; a second group for the main thread's
         # completion checks, which must not interleave with a collective the writer has in flight
-        self.write_pg = dist.new_group(backend="gloo", timeout=timeout)
-        self.status_pg = dist.new_group(backend="gloo", timeout=timeout)
+        self.write_pg = host_group("checkpoint_write", timeout)
+        self.status_pg = host_group("checkpoint_status", timeout)
         # both wait for the slowest rank's write (DCP's gathers; a blocking completion check), which
         # may take longer than comm.train_timeout_seconds: they keep this timeout for the run
         from trainer.distributed_init import keep_creation_timeout
