@@ -163,13 +163,30 @@ def planner_check(case: Case, trainer: dict, device_name: str | None) -> dict:
     return out
 
 
+# seconds one measurement (one process) may take before it is killed and reported as an error
+# (--timeout; None: no limit), so a hang costs one row, not the whole run on a lent GPU
+TIMEOUT_S: float | None = None
+
+
+def _run_process(cmd: list[str], env: dict) -> subprocess.CompletedProcess | str:
+    """Run ``cmd`` from the repository root; the completed process, or what went wrong when it
+    ran past ``TIMEOUT_S``."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return f"did not finish in {TIMEOUT_S:.0f} s (--timeout), killed: {err[-2000:]}"
+
+
 def run_trainer(case: Case, steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         cmd = [sys.executable, "train.py", *trainer_args(case, steps, folder)]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
         if case.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        res = _run_process(cmd, env)
+        if isinstance(res, str):
+            return {"error": f"train.py {res}"}
         if res.returncode != 0:
             return {"error": f"train.py exited {res.returncode}: {res.stderr[-2000:]}"}
         records = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
@@ -346,13 +363,12 @@ def run_bare(case: Case, kind: str, steps: int, warmup: int) -> dict:
     env = dict(os.environ)
     if case.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    res = subprocess.run(
+    res = _run_process(
         [sys.executable, "-m", "benchmarks.gpu", "--worker", kind, json.dumps(asdict(case)), str(steps), str(warmup)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
+        env,
     )
+    if isinstance(res, str):
+        return {"error": f"{kind} loop {res}"}
     if res.returncode != 0:
         return {"error": f"{kind} loop exited {res.returncode}: {res.stderr[-2000:]}"}
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -436,6 +452,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=15, help="steps per measurement (default 15)")
     p.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
     p.add_argument(
+        "--masks",
+        nargs="*",
+        choices=["causal", "block_causal"],
+        default=["causal", "block_causal"],
+        help="attention masks to run (block_causal rows are compiled flex attention)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds one measurement process may run before it is killed and its row reports an error",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="tiny debug shapes, on the CPU when there is no GPU: checks the benchmark runs",
@@ -456,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    global TIMEOUT_S
+    TIMEOUT_S = args.timeout
     if args.warmup >= args.steps:
         print(f"error: --warmup {args.warmup} leaves no timed step of --steps {args.steps}", file=sys.stderr)
         return 2
@@ -464,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [
         replace(c, compile=mode == "compiled", device=device)
         for c in base
-        if c.model in args.models
+        if c.model in args.models and c.attn_mask_type in args.masks
         for mode in args.modes
         if not (c.attn_type == "flex" and mode == "eager")  # flex rows: compiled only
     ]

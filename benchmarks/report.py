@@ -258,7 +258,12 @@ def render(files: list[tuple[str, dict]]) -> str:
                 per_section[sid].append(block + ([""] if sec.get("notes") else []))
         elif kind == "gpu":
             block = [f"From `{RESULTS_DIR}/{name}` ({_host(data)}):", ""]
-            per_section["gpu"].append(block + grouped_tables(data["rows"]))
+            if data.get("how"):
+                block += [" ".join(data["how"].split()), ""]
+            block += grouped_tables(data["rows"])
+            for check, value in data.get("checks", {}).items():  # first-GPU-run checklist measurements
+                block += [f"{check}:", ""] + render_value(value)
+            per_section["gpu"].append(block)
         else:
             for sid in SECTION_IDS:
                 if sid in data:
