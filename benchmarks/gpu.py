@@ -175,7 +175,7 @@ def _run_process(cmd: list[str], env: dict) -> subprocess.CompletedProcess | str
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return f"did not finish in {TIMEOUT_S:.0f} s (--timeout), killed: {err[-2000:]}"
+        return f"did not finish in {TIMEOUT_S:g} s (--timeout), killed: {err[-2000:]}"
 
 
 def run_trainer(case: Case, steps: int, warmup: int) -> dict:

@@ -28,6 +28,24 @@ def test_bench_gpu_refuses_without_a_gpu():
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path")
+def test_bench_gpu_timeout_and_masks_select_and_bound_rows(tmp_path):
+    """--masks picks the rows; --timeout kills a measurement that runs too long and reports it in
+    its row (a hang on a lent GPU costs one row, not the call), with exit code 1."""
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--modes", "eager", "--masks", "block_causal"]
+    cmd += ["--steps", "3", "--warmup", "1", "--timeout", "0.5", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"]["model"], r["case"]["attn_mask_type"]) for r in rows] == [("llama3", "block_causal")]
+    for kind in ("trainer", "bare"):
+        assert rows[0][kind]["error"].startswith(
+            ("train.py did not finish in 0.5 s", "ours loop did not finish in 0.5 s")
+        ), rows[0][kind]
+    assert "Traceback" not in res.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path and the no-GPU error")
 def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
     out = tmp_path / "gpu.json"
