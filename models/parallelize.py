@@ -3,7 +3,8 @@ reads what the model declares (``models/common/decoder.py``: the decoder structu
 attention's and feed-forward's TP projections, ``moe_layers()``), so a new model needs no
 change here.
 
-Order matters: TP and EP turn parameters into DTensors on their meshes, CP swaps the attention
+Order matters: the float8 converter swaps linears for torchao's ``Float8Linear`` first (so every
+applier below sees the float8 modules), TP and EP turn parameters into DTensors on their meshes, CP swaps the attention
 cores, activation checkpointing and compile wrap block forwards, and FSDP goes last so it
 shards whatever the others produced over the data-parallel meshes.
 """
@@ -17,6 +18,7 @@ from torch import nn
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
 from models.parallel.context_parallel import apply_context_parallel
 from models.parallel.expert_parallel import apply_expert_parallel
+from models.parallel.float8 import Float8Options, convert_to_float8
 from models.parallel.fsdp import apply_fsdp
 from models.parallel.tensor_parallel import apply_tensor_parallel
 from parallel_dims import ParallelDims
@@ -34,6 +36,7 @@ class ParallelizeOptions:
     ac_mode: str = "none"
     ac_selective_option: str = "op"
     compile: bool = False
+    float8: Float8Options | None = None  # model.converters = ["float8"]
 
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
@@ -41,6 +44,12 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
     whole or one pipeline stage) in place and return it. Works on meta-device models:
     initialize weights afterwards."""
     pd = parallel_dims
+    if opts.float8 is not None:
+        # float8 all-gather only where FSDP really shards the dense weights (not on the size-1
+        # mesh that only casts, nor across replicas alone)
+        dense = pd.fsdp_mesh_for("dense")
+        sharded = dense is not None and dense.size(dense.ndim - 1) > 1
+        convert_to_float8(model, opts.float8, fsdp_all_gather=opts.float8.fsdp_float8_all_gather and sharded)
     if pd.tp > 1:
         apply_tensor_parallel(
             model,

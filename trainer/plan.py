@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.common.args import DecoderArgs
+from models.parallel.float8 import FLOAT8_CONVERTERS, Float8Options, check_float8_support
 from models.parallel.pipeline import StagePlan, plan_stages
 from models.parallel.pipeline.plan import schedule_facts
 from models.parallelize import ParallelizeOptions
@@ -179,6 +180,22 @@ def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
         ac_mode=cfg.activation_checkpoint.mode,
         ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
         compile=cfg.compile.enable and "model" in cfg.compile.components,
+        float8=float8_options(cfg),
+    )
+
+
+def float8_options(cfg: JobConfig) -> Float8Options | None:
+    """The ``[float8]`` section as the parallelize plan takes it; None unless
+    ``model.converters`` asks for float8."""
+    if not any(name in FLOAT8_CONVERTERS for name in cfg.model.converters):
+        return None
+    f8 = cfg.float8
+    return Float8Options(
+        recipe=f8.recipe_name,
+        fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+        precompute_scale=f8.precompute_float8_dynamic_scale_for_fsdp,
+        filter_fqns=tuple(f8.filter_fqns),
+        emulate=f8.emulate,
     )
 
 
@@ -217,13 +234,15 @@ def plan_job(
     spec = None
     if tokenizer_vocab is not None:
         spec = attempt(lambda: _model_spec(cfg, tokenizer_vocab, tokenizer_eos))
+    opts = parallelize_options(cfg)
     if pd is not None:
         if device_type is not None:
             attempt(lambda: check_attention_device(cfg, device_type, pd.cp))
             attempt(lambda: check_checkpoint_device(cfg, device_type))
+            if opts.float8 is not None:
+                attempt(lambda: check_float8_support(opts.float8, device_type, opts.compile))
         else:
             attempt(lambda: _check_varlen_cp(cfg, pd.cp))
-    opts = parallelize_options(cfg)
     if pd is not None and spec is not None:
         attempt(
             lambda: check_model_layout(pd.degrees, model_rules(spec.args, cfg.training.seq_len, opts.sequence_parallel))
@@ -388,6 +407,8 @@ def format_plan(plan: JobPlan, dry: dict[str, Any] | None = None) -> str:
         f"{b.batch_degree} batch ranks x {b.grad_accum_steps} micro-batch(es) of {b.local_batch_size}",
         f"parallelize: {dataclasses.asdict(plan.parallelize)}",
     ]
+    if plan.parallelize.float8 is not None:
+        lines.append(f"float8 (torchao, before parallelization): {plan.parallelize.float8.describe()}")
     if plan.stages is not None:
         s = plan.stages
         ranges = ", ".join(f"{lo}-{hi - 1}" for lo, hi in s.layer_ranges)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from models.registry import build_model
 from parallel_dims import default_device_type
 from trainer.build import build_model_parts, build_pipeline
@@ -118,6 +119,10 @@ class Trainer:
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
         self.model_parts = build_model_parts(plan, model, self.device, cfg.training.seed)
+        self.float8_precompute = False
+        if plan.parallelize.float8 is not None:
+            _log(float8_startup_line(self.model_parts, plan.parallelize.float8))
+            self.float8_precompute = plan.parallelize.float8.precompute_scale
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)
         self.forward = ModelForward(
             self.pd,
@@ -191,6 +196,8 @@ class Trainer:
             check_finite(loss_value, norm_value, self.step + 1)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
         self.optimizer.step()
+        if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
+            precompute_float8_scales(self.model_parts)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if moes:

@@ -138,8 +138,26 @@ def _leaf_hint(name: str, prefix: str = "") -> str:
     return f"; did you mean '{prefix}{full[0]}'?" if full else ""
 
 
+# torchtitan 0.2.2 nests the float8 keys as [quantize.linear.float8]; ours are [float8]
+_NESTED_SECTIONS = {"quantize.linear.float8": "float8"}
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
 def _resolve_key(section: str, key: str) -> tuple[str, str]:
     """Map (section, key or alias) to the canonical pair, or raise with a suggestion."""
+    if section not in SECTIONS and "." in key:
+        nested, _, leaf = f"{section}.{key}".rpartition(".")
+        if nested in _NESTED_SECTIONS:
+            section, key = _NESTED_SECTIONS[nested], leaf
     if section not in SECTIONS:
         close = difflib.get_close_matches(section, list(SECTIONS), n=1, cutoff=0.6)
         hint = f"did you mean '{close[0]}.{key}'?" if close else f"valid sections: {', '.join(SECTIONS)}"
@@ -169,6 +187,8 @@ def apply_mapping(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
             raise ConfigError(
                 f"{source}: top-level key '{section}' must be inside a [section] table{_leaf_hint(section)}"
             )
+        if section not in SECTIONS:  # a nested alias such as [quantize.linear.float8]
+            values = _flatten(values)
         for key, value in values.items():
             _set(cfg, section, key, value, from_cli=False)
 

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
+from models.parallel.float8 import FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.toml_writer import dump_toml
@@ -82,6 +83,11 @@ class Model:
     document_positions: bool = _opt(
         False,
         "Restart RoPE positions at each document start (needs attn_mask_type = block_causal).",
+    )
+    converters: list[str] = _opt(
+        [],
+        "Model converters applied before parallelization: 'float8' (alias 'quantize.linear.float8', "
+        "torchtitan 0.2.2's name) trains the linear layers with torchao's float8 GEMMs, see [float8].",
     )
 
 
@@ -206,6 +212,37 @@ class ActivationCheckpoint:
     selective_ac_option: str = _opt(
         "op",
         "'op' = per-op selective AC; an integer N = checkpoint every N-th transformer block.",
+    )
+
+
+@dataclass
+class Float8:
+    recipe_name: str = _opt(
+        "tensorwise",
+        "Float8 scaling (model.converters = ['float8']): tensorwise = one scale per tensor (the only "
+        "recipe FSDP float8 all-gather works with); rowwise = one scale per row of each operand; "
+        "rowwise_with_gw_hp = rowwise with the weight-gradient GEMM in high precision.",
+        choices=FLOAT8_RECIPES,
+    )
+    enable_fsdp_float8_all_gather: bool = _opt(
+        False,
+        "FSDP all-gathers the converted weights in float8 (half of bf16's bytes); tensorwise only.",
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = _opt(
+        False,
+        "With the float8 all-gather: compute all the weights' scales after the optimizer step in "
+        "one all-reduce instead of one per weight in forward.",
+    )
+    filter_fqns: list[str] = _opt(
+        [],
+        "Linear layers to keep in high precision: those whose FQN contains one of these strings "
+        "(e.g. 'attention.wq'). The output projection and MoE routers always stay; so do layers "
+        "with a dimension that is not a multiple of 16.",
+    )
+    emulate: bool = _opt(
+        False,
+        "Run the float8 GEMMs emulated in high precision (GPUs before sm89; eager only). Not needed "
+        "on CPU, which has float8 scaled matmuls.",
     )
 
 
@@ -374,6 +411,7 @@ SECTIONS: dict[str, type] = {
     "lr_scheduler": LRScheduler,
     "parallelism": Parallelism,
     "activation_checkpoint": ActivationCheckpoint,
+    "float8": Float8,
     "compile": Compile,
     "checkpoint": Checkpoint,
     "metrics": Metrics,
@@ -392,6 +430,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)

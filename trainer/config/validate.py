@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from models.parallel.float8 import FLOAT8_CONVERTERS
 from models.registry import flavor_names, has_experts
 from trainer.config.schema import (
     SECTIONS,
@@ -37,6 +38,24 @@ def validate_config(cfg: JobConfig) -> None:
 # ------------------------------------------------------------------------- validation
 
 
+def _validate_float8(cfg: JobConfig) -> None:
+    for name in cfg.model.converters:
+        if name not in FLOAT8_CONVERTERS:
+            raise ConfigError(_choice_message("model.converters entry", name, FLOAT8_CONVERTERS))
+    f8 = cfg.float8
+    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+        raise ConfigError(
+            f"float8.enable_fsdp_float8_all_gather needs tensorwise scaling (FSDP all-gathers one float8 "
+            f"weight with one scale), but float8.recipe_name is '{f8.recipe_name}': set float8.recipe_name = "
+            "'tensorwise', or float8.enable_fsdp_float8_all_gather = false"
+        )
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "float8.precompute_float8_dynamic_scale_for_fsdp precomputes the scales of the float8 all-gather, "
+            "which is off: set float8.enable_fsdp_float8_all_gather = true, or turn the precompute off"
+        )
+
+
 def _validate_values(cfg: JobConfig) -> None:
     def need(cond: bool, message: str) -> None:
         if not cond:
@@ -55,6 +74,8 @@ def _validate_values(cfg: JobConfig) -> None:
         cfg.model.n_layers is None or cfg.model.n_layers > 0,
         f"model.n_layers must be > 0 (or none for the flavor's), got {cfg.model.n_layers}",
     )
+
+    _validate_float8(cfg)
 
     need(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
     need(

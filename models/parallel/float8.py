@@ -1,0 +1,223 @@
+"""Float8 training of the dense linear layers through torchao (``model.converters = ["float8"]``,
+the ``[float8]`` section).
+
+The converter swaps ``nn.Linear`` modules for torchao's ``Float8Linear`` before any other
+parallelism is applied, so the TP, FSDP, activation-checkpointing and compile appliers see the
+float8 modules. A ``Float8Linear`` keeps its weight (and the optimizer state) in the master
+dtype; only the three GEMMs of each linear (output, grad input, grad weight) run as
+``torch._scaled_mm`` on float8 operands with dynamic scales computed from the operands' amax:
+
+* ``tensorwise``: one scale per operand tensor. Under TP and FSDP the weight is a DTensor (or
+  all-gathered first), and torchao computes the amax of a DTensor as the max over every shard
+  (an all-reduce), so the weight's scale does not depend on how it is sharded. With
+  ``enable_fsdp_float8_all_gather`` FSDP2 all-gathers the weight already cast to float8 (one
+  byte per element instead of two in bf16), again with the amax all-reduced over the shards.
+* ``rowwise`` / ``rowwise_with_gw_hp``: one scale per row of each operand (per token for the
+  activations), so token sharding (dp, cp, pp micro-batches) cannot change a scale.
+
+What stays in high precision: the output projection (the logits are sensitive and vocab-sized),
+the MoE routers (a top-k over their scores), any module named in ``float8.filter_fqns``
+(substring match, torchtitan's rule) and any linear with a dimension that is not a multiple of
+16 (``torch._scaled_mm``'s requirement). The routed experts are grouped GEMMs, not linears: they
+stay in the parameter dtype (float8 grouped GEMMs are not built here).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "FLOAT8_CONVERTERS",
+    "FLOAT8_RECIPES",
+    "Float8Options",
+    "Float8Report",
+    "check_float8_support",
+    "convert_to_float8",
+    "float8_decisions",
+    "float8_startup_line",
+    "import_torchao_float8",
+    "precompute_float8_scales",
+]
+
+# model.converters names: ours (torchtitan before 0.2) and torchtitan 0.2.2's, same meaning
+FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+TORCHAO_MIN = (0, 16)  # Float8LinearConfig.from_recipe_name with all three recipes, CPU _scaled_mm
+
+# always high precision, whatever filter_fqns says (module FQN suffixes)
+_KEEP = {"output": "the output projection", "router.gate": "a MoE router"}
+
+
+@dataclass(frozen=True)
+class Float8Options:
+    """What the job plan carries for float8 (``trainer.plan.parallelize_options``)."""
+
+    recipe: str = "tensorwise"
+    fsdp_float8_all_gather: bool = False  # applied only where FSDP really shards (mesh > 1)
+    precompute_scale: bool = False  # one all-reduce for every weight's amax after the step
+    filter_fqns: tuple[str, ...] = ()
+    emulate: bool = False
+
+    def describe(self) -> str:
+        parts = [f"recipe {self.recipe}"]
+        if self.fsdp_float8_all_gather:
+            parts.append("FSDP float8 all-gather" + (" with precomputed scales" if self.precompute_scale else ""))
+        if self.filter_fqns:
+            parts.append("kept high precision: " + ", ".join(self.filter_fqns))
+        if self.emulate:
+            parts.append("emulated GEMMs")
+        return "; ".join(parts)
+
+
+@dataclass
+class Float8Report:
+    """Which linear modules were converted and why the others were not (module FQN -> reason)."""
+
+    converted: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        reasons: dict[str, list[str]] = {}
+        for fqn, why in self.kept.items():
+            reasons.setdefault(why, []).append(fqn)
+        kept = "; ".join(f"{why}: {_short(fqns)}" for why, fqns in reasons.items())
+        return f"{len(self.converted)} linear layers in float8" + (f"; kept in high precision: {kept}" if kept else "")
+
+
+def _short(fqns: list[str], limit: int = 4) -> str:
+    return ", ".join(fqns[:limit]) + (f" and {len(fqns) - limit} more" if len(fqns) > limit else "")
+
+
+def import_torchao_float8() -> Any:
+    """``torchao.float8``, imported without torchao's start-up noise: on a host whose torch does
+    not match torchao's prebuilt C++/CUDA extensions (every CPU build) torchao logs a warning per
+    extension it cannot load; float8 training needs none of them (its GEMMs are
+    ``torch._scaled_mm``). Raises ImportError when torchao is missing."""
+    # torch's pytree logger also warns once about torchao registering an Enum as a constant
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+    return float8
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def check_float8_support(opts: Float8Options, device_type: str, compile_model: bool) -> None:
+    """Raise ValueError (one line naming the fix) when float8 cannot train here: torchao missing
+    or too old, a GPU without float8 GEMMs (before sm89) and no emulation, emulation under
+    torch.compile."""
+    try:
+        import_torchao_float8()
+        import torchao
+    except ImportError:
+        raise ValueError(
+            "model.converters = ['float8'] needs torchao, which is not installed for this python: "
+            "pip install 'torchao>=0.16' (make setup installs it), or remove 'float8' from model.converters"
+        ) from None
+    if _version_tuple(torchao.__version__) < TORCHAO_MIN:
+        raise ValueError(
+            f"model.converters = ['float8'] needs torchao >= {'.'.join(map(str, TORCHAO_MIN))}, found "
+            f"{torchao.__version__}: pip install -U 'torchao>=0.16'"
+        )
+    if device_type == "cuda" and torch.cuda.is_available() and not opts.emulate:
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"float8 GEMMs need a GPU of compute capability 8.9 or newer (H100, L40S, ...); this "
+                f"{torch.cuda.get_device_name()} is {major}.{minor}: remove 'float8' from model.converters, "
+                "or set float8.emulate = true to check the numerics (no speed-up)"
+            )
+    if opts.emulate and compile_model:
+        raise ValueError(
+            "float8.emulate = true does not work under torch.compile (torchao's emulated GEMM is eager only): "
+            "set compile.enable = false or float8.emulate = false"
+        )
+
+
+def float8_decisions(model: nn.Module, opts: Float8Options) -> dict[str, str | None]:
+    """Every ``nn.Linear`` of ``model`` by FQN: None when it is converted, else why it stays in
+    high precision. Works on meta-device models (only shapes are read)."""
+    out: dict[str, str | None] = {}
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        keep = next((why for suffix, why in _KEEP.items() if fqn == suffix or fqn.endswith("." + suffix)), None)
+        if keep is None and any(f in fqn for f in opts.filter_fqns):
+            keep = "float8.filter_fqns"
+        if keep is None and (mod.in_features % 16 or mod.out_features % 16):
+            keep = "a dimension not a multiple of 16"
+        out[fqn] = keep
+    return out
+
+
+def _torchao_config(opts: Float8Options, fsdp_all_gather: bool) -> Any:
+    f8 = import_torchao_float8()
+    if opts.recipe == "tensorwise":
+        return f8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather, emulate=opts.emulate)
+    import dataclasses
+
+    config = f8.Float8LinearConfig.from_recipe_name(opts.recipe)
+    return dataclasses.replace(config, emulate=opts.emulate) if opts.emulate else config
+
+
+def convert_to_float8(model: nn.Module, opts: Float8Options, *, fsdp_all_gather: bool) -> Float8Report:
+    """Swap the convertible ``nn.Linear`` modules of ``model`` for ``Float8Linear`` in place
+    (before any parallelism). ``fsdp_all_gather``: the weights will be FSDP-sharded over more
+    than one rank and ``opts`` asks for float8 all-gather (tensorwise only)."""
+    decisions = float8_decisions(model, opts)
+    f8 = import_torchao_float8()
+    config = _torchao_config(opts, fsdp_all_gather)
+    f8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _mod, fqn: decisions.get(fqn) is None)
+    if opts.recipe == "rowwise":
+        # inductor must round the rowwise scales' casts like eager does (torch issue 150859)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
+    report = Float8Report()
+    for fqn, why in decisions.items():
+        if why is None:
+            report.converted.append(fqn)
+        else:
+            report.kept[fqn] = why
+    model._float8_report = report  # read by the trainer's start-up line
+    return report
+
+
+def float8_startup_line(model_parts: list[nn.Module], opts: Float8Options) -> str:
+    """What the trainer prints at start-up: the recipe and options, and which linears of this
+    rank's model parts run in float8 and why the others do not."""
+    report = Float8Report()
+    for part in model_parts:
+        got = getattr(part, "_float8_report", None)
+        if got is not None:
+            report.converted += got.converted
+            report.kept.update(got.kept)
+    return (
+        f"float8: {opts.describe()}; {report.summary()}; routed experts stay in the parameter dtype; "
+        "MFU stays priced at the parameter dtype's peak"
+    )
+
+
+def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
+    """After the optimizer step: compute every float8-all-gathered weight's scale at once (one
+    all-reduce of all the amaxes instead of one per weight in the next forward)."""
+    f8 = import_torchao_float8()
+    for part in model_parts:
+        f8.precompute_float8_dynamic_scale_for_fsdp(part)
