@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from models.parallel.float8 import plain_state_dict
 from trainer.config import JobConfig
 from trainer.config import LRScheduler as LRSchedulerConfig
 from trainer.config import Optimizer as OptimizerConfig
@@ -116,7 +117,7 @@ class Optimizers:
         reshardable by DCP to a different layout."""
         merged: dict[str, Any] = {}
         for part, opt in zip(self.model_parts, self.optimizers):
-            merged.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+            merged.update(plain_state_dict(get_optimizer_state_dict(part, opt, options=_FLAT)))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "float8_decisions",
     "float8_startup_line",
     "import_torchao_float8",
+    "plain_state_dict",
     "precompute_float8_scales",
 ]
 
@@ -221,3 +222,32 @@ def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
     f8 = import_torchao_float8()
     for part in model_parts:
         f8.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def _plain(t: Any) -> Any:
+    """``t`` without torchao's float8 all-gather wrapper (``WeightWithDynamicFloat8CastTensor``,
+    which holds the master weight as ``_tensor``): the same storage as a plain tensor (or a
+    DTensor over a plain local tensor); anything else unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        inner = _plain(local)
+        if inner is local:
+            return t
+        return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    if (
+        isinstance(t, torch.Tensor)
+        and type(t) is not torch.Tensor
+        and type(t).__name__ == "WeightWithDynamicFloat8CastTensor"
+    ):
+        return t._tensor
+    return t
+
+
+def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """A model or optimizer state dict with every float8 all-gather weight (and the optimizer
+    moments torchao creates like it) as the plain master-dtype tensor it wraps, sharing its
+    storage: a checkpoint then holds no torchao class (it loads without torchao, with float8 off,
+    and with ``weights_only``), and DCP's in-place load still writes into the live weights."""
+    return {k: _plain(v) for k, v in state.items()}

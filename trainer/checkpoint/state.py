@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from models.parallel.float8 import plain_state_dict
+
 __all__ = [
     "EXPORT_DTYPES",
     "checkpoint_keys",
@@ -76,7 +78,7 @@ def model_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
     """Sharded (DTensor-aware) state of all parts, merged under their plain FQNs."""
     merged: dict[str, Any] = {}
     for part in model_parts:
-        sd = get_model_state_dict(part)
+        sd = plain_state_dict(get_model_state_dict(part))
         dup = merged.keys() & sd.keys()
         if dup:
             raise ValueError(f"model parts share parameter names {sorted(dup)[:5]}; each FQN must live in one part")

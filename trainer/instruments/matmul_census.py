@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.files import atomic_write_json
@@ -27,6 +28,20 @@ def _local_shard(t: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _defers(args: tuple, kwargs: dict | None) -> bool:
+    """Whether an argument is a tensor subclass other than DTensor (torchao's float8 training
+    tensor): the census then lets the subclass run the op, and counts the ops the subclass
+    runs on its plain tensors (``_scaled_mm`` on float8 data), not the op it was called with
+    (an ``mm`` whose operands only claim the high-precision dtype)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    return any(
+        isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, nn.Parameter) and not isinstance(t, DTensor)
+        for t in tree_leaves((args, kwargs or {}))
+    )
 
 
 def _shape(t: Any) -> tuple[int, ...]:
@@ -91,8 +106,11 @@ class MatmulCensus(TorchDispatchMode):
         self.local = local
         self.flops: Counter[torch.dtype] = Counter()
         self.calls: Counter[tuple[str, torch.dtype]] = Counter()
+        self.op_flops: Counter[tuple[str, torch.dtype]] = Counter()  # (op name, dtype) -> FLOPs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _defers(args, kwargs):
+            return NotImplemented  # the subclass runs it; its inner ops come back through here
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if self.local:
@@ -102,6 +120,7 @@ class MatmulCensus(TorchDispatchMode):
             flops, dtype = counted
             self.flops[dtype] += flops
             self.calls[(name, dtype)] += 1
+            self.op_flops[(name, dtype)] += flops
         return out
 
     @property
