@@ -312,7 +312,7 @@ def _fmt(value, spec: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'case':<42}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
+        f"{'case':<60}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
         f"{'GiB':>7}{'tr/bare':>9}{'titan tok/s':>13}{'bare/titan':>11}{'bf16 GEMM':>10}"
         f"{'f8 GEMM':>8}{'f8/bf16 tr':>11}{'f8/bf16 bare':>13}{'plan/meas s':>12}{'plan/meas GiB':>14}"
     )
@@ -322,7 +322,7 @@ def print_table(rows: list[dict]) -> None:
         t, b, tt, pl = r["trainer"], r["bare"], r.get("torchtitan_model", {}), r.get("planner", {})
         f8 = r.get("float8_over_bf16", {})
         print(
-            f"{r['name']:<42}{_fmt(t.get('tokens_per_s'), ',.0f'):>14}{_fmt(t.get('mfu_pct'), '.1f'):>7}"
+            f"{r['name']:<60}{_fmt(t.get('tokens_per_s'), ',.0f'):>14}{_fmt(t.get('mfu_pct'), '.1f'):>7}"
             f"{_fmt(t.get('peak_memory_gib'), '.1f'):>7}{_fmt(b.get('tokens_per_s'), ',.0f'):>12}"
             f"{_fmt(b.get('mfu_pct'), '.1f'):>7}{_fmt(b.get('peak_memory_gib'), '.1f'):>7}"
             f"{_fmt(r['trainer_over_bare'], '.3f'):>9}{_fmt(tt.get('tokens_per_s'), ',.0f'):>13}"
