@@ -230,7 +230,7 @@ def _worker(argv: list[str]) -> int:
 
     kind, case_json, steps, warmup = argv
     case = Case(**json.loads(case_json))
-    print(json.dumps(bare_loop(case, kind, int(steps), int(warmup))))
+    print(json.dumps(bare_loop(case, kind, int(steps), int(warmup), trainer_args)))
     return 0
 
 

@@ -9,20 +9,16 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from benchmarks.gpu import Case
+from collections.abc import Callable
 
 __all__ = ["bare_loop", "float8_share"]
 
 
-def _trainer_windows(case: Case, steps: int):
+def _trainer_windows(case, steps: int, trainer_args: Callable[..., list[str]]):
     """``[steps, local_batch_size, seq_len + 1]`` packed windows of the trainer's data (its
     config, dataset and tokenizer) and the tokenizer's EOS id."""
     import torch
 
-    from benchmarks.gpu import trainer_args
     from trainer.config import load_config
     from trainer.data.loader import build_source
     from trainer.data.packing import PackedStream
@@ -35,7 +31,7 @@ def _trainer_windows(case: Case, steps: int):
     return torch.as_tensor(windows).view(steps, case.local_batch_size, case.seq_len + 1), tokenizer.eos_id
 
 
-def _build_ours(case: Case, device, eos_id: int | None = None):
+def _build_ours(case, device, eos_id: int | None = None):
     from models.registry import build_model
 
     overrides = {"n_layers": case.n_layers, "max_seq_len": case.seq_len}
@@ -52,7 +48,7 @@ def _build_ours(case: Case, device, eos_id: int | None = None):
     return model, model.args.vocab_size
 
 
-def _build_torchtitan(case: Case, device, eos_id=None):
+def _build_torchtitan(case, device, eos_id=None):
     import copy
 
     import torch
@@ -82,8 +78,10 @@ def _build_torchtitan(case: Case, device, eos_id=None):
     return model, args.vocab_size
 
 
-def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
-    """Fwd + bwd + clipping + fused AdamW on bf16 parameters, timed per step after warmup."""
+def bare_loop(case, implementation: str, steps: int, warmup: int, trainer_args: Callable[..., list[str]]) -> dict:
+    """Fwd + bwd + clipping + fused AdamW on bf16 parameters, timed per step after warmup.
+    ``case``: a ``benchmarks.gpu.Case``; ``trainer_args``: its ``trainer_args`` (the trainer's
+    config of the case, whose data the block-causal rows read)."""
     import torch
     import torch.nn.functional as F
 
@@ -95,7 +93,9 @@ def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
     device = torch.device(case.device)
     torch.manual_seed(0)
     build = _build_ours if implementation == "ours" else _build_torchtitan
-    windows, eos_id = _trainer_windows(case, steps + 1) if case.attn_mask_type != "causal" else (None, None)
+    windows, eos_id = (
+        _trainer_windows(case, steps + 1, trainer_args) if case.attn_mask_type != "causal" else (None, None)
+    )
     model, vocab = build(case, device, eos_id)
     if case.precision == "float8":  # as the trainer: the converter first, then bf16, AC, compile
         from models.parallel.float8 import Float8Options, convert_to_float8
