@@ -144,7 +144,7 @@ _DEBUG = ["--model", "llama3", "--flavor", "debugmodel", "--world-size", "2", "-
 def test_cli_float8_flags(capsys):
     assert planner_main([*_DEBUG, "--float8", "--float8-all-gather", "--top", "1"]) == 0
     out = capsys.readouterr().out
-    assert "float8 recipe tensorwise; FSDP float8 all-gather at 1979 TFLOP/s peak" in out
+    assert "float8 (recipe tensorwise; FSDP float8 all-gather) at 1979 TFLOP/s peak" in out
     for bad, why in (
         (["--float8-all-gather"], "--float8-all-gather needs --float8 tensorwise"),
         (["--float8", "rowwise", "--float8-all-gather"], "--float8-all-gather needs --float8 tensorwise"),

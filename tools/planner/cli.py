@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         f"hardware: {hw.peak_flops(job.param_dtype) / 1e12:.0f} TFLOP/s peak ({job.param_dtype}) x efficiency "
         f"{job.efficiency:.2f}"
         + (
-            f", float8 {job.float8.describe()} at {hw.peak_flops('float8') / 1e12:.0f} TFLOP/s peak"
+            f", float8 ({job.float8.describe()}) at {hw.peak_flops('float8') / 1e12:.0f} TFLOP/s peak"
             if job.float8
             else ""
         )
