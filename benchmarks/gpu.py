@@ -29,7 +29,19 @@ GPU issue's measurements) and each mode (eager, compiled):
 Every measurement runs in a fresh process. Ratios: trainer / bare (framework overhead; goal
 >= 0.97) and bare / torchtitan (model code; goal >= 1.0). MFU uses the trainer's FLOPs per token
 (``trainer.metrics.training_flops_per_token``) for all three, so the ratios of MFU equal the
-ratios of tokens/s. JSON to ``bench_results/gpu.json``, a table to stdout.
+ratios of tokens/s.
+
+* float8 rows (``--precisions``, default ``bf16 float8``; causal rows only): the trainer with
+  ``--model.converters float8`` (tensorwise; one GPU, so no FSDP float8 all-gather) and the bare
+  loop with the same model converted (``convert_to_float8`` before the bf16 cast, AC and
+  compile); only ``nn.Linear`` modules convert, so DeepSeek's routed experts stay bf16 (the row
+  name says so); ``float8_over_bf16``: their tokens/s over the bf16 row of the same model and
+  mode (the issue's anchor: >= 1.2 on Llama 3 8B shapes compiled); the bare loop's matmul census
+  reports the float8 share of the GEMM FLOPs (``matmul_float8_share``); torchtitan's model is
+  skipped; MFU stays priced at the bf16 peak, the planner row prices the converted GEMMs at the
+  float8 peak.
+
+JSON to ``bench_results/gpu.json``, a table to stdout.
 
 ``--smoke`` runs the same code paths on tiny debug shapes (on the CPU when there is no GPU), so
 CI proves the benchmark itself works; its numbers mean nothing.
@@ -76,11 +88,17 @@ class Case:
     vocab_size: int | None = None  # None: the flavor's
     attn_mask_type: str = "causal"
     attn_type: str = "sdpa"
+    precision: str = "bf16"  # "float8": model.converters = ["float8"], tensorwise (causal rows only)
 
     @property
     def name(self) -> str:
         mask = "" if self.attn_mask_type == "causal" else f", {self.attn_mask_type} {self.attn_type}"
-        return f"{self.model} {self.flavor} x{self.n_layers} layers{mask}, {'compiled' if self.compile else 'eager'}"
+        f8 = ""
+        if self.precision == "float8":  # only nn.Linear converts: DeepSeek's routed experts stay bf16
+            f8 = ", float8" + (" (experts bf16)" if self.model == "deepseek_v3" else "")
+        return (
+            f"{self.model} {self.flavor} x{self.n_layers} layers{mask}{f8}, {'compiled' if self.compile else 'eager'}"
+        )
 
 
 GPU_CASES = [
@@ -122,6 +140,8 @@ def trainer_args(case: Case, steps: int, folder: str) -> list[str]:
     ]  # fmt: skip
     if case.vocab_size is not None:
         args += ["--model.vocab_size", str(case.vocab_size)]
+    if case.precision == "float8":  # one GPU: no FSDP sharding, so no float8 all-gather
+        args += ["--model.converters", "float8", "--float8.recipe_name", "tensorwise"]
     return args
 
 
@@ -202,160 +222,15 @@ def run_trainer(case: Case, steps: int, warmup: int) -> dict:
     }
 
 
-# ------------------------------------------------------------------ bare loops (a worker process)
-
-
-def _trainer_windows(case: Case, steps: int):
-    """``[steps, local_batch_size, seq_len + 1]`` packed windows of the trainer's data (its
-    config, dataset and tokenizer) and the tokenizer's EOS id."""
-    import torch
-
-    from trainer.config import load_config
-    from trainer.data.loader import build_source
-    from trainer.data.packing import PackedStream
-    from trainer.data.tokenizer import load_tokenizer
-
-    with tempfile.TemporaryDirectory() as folder:
-        cfg = load_config(trainer_args(case, steps, folder))
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    windows = PackedStream(build_source(cfg), tokenizer, case.seq_len).take(steps * case.local_batch_size)
-    return torch.as_tensor(windows).view(steps, case.local_batch_size, case.seq_len + 1), tokenizer.eos_id
-
-
-def _build_ours(case: Case, device, eos_id: int | None = None):
-    from models.registry import build_model
-
-    overrides = {"n_layers": case.n_layers, "max_seq_len": case.seq_len}
-    if case.vocab_size is not None:
-        overrides["vocab_size"] = case.vocab_size
-    if case.attn_mask_type != "causal":
-        overrides.update(attn_mask_type=case.attn_mask_type, attn_type=case.attn_type, eos_id=eos_id)
-    model = build_model(case.model, case.flavor, device="meta", **overrides)
-    model.to_empty(device=device)
-    import torch
-
-    with torch.no_grad():
-        model.init_weights(0)
-    return model, model.args.vocab_size
-
-
-def _build_torchtitan(case: Case, device, eos_id=None):
-    import copy
-
-    import torch
-
-    if case.model == "llama3":
-        from torchtitan.models.llama3 import Transformer, llama3_args
-
-        args = copy.deepcopy(llama3_args[case.flavor])
-        cls = Transformer
-    else:
-        from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
-
-        args = copy.deepcopy(deepseekv3_args[case.flavor])
-        cls = DeepSeekV3Model
-    args.n_layers = case.n_layers
-    args.max_seq_len = case.seq_len
-    args.attn_type, args.attn_mask_type = "sdpa", "causal"
-    if case.model == "deepseek_v3":
-        args.moe_impl = "standard"  # set from the job config in torchtitan's own trainer
-    if case.vocab_size is not None:
-        args.vocab_size = case.vocab_size
-    with torch.device("meta"):
-        model = cls(args)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device(device))
-    return model, args.vocab_size
-
-
-def bare_loop(case: Case, implementation: str, steps: int, warmup: int) -> dict:
-    """Fwd + bwd + clipping + fused AdamW on bf16 parameters, timed per step after warmup."""
-    import torch
-    import torch.nn.functional as F
-
-    from models.parallel.activation_checkpoint import apply_activation_checkpointing
-    from models.registry import build_model
-    from trainer.instruments.matmul_census import MatmulCensus
-    from trainer.metrics import peak_flops, training_flops_per_token
-
-    device = torch.device(case.device)
-    torch.manual_seed(0)
-    build = _build_ours if implementation == "ours" else _build_torchtitan
-    windows, eos_id = _trainer_windows(case, steps + 1) if case.attn_mask_type != "causal" else (None, None)
-    model, vocab = build(case, device, eos_id)
-    model.to(torch.bfloat16)
-    apply_activation_checkpointing(model, case.ac_mode, "op")
-    if case.compile:
-        for block in model.layers.values():
-            block.compile()
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=3e-4,
-        betas=(0.9, 0.95),
-        weight_decay=0.1,
-        fused=device.type == "cuda",
-        foreach=device.type != "cuda",
-    )
-    shape = (steps + 1, case.local_batch_size, case.seq_len + 1)  # block_causal: the trainer's documents
-    tokens = windows.to(device) if windows is not None else torch.randint(0, vocab, shape, device=device)
-    n_tokens = case.local_batch_size * case.seq_len
-
-    def step(i: int) -> None:
-        inputs, labels = tokens[i, :, :-1], tokens[i, :, 1:]
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / n_tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    times = []
-    for i in range(steps):
-        if i == warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        sync()
-        start = time.perf_counter()
-        step(i)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    tps = n_tokens / statistics.median(times)
-    out = {"tokens_per_s": tps, "steps_timed": len(times), "peak_memory_gib": None, "mfu_pct": None}
-    if device.type == "cuda":
-        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        peak = peak_flops(torch.cuda.get_device_name(device), "bfloat16")
-        # the trainer's FLOPs per token for these shapes (the same for torchtitan's model)
-        reference = build_model(
-            case.model,
-            case.flavor,
-            device="meta",
-            n_layers=case.n_layers,
-            max_seq_len=case.seq_len,
-            **({"vocab_size": case.vocab_size} if case.vocab_size else {}),
-        )
-        if peak:
-            out["mfu_pct"] = 100 * training_flops_per_token(reference, case.seq_len) * tps / peak
-    if not case.compile:
-        # which dtypes the GEMMs really ran in (one more step, outside the timing)
-        with MatmulCensus() as census:
-            step(steps)
-        out["matmul_bf16_share"] = census.share(torch.bfloat16)
-    return out
-
-
 # ------------------------------------------------------------------ driver
 
 
 def _worker(argv: list[str]) -> int:
+    from benchmarks.gpu_bare import bare_loop
+
     kind, case_json, steps, warmup = argv
     case = Case(**json.loads(case_json))
-    print(json.dumps(bare_loop(case, kind, int(steps), int(warmup))))
+    print(json.dumps(bare_loop(case, kind, int(steps), int(warmup), trainer_args)))
     return 0
 
 
@@ -400,7 +275,9 @@ def measure(
         row["planner"] = planner_check(case, row["trainer"], device_name)
         row["bare"] = run_bare(case, "ours", steps, warmup)
         row["trainer_over_bare"] = _ratio(row["trainer"], row["bare"])
-        if with_torchtitan and case.attn_mask_type != "causal":
+        if with_torchtitan and case.precision != "bf16":
+            row["torchtitan_model"] = {"skipped": "the torchtitan comparison runs bf16 only"}
+        elif with_torchtitan and case.attn_mask_type != "causal":
             row["torchtitan_model"] = {"skipped": "the torchtitan comparison runs causal sdpa only"}
         elif with_torchtitan and case.device == "cpu" and case.model == "deepseek_v3":
             # its router counts tokens with torch.histc, which has no CPU kernel for integers
@@ -409,7 +286,24 @@ def measure(
             row["torchtitan_model"] = run_bare(case, "torchtitan", steps, warmup)
             row["bare_over_torchtitan_model"] = _ratio(row["bare"], row["torchtitan_model"])
         rows.append(row)
+    _float8_ratios(rows)
     return rows
+
+
+def _float8_ratios(rows: list[dict]) -> None:
+    """Each float8 row's tokens/s over the bf16 row of the same model, mask and mode (trainer and
+    bare loop; None when that row was not run or failed)."""
+    same = ("model", "flavor", "n_layers", "seq_len", "attn_mask_type", "compile")
+    for row in rows:
+        if row["case"]["precision"] != "float8":
+            continue
+        key = tuple(row["case"][k] for k in same)
+        bf16 = next(
+            (r for r in rows if r["case"]["precision"] == "bf16" and tuple(r["case"][k] for k in same) == key), None
+        )
+        row["float8_over_bf16"] = {
+            kind: _ratio(row[kind], bf16[kind]) if bf16 is not None else None for kind in ("trainer", "bare")
+        }
 
 
 def _fmt(value, spec: str) -> str:
@@ -418,21 +312,23 @@ def _fmt(value, spec: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'case':<42}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
+        f"{'case':<60}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
         f"{'GiB':>7}{'tr/bare':>9}{'titan tok/s':>13}{'bare/titan':>11}{'bf16 GEMM':>10}"
-        f"{'plan/meas s':>12}{'plan/meas GiB':>14}"
+        f"{'f8 GEMM':>8}{'f8/bf16 tr':>11}{'f8/bf16 bare':>13}{'plan/meas s':>12}{'plan/meas GiB':>14}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         t, b, tt, pl = r["trainer"], r["bare"], r.get("torchtitan_model", {}), r.get("planner", {})
+        f8 = r.get("float8_over_bf16", {})
         print(
-            f"{r['name']:<42}{_fmt(t.get('tokens_per_s'), ',.0f'):>14}{_fmt(t.get('mfu_pct'), '.1f'):>7}"
+            f"{r['name']:<60}{_fmt(t.get('tokens_per_s'), ',.0f'):>14}{_fmt(t.get('mfu_pct'), '.1f'):>7}"
             f"{_fmt(t.get('peak_memory_gib'), '.1f'):>7}{_fmt(b.get('tokens_per_s'), ',.0f'):>12}"
             f"{_fmt(b.get('mfu_pct'), '.1f'):>7}{_fmt(b.get('peak_memory_gib'), '.1f'):>7}"
             f"{_fmt(r['trainer_over_bare'], '.3f'):>9}{_fmt(tt.get('tokens_per_s'), ',.0f'):>13}"
             f"{_fmt(r.get('bare_over_torchtitan_model'), '.3f'):>11}{_fmt(b.get('matmul_bf16_share'), '.3f'):>10}"
-            f"{_fmt(pl.get('predicted_over_measured'), '.3f'):>12}"
+            f"{_fmt(b.get('matmul_float8_share'), '.3f'):>8}{_fmt(f8.get('trainer'), '.3f'):>11}"
+            f"{_fmt(f8.get('bare'), '.3f'):>13}{_fmt(pl.get('predicted_over_measured'), '.3f'):>12}"
             f"{_fmt(pl.get('memory_predicted_over_measured'), '.3f'):>14}"
         )
     for r in rows:
@@ -457,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["causal", "block_causal"],
         default=["causal", "block_causal"],
         help="attention masks to run (block_causal rows are compiled flex attention)",
+    )
+    p.add_argument(
+        "--precisions",
+        nargs="*",
+        choices=["bf16", "float8"],
+        default=["bf16", "float8"],
+        help="bf16 rows and/or float8 rows (model.converters = ['float8'], tensorwise; causal rows only)",
     )
     p.add_argument(
         "--timeout",
@@ -498,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         if c.model in args.models and c.attn_mask_type in args.masks
         for mode in args.modes
         if not (c.attn_type == "flex" and mode == "eager")  # flex rows: compiled only
+    ]
+    cases = [
+        replace(c, precision=p)
+        for c in cases
+        for p in args.precisions
+        if p == "bf16" or c.attn_mask_type == "causal"  # float8: next to the causal rows
     ]
     with_titan = _torchtitan_available()
     if not with_titan:

@@ -62,7 +62,11 @@ CASES = {
         "deepseek_v3", dict(dp_shard=2, pp=2), 0,
         (("activation_checkpoint.mode", "selective"), ("activation_checkpoint.selective_ac_option", "2")),
     ),
+    # float8 (model.converters): the converted linears' FLOPs, counted in float8 by the census
+    "llama3 fsdp=2 float8 full AC": Case("llama3", dict(dp_shard=2), 1, (("model.converters", "float8"), *_AC_FULL)),
+    "deepseek_v3 tp=2,fsdp=2 float8": Case("deepseek_v3", dict(dp_shard=2, tp=2), 1, (("model.converters", "float8"),)),
 }  # fmt: skip
+FLOAT8_CASES = [name for name in CASES if "float8" in name]
 
 # the config key of each degree, from the axis table
 _KEYS = {a.name: f"--parallelism.{a.config_key}" for a in AXES}
@@ -120,6 +124,17 @@ def test_predicted_rank_flops_equal_the_census_of_a_fake_backend_step(name, cens
     assert census["local_shapes"] and census["rank"] == case.rank and census["world_size"] == _world(case)
     want = predicted_flops(case)
     assert census["total_flops"] == want["total"], (name, census["calls"], want)
+
+
+@pytest.mark.parametrize("name", FLOAT8_CASES)
+def test_predicted_float8_flops_equal_the_census(name, censuses):
+    """The planner prices at the float8 peak exactly the FLOPs that ran as float8 GEMMs (the
+    census counts torchao's float8 matmuls by their payload's dtype): the planner and the
+    converter agree on which linears convert, under TP and full AC too."""
+    census, want = censuses[name], predicted_flops(CASES[name])
+    got = sum(census["share"].get(d, 0.0) for d in ("float8_e4m3fn", "float8_e5m2")) * census["total_flops"]
+    f8 = want["forward_float8"] + want["backward_float8"] + want["recompute_float8"]
+    assert 0 < f8 < want["total"] and got == pytest.approx(f8, rel=1e-12), (name, census["calls"], want)
 
 
 def test_the_comparison_sees_the_differences_the_layouts_make(censuses):

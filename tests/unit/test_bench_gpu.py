@@ -71,31 +71,60 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["case"]["model"], r["case"]["attn_mask_type"]) for r in rows] == [
-        ("llama3", "causal"),
-        ("deepseek_v3", "causal"),
-        ("llama3", "block_causal"),  # the GPU's flex row, on the CPU reference kernel (sdpa)
+    assert [(r["case"]["model"], r["case"]["attn_mask_type"], r["case"]["precision"]) for r in rows] == [
+        ("llama3", "causal", "bf16"),
+        ("llama3", "causal", "float8"),  # model.converters = ["float8"], tensorwise
+        ("deepseek_v3", "causal", "bf16"),
+        ("deepseek_v3", "causal", "float8"),
+        ("llama3", "block_causal", "bf16"),  # the GPU's flex row, on the CPU reference kernel (sdpa)
     ]
-    assert "block_causal sdpa" in rows[2]["name"] and "attn_mask_type=block_causal" in rows[2]["trainer"]["data"]
+    assert "block_causal sdpa" in rows[4]["name"] and "attn_mask_type=block_causal" in rows[4]["trainer"]["data"]
+    assert "float8" in rows[1]["name"] and "float8 (experts bf16)" in rows[3]["name"]
     for r in rows:
         assert r["trainer"]["tokens_per_s"] > 0 and r["bare"]["tokens_per_s"] > 0, r
         assert r["trainer_over_bare"] > 0
-        assert r["bare"]["matmul_bf16_share"] == 1.0  # the bare loop's GEMMs are bf16
         planner = r["planner"]  # the planner's estimate of the same run
         assert planner["predicted_step_s"] > 0 and planner["measured_step_s"] > 0
         assert planner["predicted_over_measured"] == planner["predicted_step_s"] / planner["measured_step_s"]
         assert "smoke" in planner["hardware"]
+        if r["case"]["precision"] == "bf16":
+            assert r["bare"]["matmul_bf16_share"] == 1.0 and r["bare"]["matmul_float8_share"] == 0.0
+            continue
+        # float8 rows: the converted linears' GEMMs ran in float8, the rest in bf16
+        assert 0 < r["bare"]["matmul_float8_share"] < 1
+        assert r["bare"]["matmul_float8_share"] + r["bare"]["matmul_bf16_share"] == pytest.approx(1.0, abs=1e-12)
+        assert r["float8_over_bf16"]["trainer"] > 0 and r["float8_over_bf16"]["bare"] > 0
+        bf16_row = rows[rows.index(r) - 1]
+        assert r["planner"]["predicted_time_s"]["compute"] < bf16_row["planner"]["predicted_time_s"]["compute"]
+    # the float8 share of Llama's bare loop is the planner's (both use the converter's rule; the
+    # formula: tools/planner/compute.py; exact: no routing involved)
+    assert rows[1]["bare"]["matmul_float8_share"] == pytest.approx(_planned_float8_share(rows[1]["case"]), rel=1e-9)
     from benchmarks.gpu import _torchtitan_available
 
     if _torchtitan_available():  # make test installs it (the `peer` extra)
         assert rows[0]["torchtitan_model"]["tokens_per_s"] > 0
-        assert "skipped" in rows[1]["torchtitan_model"] and "skipped" in rows[2]["torchtitan_model"]
+        assert all("skipped" in r["torchtitan_model"] for r in rows[1:])  # float8, deepseek on CPU, block_causal
     else:
         assert all("torchtitan_model" not in r for r in rows)
     assert "tr/bare" in res.stdout and "plan/meas s" in res.stdout  # the table
     # ... and the first-GPU-run checklist at the very end, after the table
     assert res.stdout.rstrip().endswith(render_text()), res.stdout[-3000:]
     assert res.stdout.index("tr/bare") < res.stdout.index("First GPU run: confirm")
+
+
+def _planned_float8_share(case: dict) -> float:
+    """The planner's float8 share of one step's matmul FLOPs of the bare loop (one rank, no AC
+    recomputation: selective per-op AC)."""
+    from models.parallel.float8 import Float8Options
+    from parallel_dims.layout import validate_degrees
+    from tools.planner.choice import LayoutChoice
+    from tools.planner.compute import rank_matmul_flops
+
+    b, s = case["local_batch_size"], case["seq_len"]
+    choice = LayoutChoice(b, b, s, ac=case["ac_mode"], float8=Float8Options())
+    overrides = dict(n_layers=case["n_layers"], vocab_size=case["vocab_size"], max_seq_len=s)
+    f = rank_matmul_flops(case["model"], case["flavor"], validate_degrees(world_size=1), choice, 0, **overrides)
+    return (f["forward_float8"] + f["backward_float8"] + f["recompute_float8"]) / f["total"]
 
 
 # ------------------------------------------------------------------ the first-GPU-run checklist

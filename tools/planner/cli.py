@@ -3,6 +3,7 @@ model on a cluster by estimated tokens/s per GPU within the GPU's memory.
 
     python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 \\
         --gpus-per-node 8 --gpu h100 --seq-len 8192 --global-batch 512 [--top 10] [--json] [--toml PATH]
+        [--float8 [RECIPE] [--float8-all-gather]]
 
 Exit codes: 0 a plan was printed; 1 no layout fits (the output names the smallest world size
 that would); 2 bad input (unknown model, flavor or GPU: the valid choices are listed).
@@ -16,6 +17,7 @@ import os
 import sys
 import time
 
+from models.parallel.float8 import FLOAT8_RECIPES
 from trainer.cli_errors import report_user_error
 from trainer.files import atomic_write
 
@@ -38,6 +40,9 @@ _ASSUMPTIONS = [
     "overlap: FSDP all-gathers, reduce-scatters and HSDP all-reduces hide behind compute except "
     "the first and the last (none hide on a profile with comm_overlap false); TP, CP, EP, PP and "
     "loss collectives are exposed",
+    "float8 (--float8): the converted linears' GEMMs at the float8 peak x efficiency (the converter's own "
+    "choice of linears; experts, router, output and attention at the parameter dtype's); --float8-all-gather: "
+    "their FSDP all-gather bytes at 1 per element",
     "bubble: the schedule's textbook idle fraction (models/parallel/pipeline/plan.py bubble_fraction)",
     "optimizer: grad norm, clipping and AdamW over the rank's local parameter shards, memory-bound "
     f"({OPTIMIZER_BYTES_PER_PARAM} bytes per fp32 parameter over the GPU's memory bandwidth), not overlapped",
@@ -70,6 +75,16 @@ def _parse(argv):
     p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="FSDP compute dtype (mixed_precision_param; default bfloat16, as the shipped real-size configs)")  # fmt: skip
     p.add_argument("--reduce-dtype", default="float32", choices=("bfloat16", "float32"))
+    p.add_argument(
+        "--float8", nargs="?", const="tensorwise", default=None, choices=FLOAT8_RECIPES, metavar="RECIPE",
+        help="float8 training of the linears (model.converters = ['float8']): their GEMMs at the GPU's float8 "
+        f"peak; RECIPE one of {', '.join(FLOAT8_RECIPES)} (default tensorwise)",
+    )  # fmt: skip
+    p.add_argument(
+        "--float8-all-gather", action="store_true",
+        help="with --float8 tensorwise: FSDP all-gathers the converted weights in float8 "
+        "(float8.enable_fsdp_float8_all_gather)",
+    )  # fmt: skip
     p.add_argument("--reserve-gib", type=float, default=None, help="GPU memory kept free (default 6 GiB)")
     p.add_argument("--memory-gib", type=float, default=None, help="override the GPU's memory")
     p.add_argument("--profile", metavar="FILE", help="JSON with hardware keys overriding the GPU table")
@@ -100,9 +115,19 @@ def _job(args) -> Job:
         raise ValueError(f"--profile {args.profile} is not valid JSON ({exc}): fix the file") from None
     if args.toml:
         _check_writable(args.toml)
+    float8 = None
+    if args.float8_all_gather and args.float8 != "tensorwise":
+        raise ValueError(
+            "--float8-all-gather needs --float8 tensorwise (FSDP float8 all-gather works with tensorwise scaling only)"
+        )
+    if args.float8:
+        from models.parallel.float8 import Float8Options
+
+        hw.peak_flops("float8")  # a part without float8 tensor cores: one line naming the fix
+        float8 = Float8Options(recipe=args.float8, fsdp_float8_all_gather=args.float8_all_gather)
     return Job(
         args.model, args.flavor, args.world_size, args.gpus_per_node, args.seq_len, args.global_batch, hw,
-        args.efficiency, args.param_dtype, args.reduce_dtype,
+        args.efficiency, args.param_dtype, args.reduce_dtype, float8=float8,
     )  # fmt: skip
 
 
@@ -153,6 +178,14 @@ def toml_snippet(e: Estimate, job: Job) -> str:
         f"local_batch_size = {c.local_batch}",
         f"seq_len = {c.seq_len}",
     ]
+    if c.float8 is not None:
+        lines += [
+            "",
+            '# with [model] converters = ["float8"]',
+            "[float8]",
+            f'recipe_name = "{c.float8.recipe}"',
+            f"enable_fsdp_float8_all_gather = {str(c.float8.fsdp_float8_all_gather).lower()}",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -227,7 +260,8 @@ def main(argv=None) -> int:
         print(json.dumps({
             "model": job.model, "flavor": job.flavor, "world_size": job.world_size,
             "gpus_per_node": job.gpus_per_node, "gpu": hw.name, "seq_len": job.seq_len,
-            "global_batch": job.global_batch, "efficiency": job.efficiency, "layouts": result.layouts,
+            "global_batch": job.global_batch, "efficiency": job.efficiency,
+            "float8": job.float8.describe() if job.float8 else None, "layouts": result.layouts,
             "fitting": len(fitting), "assumptions": _ASSUMPTIONS,
             "top": [e.as_json() for e in top], "losing_reasons": dict(reasons.most_common()),
         }, indent=1))  # fmt: skip
@@ -239,7 +273,13 @@ def main(argv=None) -> int:
     )
     print(
         f"hardware: {hw.peak_flops(job.param_dtype) / 1e12:.0f} TFLOP/s peak ({job.param_dtype}) x efficiency "
-        f"{job.efficiency:.2f}; {hw.memory_gib:g} GiB - {hw.reserve_gib:g} GiB reserve; links {hw.intra_node_gbps:g} GB/s, "
+        f"{job.efficiency:.2f}"
+        + (
+            f", float8 ({job.float8.describe()}) at {hw.peak_flops('float8') / 1e12:.0f} TFLOP/s peak"
+            if job.float8
+            else ""
+        )
+        + f"; {hw.memory_gib:g} GiB - {hw.reserve_gib:g} GiB reserve; links {hw.intra_node_gbps:g} GB/s, "
         f"{hw.intra_node_hop_us:g} us/hop in a node, {hw.inter_node_gbps:.1f} GB/s, {hw.inter_node_hop_us:g} us/hop across; "
         f"memory {hw.memory_gbps:g} GB/s"
     )

@@ -66,6 +66,10 @@ Grad-norm reductions: ``trainer/grad_clip.py`` sums the squares of the gradients
 the same groups (compared by ranks, whatever mesh object they carry) and all-reduces each such
 sum once per group: one 4-byte all-reduce per distinct (groups, group) pair.
 
+Float8 (``choice.float8``): with FSDP float8 all-gather (tensorwise) a dense group's all-gather
+carries its converted weights at 1 byte per element and the rest in the compute dtype
+(:mod:`tools.planner.float8`); the amax all-reduces of the float8 scales are not modelled.
+
 Modelled, not yet checked: HSDP's all-reduce in a bf16 reduce dtype (bf16 reduce-scatters and
 HSDP with bf16 parameters are checked), ``always`` without pp (it issues what ``default`` does:
 both reshard every group but the last block and the head when the shard mesh has more than one
@@ -83,6 +87,7 @@ from collections import Counter
 from functools import lru_cache
 
 from .choice import DTYPE_BYTES, LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
+from .float8 import float8_all_gather, float8_gathered_numel
 from .param_groups import grad_norm_all_reduces, tp_colwise_modules, tp_partial_grads
 from .schedule_order import split_backward_casts
 
@@ -125,6 +130,12 @@ def predict_collectives(
         groups = stage_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head)
         last_block = f"layers.{max(layers)}" if len(layers) else None
         ckpt = fully_checkpointed(choice, layers)  # their forward collectives run twice
+        # FSDP float8 all-gather: the converted weights gathered at 1 byte per element
+        f8_gathered = {}
+        if float8_all_gather(choice.float8) and (dense_size or 1) > 1:
+            f8_gathered = float8_gathered_numel(
+                model, flavor, key, d, rank, choice.mixed, layers, embed, head, tuple(choice.float8.filter_fqns)
+            )
         for g in groups:
             if g.name is None:
                 continue
@@ -139,7 +150,7 @@ def predict_collectives(
                 # in any order (once without resharding; a split-backward schedule with
                 # resharding is refused by trainer.plan.plan_job: it dropped weight gradients)
                 gathers = accum * ((m + 1) if flag else 1) if pp else accum * (2 if flag else 1)
-                rec[("all_gather", g.mesh, g.unsharded * pb)] += gathers
+                rec[("all_gather", g.mesh, g.unsharded * pb - f8_gathered.get(g.name, 0) * (pb - 1))] += gathers
                 rec[("reduce_scatter", g.mesh, g.unsharded * rb)] += syncs
             if d.dp_replicate > 1:
                 rec[("all_reduce", "dp_replicate", g.shard * rb)] += syncs

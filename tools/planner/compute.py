@@ -34,6 +34,14 @@ with the real shards of :mod:`tools.planner.inventory`:
   fully checkpoints every N-th block of each stage chunk, which adds what full AC adds for
   those blocks.
 
+Float8 (``choice.float8``, :mod:`tools.planner.float8`): the same FLOPs, and how many of them
+run as float8 GEMMs (``forward_float8``, ``backward_float8``, ``recompute_float8``): the converted
+linears' ``2 x tokens x local numel`` forward, its recomputation, and 2 x that in the backward
+(the input-gradient half only under ``rowwise_with_gw_hp``). Full AC recomputes a converted
+last projection too: torchao's float8 linear is an autograd Function, whose saved tensors are
+packed when its forward has returned, GEMM included, so the early stop comes after it (measured:
+``tests/distributed/test_planner_compute.py``).
+
 Checked against the FLOPs a rank really computes (``profiling.matmul_census_step`` of a
 fake-backend run, local shards): ``tests/distributed/test_planner_compute.py``.
 """
@@ -43,6 +51,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .choice import LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
+from .float8 import backward_float8_fraction, converted_weights
 from .inventory import cached_layout, model_inventory, rank_shards
 
 __all__ = ["rank_matmul_flops"]
@@ -70,20 +79,26 @@ def _pairs(choice: LayoutChoice, d) -> int:
 
 def rank_matmul_flops(model: str, flavor: str, degrees, choice: LayoutChoice, rank: int = 0, **overrides) -> dict:
     """``{"forward", "backward", "recompute", "total"}``: matmul + attention FLOPs ``rank``
-    computes in one optimizer step (see the module docstring)."""
+    computes in one optimizer step (see the module docstring); ``forward_float8``,
+    ``backward_float8``, ``recompute_float8``: the part of each that runs as float8 GEMMs (0
+    without ``choice.float8``)."""
     key = tuple(sorted(overrides.items()))
     return dict(_rank_flops(model, flavor, degrees, choice, rank, key))
 
 
 @lru_cache(maxsize=65536)
-def _stage_weights(model, flavor, key: tuple, degrees, rank: int, layers: range, embed: bool, head: bool) -> tuple:
+def _stage_weights(
+    model, flavor, key: tuple, degrees, rank: int, layers: range, embed: bool, head: bool, f8: tuple | None = None
+) -> tuple:
     """Weight sums of one stage of ``rank`` (cached: they do not depend on batch, AC or dtype):
     (TP-local numel of the blocks' weights read by the whole sequence, router numel, routed
     expert numel per token (top_k experts), numel of the blocks' last projections, head
-    numel)."""
+    numel, and of the first and the fourth the float8-converted part; ``f8``: the converter's
+    ``filter_fqns``, None without float8)."""
     params, args = model_inventory(model, flavor, **dict(key))
     top_k = getattr(args, "n_activated_experts", 0)
-    whole = router = experts = last = head_numel = 0
+    converted = converted_weights(model, flavor, key, f8) if f8 is not None else frozenset()
+    whole = router = experts = last = head_numel = whole8 = last8 = 0
     for s in rank_shards(params, degrees, cached_layout(degrees), rank, False, layers, embed, head):
         info = s.info
         if len(info.shape) < 2 or info.group == "tok_embeddings":
@@ -96,9 +111,13 @@ def _stage_weights(model, flavor, key: tuple, degrees, rank: int, layers: range,
             head_numel += s.tp_local_numel
         else:
             whole += s.tp_local_numel
-            if info.tp_dim == 1 and (".feed_forward." in info.fqn or ".shared_experts." in info.fqn):
+            is_last = info.tp_dim == 1 and (".feed_forward." in info.fqn or ".shared_experts." in info.fqn)
+            if is_last:
                 last += s.tp_local_numel
-    return whole, router, experts, last, head_numel
+            if info.fqn in converted:
+                whole8 += s.tp_local_numel
+                last8 += s.tp_local_numel if is_last else 0
+    return whole, router, experts, last, head_numel, whole8, last8
 
 
 @lru_cache(maxsize=65536)
@@ -111,7 +130,8 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
     moe_tokens = tokens // d.tp  # the sequence-parallel shard the router and experts read
     heads, head_dim = _attention_dims(args)
     pairs = _pairs(choice, d)
-    blocks = head = recompute = 0.0
+    blocks = head = recompute = forward8 = recompute8 = 0.0
+    f8 = tuple(choice.float8.filter_fqns) if choice.float8 is not None else None
 
     def block_flops(whole, router, experts, n_layers):
         # Q K^T and P V: b * heads/tp * (query, key) pairs * (qk + v dims)
@@ -119,16 +139,24 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
         return 2 * tokens * whole + 2 * moe_tokens * (router + experts) + attention
 
     for layers, embed, has_head in stages:
-        whole, router, experts, last, head_numel = _stage_weights(model, flavor, key, d, rank, layers, embed, has_head)
+        stage = _stage_weights(model, flavor, key, d, rank, layers, embed, has_head, f8)
+        whole, router, experts, last, head_numel, whole8, last8 = stage
         blocks += block_flops(whole, router, experts, len(layers))
+        forward8 += 2 * tokens * whole8
         head += 2 * tokens * head_numel
         # the fully checkpointed blocks run their forward again, but their last projection
         redo = fully_checkpointed(choice, layers)
         if redo:
             if len(redo) < len(layers):
-                whole, router, experts, last, _ = _stage_weights(model, flavor, key, d, rank, tuple(redo), False, False)
-            recompute += block_flops(whole, router, experts, len(redo)) - 2 * tokens * last
+                stage = _stage_weights(model, flavor, key, d, rank, tuple(redo), False, False, f8)
+                whole, router, experts, last, _, whole8, last8 = stage
+            # a float8 last projection is recomputed: its saved tensors are packed only once its
+            # autograd Function's forward, GEMM included, has returned
+            recompute += block_flops(whole, router, experts, len(redo)) - 2 * tokens * (last - last8)
+            recompute8 += 2 * tokens * whole8
     forward = blocks + head
     backward = 2 * forward
+    backward8 = 2 * forward8 * (backward_float8_fraction(choice.float8) if f8 is not None else 0.0)
     return (("forward", forward), ("backward", backward), ("recompute", recompute),
-            ("total", forward + backward + recompute))  # fmt: skip
+            ("total", forward + backward + recompute), ("forward_float8", forward8),
+            ("backward_float8", backward8), ("recompute_float8", recompute8))  # fmt: skip

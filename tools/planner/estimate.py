@@ -14,7 +14,9 @@ stage) -- every assumption is also printed with the result:
   GPU's memory minus the reserve;
 * time: compute = the matmul FLOPs of the busiest rank (:mod:`tools.planner.compute`: its
   pipeline stage, its TP/CP/EP share, the trainer's FLOPs-per-token accounting, checked exactly
-  against fake-backend runs) / (peak x efficiency), the recomputed forward under full AC
+  against fake-backend runs) / (peak x efficiency), with float8 on (``choice.float8``) the
+  converted linears' float8 GEMM FLOPs at the float8 peak and the rest at the parameter dtype's
+  (:mod:`tools.planner.float8`), the recomputed forward under full AC
   reported apart (times ``Hardware.recompute_cost``), plus, under TP, the profile's host
   overhead per block and micro-batch (``Hardware.tp_block_overhead_s``, 0 on GPUs), and
   under CP its counterpart (``Hardware.cp_block_overhead_s``);
@@ -75,6 +77,8 @@ class Job:
     # model args a trainer config changes ((name, value) pairs: n_layers, vocab_size,
     # max_seq_len; trainer.plan.model_overrides), over the flavor's
     model_overrides: tuple = ()
+    # model.converters = ["float8"]: models.parallel.float8.Float8Options (None: off)
+    float8: object = None
 
     @property
     def overrides(self) -> dict:
@@ -248,12 +252,17 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     tokens = job.global_batch * job.seq_len
     precision = "tf32" if choice.param_dtype == "float32" and job.tf32 else choice.param_dtype
     rate = hw.peak_flops(precision) * job.efficiency
+    # float8: the converted linears' GEMMs at the float8 peak (tools/planner/float8.py)
+    rate8 = hw.peak_flops("float8") * job.efficiency if choice.float8 is not None else rate
     flops = max(
         (rank_matmul_flops(job.model, job.flavor, d, choice, r, **job.overrides) for r in ranks),
         key=lambda f: f["total"],
     )
-    compute = (flops["forward"] + flops["backward"]) / rate
-    recompute = flops["recompute"] / rate * hw.recompute_cost
+    f8 = flops["forward_float8"] + flops["backward_float8"]
+    compute = (flops["forward"] + flops["backward"] - f8) / rate + f8 / rate8
+    recompute = (
+        (flops["recompute"] - flops["recompute_float8"]) / rate + flops["recompute_float8"] / rate8
+    ) * hw.recompute_cost
     tp_overhead = cp_overhead = 0.0
     if (d.tp > 1 and hw.tp_block_overhead_s) or (d.cp > 1 and hw.cp_block_overhead_s):
         forwards = grad_accum_steps(choice, d) * (choice.n_microbatches if d.pp > 1 else 1)
@@ -342,6 +351,7 @@ def choice_from_plan(plan) -> LayoutChoice:
         reduce_dtype=opts.reduce_dtype,
         sequence_parallel=opts.sequence_parallel,
         loss_parallel=opts.loss_parallel,
+        float8=opts.float8,
     )
 
 
@@ -351,7 +361,8 @@ def estimate_from_config(
 ) -> Estimate:  # fmt: skip
     """The estimate of the job a trainer config runs on ``world_size`` GPUs: its layout, batch
     split, schedule, AC, dtypes and model overrides exactly as ``trainer.plan.plan_job`` resolves
-    them (which raises for a config the trainer would refuse). ``tokenizer_vocab`` as for
+    them (which raises for a config the trainer would refuse), float8 included (``model.converters``,
+    ``[float8]``). ``tokenizer_vocab`` as for
     ``plan_job`` (None loads the config's tokenizer)."""
     from trainer.plan import plan_job
 
@@ -362,6 +373,6 @@ def estimate_from_config(
     job = Job(
         cfg.model.name, cfg.model.flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
         efficiency, choice.param_dtype, choice.reduce_dtype, tf32=bool(cfg.training.enable_tf32),
-        model_overrides=tuple(sorted(overrides.items())),
+        model_overrides=tuple(sorted(overrides.items())), float8=choice.float8,
     )  # fmt: skip
     return estimate(job, plan.parallel_dims.degrees, choice)

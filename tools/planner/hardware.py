@@ -68,6 +68,8 @@ class Hardware:
     memory_gib: float
     # float32 on TF32 tensor cores (training.enable_tf32); None = peak_flops_fp32 (a CPU profile)
     peak_flops_tf32: float | None = None
+    # float8 GEMMs (torch._scaled_mm, model.converters = ["float8"]); None: no float8 tensor cores
+    peak_flops_fp8: float | None = None
     # memory the planner keeps free: CUDA context, NCCL buffers, allocator fragmentation
     reserve_gib: float = 6.0
     intra_node_gbps: float = TORCH_INTRA_NODE_GBPS
@@ -104,7 +106,15 @@ class Hardware:
     collective_latency_us: dict = field(default_factory=dict, hash=False)
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s at a matmul precision: "bfloat16"/"float16", "tf32" or "float32" (IEEE)."""
+        """Peak FLOP/s at a matmul precision: "bfloat16"/"float16", "tf32", "float32" (IEEE) or
+        "float8" (raises ValueError on a part without float8 tensor cores)."""
+        if dtype == "float8":
+            if self.peak_flops_fp8 is None:
+                raise ValueError(
+                    f"{self.name} has no float8 tensor cores (no float8 peak in trainer/metrics.py GPU_PEAKS): "
+                    "plan without float8, or give peak_flops_fp8 in a --profile"
+                )
+            return self.peak_flops_fp8
         if dtype in ("bfloat16", "float16"):
             return self.peak_flops_bf16
         if dtype == "tf32" and self.peak_flops_tf32 is not None:
@@ -122,8 +132,9 @@ def _gpu_table() -> dict[str, Hardware]:
     def entry(name: str, part: str, memory_gib: float, memory_gbps: float) -> Hardware:
         peak = PEAK_FLOPS[part]
         return Hardware(
-            name, peak["bfloat16"], peak["float32"], memory_gib, peak_flops_tf32=peak["tf32"], memory_gbps=memory_gbps
-        )
+            name, peak["bfloat16"], peak["float32"], memory_gib, peak_flops_tf32=peak["tf32"],
+            peak_flops_fp8=peak.get("float8"), memory_gbps=memory_gbps,
+        )  # fmt: skip
 
     # planner name -> trainer/metrics.py part, HBM capacity and bandwidth from NVIDIA's datasheets
     return {

@@ -48,6 +48,17 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _dtype(t: Any) -> torch.dtype:
+    """The dtype the kernel multiplies ``t`` in: a float8 wrapper (torchao's Float8TrainingTensor,
+    whose ``dtype`` is the original one, carries its float8 payload in ``_data``; its matmul is
+    seen here as ``mm`` before the wrapper runs ``_scaled_mm``) counts as its payload's."""
+    data = getattr(_local_shard(t), "_data", None)
+    return data.dtype if isinstance(data, torch.Tensor) and data.dtype in _FLOAT8 else t.dtype
+
+
 def _matmul_flops(name: str, args: tuple) -> tuple[int, torch.dtype] | None:
     """(FLOPs, dtype of the multiplied operands) of one matmul-class op, or None."""
     if name in ("mm", "bmm"):
@@ -74,7 +85,7 @@ def _matmul_flops(name: str, args: tuple) -> tuple[int, torch.dtype] | None:
         # (batched) dense matmul [..., m, k] x [..., k, n]
         batch = math.prod(sa[:-2]) if len(sa) > 2 else 1
         flops = 2 * batch * sa[-2] * sa[-1] * sb[-1]
-    return flops, a.dtype
+    return flops, _dtype(a)
 
 
 def _attention_flops(name: str, args: tuple) -> tuple[int, torch.dtype] | None:
