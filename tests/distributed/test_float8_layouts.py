@@ -28,6 +28,8 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -40,9 +42,10 @@ AG = ("--float8.enable_fsdp_float8_all_gather", "true")
 PRECOMPUTE = ("--float8.precompute_float8_dynamic_scale_for_fsdp", "true")
 
 
-def _record_forward_scales(model) -> dict[str, dict]:
-    """Hooks every Float8Linear of ``model``: its forward GEMM's (weight scale, input scale)
-    and, for a TP-sharded weight, the tp mesh dimension and the dim it is sharded on."""
+@contextlib.contextmanager
+def _record_forward_scales(model) -> Iterator[dict[str, dict]]:
+    """Inside the block, every Float8Linear of ``model`` records its forward GEMM's (weight
+    scale, input scale) and, for a TP-sharded weight, the dim it is sharded on."""
     import torchao.float8.float8_ops as ops  # (models.parallel.float8 imported torchao quietly)
     from torch.distributed.tensor import DTensor, Shard
     from torchao.float8.float8_linear import Float8Linear
@@ -61,7 +64,7 @@ def _record_forward_scales(model) -> dict[str, dict]:
             }
         return inner(a_data, a_scale, b_data, b_scale, *args, **kwargs)
 
-    ops.addmm_float8_unwrapped = wrapped
+    handles = []
     for fqn, mod in model.named_modules():
         if not isinstance(mod, Float8Linear):
             continue
@@ -77,9 +80,14 @@ def _record_forward_scales(model) -> dict[str, dict]:
                 placement = w.placements[i]
                 seen[fqn]["tp_dim"] = placement.dim if isinstance(placement, Shard) else None
 
-        mod.register_forward_pre_hook(pre)
-        mod.register_forward_hook(post)
-    return seen
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    ops.addmm_float8_unwrapped = wrapped
+    try:
+        yield seen
+    finally:
+        ops.addmm_float8_unwrapped = inner
+        for handle in handles:
+            handle.remove()
 
 
 def _reference_scales(config: tuple[str, ...]) -> tuple[dict, dict]:
@@ -92,9 +100,9 @@ def _reference_scales(config: tuple[str, ...]) -> tuple[dict, dict]:
     convert_to_float8(model, plan.parallelize.float8, fsdp_all_gather=False)
     model.to_empty(device="cpu")
     model.init_weights(SEED)
-    seen = _record_forward_scales(model)
     inputs, _ = make_batch(GLOBAL_BS, SEQ_LEN, model.args.vocab_size)
-    model(inputs)
+    with _record_forward_scales(model) as seen:
+        model(inputs)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return seen, weights
 
@@ -111,11 +119,11 @@ def _layout_scales(rank, world_size, cases):
         model = build_layout_model(plan)
         if plan.parallelize.float8.precompute_scale:
             precompute_float8_scales([model])  # what the trainer does after each step
-        seen = _record_forward_scales(model)
         inputs, _ = make_batch(GLOBAL_BS, SEQ_LEN, model.args.vocab_size)
         per_rank = GLOBAL_BS // pd.size("batch")
         b = pd.coordinate("batch")
-        model(inputs[b * per_rank : (b + 1) * per_rank]).sum().backward()
+        with _record_forward_scales(model) as seen:
+            model(inputs[b * per_rank : (b + 1) * per_rank]).sum().backward()
         out[name] = {"scales": seen, "tp_rank": pd.coordinate("tp") if pd.tp > 1 else 0, "tp": pd.tp}
     return out
 
@@ -159,23 +167,28 @@ def test_float8_weight_scales_do_not_depend_on_the_layout():
             assert differs > 0, "every TP slice has the full weight's amax: the case shows nothing"
 
 
-def _record_train_step(rank, world_size, folder, float8_all_gather):
+def _record_train_steps(rank, world_size, folder):
+    """One recorded training step without and one with float8 all-gather (two trainers in one
+    launch: a rank's start-up costs more than a step); this rank's records of each."""
     import json
 
     from trainer.config import load_config
     from trainer.train import Trainer
 
-    args = [
-        *("--config", "llama3.toml", "--training.seq_len", "32"),
-        *("--training.global_batch_size", "4", "--training.local_batch_size", "2", "--training.steps", "1"),
-        *("--parallelism.dp_shard", "2", "--parallelism.mixed_precision_param", "bfloat16"),
-        *("--comm.record_step", "1", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"),
-        *("--job.dump_folder", folder, *F8),
-        *("--float8.enable_fsdp_float8_all_gather", "true" if float8_all_gather else "false"),
-    ]
-    Trainer(load_config(args)).train()
-    with open(f"{folder}/comm_rank{rank}.json") as f:
-        return json.load(f)["records"]
+    out = []
+    for float8_all_gather in ("false", "true"):
+        dump = f"{folder}/f8ag_{float8_all_gather}"
+        args = [
+            *("--config", "llama3.toml", "--training.seq_len", "32"),
+            *("--training.global_batch_size", "4", "--training.local_batch_size", "2", "--training.steps", "1"),
+            *("--parallelism.dp_shard", "2", "--parallelism.mixed_precision_param", "bfloat16"),
+            *("--comm.record_step", "1", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"),
+            *("--job.dump_folder", dump, *F8, "--float8.enable_fsdp_float8_all_gather", float8_all_gather),
+        ]
+        Trainer(load_config(args)).train()
+        with open(f"{dump}/comm_rank{rank}.json") as f:
+            out.append(json.load(f)["records"])
+    return out
 
 
 def _block_numels() -> tuple[dict[str, int], dict[str, int]]:
@@ -210,8 +223,8 @@ def test_fsdp_float8_all_gather_halves_the_converted_weights_bytes(tmp_path):
     norm + output), none converted, are the same bf16 gathers in both runs. Also: the float8 run issues the
     tensorwise amax all-reduces on fsdp (4 bytes per converted weight per gather)."""
     conv, other = _block_numels()
-    bf16 = run_distributed(_record_train_step, 2, str(tmp_path / "bf16"), False, timeout=300)
-    f8 = run_distributed(_record_train_step, 2, str(tmp_path / "f8"), True, timeout=300)
+    per_rank = run_distributed(_record_train_steps, 2, str(tmp_path), timeout=300)
+    bf16, f8 = [r[0] for r in per_rank], [r[1] for r in per_rank]
     (block_conv,) = set(conv.values())  # every llama3 debug block is the same
     (block_other,) = set(other.values())
     bf16_block = 2 * (block_conv + block_other)
