@@ -64,7 +64,7 @@ flips float8 roundings, one e4m3 step being 6-12% of a value), so after step 1 a
 only 5-10x closer to the single float8 run than fp32 training is; the step-1 checks are the
 sharp ones. All figures are CPU ones (deterministic kernels); another CPU may draw other
 roundings and need a re-measurement.
-Cost: 236 s on 2 loaded cores (5 llama3 layouts x 3 steps, 1 run without float8).
+Cost: 195-235 s on 2 shared cores (5 llama3 layouts x 3 steps, 1 run without float8).
 """
 
 from __future__ import annotations
