@@ -41,8 +41,10 @@ deepseek_v3 (5 steps, step 1 | max): fsdp=4, fsdp=4 x ep=2 and dp_replicate=2 x 
 0 / 0 | <= 3.0e-5 / 9.1e-5; fsdp=2 x cp=2 x ep=4 8.9e-6 / 7.5e-5 | 6.7e-5 / 3.7e-4; pp=2 x
 fsdp=2 x ep=2 4.5e-6 / 1.6e-4 | 7.6e-5 / 2.7e-4; fsdp=2 x tp=2 x ep=2 x etp=2 0 / 1.6e-6 |
 1.7e-5 / 7.1e-5 (forward identical; in backward MLA's replicated low-rank projections quantize
-this tp rank's PARTIAL output gradient, summed over tp only afterwards). Not run here: the
-llama3 matrix is the cheaper carrier of the same mechanisms.
+this tp rank's PARTIAL output gradient, summed over tp only afterwards). Run here, 2 steps:
+single, fsdp=2 x tp=2 x ep=2 x etp=2 (max 7.9e-7 / 2.6e-5) and fsdp=2 x cp=2 x ep=4 (max
+8.9e-6 / 7.5e-5), the two that exercise sharded tokens and sharded weights with MoE; the rest
+of the matrix repeats the llama3 mechanisms (fsdp, hsdp, pp) at 5x the cost.
 
 The rowwise recipe (not run here; llama3, 10 steps, step 1 | max) is not fully token-local
 either: fsdp=4 and dp_replicate=2 x fsdp=2 1.2e-7 / 0 | <= 2.7e-5 / 8.6e-5; cp=2 x fsdp=2
@@ -64,7 +66,7 @@ flips float8 roundings, one e4m3 step being 6-12% of a value), so after step 1 a
 only 5-10x closer to the single float8 run than fp32 training is; the step-1 checks are the
 sharp ones. All figures are CPU ones (deterministic kernels); another CPU may draw other
 roundings and need a re-measurement.
-Cost: 195-235 s on 2 shared cores (5 llama3 layouts x 3 steps, 1 run without float8).
+Cost on 2 shared cores: llama3 195-235 s (5 layouts x 3 steps, 1 run without float8), deepseek_v3 88 s.
 """
 
 from __future__ import annotations
@@ -134,3 +136,37 @@ def test_llama3_float8_layouts_agree(tmp_path):
     print(f"no float8 vs float8, one process: max rel gap loss {loss_gap:.1e} grad norm {norm_gap:.1e}")
     assert loss_gap > F8_RTOL and norm_gap > F8_GNORM_RTOL, (loss_gap, norm_gap)
     assert _rel(fp32[1]["grad_norm"], base[1]["grad_norm"]) > 100 * STEP1_RTOL
+
+
+DEEPSEEK_STEPS = 2
+DEEPSEEK_LAYOUTS = ["single", "fsdp=2,tp=2,ep=2,etp=2", "fsdp=2,cp=2,ep=4"]
+
+
+def test_deepseek_v3_float8_layouts_agree(tmp_path):
+    """MoE + MLA, 2 steps: tp x ep x etp and cp x ep within the float8 tolerances; tp's step-1
+    loss at fp32 round-off (every forward scale is the single process's; only backward differs,
+    through MLA's partial output gradients), cp's step-1 grad norm visibly not."""
+    out = tmp_path / "cmp"
+    proc = compare_loss(
+        *("--config", "train_configs/deepseek_v3.toml", "--steps", str(DEEPSEEK_STEPS), "--out", str(out)),
+        *("--rtol", str(F8_RTOL), "--grad-norm-rtol", str(F8_GNORM_RTOL), "--timeout", "300"),
+        *("--layouts", *DEEPSEEK_LAYOUTS, "--", *TINY, *F8),
+    )
+    assert proc.returncode == 0, _explain(proc)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"] and [r["layout"] for r in summary["runs"]] == DEEPSEEK_LAYOUTS
+    runs = {r["layout"]: read_metrics(r["folder"]) for r in summary["runs"]}
+    base = runs["single"]
+    assert sorted(base) == list(range(1, DEEPSEEK_STEPS + 1))
+    gaps = {}
+    for run in summary["runs"]:
+        assert "linear layers in float8" in (Path(run["folder"]) / "train.log").read_text(), run["layout"]
+        step1 = runs[run["layout"]][1]
+        gaps[run["layout"]] = (_rel(step1["loss"], base[1]["loss"]), _rel(step1["grad_norm"], base[1]["grad_norm"]))
+        print(
+            f"{run['layout']:<24} step 1 rel gap loss {gaps[run['layout']][0]:.1e} grad norm "
+            f"{gaps[run['layout']][1]:.1e}; steps 1-{DEEPSEEK_STEPS} max {run['max_rel_diff']:.1e} / "
+            f"{run['grad_norm_max_rel_diff']:.1e}; wall {run['wall_s']:.0f}s"
+        )
+    assert gaps["fsdp=2,tp=2,ep=2,etp=2"][0] <= STEP1_RTOL, gaps
+    assert gaps["fsdp=2,cp=2,ep=4"][1] > STEP1_RTOL, gaps
