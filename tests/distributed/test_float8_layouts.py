@@ -11,7 +11,10 @@
    whatever the shard order, so any layout that reduces the amax over the whole weight gives
    the same bits (the initial weights are bit-identical across layouts: seeded,
    layout-independent init). Measured: equal on every converted linear of llama3 debug (2
-   layers, 14 converted linears) under fsdp=4, fsdp=4 with float8 all-gather, tp=2 x fsdp=2.
+   layers, 14 converted linears) under fsdp=4, fsdp=4 with float8 all-gather, tp=2 x fsdp=2,
+   and tp=2 x fsdp=2 with float8 all-gather and precomputed scales, on all 4 ranks. The weight
+   scale is the part that must not move; the activation / grad-output scales are per rank's
+   tokens (tests/e2e/test_float8_compare.py shows where that matters: cp, pp).
 
    Not layout-independent (asserted as it is, so a torchao change shows up): tp=2 x fsdp=2 WITH
    float8 all-gather and without precomputed scales. FSDP2's pre-all-gather hook sees the
@@ -19,7 +22,12 @@
    scales its slice of the weight by that slice's own amax (a finer scale, not a wrong
    product: every output column / partial sum uses one consistent scale). With
    ``float8.precompute_float8_dynamic_scale_for_fsdp`` the amax is an ``inf``-norm of the
-   DTensor over both meshes, and the scales are the single-process ones again.
+   DTensor over both meshes, and the scales are the single-process ones again. This case is
+   also the observable's control: a scale that differs is seen (measured: the slices' scales
+   differ from the whole weight's on some linears, asserted).
+
+Cost (2 shared cores): the scale test ~40 s (one 4-rank launch, 5 layouts), the bytes test
+~35 s (one 2-rank launch, 2 trainers).
 
 2. FSDP float8 all-gather halves the all-gather bytes of the converted weights under
    ``mixed_precision_param = bfloat16`` (see the test's docstring for the exact bytes).
