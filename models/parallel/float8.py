@@ -11,9 +11,18 @@ dtype; only the three GEMMs of each linear (output, grad input, grad weight) run
   all-gathered first), and torchao computes the amax of a DTensor as the max over every shard
   (an all-reduce), so the weight's scale does not depend on how it is sharded. With
   ``enable_fsdp_float8_all_gather`` FSDP2 all-gathers the weight already cast to float8 (one
-  byte per element instead of two in bf16), again with the amax all-reduced over the shards.
-* ``rowwise`` / ``rowwise_with_gw_hp``: one scale per row of each operand (per token for the
-  activations), so token sharding (dp, cp, pp micro-batches) cannot change a scale.
+  byte per element instead of two in bf16), with the amax all-reduced over the FSDP mesh
+  only: under tp x fsdp each tp rank then scales its slice of the weight by that slice's amax,
+  unless ``precompute_float8_dynamic_scale_for_fsdp`` (an amax over both meshes) is on. The
+  activation and output-gradient scales are the amax of the tensor a rank holds: the single
+  process's under dp (same local batch) and tp, not under cp (half of each sequence) or pp
+  (smaller micro-batches). tests/distributed/test_float8_layouts.py and
+  tests/e2e/test_float8_compare.py measure both.
+* ``rowwise`` / ``rowwise_with_gw_hp``: one scale per row of each operand. The forward and
+  grad-input GEMMs scale the activations per token, which token sharding cannot change; the
+  grad-weight GEMM contracts over tokens and scales along them, so cp and pp micro-batches do
+  change its scales. torchao's rowwise GEMM returns bf16 for a float32 output, so a TP
+  row-wise projection rounds each rank's partial product to bf16 before the sum.
 
 What stays in high precision: the output projection (the logits are sensitive and vocab-sized),
 the MoE routers (a top-k over their scores), any module named in ``float8.filter_fqns``
