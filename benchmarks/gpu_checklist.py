@@ -147,6 +147,20 @@ CHECKLIST: list[CheckItem] = [
         ),
         topic="asynchronous checkpoints (issue 27)",
     ),
+    # -- float8 (issue 28)
+    CheckItem(
+        what="Float8 trains faster than bf16 on the Llama row, compiled, and its GEMMs run in float8.",
+        how=(
+            "`python -m benchmarks.gpu --masks causal --modes compiled` with torchao importable (the float8 "
+            "rows are on by default): the float8 rows have numbers, `float8_over_bf16` of the Llama "
+            "compiled row is at least 1.2 for the trainer (torchtitan's anchor: +28% on 8 H100s with "
+            "compile + float8) and `matmul_float8_share` is above 0.7; then a 2-GPU "
+            "`--model.converters float8 --float8.enable_fsdp_float8_all_gather true` run trains and "
+            "its `--comm.record_step 2` all-gather bytes are about half of bf16's. Record the ratios "
+            "in docs/float8.md, which lists the speed as unmeasured."
+        ),
+        topic="float8 training (issue 28)",
+    ),
 ]
 
 

@@ -193,7 +193,10 @@ def float8_options(cfg: JobConfig) -> Float8Options | None:
     return Float8Options(
         recipe=f8.recipe_name,
         fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
-        precompute_scale=f8.precompute_float8_dynamic_scale_for_fsdp,
+        # under tp the float8 all-gather alone scales each tp rank's slice by its own amax; the
+        # precompute takes the amax over the whole weight (tests/distributed/test_float8_layouts.py)
+        precompute_scale=f8.precompute_float8_dynamic_scale_for_fsdp
+        or (f8.enable_fsdp_float8_all_gather and cfg.parallelism.tensor_parallel_degree > 1),
         filter_fqns=tuple(f8.filter_fqns),
         emulate=f8.emulate,
     )

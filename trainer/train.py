@@ -120,9 +120,11 @@ class Trainer:
             self.loss_fn = torch.compile(cross_entropy_sum)
         self.model_parts = build_model_parts(plan, model, self.device, cfg.training.seed)
         self.float8_precompute = False
+        self._float8_scales_due = False  # precomputed float8 scales are missing or stale
         if plan.parallelize.float8 is not None:
             _log(float8_startup_line(self.model_parts, plan.parallelize.float8))
             self.float8_precompute = plan.parallelize.float8.precompute_scale
+            self._float8_scales_due = self.float8_precompute
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)
         self.forward = ModelForward(
             self.pd,
@@ -162,6 +164,11 @@ class Trainer:
     # ---------------------------------------------------------------- one step
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         model = self.model_parts[0]
+        if self._float8_scales_due:
+            # the first step of this run (fresh or resumed weights): its forward needs the
+            # scales a previous step's precompute would have left
+            precompute_float8_scales(self.model_parts)
+            self._float8_scales_due = False
         global_tokens = self.data.tokens_per_step
         global_sequences = self.data.global_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -13,7 +13,9 @@ dtype; only the three GEMMs of each linear (output, grad input, grad weight) run
   ``enable_fsdp_float8_all_gather`` FSDP2 all-gathers the weight already cast to float8 (one
   byte per element instead of two in bf16), with the amax all-reduced over the FSDP mesh
   only: under tp x fsdp each tp rank then scales its slice of the weight by that slice's amax,
-  unless ``precompute_float8_dynamic_scale_for_fsdp`` (an amax over both meshes) is on. The
+  unless ``precompute_float8_dynamic_scale_for_fsdp`` (an amax over both meshes) is on (the
+  plan turns it on under tp with the float8 all-gather, and the trainer precomputes before a
+  run's first step too). The
   activation and output-gradient scales are the amax of the tensor a rank holds: the single
   process's under dp (same local batch) and tp, not under cp (half of each sequence) or pp
   (smaller micro-batches). tests/distributed/test_float8_layouts.py and

@@ -204,3 +204,32 @@ def test_torchtitan_converter_name_and_section_are_accepted():
 
     assert float8_options(cfg) == Float8Options(recipe="rowwise")
     assert float8_options(load_config(["--config", "llama3.toml"])) is None
+
+
+@pytest.mark.parametrize(
+    ("args", "precompute"),
+    [
+        ((), False),
+        (("--float8.enable_fsdp_float8_all_gather", "true"), False),
+        (("--float8.enable_fsdp_float8_all_gather", "true", "--parallelism.tp", "2"), True),
+        (("--parallelism.tp", "2"), False),
+        (
+            (
+                "--float8.enable_fsdp_float8_all_gather",
+                "true",
+                "--float8.precompute_float8_dynamic_scale_for_fsdp",
+                "true",
+            ),
+            True,
+        ),
+    ],
+)
+def test_plan_precomputes_scales_under_tp_with_the_float8_all_gather(args, precompute):
+    """Under tp the float8 all-gather alone would scale each tp rank's slice by its own amax
+    (tests/distributed/test_float8_layouts.py): the plan turns the whole-weight precompute on
+    there, and leaves the user's choice everywhere else."""
+    from trainer.plan import float8_options
+
+    opts = float8_options(load_config(["--model.converters", "float8", *args]))
+    assert opts is not None and opts.precompute_scale is precompute
+    assert float8_options(load_config(list(args))) is None  # float8 off: no options at all
