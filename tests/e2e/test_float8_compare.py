@@ -82,7 +82,7 @@ F8 = ["--model.converters", "float8"]
 F8_RTOL, F8_GNORM_RTOL = 1e-4, 3.5e-4
 STEP1_RTOL = 1e-6
 # every float8 scale is the single process's at step 1: only fp32 summation order differs
-SCALE_EQUAL = ["fsdp=4", "tp=2,fsdp=2"]
+SCALE_EQUAL = ["fsdp=4", "tp=2,fsdp=2", "dp_replicate=2,fsdp=2"]
 # tensorwise activation / grad-output scales per rank's local tokens (cp) or micro-batch (pp)
 SCALE_LOCAL = ["cp=2,fsdp=2", "pp=2,fsdp=2"]
 LAYOUTS = ["single", *SCALE_EQUAL, *SCALE_LOCAL]
