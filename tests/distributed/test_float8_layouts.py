@@ -16,8 +16,9 @@
    scale is the part that must not move; the activation / grad-output scales are per rank's
    tokens (tests/e2e/test_float8_compare.py shows where that matters: cp, pp).
 
-   Not layout-independent (asserted as it is, so a torchao change shows up): tp=2 x fsdp=2 WITH
-   float8 all-gather and without precomputed scales. FSDP2's pre-all-gather hook sees the
+   Not layout-independent, so the plan (trainer.plan.float8_options) turns the precompute on
+   for it; asserted as it is with that taken away, so a torchao change shows up: tp=2 x fsdp=2
+   WITH float8 all-gather and without precomputed scales. FSDP2's pre-all-gather hook sees the
    TP-local shard and torchao all-reduces its amax over the FSDP mesh only, so each TP rank
    scales its slice of the weight by that slice's own amax (a finer scale, not a wrong
    product: every output column / partial sum uses one consistent scale). With
@@ -48,6 +49,7 @@ GLOBAL_BS, SEQ_LEN = 4, 32
 F8 = ("--model.converters", "float8")
 AG = ("--float8.enable_fsdp_float8_all_gather", "true")
 PRECOMPUTE = ("--float8.precompute_float8_dynamic_scale_for_fsdp", "true")
+SLICE_SCALES = "tp2-fsdp2-f8ag-without-the-plan's-precompute"
 
 
 @contextlib.contextmanager
@@ -116,12 +118,18 @@ def _reference_scales(config: tuple[str, ...]) -> tuple[dict, dict]:
 
 
 def _layout_scales(rank, world_size, cases):
+    import dataclasses
+
     from models.parallel.float8 import precompute_float8_scales
 
     out = {}
     for name, degrees, config in cases:
         torch.manual_seed(0)
         plan = harness_plan("llama3", degrees, GLOBAL_BS, SEQ_LEN, config=(*F8, *config))
+        out[name] = {"planned_precompute": plan.parallelize.float8.precompute_scale}
+        if name == SLICE_SCALES:  # what the plan would do without its tp rule (see the test)
+            f8 = dataclasses.replace(plan.parallelize.float8, precompute_scale=False)
+            plan = dataclasses.replace(plan, parallelize=dataclasses.replace(plan.parallelize, float8=f8))
         pd = plan.parallel_dims
         pd.build_mesh("cpu")
         model = build_layout_model(plan)
@@ -132,14 +140,16 @@ def _layout_scales(rank, world_size, cases):
         b = pd.coordinate("batch")
         with _record_forward_scales(model) as seen:
             model(inputs[b * per_rank : (b + 1) * per_rank]).sum().backward()
-        out[name] = {"scales": seen, "tp_rank": pd.coordinate("tp") if pd.tp > 1 else 0, "tp": pd.tp}
+        out[name].update(scales=seen, tp_rank=pd.coordinate("tp") if pd.tp > 1 else 0, tp=pd.tp)
     return out
 
 
 def test_float8_weight_scales_do_not_depend_on_the_layout():
     """Per converted linear: the forward GEMM's weight scale under each layout, every rank,
-    bitwise equal to the single-process model's; except tp x fsdp with float8 all-gather and
-    no precomputed scales, whose scale is that of the rank's TP slice (see the module
+    bitwise equal to the single-process model's. tp x fsdp with the float8 all-gather gets
+    precomputed scales from the plan even when the config does not ask for them (asserted:
+    ``planned_precompute``), and then equals it too. The control: the same layout with the
+    plan's precompute taken away, whose scale is that of the rank's TP slice (see the module
     docstring), which must differ on some linear for the case to mean anything."""
     from torchao.float8.float8_utils import amax_to_scale
 
@@ -148,7 +158,8 @@ def test_float8_weight_scales_do_not_depend_on_the_layout():
         ("fsdp4-f8ag", dict(dp_shard=4), AG),
         ("tp2-fsdp2", dict(dp_shard=2, tp=2), ()),
         ("tp2-fsdp2-f8ag-precompute", dict(dp_shard=2, tp=2), (*AG, *PRECOMPUTE)),
-        ("tp2-fsdp2-f8ag", dict(dp_shard=2, tp=2), AG),
+        ("tp2-fsdp2-f8ag", dict(dp_shard=2, tp=2), AG),  # the plan adds the precompute
+        (SLICE_SCALES, dict(dp_shard=2, tp=2), AG),
     ]
     ref, weights = _reference_scales(())
     assert len(ref) == 14, sorted(ref)  # 2 layers x (wq, wk, wv, wo, w1, w2, w3)
@@ -158,7 +169,8 @@ def test_float8_weight_scales_do_not_depend_on_the_layout():
         for name, _, _ in cases:
             got = results[name]["scales"]
             assert sorted(got) == sorted(ref), (rank, name)
-            if name != "tp2-fsdp2-f8ag":
+            assert results[name]["planned_precompute"] is (name.startswith("tp2-fsdp2-f8ag")), (rank, name)
+            if name != SLICE_SCALES:
                 for fqn, r in ref.items():
                     assert got[fqn]["w"] == r["w"], (rank, name, fqn, got[fqn]["w"], r["w"])
                 continue

@@ -31,7 +31,7 @@ layout (tensorwise)             step 1           3 steps (here)   10 steps
 ==============================  ===============  ===============  ===============
 llama3 fsdp=4                   1.2e-7 / 0       1.2e-7 / 8.8e-8  4.9e-5 / 1.6e-4
 llama3 tp=2,fsdp=2              1.2e-7 / 0       1.9e-6 / 1.4e-5  2.5e-5 / 1.7e-4
-llama3 dp_replicate=2,fsdp=2    1.2e-7 / 0       (not run here)   4.0e-5 / 2.0e-4
+llama3 dp_replicate=2,fsdp=2    1.2e-7 / 0       (not measured)   4.0e-5 / 2.0e-4
 llama3 cp=2,fsdp=2              2.8e-6 / 3.4e-5  1.6e-5 / 6.3e-5  2.0e-4 / 5.8e-4
 llama3 pp=2,fsdp=2              2.6e-6 / 8.0e-5  4.8e-5 / 8.0e-5  1.1e-4 / 4.6e-4
 no float8, one process          2.2e-5 / 8.9e-4  2.3e-4 / 1.5e-3  1.0e-3 / 3.2e-3
