@@ -92,19 +92,26 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def test_llama3_float8_layouts_agree(tmp_path):
-    out = tmp_path / "cmp"
+def _compare(model: str, steps: int, layouts: list[str], out: Path) -> tuple[dict, dict]:
+    """The comparison tool over ``layouts`` with float8 on and the float8 tolerances; its
+    summary and every run's metrics by layout, after checking it passed with every layout."""
     proc = compare_loss(
-        *("--config", "train_configs/llama3.toml", "--steps", str(STEPS), "--out", str(out)),
+        *("--config", f"train_configs/{model}.toml", "--steps", str(steps), "--out", str(out)),
         *("--rtol", str(F8_RTOL), "--grad-norm-rtol", str(F8_GNORM_RTOL), "--timeout", "300"),
-        *("--layouts", *LAYOUTS, "--", *TINY, *F8),
+        *("--layouts", *layouts, "--", *TINY, *F8),
     )
     assert proc.returncode == 0, _explain(proc)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["passed"] and [r["layout"] for r in summary["runs"]] == LAYOUTS
+    assert summary["passed"] and [r["layout"] for r in summary["runs"]] == layouts
     runs = {r["layout"]: read_metrics(r["folder"]) for r in summary["runs"]}
+    assert sorted(runs["single"]) == list(range(1, steps + 1))
+    return summary, runs
+
+
+def test_llama3_float8_layouts_agree(tmp_path):
+    out = tmp_path / "cmp"
+    summary, runs = _compare("llama3", STEPS, LAYOUTS, out)
     base = runs["single"]
-    assert sorted(base) == list(range(1, STEPS + 1))
     for run in summary["runs"]:
         log = (Path(run["folder"]) / "train.log").read_text()
         assert "float8: recipe tensorwise" in log and "linear layers in float8" in log, run["layout"]
@@ -146,18 +153,8 @@ def test_deepseek_v3_float8_layouts_agree(tmp_path):
     """MoE + MLA, 2 steps: tp x ep x etp and cp x ep within the float8 tolerances; tp's step-1
     loss at fp32 round-off (every forward scale is the single process's; only backward differs,
     through MLA's partial output gradients), cp's step-1 grad norm visibly not."""
-    out = tmp_path / "cmp"
-    proc = compare_loss(
-        *("--config", "train_configs/deepseek_v3.toml", "--steps", str(DEEPSEEK_STEPS), "--out", str(out)),
-        *("--rtol", str(F8_RTOL), "--grad-norm-rtol", str(F8_GNORM_RTOL), "--timeout", "300"),
-        *("--layouts", *DEEPSEEK_LAYOUTS, "--", *TINY, *F8),
-    )
-    assert proc.returncode == 0, _explain(proc)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["passed"] and [r["layout"] for r in summary["runs"]] == DEEPSEEK_LAYOUTS
-    runs = {r["layout"]: read_metrics(r["folder"]) for r in summary["runs"]}
+    summary, runs = _compare("deepseek_v3", DEEPSEEK_STEPS, DEEPSEEK_LAYOUTS, tmp_path / "cmp")
     base = runs["single"]
-    assert sorted(base) == list(range(1, DEEPSEEK_STEPS + 1))
     gaps = {}
     for run in summary["runs"]:
         assert "linear layers in float8" in (Path(run["folder"]) / "train.log").read_text(), run["layout"]
