@@ -20,6 +20,7 @@ fake_backend_recv_buffers   models.parallel.pipeline.stage.CheckedStage  n/a    
 unflatten_without_groups    parallel_dims.parallel_dims                  ?      ?      need   need   ?
 sliced_mesh_flat_layout     parallel_dims.parallel_dims                  need*  need*  no     no     ?
 schedule_compute_order      tools.planner.schedule_order                 ?      ?      need   need   ?
+local_tensor_fsdp_storage   trainer.local_tensor                         n/a    ?      need   ?      need*
 ==========================  ===========================================  =====  =====  =====  =====  =====
 
 (need = needed, nr = not reached, no = not needed, ? = not checked, * = from the project's runs
@@ -45,8 +46,11 @@ __all__ = [
     "PipelineStageFixes",
     "as_flattened",
     "compute_order_only",
+    "host_side",
+    "install_local_tensor_fsdp_storage",
     "on_fake_backend",
     "render_table",
+    "simulating_ranks",
     "unflatten_without_groups",
 ]
 
@@ -70,6 +74,7 @@ class Override:
 _STAGE = "models.parallel.pipeline.stage.CheckedStage"
 _BUILDER = "parallel_dims.parallel_dims"
 _PLANNER = "tools.planner.schedule_order"
+_LOCAL_TENSOR = "trainer.local_tensor"
 
 OVERRIDES: tuple[Override, ...] = (
     Override(
@@ -141,6 +146,18 @@ OVERRIDES: tuple[Override, ...] = (
         "compute order; the pass that inserts communication (seconds per schedule at pp 8 x 128 "
         "micro-batches) is skipped, which leaves the compute order as it is.",
         {"2.11": "not checked", "2.12": "not checked", "2.13": "needed", "2.14": "needed", "2.15": "not checked"},
+    ),
+    Override(
+        "local_tensor_fsdp_storage",
+        "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage / free_storage",
+        ("install_local_tensor_fsdp_storage",),
+        _LOCAL_TENSOR,
+        "comm.mode = 'local_tensor': FSDP2 frees and re-allocates the unsharded parameters' storage "
+        "with resize_(), which a LocalTensor (a wrapper holding every simulated rank's tensor, no "
+        "storage of its own) rejects ('invalid python storage'); the resize is applied to each "
+        "rank's tensor instead. Plain tensors take torch's path unchanged.",
+        {"2.11": "n/a", "2.12": "not checked", "2.13": "needed", "2.14": "not checked", "2.15": "needed"},
+        from_runs=("2.15",),
     ),
 )
 
@@ -345,3 +362,55 @@ def as_flattened(mesh: DeviceMesh) -> DeviceMesh:
     if isinstance(shape, tuple) and len(shape) == 1 and isinstance(shape[0], int):
         mesh._layout = type(layout)(shape[0], stride[0])
     return mesh
+
+
+# ------------------------------------------------------------------ comm.mode = "local_tensor"
+
+
+def host_side():
+    """A context in which tensors are plain host tensors even while ``comm.mode =
+    'local_tensor'`` simulates every rank (trainer/local_tensor.py): what is computed in it is
+    the same on every rank (a full parameter drawn from its FQN seed, a checkpoint read). A
+    no-op otherwise."""
+    import contextlib
+
+    try:
+        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    except ImportError:  # a torch without LocalTensor: nothing to disable
+        return contextlib.nullcontext()
+    return maybe_disable_local_tensor_mode()
+
+
+def simulating_ranks() -> bool:
+    """Whether a LocalTensorMode (every rank of the job in this process) is active."""
+    try:
+        from torch.distributed._local_tensor import local_tensor_mode
+    except ImportError:
+        return False
+    return local_tensor_mode() is not None
+
+
+def install_local_tensor_fsdp_storage() -> None:
+    """FSDP2's ``alloc_storage`` / ``free_storage`` resize each simulated rank's tensor of a
+    LocalTensor (see the ``local_tensor_fsdp_storage`` row). Idempotent."""
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    if getattr(_fsdp_param.alloc_storage, "_meshtrain_local_tensor", False):
+        return
+
+    def per_rank(fn):
+        def apply(tensor: torch.Tensor) -> None:
+            if isinstance(tensor, LocalTensor):
+                for local in tensor._local_tensors.values():
+                    fn(local)
+            else:
+                fn(tensor)
+
+        apply._meshtrain_local_tensor = True
+        return apply
+
+    alloc, free = per_rank(_fsdp_param.alloc_storage), per_rank(_fsdp_param.free_storage)
+    _fsdp_param.alloc_storage = alloc
+    _fsdp_param.free_storage = free
+    _fsdp_param_group.alloc_storage = alloc

@@ -27,6 +27,7 @@ from trainer.comm_watchdog import (
 )
 from trainer.config import ConfigError, JobConfig
 from trainer.fake_backend import init_fake_process_group, is_fake_backend
+from trainer.local_tensor import enter_local_tensor_mode
 from trainer.run_mode import RunMode
 
 __all__ = [
@@ -64,6 +65,14 @@ def init_distributed(cfg: JobConfig) -> torch.device:
                 f"processes: use python train.py (or torchrun --nproc_per_node=1)"
             )
         init_fake_process_group(cfg.comm.fake_world_size, cfg.comm.fake_rank)
+    if not dist.is_initialized() and cfg.comm.mode == "local_tensor":
+        # every rank of a comm.fake_world_size job in this process (trainer/local_tensor.py)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                f"comm.mode = 'local_tensor' simulates all comm.fake_world_size ranks in one process, but "
+                f"this launch started {os.environ['WORLD_SIZE']} processes: use python train.py"
+            )
+        enter_local_tensor_mode(cfg.comm.fake_world_size)
     if not dist.is_initialized():
         backend = default_backend(device_type)
         # NCCL's flight recorder reads its environment when the first group is created

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from trainer.config import JobConfig
 from trainer.fake_backend import prepare_fake_config
+from trainer.local_tensor import prepare_local_tensor_config
 
 __all__ = ["RunMode"]
 
@@ -20,14 +21,17 @@ __all__ = ["RunMode"]
 @dataclass(frozen=True)
 class RunMode:
     fake: bool  # one rank of a larger job on torch's fake backend
+    local: bool = False  # every rank of the job in this process (trainer/local_tensor.py)
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> RunMode:
-        return cls(fake=cfg.comm.mode == "fake_backend")
+        return cls(fake=cfg.comm.mode == "fake_backend", local=cfg.comm.mode == "local_tensor")
 
     def prepare(self, cfg: JobConfig) -> list[str]:
-        """Adjust ``cfg`` in place before anything is built (a fake run writes to its own
-        folder and keeps no checkpoints); the notes to log."""
+        """Adjust ``cfg`` in place before anything is built (a fake or local_tensor run writes to
+        its own folder and saves no checkpoints); the notes to log."""
+        if self.local:
+            return prepare_local_tensor_config(cfg)
         return prepare_fake_config(cfg) if self.fake else []
 
     @property

@@ -51,6 +51,7 @@ from trainer.fake_backend import is_fake_backend
 from trainer.forward import ModelForward, cross_entropy_sum
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.instruments import Instruments, build_instruments
+from trainer.local_tensor import PerRankLoader, check_all_local, load_full_weights, rank0_view
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
@@ -136,11 +137,16 @@ class Trainer:
         )
 
         # the next step's micro-batches are prepared on a background thread (training.prefetch)
-        self.data = wrap_loader(
-            build_dataloader(cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch=plan.batch),
-            cfg.training.prefetch,
-            self.device,
-        )
+        if self.mode.local:  # every simulated rank's slice, as one LocalTensor per micro-batch
+            loader = PerRankLoader(
+                lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch),
+                self.pd,
+                self.world_size,
+            )
+            self._load_local_initial_weights()
+        else:
+            loader = build_dataloader(cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch=plan.batch)
+        self.data = wrap_loader(loader, cfg.training.prefetch, self.device)
         self.validator = None
         if cfg.validation.enable:
             self.validator = Validator(
@@ -160,6 +166,15 @@ class Trainer:
         )
         self.step = 0
         self.instruments = Instruments()  # the step hooks; train() builds the config's
+
+    def _load_local_initial_weights(self) -> None:
+        """local_tensor mode: a seed checkpoint's full weights read on the host and cut per
+        simulated rank (DCP's distributed load cannot run there; trainer/local_tensor.py)."""
+        path = self.cfg.checkpoint.initial_load_path
+        if path:
+            count = load_full_weights(path, self.model_parts)
+            self.cfg.checkpoint.initial_load_path = ""  # read: the checkpoint manager has nothing to load
+            _log(f"loaded initial weights from {path} ({count} tensors, read once and cut per simulated rank)")
 
     # ---------------------------------------------------------------- one step
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -203,6 +218,8 @@ class Trainer:
             check_finite(loss_value, norm_value, self.step + 1)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
         self.optimizer.step()
+        if self.mode.local:  # every parameter, gradient and optimizer state holds every rank's value
+            check_all_local(self.model_parts, self.optimizer)
         if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
             precompute_float8_scales(self.model_parts)
         self.lr_scheduler.step()
@@ -272,7 +289,8 @@ class Trainer:
                 microbatches = self.data.next_step()
                 data_wait += self.data.wait_s
                 if not timeout_applied:  # the first step of this run (also after a resume)
-                    _log(document_stats_line(microbatches, self.tokenizer.eos_id, cfg.model.attn_mask_type))
+                    first = [(rank0_view(x), rank0_view(y)) for x, y in microbatches]  # rank 0's, as printed
+                    _log(document_stats_line(first, self.tokenizer.eos_id, cfg.model.attn_mask_type))
                 result, step_extra = instruments.run_step(self.step + 1, self.train_step, microbatches)
                 self.step += 1
                 if not timeout_applied:

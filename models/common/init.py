@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.common.norms import RMSNorm
+from parallel_dims.torch_compat import host_side
 
 # Path components that wrappers (activation checkpointing, torch.compile, FSDP1) insert into
 # parameter names. They are dropped so that wrapping a module does not change its weights.
@@ -87,7 +88,13 @@ def _truncated_normal_(out: torch.Tensor, std: float, gen: torch.Generator) -> t
 
 
 def full_init_tensor(spec: ParamInit, shape: torch.Size | tuple[int, ...], seed: int, fqn: str) -> torch.Tensor:
-    """The full float32 CPU tensor for parameter ``fqn``."""
+    """The full float32 CPU tensor for parameter ``fqn`` (a plain host tensor, also while
+    ``comm.mode = 'local_tensor'`` simulates every rank: the draw is the same for all)."""
+    with host_side():
+        return _full_init_tensor(spec, shape, seed, fqn)
+
+
+def _full_init_tensor(spec: ParamInit, shape: torch.Size | tuple[int, ...], seed: int, fqn: str) -> torch.Tensor:
     out = torch.empty(tuple(shape), dtype=torch.float32, device="cpu")
     if spec.kind == "constant":
         return out.fill_(spec.value)

@@ -38,6 +38,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from parallel_dims.torch_compat import simulating_ranks
+
 __all__ = ["apply_expert_parallel"]
 
 _WEIGHT_NAMES = ("w1", "w2", "w3")
@@ -69,12 +71,13 @@ def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, gather: boo
         splits = [counts.numel() // n] * n
         out = ops.all_to_all_single(counts, splits, splits, group.group_name)
     out = ops.wait_tensor(out)
-    if not gather and dist.get_backend(group) == "fake":
+    if not gather and dist.get_backend(group) == "fake" and not simulating_ranks():
         # torch's fake backend (comm.mode = "fake_backend") fills an all-to-all given split
         # sizes with copies of the input's FIRST chunk; its contract here (trainer/
         # fake_backend.py: balanced routing) is that a rank receives the counts it sends, as
         # the eager call without split sizes gave. The collective is still issued (recorded,
-        # timed); its result is what a balanced job would deliver.
+        # timed); its result is what a balanced job would deliver. Not under comm.mode =
+        # "local_tensor" (also the fake backend): LocalTensorMode runs the real exchange.
         out = counts.clone()
     return out
 

@@ -41,6 +41,8 @@ import pytest
 
 from trainer.config import PARALLELISM_ALIASES
 
+from .helpers import read_metrics
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11
@@ -305,3 +307,40 @@ def test_bad_layout_is_rejected_before_anything_runs(tmp_path):
     )
     assert proc.returncode == 2 and "ep*etp = 4*1 = 4 does not divide dp_shard*cp*tp = 2*1*1 = 2" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.fake_backend  # comm.mode = local_tensor has the fake backend's torch floor (>= 2.13)
+def test_comm_mode_local_tensor_reproduces_the_real_runs(llama3_comparison, tmp_path):
+    """``--comm-mode local_tensor``: the layout's 4 ranks simulated in one process (no torchrun),
+    from the real comparison's seed checkpoint (read on the host and cut per rank), give the
+    real 4-process run's losses and grad norms within 1e-6 relative (fp32 reduction order over
+    2 ranks per axis; measured bitwise on this CPU, tests/e2e/test_local_tensor.py)."""
+    from tools.compare_loss.layouts import slug
+
+    _, real_out = llama3_comparison
+    out = tmp_path / "lt"
+    proc = compare_loss(
+        "--config",
+        "train_configs/llama3.toml",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--comm-mode",
+        "local_tensor",
+        "--seed-checkpoint",
+        str(real_out / "seed" / "checkpoint" / "step-0"),
+        "--layouts",
+        "tp=2,fsdp=2",
+        "--",
+        *BLOCK_CAUSAL,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(4 ranks in 1p)" in proc.stdout
+    (local_folder,) = out.glob(f"*-{slug('tp=2,fsdp=2')}")
+    (real_folder,) = real_out.glob(f"*-{slug('tp=2,fsdp=2')}")
+    local, real = read_metrics(local_folder), read_metrics(real_folder)
+    assert sorted(local) == sorted(real) == list(range(1, STEPS + 1))
+    for step in real:
+        for key in ("loss", "grad_norm"):
+            assert local[step][key] == pytest.approx(real[step][key], rel=1e-6, abs=0), (step, key)

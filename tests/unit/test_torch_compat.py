@@ -100,6 +100,10 @@ def _probe(name: str) -> str:
     if name == "schedule_compute_order":
         src = inspect.getsource(schedules.ScheduleInterleaved1F1B.__init__)
         return "needed" if "self._prepare_schedule_with_comms(" in src else "not needed"
+    if name == "local_tensor_fsdp_storage":
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+        return "needed" if ".resize_(" in inspect.getsource(_fsdp_param.free_storage) else "not needed"
     raise AssertionError(f"no probe for {name}")
 
 

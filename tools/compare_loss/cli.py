@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed-checkpoint", help="reuse this seed checkpoint (a step-0 folder) instead of creating one")
     p.add_argument("--timeout", type=float, default=0, help="seconds after which a run is killed (default: none)")
     p.add_argument(
+        "--comm-mode",
+        choices=("default", "local_tensor"),
+        default="default",
+        help="default: each layout on real processes (torchrun); local_tensor: each layout's ranks "
+        "simulated in one process with real values (comm.mode = local_tensor; no pp, no cp)",
+    )
+    p.add_argument(
         "--diagnose",
         nargs="?",
         const="diverged",
@@ -142,6 +149,10 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> tuple[Plan, list[Lay
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     if not 1 <= args.diagnose_step <= args.steps:
         raise UsageError(f"--diagnose-step must be between 1 and --steps ({args.steps}), got {args.diagnose_step}")
+    if args.diagnose and args.comm_mode == "local_tensor":
+        raise UsageError(
+            "--diagnose dumps gradients from real processes (torchrun); drop --comm-mode local_tensor to diagnose"
+        )
     layouts = parse_layouts(args.layouts)
     baseline = pick_baseline(layouts, args.baseline)
     check_extra_overrides(extra)
@@ -168,7 +179,7 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> tuple[Plan, list[Lay
     )
     if args.assert_equal:
         extra = deterministic_overrides(config, extra, run_device_type())
-    plan = Plan(config=config, steps=args.steps, out=out, extra=extra, seed_checkpoint=seed)
+    plan = Plan(config=config, steps=args.steps, out=out, extra=extra, seed_checkpoint=seed, comm_mode=args.comm_mode)
     preflight(plan, layouts)
     return plan, layouts, baseline
 

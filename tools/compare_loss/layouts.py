@@ -46,7 +46,8 @@ CONTROLLED_KEYS = {
     "checkpoint.enable": "compare_loss (runs do not save checkpoints)",
     "checkpoint.initial_load_path": "--seed-checkpoint (or the seed checkpoint compare_loss creates)",
     "checkpoint.create_seed_checkpoint": "compare_loss",
-    "comm.mode": "compare_loss (it compares real runs: a fake-backend run's losses are meaningless)",
+    "comm.mode": "--comm-mode (default or local_tensor; a fake-backend run's losses are meaningless)",
+    "comm.fake_world_size": "compare_loss (--comm-mode local_tensor simulates the layout's ranks)",
 }
 
 
@@ -189,6 +190,14 @@ class Plan:
     out: str
     extra: list[str]
     seed_checkpoint: str
+    comm_mode: str = "default"  # or "local_tensor": every rank of a layout in one process
+
+    def launch_args(self, layout: Layout) -> list[str]:
+        """How a run of ``layout`` joins its ranks: real processes (torchrun, ``default``) or
+        all of them simulated in one process (``local_tensor``: comm.fake_world_size = nproc)."""
+        if self.comm_mode == "local_tensor":
+            return ["--comm.mode", "local_tensor", "--comm.fake_world_size", str(layout.nproc)]
+        return ["--comm.mode", "default"]
 
     def run_folder(self, index: int, layout: Layout) -> str:
         return os.path.join(self.out, f"{index:02d}-{slug(layout.name)}")
@@ -204,8 +213,7 @@ class Plan:
                 "1",
                 "--metrics.enable_jsonl",
                 "true",
-                "--comm.mode",
-                "default",
+                *self.launch_args(layout),
                 "--checkpoint.enable",
                 "false",
                 "--checkpoint.initial_load_path",

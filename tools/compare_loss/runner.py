@@ -172,12 +172,18 @@ def run_layouts(plan: Plan, layouts: list[Layout], timeout: float | None) -> lis
     for i, layout in enumerate(layouts, 1):
         folder = plan.run_folder(i, layout)
         log_path = os.path.join(folder, "train.log")
-        label = f"[{i}/{len(layouts)}] {layout.name} ({layout.nproc}p)"
+        ranks = f"{layout.nproc} ranks in 1p" if plan.comm_mode == "local_tensor" else f"{layout.nproc}p"
+        label = f"[{i}/{len(layouts)}] {layout.name} ({ranks})"
         progress = Progress(label, plan.steps)
         start = time.perf_counter()
-        rc = run_streaming(
-            torchrun_cmd(layout.nproc, TRAIN_PY, plan.run_argv(layout, folder)), log_path, progress, timeout
+        argv = plan.run_argv(layout, folder)
+        # local_tensor: one python process simulates all the layout's ranks, no torchrun
+        cmd = (
+            [sys.executable, TRAIN_PY, *argv]
+            if plan.comm_mode == "local_tensor"
+            else torchrun_cmd(layout.nproc, TRAIN_PY, argv)
         )
+        rc = run_streaming(cmd, log_path, progress, timeout)
         result = RunResult(layout, folder, rc, time.perf_counter() - start, log_path)
         result.records = load_metrics(os.path.join(folder, "metrics.jsonl"))
         result.validation = load_validation(os.path.join(folder, "metrics.jsonl"))

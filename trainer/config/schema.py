@@ -362,11 +362,13 @@ class Comm:
         "'default' = real collectives; 'fake_backend' = run ONE rank (comm.fake_rank) of a "
         "comm.fake_world_size-rank job in this single process, on torch's fake backend: the "
         "layout is built and the model parallelized as on the cluster, collectives are no-ops; "
-        "reports this rank's peak memory and compute time per step (loss values are meaningless).",
-        choices=("default", "fake_backend"),
+        "reports this rank's peak memory and compute time per step (loss values are meaningless); "
+        "'local_tensor' = run ALL comm.fake_world_size ranks in this single process with real values "
+        "(torch's LocalTensorMode): the loss and weights are the real job's.",
+        choices=("default", "fake_backend", "local_tensor"),
     )
     fake_world_size: int | None = _opt(
-        None, "comm.mode = 'fake_backend': the world size (number of GPUs) of the job to simulate."
+        None, "comm.mode = 'fake_backend' / 'local_tensor': the world size (number of GPUs) of the job to simulate."
     )
     fake_rank: int = _opt(0, "comm.mode = 'fake_backend': the rank of that job this process plays.")
     record_step: int = _opt(

@@ -269,6 +269,9 @@ def _validate_comm(cfg: JobConfig, need) -> None:
         f"comm.record_step ({c.record_step}) is after the last step (training.steps = {cfg.training.steps}): "
         f"choose a step in 1 .. {cfg.training.steps}, or 0 to record nothing",
     )
+    if c.mode == "local_tensor":
+        _validate_local_tensor(cfg, need)
+        return
     if c.mode != "fake_backend":
         need(
             c.fake_world_size is None and c.fake_rank == 0,
@@ -296,6 +299,57 @@ def _validate_comm(cfg: JobConfig, need) -> None:
 
 
 FAKE_BACKEND_MIN_TORCH = (2, 13)
+
+
+def _validate_local_tensor(cfg: JobConfig, need) -> None:
+    """comm.mode = 'local_tensor' (trainer/local_tensor.py): every rank in this process."""
+    c, p, ck = cfg.comm, cfg.parallelism, cfg.checkpoint
+    w = c.fake_world_size
+    need(
+        w is not None and w >= 1,
+        f"comm.mode = 'local_tensor' needs comm.fake_world_size, the number of ranks (GPUs) of the job "
+        f"to simulate in this process, >= 1; got {w}: e.g. --comm.fake_world_size 8",
+    )
+    need(
+        c.fake_rank == 0,
+        "comm.fake_rank is used only with comm.mode = 'fake_backend' (local_tensor simulates every rank): remove it",
+    )
+    need(
+        p.pipeline_parallel_degree == 1,
+        f"comm.mode = 'local_tensor' cannot simulate pipeline parallelism (parallelism.pp = {p.pipeline_parallel_degree}): each "
+        "pp rank runs different stage modules, which one SPMD program in one process cannot express; "
+        "use --parallelism.pp 1, or a real launch (torchrun) for pipeline layouts",
+    )
+    need(
+        p.context_parallel_degree == 1,
+        f"comm.mode = 'local_tensor' does not simulate context parallelism yet (parallelism.cp = {p.context_parallel_degree}): "
+        "its load-balanced chunk offsets are per-rank host integers; use --parallelism.cp 1, or a real "
+        "launch (torchrun) for cp layouts",
+    )
+    need(
+        not ck.create_seed_checkpoint,
+        "checkpoint.create_seed_checkpoint writes the initial weights on one real process; it cannot run "
+        "with comm.mode = 'local_tensor': drop one of the two",
+    )
+    need(
+        not (ck.initial_load_path and ck.initial_load_in_hf),
+        "comm.mode = 'local_tensor' reads initial weights from a DCP checkpoint only: convert the Hugging "
+        "Face folder first (scripts/convert_hf.py) or unset checkpoint.initial_load_in_hf",
+    )
+    need(
+        not cfg.compile.enable,
+        "comm.mode = 'local_tensor' runs eagerly (LocalTensor is a tensor subclass that runs each op once "
+        "per simulated rank; torch.compile does not trace it): drop --compile.enable",
+    )
+    ok, message = _fake_backend_torch(torch.__version__)
+    need(ok, message.replace("'fake_backend'", "'local_tensor'"))
+    from trainer.local_tensor import local_tensor_available
+
+    need(
+        local_tensor_available(),
+        f"comm.mode = 'local_tensor' needs torch.distributed._local_tensor (LocalTensorMode), which torch "
+        f"{torch.__version__} lacks: install torch >= {'.'.join(map(str, FAKE_BACKEND_MIN_TORCH))}",
+    )
 
 
 def _fake_backend_torch(version: str) -> tuple[bool, str]:

@@ -1,0 +1,142 @@
+"""comm.mode = local_tensor (every rank of a layout in one process, real values) against the same
+layout on real gloo processes, end to end through train.py on CPU.
+
+Measured on this machine (10 steps, FAST shapes; /tmp measurement, numbers in docs/fake_backend.md):
+bitwise equal losses and grad norms for llama3 dp_shard=2, tp=2 x dp_shard=2 and deepseek_v3
+ep=2 x dp_shard=2 (every reduction has two terms, so its order cannot differ); llama3
+dp_replicate=2 x dp_shard=2 within 1.2e-7 relative and deepseek_v3 tp=2 x ep=4 x etp=2 on 8
+ranks within 1.3e-7 (reductions over 4 and 8 ranks: LocalTensor sums the ranks in rank order,
+gloo in its own ring order, so the fp32 sums may round differently). The tolerance below,
+1e-6, is 8x the largest measured gap and far below what a wrong shard gives (a rank reading
+another rank's batch slice or weight shard changes the first loss in the third digit).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .helpers import FAST, ROOT, _env, read_metrics, run_train
+
+pytestmark = pytest.mark.fake_backend  # the same torch floor (>= 2.13) as the fake backend
+
+FP32_REDUCTION_ORDER = 1e-6
+
+
+def _both(tmp_path, config: str, world: int, steps: int, *layout: str) -> tuple[dict, dict]:
+    args = ["--config", config, *FAST, "--training.steps", str(steps), "--checkpoint.enable", "false", *layout]
+    real = run_train(world, *args, "--job.dump_folder", str(tmp_path / "real"))
+    assert real.returncode == 0, real.stderr[-3000:]
+    local = run_train(
+        1,
+        *args,
+        "--comm.mode",
+        "local_tensor",
+        "--comm.fake_world_size",
+        str(world),
+        "--job.dump_folder",
+        str(tmp_path / "local"),
+    )
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert f"all {world} ranks of the layout run in this one process" in local.stdout
+    return read_metrics(tmp_path / "real"), read_metrics(tmp_path / "local")
+
+
+def test_tp_fsdp_layout_is_bitwise_the_real_processes(tmp_path):
+    """llama3 tp=2 x dp_shard=2 on 4 simulated ranks: FSDP2's all-gather / reduce-scatter, TP's
+    sharded linears and loss parallel, each rank's own batch slice. Every reduction has two
+    terms, so the losses and grad norms are bitwise the 4-process run's."""
+    real, local = _both(tmp_path, "llama3.toml", 4, 4, "--parallelism.tp", "2")
+    assert sorted(real) == sorted(local) == [1, 2, 3, 4]
+    for step in real:
+        assert (local[step]["loss"], local[step]["grad_norm"]) == (real[step]["loss"], real[step]["grad_norm"]), step
+    assert real[4]["loss"] < real[1]["loss"]  # it trained
+
+
+def test_eight_rank_moe_layout_matches_the_real_processes(tmp_path):
+    """deepseek_v3 tp=2 x ep=4 x etp=2 (dp_shard 4) on 8 simulated ranks: the uneven token
+    all-to-all with real per-rank counts, the etp all-gather, expert FSDP. Within the fp32
+    reduction-order tolerance of the module docstring."""
+    real, local = _both(
+        tmp_path,
+        "deepseek_v3.toml",
+        8,
+        3,
+        "--parallelism.tp",
+        "2",
+        "--parallelism.ep",
+        "4",
+        "--parallelism.etp",
+        "2",
+    )
+    assert sorted(real) == sorted(local) == [1, 2, 3]
+    for step in real:
+        for key in ("loss", "grad_norm"):
+            gap = abs(local[step][key] - real[step][key]) / abs(real[step][key])
+            assert gap <= FP32_REDUCTION_ORDER, (step, key, local[step][key], real[step][key])
+
+
+@pytest.mark.parametrize(
+    "layout, words",
+    [
+        (["--parallelism.pp", "2"], "cannot simulate pipeline parallelism"),
+        (["--parallelism.cp", "2"], "does not simulate context parallelism"),
+        (["--compile.enable", "true"], "runs eagerly"),
+    ],
+)
+def test_layouts_it_cannot_simulate_are_refused_in_one_line(tmp_path, layout, words):
+    r = run_train(
+        1,
+        "--config",
+        "llama3.toml",
+        *FAST,
+        "--comm.mode",
+        "local_tensor",
+        "--comm.fake_world_size",
+        "4",
+        *layout,
+        "--job.dump_folder",
+        str(tmp_path),
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and words in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
+GUARD = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from trainer.local_tensor import PlainTensorInLocalMode, check_all_local, enter_local_tensor_mode
+
+    enter_local_tensor_mode(2)
+    inside = nn.Linear(4, 4)  # created in the mode: every rank's own tensor
+    inside(torch.ones(2, 4)).sum().backward()
+    opt = torch.optim.AdamW(inside.parameters())
+    opt.step()
+    print("checked", check_all_local([inside], opt))
+    from parallel_dims.torch_compat import host_side
+    with host_side():
+        outside = torch.zeros(4)
+    inside.bias = nn.Parameter(outside)  # a plain tensor reaches a parameter
+    try:
+        check_all_local([inside], opt)
+    except PlainTensorInLocalMode as exc:
+        print("refused:", exc)
+    """
+)
+
+
+def test_a_plain_tensor_reaching_a_parameter_fails_loudly():
+    """The guard the trainer runs after every optimizer step in local_tensor mode: parameters,
+    gradients and AdamW state created in the mode pass (2 params + 2 grads + 4 moments), and a
+    plain tensor made outside it (one value for every rank) is named."""
+    r = subprocess.run([sys.executable, "-c", GUARD], cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checked 8" in r.stdout, r.stdout
+    assert (
+        "refused: comm.mode = local_tensor: parameter bias (part 0) is a plain Parameter, not a LocalTensor" in r.stdout
+    ), r.stdout
