@@ -42,8 +42,8 @@ __all__ = [
 
 
 def log(msg: str) -> None:
-    """Print on rank 0 (a fake-backend run is one process playing any rank: it prints)."""
-    if not dist.is_initialized() or dist.get_rank() == 0 or is_fake_backend():
+    """Print on rank 0 (a fake-backend or local_tensor run is one process: it prints)."""
+    if not dist.is_initialized() or is_fake_backend() or dist.get_rank() == 0:
         print(msg, flush=True)
 
 

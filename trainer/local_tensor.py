@@ -12,7 +12,8 @@ test_local_tensor.py), in one debugger, without torchrun.
 
 What is rank-dependent on the host is handled here, explicitly:
 
-* **Mesh and plan**: built once, as rank 0 sees them (the fake group's rank); torch patches
+* **Mesh and plan**: built once, as rank 0 sees them (the fake group's rank), with the mode
+  off (torch 2.15 answers ``dist.get_rank()`` per simulated rank inside it); torch patches
   ``DeviceMesh.get_coordinate`` / ``get_local_rank`` inside the mode so DTensor, FSDP2 and our
   parallel styles slice per simulated rank.
 * **Initial weights**: each full parameter is drawn on the host with the mode off

@@ -29,6 +29,7 @@ from torch import nn
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from models.registry import build_model
 from parallel_dims import default_device_type
+from parallel_dims.torch_compat import host_side
 from trainer.build import build_model_parts, build_pipeline
 from trainer.checkpoint.async_save import CheckpointWriteFailed
 from trainer.checkpoint.dcp import save_seed_checkpoint
@@ -82,8 +83,9 @@ class Trainer:
         # environment before the first cuBLAS handle
         precision_notes = apply_precision_policy(cfg, default_device_type())
         self.device = init_distributed(cfg)
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        with host_side():  # local_tensor on torch 2.15 answers get_rank() per simulated rank: this process is 0
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
         for note in mode_notes + precision_notes:
             _log(note)
         torch.manual_seed(cfg.training.seed)
@@ -108,7 +110,8 @@ class Trainer:
         self.num_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = training_flops_per_token(model, plan.batch.seq_len)
 
-        self.pd.build_mesh(self.device.type)
+        with host_side():  # the meshes are the same for every simulated rank (built as rank 0's)
+            self.pd.build_mesh(self.device.type)
         _log(
             f"mesh: world={self.world_size} pp={self.pd.pp} dp_replicate={self.pd.dp_replicate} "
             f"dp_shard={self.pd.dp_shard} cp={self.pd.cp} tp={self.pd.tp} ep={self.pd.ep} "
