@@ -28,8 +28,8 @@ class RunMode:
         return cls(fake=cfg.comm.mode == "fake_backend", local=cfg.comm.mode == "local_tensor")
 
     def prepare(self, cfg: JobConfig) -> list[str]:
-        """Adjust ``cfg`` in place before anything is built (a fake or local_tensor run writes to
-        its own folder and saves no checkpoints); the notes to log."""
+        """Adjust ``cfg`` in place before anything is built (a fake run writes to its own folder;
+        neither a fake nor a local_tensor run saves checkpoints); the notes to log."""
         if self.local:
             return prepare_local_tensor_config(cfg)
         return prepare_fake_config(cfg) if self.fake else []
@@ -44,8 +44,9 @@ class RunMode:
         return 0 if self.fake else rank
 
     def has_peers(self, world_size: int) -> bool:
-        """Whether other processes take part (a step can hang on one): the step watchdog's case."""
-        return not self.fake and world_size > 1
+        """Whether other processes take part (a step can hang on one): the step watchdog's case.
+        A local_tensor run simulates its peers in this process: nothing can hang on another."""
+        return not self.fake and not self.local and world_size > 1
 
     @property
     def meters_steps(self) -> bool:
