@@ -94,25 +94,27 @@ def enter_local_tensor_mode(world_size: int):
 
 
 def prepare_local_tensor_config(cfg) -> list[str]:
-    """Turn off checkpoint saving (in place); return the notes to log. Idempotent. The run
-    writes its metrics to job.dump_folder like a real run: its values are the real job's."""
+    """Turn off what a local_tensor run cannot do (in place): background checkpoint writes and
+    the Hugging Face and consolidated exports; return the notes to log. Idempotent. Step
+    checkpoints are saved and resumed (trainer/checkpoint/local_tensor.py); the run writes its
+    metrics to job.dump_folder like a real run: its values are the real job's."""
     notes = [LOCAL_TENSOR_NOTE.format(w=cfg.comm.fake_world_size)]
     ck = cfg.checkpoint
     off = [
         key
         for key, on in (
-            ("checkpoint.enable", ck.enable),
+            ("checkpoint.async_mode", ck.async_mode != "disabled"),
             ("checkpoint.last_save_in_hf", ck.last_save_in_hf),
             ("checkpoint.save_in_hf_every", bool(ck.save_in_hf_every)),
+            ("checkpoint.last_save_model_only", ck.last_save_model_only),
         )
         if on
     ]
-    ck.enable, ck.last_save_in_hf, ck.save_in_hf_every = False, False, 0
+    ck.async_mode, ck.last_save_in_hf, ck.save_in_hf_every, ck.last_save_model_only = "disabled", False, 0, False
     if off:
         notes.append(
-            f"comm.mode = local_tensor: checkpoint saving is off ({', '.join(off)} ignored; DCP's save "
-            f"gathers its plan to one rank, which LocalTensor cannot simulate); checkpoint.initial_load_path "
-            f"is read"
+            f"comm.mode = local_tensor: {', '.join(off)} ignored: step checkpoints are written in full by "
+            f"this one process, synchronously (the exports and the background writer plan across processes)"
         )
     return notes
 

@@ -32,7 +32,8 @@ from parallel_dims import default_device_type
 from parallel_dims.torch_compat import host_side
 from trainer.build import build_model_parts, build_pipeline
 from trainer.checkpoint.async_save import CheckpointWriteFailed
-from trainer.checkpoint.dcp import save_seed_checkpoint
+from trainer.checkpoint.dcp import CheckpointFolder, save_seed_checkpoint
+from trainer.checkpoint.local_tensor import LocalTensorFolder
 from trainer.checkpoint.manager import CheckpointManager, check_initial_load
 from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
 from trainer.config import ConfigError, JobConfig, load_config
@@ -166,6 +167,7 @@ class Trainer:
             model_args=self.plan.model.args,
             initial_hf=initial_hf,
             log=_log,
+            folder_cls=LocalTensorFolder if self.mode.local else CheckpointFolder,
         )
         self.step = 0
         self.instruments = Instruments()  # the step hooks; train() builds the config's

@@ -140,3 +140,41 @@ def test_a_plain_tensor_reaching_a_parameter_fails_loudly():
     assert (
         "refused: comm.mode = local_tensor: parameter bias (part 0) is a plain Parameter, not a LocalTensor" in r.stdout
     ), r.stdout
+
+
+def test_checkpoints_resume_across_modes(tmp_path):
+    """A checkpoint saved in local_tensor mode (full tensors, one writer) resumes on 4 real
+    processes, and a checkpoint the real processes saved (sharded, 4 writers) resumes in
+    local_tensor mode: llama3 tp=2 x dp_shard=2, a save every 2 of 6 steps. The layout is
+    bitwise between the modes (test above), so every resumed step equals the uninterrupted local
+    run's step bitwise."""
+    import shutil
+
+    args = ["--config", "llama3.toml", *FAST, "--training.steps", "6", "--checkpoint.interval", "2"]
+    args += ["--checkpoint.keep_latest_k", "0"]
+    args += ["--parallelism.tp", "2"]
+    local = ["--comm.mode", "local_tensor", "--comm.fake_world_size", "4"]
+    r = run_train(1, *args, *local, "--job.dump_folder", str(tmp_path / "local"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = read_metrics(tmp_path / "local")
+    assert sorted(p.name for p in (tmp_path / "local" / "checkpoint").iterdir()) == ["step-2", "step-4", "step-6"]
+
+    # local_tensor's step 2 -> real processes, steps 3..6
+    (tmp_path / "real" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "local" / "checkpoint" / "step-2", tmp_path / "real" / "checkpoint" / "step-2")
+    r = run_train(4, *args, "--job.dump_folder", str(tmp_path / "real"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "at step 2" in r.stdout
+    real = read_metrics(tmp_path / "real")
+    assert sorted(real) == [3, 4, 5, 6]
+
+    # the real processes' step 4 -> local_tensor, steps 5..6
+    (tmp_path / "back" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "real" / "checkpoint" / "step-4", tmp_path / "back" / "checkpoint" / "step-4")
+    r = run_train(1, *args, *local, "--job.dump_folder", str(tmp_path / "back"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    back = read_metrics(tmp_path / "back")
+    assert sorted(back) == [5, 6]
+    for resumed in (real, back):
+        for step, rec in resumed.items():
+            assert (rec["loss"], rec["grad_norm"]) == (ref[step]["loss"], ref[step]["grad_norm"]), step

@@ -84,6 +84,7 @@ class CheckpointManager:
         model_args,
         initial_hf: HFCheckpoint | None = None,
         log: Callable[[str], None] = print,
+        folder_cls: type[CheckpointFolder] = CheckpointFolder,
     ):
         self.cfg = cfg
         self.config = cfg.checkpoint
@@ -93,7 +94,8 @@ class CheckpointManager:
         self.initial_hf = initial_hf
         self.log = log
         self.folder = cfg.resolve_path(self.config.folder)
-        self.steps = CheckpointFolder(self.folder, self.config.keep_latest_k)
+        # the run's step-N folders (local_tensor mode: trainer/checkpoint/local_tensor.py)
+        self.steps = folder_cls(self.folder, self.config.keep_latest_k)
         # asynchronous saves: built by every rank (it creates process groups)
         self.saver: BackgroundSaver | None = None
         if self.config.enable and self.config.async_mode != DISABLED:

@@ -1,0 +1,191 @@
+"""Checkpoints of a ``comm.mode = "local_tensor"`` run (trainer/local_tensor.py): every rank of
+the job is simulated in this one process, so the checkpoint is written and read by this process
+alone, in the format every real run reads.
+
+DCP's own distributed save and load plan across ranks with gather/scatter to one rank, an MPMD
+operation LocalTensor refuses. So :class:`LocalTensorFolder` (the run's ``step-N`` folder, with
+the same tmp-then-rename publishing and ``keep_latest_k`` retention as
+:class:`~trainer.checkpoint.dcp.CheckpointFolder`) saves each tensor in FULL: a sharded DTensor
+is gathered over its mesh under the simulation (``full_tensor``), and every simulated rank must
+then hold the same value (``LocalTensor.reconcile`` checks it) before it is written once with
+``no_dist=True``. Keys, dtypes and the ``train_state`` blob are those of a real save, and DCP
+reshards on load, so a real multi-process run of any layout resumes from it. Loading reads every
+tensor in full on the host and cuts each simulated rank's piece the way its DTensor is sharded,
+so a local_tensor run resumes from a real run's checkpoint (written sharded by N processes) as
+well as from its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from models.common.init import write_full_into
+from parallel_dims.torch_compat import host_side
+from trainer.checkpoint.async_save import DrillWriter
+from trainer.checkpoint.dcp import EXCLUDABLE, CheckpointFolder
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.state import (
+    checkpoint_keys,
+    from_blob,
+    is_complete,
+    model_state_dict,
+    rng_state,
+    set_rng_state,
+    to_blob,
+)
+
+__all__ = ["LocalTensorFolder", "full_value"]
+
+
+def full_value(value: Any) -> Any:
+    """A plain, full tensor for ``value`` (a DTensor over LocalTensors, or a LocalTensor that
+    every simulated rank holds alike); anything else unchanged. Collective for DTensors (called
+    under the simulation)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if isinstance(value, LocalTensor):
+        try:
+            return value.reconcile()
+        except AssertionError:
+            raise CheckpointError(
+                "comm.mode = local_tensor: a checkpointed tensor differs between simulated ranks although "
+                "the checkpoint stores one value for all; this is a bug in the simulation, please report it"
+            ) from None
+    return value
+
+
+def _template(value: Any) -> Any:
+    """The host tensor a full ``value`` is read into (global shape, its dtype); non-tensors as is."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(tuple(value.shape), dtype=value.dtype, device="cpu")
+    return value
+
+
+def _cut(target: Any, full: Any) -> Any:
+    """``full`` cut for every simulated rank like ``target`` (a DTensor is sharded like it; a
+    LocalTensor gets the same value on every rank); non-tensors as loaded."""
+    if isinstance(target, DTensor):
+        return distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    if isinstance(target, torch.Tensor):
+        out = torch.empty_like(target)
+        out.copy_(full.to(target.dtype))
+        return out
+    return full
+
+
+class LocalTensorFolder(CheckpointFolder):
+    """The run's checkpoint folder in local_tensor mode: full tensors, one writer (module
+    docstring). The base class's publishing, retention and step listing are used as they are,
+    with the simulation off (one process: its barriers are no-ops on the fake group)."""
+
+    def state(self, step, model_parts, optimizer=None, lr_scheduler=None, dataloader=None, extra=None):
+        state: dict[str, Any] = {"model": {k: full_value(v) for k, v in model_state_dict(model_parts).items()}}
+        if optimizer is not None:
+            state["optimizer"] = {k: full_value(v) for k, v in optimizer.state_dict().items()}
+        with host_side():  # host objects: the same for every simulated rank, rank 0's by definition
+            state["train_state"] = to_blob(
+                {
+                    "extra": {"step": step, **(extra or {})},
+                    "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                    "dataloader": dataloader.state_dict() if dataloader is not None else None,
+                    "rng": rng_state(),
+                }
+            )
+        return state
+
+    def save_state(self, step: int, state: dict[str, Any]) -> str:
+        with host_side():
+            tmp = self.begin(step)
+            dcp.save(state, storage_writer=DrillWriter(tmp, step=step, rank=0), no_dist=True)
+            return self.publish(step)
+
+    def begin(self, step: int) -> str:
+        with host_side():
+            return super().begin(step)
+
+    def publish(self, step: int) -> str:
+        with host_side():
+            return super().publish(step)
+
+    def load(
+        self,
+        model_parts: Sequence[nn.Module],
+        optimizer=None,
+        lr_scheduler=None,
+        dataloader=None,
+        *,
+        step: int = -1,
+        exclude: Iterable[str] = (),
+    ) -> dict[str, Any] | None:
+        steps = self.list_steps()
+        if step == -1:
+            if not steps:
+                return None
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.folder}; available steps: "
+                f"{steps or 'none'} (set checkpoint.load_step = -1 for the latest)"
+            )
+        extra = load_full_checkpoint(self.step_dir(step), model_parts, optimizer, lr_scheduler, dataloader, exclude)
+        extra.setdefault("step", step)
+        return extra
+
+
+def load_full_checkpoint(
+    path: str,
+    model_parts: Sequence[nn.Module],
+    optimizer=None,
+    lr_scheduler=None,
+    dataloader=None,
+    exclude: Iterable[str] = (),
+) -> dict[str, Any]:
+    """What :func:`trainer.checkpoint.dcp.load_checkpoint` restores, read in full on the host
+    and cut per simulated rank; the saved ``extra`` dict."""
+    exclude = set(exclude)
+    unknown = exclude - set(EXCLUDABLE)
+    if unknown:
+        raise ValueError(f"cannot exclude {sorted(unknown)} from loading; choose from {EXCLUDABLE}")
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
+    stored = checkpoint_keys(path)
+    model_sd = model_state_dict(model_parts)
+    missing = [k for k in model_sd if f"model.{k}" not in stored]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} model weights, e.g. {missing[:3]}")
+    load_optimizer = (
+        optimizer is not None and "optimizer" not in exclude and any(k.startswith("optimizer.") for k in stored)
+    )
+    optim_sd = optimizer.state_dict() if load_optimizer else {}  # also materialises empty Adam state
+    with host_side():
+        state: dict[str, Any] = {"model": {k: _template(v) for k, v in model_sd.items()}}
+        if load_optimizer:
+            state["optimizer"] = {k: _template(v) for k, v in optim_sd.items()}
+        if "train_state" in stored:
+            state["train_state"] = b""
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    with torch.no_grad():
+        for key, param in model_sd.items():
+            write_full_into(param, state["model"][key])
+    if load_optimizer:
+        optimizer.load_state_dict({k: _cut(optim_sd[k], v) for k, v in state["optimizer"].items()})
+    if "train_state" not in state:
+        return {}
+    with host_side():  # plain tensors (the RNG state), not one per simulated rank
+        train_state = from_blob(state["train_state"])
+    if lr_scheduler is not None and "lr_scheduler" not in exclude and train_state.get("lr_scheduler"):
+        lr_scheduler.load_state_dict(train_state["lr_scheduler"])
+    if dataloader is not None and "dataloader" not in exclude and train_state.get("dataloader"):
+        dataloader.load_state_dict(train_state["dataloader"])
+    if "rng" not in exclude and train_state.get("rng"):
+        with host_side():
+            set_rng_state(train_state["rng"])
+    return dict(train_state.get("extra") or {})
