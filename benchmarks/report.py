@@ -102,6 +102,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "(the synchronous save) in the same run, goal async / disabled <= 0.2",
     ),
     (
+        "local_tensor",
+        "Simulated ranks in one process against real processes",
+        "`make bench` section `local_tensor` (also `python -m benchmarks.run --only local_tensor --out "
+        "bench_results/local_tensor.json`): median step time (steps 3-6 of 6), peak RSS and CPU time of "
+        "`train.py` with the llama3 debug model at tp=2 x dp_shard=2 (seq 64, global batch 8) run as one "
+        "process with `--comm.mode local_tensor --comm.fake_world_size 4`; reference: the same job as 4 "
+        "gloo processes through torchrun in the same run (one thread per process; memory against the sum "
+        "of the 4 processes' peaks), and its last-step loss (bitwise the same for this layout)",
+    ),
+    (
         "planner_search",
         "Layout planner search time",
         "`python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "

@@ -20,6 +20,7 @@ SECTIONS = [
     "data_loading",
     "planner",
     "checkpoint",
+    "local_tensor",
 ]
 
 
