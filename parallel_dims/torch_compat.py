@@ -49,6 +49,9 @@ __all__ = [
     "host_side",
     "install_local_tensor_fsdp_storage",
     "on_fake_backend",
+    "per_rank",
+    "per_rank_autograd",
+    "per_rank_int",
     "render_table",
     "simulating_ranks",
     "unflatten_without_groups",
@@ -388,6 +391,87 @@ def simulating_ranks() -> bool:
     except ImportError:
         return False
     return local_tensor_mode() is not None
+
+
+def _enabled_mode():
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode as mode
+    except ImportError:
+        return None
+    return mode()
+
+
+def per_rank(fn):
+    """``fn``, or while ranks are simulated, ``fn`` run once per rank with the mode off, LocalTensor
+    and per-rank int arguments replaced by that rank's value, results combined per rank (torch's
+    ``maybe_run_for_local_tensor``): for pure rank-dependent code, no collectives, no autograd."""
+    try:
+        from torch.distributed._local_tensor import maybe_run_for_local_tensor
+    except ImportError:
+        return fn
+    return maybe_run_for_local_tensor(fn)
+
+
+def per_rank_int(value_on_rank):
+    """``value_on_rank(dist.get_rank())``, or while ranks are simulated, ``value_on_rank(r)`` for
+    every simulated rank ``r`` as torch's per-rank SymInt (which :func:`per_rank` maps)."""
+    mode = _enabled_mode()
+    if mode is None:
+        return value_on_rank(dist.get_rank())
+    from torch.distributed._local_tensor import LocalIntNode
+
+    return torch.SymInt(LocalIntNode({r: value_on_rank(r) for r in sorted(mode.ranks)}))
+
+
+def _on_rank(x, r: int):
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensor
+
+    if isinstance(x, LocalTensor):
+        return x._local_tensors[r]
+    if isinstance(x, torch.SymInt) and isinstance(x.node, LocalIntNode):
+        return x.node._local_ints[r]
+    return x
+
+
+class _PerRankAutograd(torch.autograd.Function):
+    """``fn`` per simulated rank on plain tensors, each rank's graph kept for its own backward."""
+
+    @staticmethod
+    def forward(ctx, fn, mode, rest, *tensors):
+        from torch.distributed._local_tensor import LocalTensor
+        from torch.utils._pytree import tree_map
+
+        ctx.ins, ctx.outs, ctx.mode, needs = {}, {}, mode, ctx.needs_input_grad[3:]
+        with mode.disable():
+            for r in sorted(mode.ranks):
+                ins = [_on_rank(t, r).detach().requires_grad_(need) for t, need in zip(tensors, needs)]
+                args, kwargs = tree_map(lambda x, r=r: _on_rank(x, r), rest)
+                with torch.enable_grad():
+                    ctx.ins[r], ctx.outs[r] = ins, fn(*ins, *args, **kwargs)
+            return LocalTensor({r: out.detach() for r, out in ctx.outs.items()})
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed._local_tensor import LocalTensor
+
+        grads = [{} for _ in ctx.needs_input_grad[3:]]
+        with ctx.mode.disable():
+            for r, ins in ctx.ins.items():
+                need = [i for i, t in enumerate(ins) if t.requires_grad]
+                got = torch.autograd.grad(ctx.outs[r], [ins[i] for i in need], _on_rank(grad, r)) if need else ()
+                for i, g in zip(need, got):
+                    grads[i][r] = g
+        ctx.ins = ctx.outs = ctx.mode = None
+        return (None, None, None, *(LocalTensor(g) if g else None for g in grads))
+
+
+def per_rank_autograd(fn, tensors: tuple, *args, **kwargs):
+    """``fn(*tensors, *args, **kwargs)``, or while ranks are simulated, that call once per rank (each
+    running its own kernels) with gradients to ``tensors``: :func:`per_rank` with autograd."""
+    mode = _enabled_mode()
+    if mode is None:
+        return fn(*tensors, *args, **kwargs)
+    return _PerRankAutograd.apply(fn, mode, (args, kwargs), *tensors)
 
 
 def install_local_tensor_fsdp_storage() -> None:

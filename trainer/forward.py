@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from models.common.sequence import load_balanced_shard
 from models.parallel.tensor_parallel import loss_parallel_context
 from parallel_dims import ParallelDims
+from parallel_dims.torch_compat import per_rank, per_rank_int
 
 if TYPE_CHECKING:
     # the pipeline runtime is imported where pp > 1 uses it (see trainer/train.py)
@@ -63,7 +64,9 @@ class ModelForward:
 
     def shard_for_cp(self, t: torch.Tensor) -> torch.Tensor:
         """This cp rank's load-balanced part of a ``[batch, seq]`` tensor."""
-        return load_balanced_shard(t, 1, self.pd.coordinate("cp"), self.pd.size("cp"))
+        # under comm.mode = local_tensor, every simulated rank's own cp coordinate and slice
+        cp_rank = per_rank_int(lambda rank: self.pd.coordinate("cp", rank))
+        return per_rank(load_balanced_shard)(t, 1, cp_rank, self.pd.size("cp"))
 
     def __call__(
         self,

@@ -29,9 +29,14 @@ What is rank-dependent on the host is handled here, explicitly:
   (:func:`rank0_view`) is what start-up statistics print, as rank 0 of a real job would.
 * **Logging**: this process is rank 0 of the fake group, so rank-0-only output prints once.
 
+* **Context parallelism**: the cp rank is one int per simulated rank; what depends on it (the
+  batch's load-balanced chunks, RoPE positions, chunk masks, and the chunk attention, whose key
+  prefixes and kernel differ per rank) runs once per simulated rank through
+  ``parallel_dims.torch_compat.per_rank`` / ``per_rank_autograd``, so each rank runs its own
+  kernels as in the real job.
+
 Not simulated (refused with one line, exit 2, by the config check): pipeline parallelism (each
-rank holds other stage modules, which one SPMD program cannot express) and context parallelism
-(its load-balanced chunk offsets are host integers per rank). Checkpoint saving and resuming
+rank holds other stage modules, which one SPMD program cannot express). Checkpoint saving and resuming
 are off with a start-up note (DCP's save planning gathers to one rank, an MPMD operation
 LocalTensor refuses); only the initial weights are read.
 """

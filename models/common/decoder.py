@@ -46,6 +46,7 @@ from models.common.flops import model_flops_per_token
 from models.common.init import InitRule, init_parameters, standard_rule
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding, local_positions
+from parallel_dims.torch_compat import per_rank
 
 __all__ = ["Decoder", "DecoderAttention", "DecoderBlock", "moe_layers"]
 
@@ -134,7 +135,8 @@ class Decoder(nn.Module):
     # ------------------------------------------------------------------ the shell
     def local_positions(self, seqlen_local: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's tokens (identity without context parallelism)."""
-        return local_positions(seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device)
+        # per rank: under comm.mode = local_tensor cp_rank holds one int per simulated rank
+        return per_rank(local_positions)(seqlen_local, self.cp_rank, self.cp_size, self.args.max_seq_len, device)
 
     def local_seq_len(self, inputs: torch.Tensor) -> int:
         """Length of this rank's (cp-local) sequence, which RoPE positions are computed for:

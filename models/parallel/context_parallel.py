@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from models.common.attention import AttentionCore, block_causal_mask, chunk_block_mask, flex_attention
 from models.common.documents import Documents
 from models.common.sequence import load_balanced_shard, load_balanced_unshard
+from parallel_dims.torch_compat import per_rank, per_rank_autograd
 
 __all__ = [
     "ContextParallelAttentionCore",
@@ -152,6 +153,19 @@ def load_balanced_causal_attention(
     return torch.cat([out_head, out_tail], dim=2)
 
 
+def _chunk_masks(ids, q_positions, cp_rank, cp_size, s_local, mask_type, attn_type, bs, device):
+    """The (head chunk, tail chunk) masks of rank ``cp_rank`` (see
+    :meth:`ContextParallelAttentionCore.prepare`); ``ids`` None without documents."""
+    docs = None if ids is None else Documents(ids=ids, q_positions=q_positions)
+    c, head_start, tail_start = _chunk_starts(s_local, cp_rank, cp_size)
+    if attn_type == "flex":
+        chunk_docs = docs if mask_type == "block_causal" else None
+        return tuple(chunk_block_mask(chunk_docs, start, c, bs, device) for start in (head_start, tail_start))
+    if mask_type == "causal":
+        return None
+    return tuple(block_causal_mask(docs, start, c) for start in (head_start, tail_start))
+
+
 def _validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -213,13 +227,13 @@ class ContextParallelAttentionCore(nn.Module):
             if self.attn_type == "flex":
                 return chunk_block_mask(s_local_docs, 0, s_local, bs, device)
             return None if s_local_docs is None else block_causal_mask(s_local_docs, 0, s_local)
-        c, head_start, tail_start = _chunk_starts(s_local, self.cp_rank, self.cp_size)
-        if self.attn_type == "flex":
-            chunk_docs = docs if self.mask_type == "block_causal" else None
-            return tuple(chunk_block_mask(chunk_docs, start, c, bs, device) for start in (head_start, tail_start))
-        if self.mask_type == "causal":
+        if self.attn_type == "sdpa" and self.mask_type == "causal":
             return None
-        return tuple(block_causal_mask(docs, start, c) for start in (head_start, tail_start))
+        # per rank: the chunk offsets depend on the cp rank (one per simulated rank in local_tensor)
+        ids, q_positions = (docs.ids, docs.q_positions) if docs is not None else (None, None)
+        return per_rank(_chunk_masks)(
+            ids, q_positions, self.cp_rank, self.cp_size, s_local, self.mask_type, self.attn_type, bs, device
+        )
 
     def _gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather K and V in one collective and return them in global sequence order.
@@ -266,8 +280,15 @@ class ContextParallelAttentionCore(nn.Module):
                 f"shard the batch with shard_batch_for_cp"
             )
         k_full, v_full = self._gather_kv(k, v)
-        return load_balanced_causal_attention(
-            q, k_full, v_full, self.cp_rank, self.cp_size, scale=scale, masks=mask, attn_type=self.attn_type
+        # per rank: which key prefix each chunk sees, and its kernel, depend on the cp rank
+        return per_rank_autograd(
+            load_balanced_causal_attention,
+            (q, k_full, v_full),
+            self.cp_rank,
+            self.cp_size,
+            scale=scale,
+            masks=mask,
+            attn_type=self.attn_type,
         )
 
 
@@ -368,4 +389,4 @@ def shard_batch_for_cp(tensor: torch.Tensor, dim: int, cp_mesh: DeviceMesh) -> t
             f"2*cp={2 * cp_size}; context parallelism splits each sequence into 2*cp "
             f"load-balanced chunks"
         )
-    return load_balanced_shard(tensor, dim, cp_mesh.get_local_rank(), cp_size)
+    return per_rank(load_balanced_shard)(tensor, dim, cp_mesh.get_local_rank(), cp_size)

@@ -321,12 +321,6 @@ def _validate_local_tensor(cfg: JobConfig, need) -> None:
         "use --parallelism.pp 1, or a real launch (torchrun) for pipeline layouts",
     )
     need(
-        p.context_parallel_degree == 1,
-        f"comm.mode = 'local_tensor' does not simulate context parallelism yet (parallelism.cp = {p.context_parallel_degree}): "
-        "its load-balanced chunk offsets are per-rank host integers; use --parallelism.cp 1, or a real "
-        "launch (torchrun) for cp layouts",
-    )
-    need(
         not ck.create_seed_checkpoint,
         "checkpoint.create_seed_checkpoint writes the initial weights on one real process; it cannot run "
         "with comm.mode = 'local_tensor': drop one of the two",
