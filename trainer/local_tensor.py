@@ -28,7 +28,9 @@ What is rank-dependent on the host is handled here, explicitly:
   read, so all ranks hold the same value and ``.tolist()`` returns it; rank 0's view
   (:func:`rank0_view`) is what start-up statistics print, as rank 0 of a real job would.
 * **Logging**: this process is rank 0 of the fake group, so rank-0-only output prints once.
-
+* **Checkpoints**: step checkpoints are written in full by this one process and read back in
+  full (trainer/checkpoint/local_tensor.py), in the format real runs save and read, so a run
+  resumes across the modes both ways.
 * **Context parallelism**: the cp rank is one int per simulated rank; what depends on it (the
   batch's load-balanced chunks, RoPE positions, chunk masks, and the chunk attention, whose key
   prefixes and kernel differ per rank) runs once per simulated rank through
@@ -36,9 +38,9 @@ What is rank-dependent on the host is handled here, explicitly:
   kernels as in the real job.
 
 Not simulated (refused with one line, exit 2, by the config check): pipeline parallelism (each
-rank holds other stage modules, which one SPMD program cannot express). Checkpoint saving and resuming
-are off with a start-up note (DCP's save planning gathers to one rank, an MPMD operation
-LocalTensor refuses); only the initial weights are read.
+rank holds other stage modules, which one SPMD program cannot express) and ``torch.compile``.
+Background checkpoint writes and the Hugging Face / consolidated exports are off with a start-up
+note (:func:`prepare_local_tensor_config`).
 """
 
 from __future__ import annotations

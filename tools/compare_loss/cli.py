@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("default", "local_tensor"),
         default="default",
         help="default: each layout on real processes (torchrun); local_tensor: each layout's ranks "
-        "simulated in one process with real values (comm.mode = local_tensor; no pp, no cp)",
+        "simulated in one process with real values (comm.mode = local_tensor; no pp)",
     )
     p.add_argument(
         "--diagnose",
