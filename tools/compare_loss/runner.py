@@ -172,7 +172,8 @@ def run_layouts(plan: Plan, layouts: list[Layout], timeout: float | None) -> lis
     for i, layout in enumerate(layouts, 1):
         folder = plan.run_folder(i, layout)
         log_path = os.path.join(folder, "train.log")
-        ranks = f"{layout.nproc} ranks in 1p" if plan.comm_mode == "local_tensor" else f"{layout.nproc}p"
+        simulated = f"{layout.nproc} rank{'s' if layout.nproc > 1 else ''} in 1p"
+        ranks = simulated if plan.comm_mode == "local_tensor" else f"{layout.nproc}p"
         label = f"[{i}/{len(layouts)}] {layout.name} ({ranks})"
         progress = Progress(label, plan.steps)
         start = time.perf_counter()
