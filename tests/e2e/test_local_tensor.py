@@ -109,6 +109,7 @@ def test_context_parallel_layout_matches_the_real_processes(tmp_path, world, mas
     [
         (["--parallelism.pp", "2"], "cannot simulate pipeline parallelism"),
         (["--compile.enable", "true"], "runs eagerly"),
+        (["--parallelism.cp", "2", "--model.attn_type", "flex"], "with model.attn_type = 'flex'"),
     ],
 )
 def test_layouts_it_cannot_simulate_are_refused_in_one_line(tmp_path, layout, words):

@@ -275,15 +275,7 @@ class CheckpointFolder:
                 f"{steps or 'none'} (set checkpoint.load_step = -1 for the latest)"
             )
         try:
-            extra = load_checkpoint(
-                self.step_dir(step),
-                model_parts,
-                optimizer,
-                lr_scheduler,
-                dataloader,
-                exclude=exclude,
-                process_group=self.process_group,
-            )
+            extra = self.read(self.step_dir(step), model_parts, optimizer, lr_scheduler, dataloader, exclude=exclude)
         except CheckpointError as exc:
             others = [s for s in steps if s != step]
             fix = (
@@ -295,6 +287,13 @@ class CheckpointFolder:
         extra.setdefault("step", step)
         logger.info("loaded checkpoint %s", self.step_dir(step))
         return extra
+
+    def read(self, path: str, model_parts, optimizer, lr_scheduler, dataloader, *, exclude: Iterable[str]) -> dict:
+        """Restore the checkpoint folder ``path`` (:func:`load_checkpoint` over this folder's
+        process group); the saved extra dict."""
+        return load_checkpoint(
+            path, model_parts, optimizer, lr_scheduler, dataloader, exclude=exclude, process_group=self.process_group
+        )
 
 
 def save_seed_checkpoint(model: nn.Module, folder: str) -> str:

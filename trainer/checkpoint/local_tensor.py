@@ -115,29 +115,8 @@ class LocalTensorFolder(CheckpointFolder):
         with host_side():
             return super().publish(step)
 
-    def load(
-        self,
-        model_parts: Sequence[nn.Module],
-        optimizer=None,
-        lr_scheduler=None,
-        dataloader=None,
-        *,
-        step: int = -1,
-        exclude: Iterable[str] = (),
-    ) -> dict[str, Any] | None:
-        steps = self.list_steps()
-        if step == -1:
-            if not steps:
-                return None
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointError(
-                f"no complete checkpoint for step {step} in {self.folder}; available steps: "
-                f"{steps or 'none'} (set checkpoint.load_step = -1 for the latest)"
-            )
-        extra = load_full_checkpoint(self.step_dir(step), model_parts, optimizer, lr_scheduler, dataloader, exclude)
-        extra.setdefault("step", step)
-        return extra
+    def read(self, path: str, model_parts, optimizer, lr_scheduler, dataloader, *, exclude: Iterable[str]) -> dict:
+        return load_full_checkpoint(path, model_parts, optimizer, lr_scheduler, dataloader, exclude)
 
 
 def load_full_checkpoint(

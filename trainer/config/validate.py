@@ -321,6 +321,12 @@ def _validate_local_tensor(cfg: JobConfig, need) -> None:
         "use --parallelism.pp 1, or a real launch (torchrun) for pipeline layouts",
     )
     need(
+        not (p.context_parallel_degree > 1 and cfg.model.attn_type == "flex"),
+        "comm.mode = 'local_tensor' does not simulate context parallelism with model.attn_type = 'flex' "
+        "(each simulated rank needs its own FlexAttention block mask); use --model.attn_type sdpa, or a real "
+        "launch (torchrun)",
+    )
+    need(
         not ck.create_seed_checkpoint,
         "checkpoint.create_seed_checkpoint writes the initial weights on one real process; it cannot run "
         "with comm.mode = 'local_tensor': drop one of the two",
