@@ -384,20 +384,20 @@ def host_side():
     return maybe_disable_local_tensor_mode()
 
 
-def simulating_ranks() -> bool:
-    """Whether a LocalTensorMode (every rank of the job in this process) is active."""
-    try:
-        from torch.distributed._local_tensor import local_tensor_mode
-    except ImportError:
-        return False
-    return local_tensor_mode() is not None
+_SIMULATING = [False]  # a plain flag: torch.compile reads it without tracing into _local_tensor
+
+
+def simulating_ranks(start: bool = False) -> bool:
+    """Whether this process simulates every rank (set by trainer/local_tensor.py: ``start=True``)."""
+    _SIMULATING[0] = _SIMULATING[0] or start
+    return _SIMULATING[0]
 
 
 def _enabled_mode():
-    try:
-        from torch.distributed._local_tensor import enabled_local_tensor_mode as mode
-    except ImportError:
+    if not _SIMULATING[0]:
         return None
+    from torch.distributed._local_tensor import enabled_local_tensor_mode as mode
+
     return mode()
 
 
@@ -405,10 +405,10 @@ def per_rank(fn):
     """``fn``, or while ranks are simulated, ``fn`` run once per rank with the mode off, LocalTensor
     and per-rank int arguments replaced by that rank's value, results combined per rank (torch's
     ``maybe_run_for_local_tensor``): for pure rank-dependent code, no collectives, no autograd."""
-    try:
-        from torch.distributed._local_tensor import maybe_run_for_local_tensor
-    except ImportError:
+    if not _SIMULATING[0]:  # a real run (also under torch.compile) calls fn itself
         return fn
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
     return maybe_run_for_local_tensor(fn)
 
 

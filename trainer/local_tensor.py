@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallel_dims.torch_compat import host_side, install_local_tensor_fsdp_storage
+from parallel_dims.torch_compat import host_side, install_local_tensor_fsdp_storage, simulating_ranks
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.state import checkpoint_keys
 
@@ -95,6 +95,7 @@ def enter_local_tensor_mode(world_size: int):
 
     init_fake_process_group(world_size, 0)
     install_local_tensor_fsdp_storage()
+    simulating_ranks(start=True)
     mode = LocalTensorMode(world_size)
     mode.__enter__()
     return mode
