@@ -135,6 +135,19 @@ def load_checkpoint(
     return dict(train_state.get("extra") or {})
 
 
+def train_state_blob(step: int, lr_scheduler=None, dataloader=None, extra: dict[str, Any] | None = None) -> bytes:
+    """The ``train_state`` entry of a step-N checkpoint: step and extra, the lr schedule, the
+    data position and the RNG state (rank 0's; the same on every rank)."""
+    return to_blob(
+        {
+            "extra": {"step": step, **(extra or {})},
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "dataloader": dataloader.state_dict() if dataloader is not None else None,
+            "rng": rng_state(),
+        }
+    )
+
+
 class CheckpointFolder:
     """A run's checkpoint folder: saves to ``<folder>/step-N``, retention of the newest K
     (``keep_latest_k``, 0 keeps all), and loading a step back."""
@@ -185,14 +198,7 @@ class CheckpointFolder:
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
         if rank(self.process_group) == 0:  # identical on all ranks, or rank 0's by definition
-            state["train_state"] = to_blob(
-                {
-                    "extra": {"step": step, **(extra or {})},
-                    "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-                    "dataloader": dataloader.state_dict() if dataloader is not None else None,
-                    "rng": rng_state(),
-                }
-            )
+            state["train_state"] = train_state_blob(step, lr_scheduler, dataloader, extra)
         return state
 
     def save(

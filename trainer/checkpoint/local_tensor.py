@@ -28,16 +28,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from models.common.init import write_full_into
 from parallel_dims.torch_compat import host_side
 from trainer.checkpoint.async_save import DrillWriter
-from trainer.checkpoint.dcp import EXCLUDABLE, CheckpointFolder
+from trainer.checkpoint.dcp import EXCLUDABLE, CheckpointFolder, train_state_blob
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.state import (
     checkpoint_keys,
     from_blob,
     is_complete,
     model_state_dict,
-    rng_state,
     set_rng_state,
-    to_blob,
 )
 
 __all__ = ["LocalTensorFolder", "full_value"]
@@ -91,14 +89,7 @@ class LocalTensorFolder(CheckpointFolder):
         if optimizer is not None:
             state["optimizer"] = {k: full_value(v) for k, v in optimizer.state_dict().items()}
         with host_side():  # host objects: the same for every simulated rank, rank 0's by definition
-            state["train_state"] = to_blob(
-                {
-                    "extra": {"step": step, **(extra or {})},
-                    "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-                    "dataloader": dataloader.state_dict() if dataloader is not None else None,
-                    "rng": rng_state(),
-                }
-            )
+            state["train_state"] = train_state_blob(step, lr_scheduler, dataloader, extra)
         return state
 
     def save_state(self, step: int, state: dict[str, Any]) -> str:
