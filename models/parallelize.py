@@ -36,7 +36,7 @@ class ParallelizeOptions:
     ac_mode: str = "none"
     ac_selective_option: str = "op"
     compile: bool = False
-    float8: Float8Options | None = None  # model.converters = ["float8"]
+    float8: Float8Options | None = None  # model.converters = ["float8"] and/or ["float8_experts"]
 
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
@@ -49,7 +49,8 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
         # mesh that only casts, nor across replicas alone)
         dense = pd.fsdp_mesh_for("dense")
         sharded = dense is not None and dense.size(dense.ndim - 1) > 1
-        convert_to_float8(model, opts.float8, fsdp_all_gather=opts.float8.fsdp_float8_all_gather and sharded)
+        all_gather = opts.float8.fsdp_float8_all_gather and sharded
+        convert_to_float8(model, opts.float8, fsdp_all_gather=all_gather, etp=pd.etp)
     if pd.tp > 1:
         apply_tensor_parallel(
             model,

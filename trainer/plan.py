@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.common.args import DecoderArgs
-from models.parallel.float8 import FLOAT8_CONVERTERS, Float8Options, check_float8_support
+from models.parallel.float8 import (
+    FLOAT8_CONVERTERS,
+    FLOAT8_EXPERT_CONVERTERS,
+    Float8Options,
+    check_float8_experts,
+    check_float8_support,
+)
 from models.parallel.pipeline import StagePlan, plan_stages
 from models.parallel.pipeline.plan import schedule_facts
 from models.parallelize import ParallelizeOptions
@@ -186,11 +192,15 @@ def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
 
 def float8_options(cfg: JobConfig) -> Float8Options | None:
     """The ``[float8]`` section as the parallelize plan takes it; None unless
-    ``model.converters`` asks for float8."""
-    if not any(name in FLOAT8_CONVERTERS for name in cfg.model.converters):
+    ``model.converters`` asks for float8 (linears, routed experts, or both)."""
+    linears = any(name in FLOAT8_CONVERTERS for name in cfg.model.converters)
+    experts = any(name in FLOAT8_EXPERT_CONVERTERS for name in cfg.model.converters)
+    if not (linears or experts):
         return None
     f8 = cfg.float8
     return Float8Options(
+        linears=linears,
+        moe_fqns=tuple(f8.moe_fqns) if experts else (),
         recipe=f8.recipe_name,
         fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
         # under tp the float8 all-gather alone scales each tp rank's slice by its own amax; the
@@ -250,6 +260,8 @@ def plan_job(
         attempt(
             lambda: check_model_layout(pd.degrees, model_rules(spec.args, cfg.training.seq_len, opts.sequence_parallel))
         )
+        if opts.float8 is not None and opts.float8.moe_fqns:
+            attempt(lambda: _check_float8_experts(spec, cfg.model.name, opts.float8, pd.etp))
     batch = None
     if pd is not None:
         batch = attempt(lambda: _batch_plan(cfg, pd))
@@ -304,6 +316,16 @@ def _check_varlen_cp(cfg: JobConfig, cp: int) -> None:
             f"model.attn_type='varlen' does not compose with context parallelism (cp={cp}): it runs "
             "whole documents, not one rank's load-balanced chunks; use 'flex' or 'sdpa' with cp > 1"
         )
+
+
+def _check_float8_experts(spec: ModelSpec, name: str, opts: Float8Options, etp: int) -> None:
+    """float8 routed experts asked for: some routed-expert module of the model converts (a meta
+    build: shapes only)."""
+    import torch
+
+    with torch.device("meta"):
+        model = spec.model_cls(spec.args)
+    check_float8_experts(model, name, opts, etp)
 
 
 def _model_spec(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:

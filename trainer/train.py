@@ -127,7 +127,7 @@ class Trainer:
         self.float8_precompute = False
         self._float8_scales_due = False  # precomputed float8 scales are missing or stale
         if plan.parallelize.float8 is not None:
-            _log(float8_startup_line(self.model_parts, plan.parallelize.float8))
+            _log(float8_startup_line(self.model_parts, plan.parallelize.float8, self.device))
             self.float8_precompute = plan.parallelize.float8.precompute_scale
             self._float8_scales_due = self.float8_precompute
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)

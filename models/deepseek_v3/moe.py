@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.feed_forward import FeedForward
+from models.common.float8_grouped import float8_experts_forward
 from models.deepseek_v3.args import DeepSeekV3Args
 
 
@@ -194,6 +195,9 @@ class GroupedExperts(nn.Module):
             )
         self.num_experts = num_experts
         self.use_grouped_mm = use_grouped_mm
+        # float8 GEMMs (model.converters = ["float8_experts"], set by the converter before any
+        # parallelism): None (off), or whether they are emulated (float8.emulate)
+        self.float8_emulate: bool | None = None
         # Provisional values so a model used without init_weights is still finite; the real
         # (layout-independent) init comes from the model's init_weights.
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim).normal_(0.0, 0.02))
@@ -217,6 +221,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts expects x of shape [T, dim], got {tuple(x.shape)}.")
         dtype = expert_compute_dtype(x, w1)
         x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        if self.float8_emulate is not None and x.shape[0] > 0:
+            return float8_experts_forward(x, w1, w2, w3, num_tokens_per_expert, self.float8_emulate)
         if self.use_grouped_mm is None:
             grouped = grouped_mm_by_default(x.device, dtype, w1.shape[2], w1.shape[1])
         else:
@@ -288,6 +294,7 @@ class GroupedExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden={self.w1.shape[1]}, dim={self.w1.shape[2]}, "
             f"use_grouped_mm={self.use_grouped_mm}"
+            + ("" if self.float8_emulate is None else f", float8={'emulated' if self.float8_emulate else 'rowwise'}")
         )
 
 

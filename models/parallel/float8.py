@@ -29,8 +29,16 @@ dtype; only the three GEMMs of each linear (output, grad input, grad weight) run
 What stays in high precision: the output projection (the logits are sensitive and vocab-sized),
 the MoE routers (a top-k over their scores), any module named in ``float8.filter_fqns``
 (substring match, torchtitan's rule) and any linear with a dimension that is not a multiple of
-16 (``torch._scaled_mm``'s requirement). The routed experts are grouped GEMMs, not linears: they
-stay in the parameter dtype (float8 grouped GEMMs are not built here).
+16 (``torch._scaled_mm``'s requirement).
+
+The routed experts are grouped GEMMs, not linears: ``model.converters = ["float8_experts"]``
+(torchtitan 0.2.2's ``"quantize.grouped_mm.float8"``) marks the ``GroupedExperts`` modules whose
+FQN contains a string of ``float8.moe_fqns`` (default ``["experts"]``), and they run their three
+GEMMs with torchao's rowwise float8 grouped recipe (``models/common/float8_grouped.py``:
+torchao's ``torch._scaled_grouped_mm`` path on CUDA sm90+, one rowwise ``torch._scaled_mm`` per
+expert elsewhere, CPU included). Their weights stay plain tensors in the master dtype (the cast
+happens inside the GEMM), so FSDP, EP/ETP and checkpoints see nothing new. Either converter can
+be used alone.
 """
 
 from __future__ import annotations
@@ -44,12 +52,15 @@ from torch import nn
 
 __all__ = [
     "FLOAT8_CONVERTERS",
+    "FLOAT8_EXPERT_CONVERTERS",
     "FLOAT8_RECIPES",
     "Float8Options",
     "Float8Report",
+    "check_float8_experts",
     "check_float8_support",
     "convert_to_float8",
     "float8_decisions",
+    "float8_expert_decisions",
     "float8_startup_line",
     "import_torchao_float8",
     "plain_state_dict",
@@ -57,7 +68,8 @@ __all__ = [
 ]
 
 # model.converters names: ours (torchtitan before 0.2) and torchtitan 0.2.2's, same meaning
-FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
+FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # the linear layers
+FLOAT8_EXPERT_CONVERTERS = ("float8_experts", "quantize.grouped_mm.float8")  # the routed experts
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 TORCHAO_MIN = (0, 16)  # Float8LinearConfig.from_recipe_name with all three recipes, CPU _scaled_mm
 
@@ -74,9 +86,13 @@ class Float8Options:
     precompute_scale: bool = False  # one all-reduce for every weight's amax after the step
     filter_fqns: tuple[str, ...] = ()
     emulate: bool = False
+    linears: bool = True  # model.converters has "float8": the linear layers convert
+    moe_fqns: tuple[str, ...] = ()  # "float8_experts": routed-expert modules to convert (empty: none)
 
     def describe(self) -> str:
-        parts = [f"recipe {self.recipe}"]
+        parts = [f"recipe {self.recipe}" if self.linears else "linear layers in the parameter dtype"]
+        if self.moe_fqns:
+            parts.append("routed experts " + ", ".join(repr(f) for f in self.moe_fqns) + " rowwise")
         if self.fsdp_float8_all_gather:
             parts.append("FSDP float8 all-gather" + (" with precomputed scales" if self.precompute_scale else ""))
         if self.filter_fqns:
@@ -88,10 +104,13 @@ class Float8Options:
 
 @dataclass
 class Float8Report:
-    """Which linear modules were converted and why the others were not (module FQN -> reason)."""
+    """Which linear and routed-expert modules were converted and why the others were not
+    (module FQN -> reason)."""
 
     converted: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
+    experts: list[str] = field(default_factory=list)  # routed-expert modules with float8 GEMMs
+    experts_kept: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         reasons: dict[str, list[str]] = {}
@@ -133,33 +152,46 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 def check_float8_support(opts: Float8Options, device_type: str, compile_model: bool) -> None:
     """Raise ValueError (one line naming the fix) when float8 cannot train here: torchao missing
-    or too old, a GPU without float8 GEMMs (before sm89) and no emulation, emulation under
-    torch.compile."""
-    try:
-        import_torchao_float8()
-        import torchao
-    except ImportError:
-        raise ValueError(
-            "model.converters = ['float8'] needs torchao, which is not installed for this python: "
-            "pip install 'torchao>=0.16' (make setup installs it), or remove 'float8' from model.converters"
-        ) from None
-    if _version_tuple(torchao.__version__) < TORCHAO_MIN:
-        raise ValueError(
-            f"model.converters = ['float8'] needs torchao >= {'.'.join(map(str, TORCHAO_MIN))}, found "
-            f"{torchao.__version__}: pip install -U 'torchao>=0.16'"
-        )
+    or too old, a GPU without float8 GEMMs (before sm89; before sm90 for the routed experts'
+    grouped GEMMs) and no emulation, emulation under torch.compile. The routed experts need
+    torchao only on CUDA (its grouped kernel); elsewhere they run plain ``torch._scaled_mm``."""
+    if opts.linears or (opts.moe_fqns and device_type == "cuda" and not opts.emulate):
+        _check_torchao(opts)
     if device_type == "cuda" and torch.cuda.is_available() and not opts.emulate:
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < (8, 9):
             raise ValueError(
                 f"float8 GEMMs need a GPU of compute capability 8.9 or newer (H100, L40S, ...); this "
-                f"{torch.cuda.get_device_name()} is {major}.{minor}: remove 'float8' from model.converters, "
+                f"{torch.cuda.get_device_name()} is {major}.{minor}: remove the float8 converters from model.converters, "
                 "or set float8.emulate = true to check the numerics (no speed-up)"
+            )
+        if opts.moe_fqns and major < 9:
+            raise ValueError(
+                f"float8 routed experts need torch._scaled_grouped_mm, which needs compute capability 9.0 or newer "
+                f"(H100, B200); this {torch.cuda.get_device_name()} is {major}.{minor}: remove 'float8_experts' from "
+                "model.converters (the linear layers can stay in float8), or set float8.emulate = true"
             )
     if opts.emulate and compile_model:
         raise ValueError(
             "float8.emulate = true does not work under torch.compile (torchao's emulated GEMM is eager only): "
             "set compile.enable = false or float8.emulate = false"
+        )
+
+
+def _check_torchao(opts: Float8Options) -> None:
+    what = "'float8'" if opts.linears else "'float8_experts' on CUDA"
+    try:
+        import_torchao_float8()
+        import torchao
+    except ImportError:
+        raise ValueError(
+            f"model.converters entry {what} needs torchao, which is not installed for this python: "
+            f"pip install 'torchao>=0.16' (make setup installs it), or remove {what.split()[0]} from model.converters"
+        ) from None
+    if _version_tuple(torchao.__version__) < TORCHAO_MIN:
+        raise ValueError(
+            f"model.converters entry {what} needs torchao >= {'.'.join(map(str, TORCHAO_MIN))}, found "
+            f"{torchao.__version__}: pip install -U 'torchao>=0.16'"
         )
 
 
@@ -179,6 +211,45 @@ def float8_decisions(model: nn.Module, opts: Float8Options) -> dict[str, str | N
     return out
 
 
+def float8_expert_decisions(model: nn.Module, opts: Float8Options, etp: int = 1) -> dict[str, str | None]:
+    """Every routed-expert module (a MoE layer's ``experts``) of ``model`` by FQN: None when its
+    grouped GEMMs run in float8, else why not. ``etp``: the expert tensor-parallel degree, which
+    slices the experts' hidden dimension (each rank's slice must be a multiple of 16 too). Works
+    on meta-device models."""
+    experts = {id(moe.experts) for moe in model.moe_layers()}
+    out: dict[str, str | None] = {}
+    for fqn, mod in model.named_modules():
+        if id(mod) not in experts:
+            continue
+        hidden, dim = mod.w1.shape[1], mod.w1.shape[2]
+        if not any(f in fqn for f in opts.moe_fqns):
+            out[fqn] = "not matched by float8.moe_fqns"
+        elif dim % 16 or hidden % (16 * etp):
+            out[fqn] = f"a dimension not a multiple of 16 (dim {dim}, hidden {hidden // etp} per etp rank)"
+        else:
+            out[fqn] = None
+    return out
+
+
+def check_float8_experts(model: nn.Module, model_name: str, opts: Float8Options, etp: int = 1) -> None:
+    """Raise ValueError (one line naming the fix) when ``model.converters`` asks for float8
+    routed experts and none of ``model``'s (a meta build is enough) would convert."""
+    if not opts.moe_fqns:
+        return
+    decisions = float8_expert_decisions(model, opts, etp)
+    if not decisions:
+        raise ValueError(
+            f"model.converters has 'float8_experts' but the {model_name} model has no routed experts: "
+            "remove it from model.converters ('float8' converts the linear layers)"
+        )
+    if all(why is not None for why in decisions.values()):
+        fqn, why = next(iter(decisions.items()))
+        raise ValueError(
+            f"model.converters has 'float8_experts' but no routed-expert module converts ({fqn}: {why}): "
+            f"set float8.moe_fqns to strings their FQNs contain (e.g. ['experts']), or remove 'float8_experts'"
+        )
+
+
 def _torchao_config(opts: Float8Options, fsdp_all_gather: bool) -> Any:
     f8 = import_torchao_float8()
     if opts.recipe == "tensorwise":
@@ -189,42 +260,70 @@ def _torchao_config(opts: Float8Options, fsdp_all_gather: bool) -> Any:
     return dataclasses.replace(config, emulate=opts.emulate) if opts.emulate else config
 
 
-def convert_to_float8(model: nn.Module, opts: Float8Options, *, fsdp_all_gather: bool) -> Float8Report:
-    """Swap the convertible ``nn.Linear`` modules of ``model`` for ``Float8Linear`` in place
-    (before any parallelism). ``fsdp_all_gather``: the weights will be FSDP-sharded over more
-    than one rank and ``opts`` asks for float8 all-gather (tensorwise only)."""
-    decisions = float8_decisions(model, opts)
-    f8 = import_torchao_float8()
-    config = _torchao_config(opts, fsdp_all_gather)
-    f8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _mod, fqn: decisions.get(fqn) is None)
-    if opts.recipe == "rowwise":
-        # inductor must round the rowwise scales' casts like eager does (torch issue 150859)
-        import torch._inductor.config as inductor_config
-
-        inductor_config.emulate_precision_casts = True
+def convert_to_float8(model: nn.Module, opts: Float8Options, *, fsdp_all_gather: bool, etp: int = 1) -> Float8Report:
+    """Before any parallelism: swap the convertible ``nn.Linear`` modules of ``model`` for
+    ``Float8Linear`` in place (``opts.linears``), and mark the routed-expert modules that
+    ``opts.moe_fqns`` selects to run their grouped GEMMs in float8. ``fsdp_all_gather``: the
+    weights will be FSDP-sharded over more than one rank and ``opts`` asks for float8 all-gather
+    (tensorwise only); ``etp``: the expert tensor-parallel degree."""
     report = Float8Report()
-    for fqn, why in decisions.items():
-        if why is None:
-            report.converted.append(fqn)
-        else:
-            report.kept[fqn] = why
+    if opts.linears:
+        decisions = float8_decisions(model, opts)
+        f8 = import_torchao_float8()
+        config = _torchao_config(opts, fsdp_all_gather)
+        f8.convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda _mod, fqn: decisions.get(fqn) is None
+        )
+        if opts.recipe == "rowwise":
+            # inductor must round the rowwise scales' casts like eager does (torch issue 150859)
+            import torch._inductor.config as inductor_config
+
+            inductor_config.emulate_precision_casts = True
+        for fqn, why in decisions.items():
+            if why is None:
+                report.converted.append(fqn)
+            else:
+                report.kept[fqn] = why
+    if opts.moe_fqns:
+        modules = dict(model.named_modules())
+        for fqn, why in float8_expert_decisions(model, opts, etp).items():
+            if why is None:
+                modules[fqn].float8_emulate = opts.emulate
+                report.experts.append(fqn)
+            else:
+                report.experts_kept[fqn] = why
     model._float8_report = report  # read by the trainer's start-up line
     return report
 
 
-def float8_startup_line(model_parts: list[nn.Module], opts: Float8Options) -> str:
-    """What the trainer prints at start-up: the recipe and options, and which linears of this
-    rank's model parts run in float8 and why the others do not."""
+def float8_startup_line(model_parts: list[nn.Module], opts: Float8Options, device: torch.device | None = None) -> str:
+    """What the trainer prints at start-up: the recipe and options, which linears and routed
+    experts of this rank's model parts run in float8 and why the others do not, and which
+    implementation runs the experts' float8 GEMMs on ``device``."""
     report = Float8Report()
     for part in model_parts:
         got = getattr(part, "_float8_report", None)
         if got is not None:
             report.converted += got.converted
             report.kept.update(got.kept)
-    return (
-        f"float8: {opts.describe()}; {report.summary()}; routed experts stay in the parameter dtype; "
-        "MFU stays priced at the parameter dtype's peak"
-    )
+            report.experts += got.experts
+            report.experts_kept.update(got.experts_kept)
+    if not opts.linears:
+        linears = "linear layers in the parameter dtype"
+    else:
+        linears = report.summary()
+    if opts.moe_fqns:
+        from models.common.float8_grouped import BACKEND_NOTES, float8_grouped_backend
+
+        backend = float8_grouped_backend(device or torch.device("cpu"), opts.emulate)
+        experts = (
+            f"{len(report.experts)} routed-expert modules' grouped GEMMs in float8 (rowwise, {BACKEND_NOTES[backend]})"
+        )
+        if report.experts_kept:
+            experts += "; kept: " + _short([f"{f} ({why})" for f, why in report.experts_kept.items()])
+    else:
+        experts = "routed experts stay in the parameter dtype"
+    return f"float8: {opts.describe()}; {linears}; {experts}; MFU stays priced at the parameter dtype's peak"
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:

@@ -227,9 +227,20 @@ def test_float8_without_torchao_is_one_line_exit_2(tmp_path):
     )
     _one_clean_line(
         res,
-        "model.converters = ['float8'] needs torchao, which is not installed for this python: pip install "
+        "model.converters entry 'float8' needs torchao, which is not installed for this python: pip install "
         "'torchao>=0.16' (make setup installs it), or remove 'float8' from model.converters",
     )
+    # float8 routed experts need no torchao off CUDA (one torch._scaled_mm per expert)
+    res = subprocess.run(
+        [sys.executable, "train.py", "--config", "deepseek_v3.toml", *FAST, "--model.converters", "float8_experts"]
+        + ["--training.steps", "1", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path / "experts")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_no_torchao_env(tmp_path),
+        timeout=300,
+    )
+    assert "5 routed-expert modules' grouped GEMMs in float8" in _ok(res).stdout
     # the same setup without float8 trains: the shim hides torchao and nothing else
     res = subprocess.run(
         [sys.executable, "train.py", *LLAMA, "--training.steps", "1", "--checkpoint.enable", "false"]

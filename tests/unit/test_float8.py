@@ -181,7 +181,8 @@ def test_census_float8_share_is_what_the_decisions_predict(name):
         ),
         (
             ["--model.converters", "mx"],
-            "model.converters entry must be one of 'float8', 'quantize.linear.float8', got 'mx'",
+            "model.converters entry must be one of 'float8', 'quantize.linear.float8', 'float8_experts', "
+            "'quantize.grouped_mm.float8', got 'mx'",
         ),
         (
             ["--float8.recipe_name", "colwise"],

@@ -138,8 +138,12 @@ def _leaf_hint(name: str, prefix: str = "") -> str:
     return f"; did you mean '{prefix}{full[0]}'?" if full else ""
 
 
-# torchtitan 0.2.2 nests the float8 keys as [quantize.linear.float8]; ours are [float8]
-_NESTED_SECTIONS = {"quantize.linear.float8": "float8"}
+# torchtitan 0.2.2 nests the float8 keys as [quantize.linear.float8] and
+# [quantize.grouped_mm.float8]; ours are [float8] (the nested section's key renames beside it)
+_NESTED_SECTIONS = {
+    "quantize.linear.float8": ("float8", {}),
+    "quantize.grouped_mm.float8": ("float8", {"fqns": "moe_fqns"}),
+}
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -157,7 +161,8 @@ def _resolve_key(section: str, key: str) -> tuple[str, str]:
     if section not in SECTIONS and "." in key:
         nested, _, leaf = f"{section}.{key}".rpartition(".")
         if nested in _NESTED_SECTIONS:
-            section, key = _NESTED_SECTIONS[nested], leaf
+            section, renames = _NESTED_SECTIONS[nested]
+            key = renames.get(leaf, leaf)
     if section not in SECTIONS:
         close = difflib.get_close_matches(section, list(SECTIONS), n=1, cutoff=0.6)
         hint = f"did you mean '{close[0]}.{key}'?" if close else f"valid sections: {', '.join(SECTIONS)}"

@@ -87,7 +87,9 @@ class Model:
     converters: list[str] = _opt(
         [],
         "Model converters applied before parallelization: 'float8' (alias 'quantize.linear.float8', "
-        "torchtitan 0.2.2's name) trains the linear layers with torchao's float8 GEMMs, see [float8].",
+        "torchtitan 0.2.2's name) trains the linear layers with torchao's float8 GEMMs; 'float8_experts' "
+        "(alias 'quantize.grouped_mm.float8') runs the routed experts' grouped GEMMs in float8 "
+        "(rowwise); see [float8].",
     )
 
 
@@ -243,6 +245,12 @@ class Float8:
         False,
         "Run the float8 GEMMs emulated in high precision (GPUs before sm89; eager only). Not needed "
         "on CPU, which has float8 scaled matmuls.",
+    )
+    moe_fqns: list[str] = _opt(
+        ["experts"],
+        "With 'float8_experts' in model.converters: the routed-expert modules whose FQN contains one "
+        "of these strings run their grouped GEMMs in float8 (torchtitan 0.2.2: "
+        "[quantize.grouped_mm.float8] fqns).",
     )
 
 

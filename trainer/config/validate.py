@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from models.parallel.float8 import FLOAT8_CONVERTERS
+from models.parallel.float8 import FLOAT8_CONVERTERS, FLOAT8_EXPERT_CONVERTERS
 from models.registry import flavor_names, has_experts
 from trainer.config.schema import (
     SECTIONS,
@@ -39,10 +39,16 @@ def validate_config(cfg: JobConfig) -> None:
 
 
 def _validate_float8(cfg: JobConfig) -> None:
+    known = FLOAT8_CONVERTERS + FLOAT8_EXPERT_CONVERTERS
     for name in cfg.model.converters:
-        if name not in FLOAT8_CONVERTERS:
-            raise ConfigError(_choice_message("model.converters entry", name, FLOAT8_CONVERTERS))
+        if name not in known:
+            raise ConfigError(_choice_message("model.converters entry", name, known))
     f8 = cfg.float8
+    if any(name in FLOAT8_EXPERT_CONVERTERS for name in cfg.model.converters) and not f8.moe_fqns:
+        raise ConfigError(
+            "model.converters has 'float8_experts' but float8.moe_fqns is empty, so no routed experts would "
+            "convert: set float8.moe_fqns = ['experts'] (every MoE layer), or remove 'float8_experts'"
+        )
     if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
         raise ConfigError(
             f"float8.enable_fsdp_float8_all_gather needs tensorwise scaling (FSDP all-gathers one float8 "

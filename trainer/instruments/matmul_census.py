@@ -1,7 +1,7 @@
 """``profiling.matmul_census_step``: did the GEMMs really run in bf16? A dispatch mode that sees
 every aten op of a step after autocast and mixed precision have done their work and adds up
-the FLOPs of the matmul-class ops (mm, addmm, bmm, baddbmm, _grouped_mm, scaled-dot-product
-attention, forward and backward) per dtype; the hook writes one step's census to
+the FLOPs of the matmul-class ops (mm, addmm, bmm, baddbmm, _grouped_mm, the float8 _scaled_mm and
+_scaled_grouped_mm, scaled-dot-product attention, forward and backward) per dtype; the hook writes one step's census to
 ``<dump_folder>/matmul_census_rank<R>.json``."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from trainer.instruments.base import HookBase
 
 __all__ = ["MatmulCensus", "MatmulCensusHook"]
 
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm"}
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"}
+_GROUPED = ("_grouped_mm", "_scaled_grouped_mm")
 
 
 def _local_shard(t: Any) -> Any:
@@ -65,20 +66,21 @@ def _matmul_flops(name: str, args: tuple) -> tuple[int, torch.dtype] | None:
         a, b = args[0], args[1]
     elif name in ("addmm", "baddbmm"):
         a, b = args[1], args[2]
-    elif name in ("_grouped_mm", "_scaled_mm"):
+    elif name in ("_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"):
         a, b = args[0], args[1]
     elif "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
         return _attention_flops(name, args)
     else:
         return None
     sa, sb = _shape(a), _shape(b)
-    if name == "_grouped_mm" and len(sa) == 2 and len(sb) == 2:
+    # (_scaled_grouped_mm: torchao's float8 experts on CUDA, their rows padded to groups of 16)
+    if name in _GROUPED and len(sa) == 2 and len(sb) == 2:
         # [m, k_total] x [k_total, n] with the contraction split into groups: output [g, m, n]
         flops = 2 * sa[0] * sa[1] * sb[1]
-    elif name == "_grouped_mm" and len(sa) == 3 and len(sb) == 2:
+    elif name in _GROUPED and len(sa) == 3 and len(sb) == 2:
         # [g, m, k] x [k, n_total], columns split into groups: output [m, n_total]
         flops = 2 * sa[1] * sa[2] * sb[1]
-    elif name == "_grouped_mm" and len(sa) == 2 and len(sb) == 3:
+    elif name in _GROUPED and len(sa) == 2 and len(sb) == 3:
         # [rows_total, k] x [g, k, n], rows split into groups
         flops = 2 * sa[0] * sa[1] * sb[2]
     else:
