@@ -32,10 +32,10 @@ Every measurement runs in a fresh process. Ratios: trainer / bare (framework ove
 ratios of tokens/s.
 
 * float8 rows (``--precisions``, default ``bf16 float8``; causal rows only): the trainer with
-  ``--model.converters float8`` (tensorwise; one GPU, so no FSDP float8 all-gather) and the bare
-  loop with the same model converted (``convert_to_float8`` before the bf16 cast, AC and
-  compile); only ``nn.Linear`` modules convert, so DeepSeek's routed experts stay bf16 (the row
-  name says so); ``float8_over_bf16``: their tokens/s over the bf16 row of the same model and
+  ``--model.converters float8`` (tensorwise; one GPU, so no FSDP float8 all-gather), for
+  DeepSeek also ``float8_experts`` (the routed experts' grouped GEMMs, rowwise: torchao's
+  ``torch._scaled_grouped_mm`` path on sm90+), and the bare loop with the same model converted
+  (``convert_to_float8`` before the bf16 cast, AC and compile); ``float8_over_bf16``: their tokens/s over the bf16 row of the same model and
   mode (the issue's anchor: >= 1.2 on Llama 3 8B shapes compiled); the bare loop's matmul census
   reports the float8 share of the GEMM FLOPs (``matmul_float8_share``); torchtitan's model is
   skipped; MFU stays priced at the bf16 peak, the planner row prices the converted GEMMs at the
@@ -88,14 +88,14 @@ class Case:
     vocab_size: int | None = None  # None: the flavor's
     attn_mask_type: str = "causal"
     attn_type: str = "sdpa"
-    precision: str = "bf16"  # "float8": model.converters = ["float8"], tensorwise (causal rows only)
+    precision: str = "bf16"  # "float8": float8 linears, tensorwise, and MoE experts (causal rows only)
 
     @property
     def name(self) -> str:
         mask = "" if self.attn_mask_type == "causal" else f", {self.attn_mask_type} {self.attn_type}"
         f8 = ""
-        if self.precision == "float8":  # only nn.Linear converts: DeepSeek's routed experts stay bf16
-            f8 = ", float8" + (" (experts bf16)" if self.model == "deepseek_v3" else "")
+        if self.precision == "float8":  # the linears and, for DeepSeek, the routed experts
+            f8 = ", float8" + (" (linears + experts)" if self.model == "deepseek_v3" else "")
         return (
             f"{self.model} {self.flavor} x{self.n_layers} layers{mask}{f8}, {'compiled' if self.compile else 'eager'}"
         )
@@ -141,7 +141,8 @@ def trainer_args(case: Case, steps: int, folder: str) -> list[str]:
     if case.vocab_size is not None:
         args += ["--model.vocab_size", str(case.vocab_size)]
     if case.precision == "float8":  # one GPU: no FSDP sharding, so no float8 all-gather
-        args += ["--model.converters", "float8", "--float8.recipe_name", "tensorwise"]
+        converters = "float8,float8_experts" if case.model == "deepseek_v3" else "float8"
+        args += ["--model.converters", converters, "--float8.recipe_name", "tensorwise"]
     return args
 
 
@@ -213,8 +214,10 @@ def run_trainer(case: Case, steps: int, warmup: int) -> dict:
     timed = [r for r in records if r["step"] > warmup]
     mem_key = next((k for k in records[0] if k.endswith("_gib")), None)
     data_line = next((line for line in res.stdout.splitlines() if line.startswith("data: ")), None)
+    float8_line = next((line for line in res.stdout.splitlines() if line.startswith("float8: ")), None)
     return {
         "data": data_line,  # the trainer's startup line: mean document length, documents per window
+        "float8": float8_line,  # what converted, and which backend runs the experts' float8 GEMMs
         "tokens_per_s": statistics.median(r["tps"] for r in timed),
         "mfu_pct": statistics.median(r["mfu_pct"] for r in timed) if "mfu_pct" in timed[0] else None,
         "peak_memory_gib": max(r[mem_key] for r in records) if mem_key == "cuda_max_alloc_gib" else None,
@@ -359,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         choices=["bf16", "float8"],
         default=["bf16", "float8"],
-        help="bf16 rows and/or float8 rows (model.converters = ['float8'], tensorwise; causal rows only)",
+        help="bf16 rows and/or float8 rows (model.converters = ['float8'], tensorwise, and "
+        "'float8_experts' for DeepSeek; causal rows only)",
     )
     p.add_argument(
         "--timeout",

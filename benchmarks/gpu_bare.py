@@ -1,8 +1,8 @@
 """The bare loops of ``make bench-gpu`` (``benchmarks/gpu.py``'s docstring), run in a worker
 process: our model (or torchtitan's) with bf16 parameters, the same activation checkpointing and
 per-block compile as the trainer, cross entropy, clipping, fused AdamW; a float8 case converts
-the model's linears first (``models/parallel/float8.py`` ``convert_to_float8``, as the trainer's
-``model.converters = ["float8"]`` does before any other applier)."""
+the model's linears (and DeepSeek's routed experts) first (``models/parallel/float8.py``
+``convert_to_float8``, as the trainer's ``model.converters`` does before any other applier)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def bare_loop(case, implementation: str, steps: int, warmup: int, trainer_args: 
     if case.precision == "float8":  # as the trainer: the converter first, then bf16, AC, compile
         from models.parallel.float8 import Float8Options, convert_to_float8
 
-        convert_to_float8(model, Float8Options(recipe="tensorwise"), fsdp_all_gather=False)
+        experts = ("experts",) if case.model == "deepseek_v3" else ()  # as the trainer's converters
+        convert_to_float8(model, Float8Options(recipe="tensorwise", moe_fqns=experts), fsdp_all_gather=False)
     model.to(torch.bfloat16)
     apply_activation_checkpointing(model, case.ac_mode, "op")
     if case.compile:

@@ -205,6 +205,8 @@ def float8_experts_forward(
     read the sizes anyway)."""
     backend = float8_grouped_backend(x.device, emulate)
     rows = x.shape[0]
+    if rows == 0 and backend == "torchao":  # no token at all (an EP rank that received none):
+        backend = "scaled_mm"  # its loop runs no GEMM and gives every weight its zero gradient
     if backend == "torchao":
         counts = counts.to(device=x.device)
         torch._assert_async(

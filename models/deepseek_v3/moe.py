@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from models.common.feed_forward import FeedForward
 from models.common.float8_grouped import float8_experts_forward
 from models.deepseek_v3.args import DeepSeekV3Args
+from parallel_dims.torch_compat import per_rank_autograd
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -221,8 +222,10 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts expects x of shape [T, dim], got {tuple(x.shape)}.")
         dtype = expert_compute_dtype(x, w1)
         x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
-        if self.float8_emulate is not None and x.shape[0] > 0:
-            return float8_experts_forward(x, w1, w2, w3, num_tokens_per_expert, self.float8_emulate)
+        if self.float8_emulate is not None:  # per simulated rank under local_tensor: it reads the sizes
+            return per_rank_autograd(
+                float8_experts_forward, (x, w1, w2, w3), num_tokens_per_expert, self.float8_emulate
+            )
         if self.use_grouped_mm is None:
             grouped = grouped_mm_by_default(x.device, dtype, w1.shape[2], w1.shape[1])
         else:

@@ -11,8 +11,9 @@ splits, sequence-parallel router/expert shards, MLA's replicated low-rank projec
 expert and expert-tensor parallel, context-parallel query shards, the pipeline's uneven stages
 (first stage vs last stage with the output projection), gradient accumulation and pipeline
 micro-batches, full AC's recomputed forward, selective AC's none with the per-op policy and
-the fully checkpointed blocks' with its every-N-th-block option, and one rank of a 64-rank
-job. All layouts run one after another in one interpreter (DTensor's caches are dropped
+the fully checkpointed blocks' with its every-N-th-block option, one rank of a 64-rank job, and
+float8 (``model.converters``): the FLOPs of the converted linears and routed experts, which the
+census counts by their float8 operands. All layouts run one after another in one interpreter (DTensor's caches are dropped
 between them), one optimizer step each.
 """
 
@@ -65,6 +66,11 @@ CASES = {
     # float8 (model.converters): the converted linears' FLOPs, counted in float8 by the census
     "llama3 fsdp=2 float8 full AC": Case("llama3", dict(dp_shard=2), 1, (("model.converters", "float8"), *_AC_FULL)),
     "deepseek_v3 tp=2,fsdp=2 float8": Case("deepseek_v3", dict(dp_shard=2, tp=2), 1, (("model.converters", "float8"),)),
+    # and the routed experts' grouped GEMMs (one float8 torch._scaled_mm per expert on CPU), split
+    # over ep and etp, recomputed by full AC
+    "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 float8 + float8_experts full AC": Case(
+        "deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2), 3, (("model.converters", "float8,float8_experts"), *_AC_FULL),
+    ),
 }  # fmt: skip
 FLOAT8_CASES = [name for name in CASES if "float8" in name]
 
@@ -135,6 +141,22 @@ def test_predicted_float8_flops_equal_the_census(name, censuses):
     got = sum(census["share"].get(d, 0.0) for d in ("float8_e4m3fn", "float8_e5m2")) * census["total_flops"]
     f8 = want["forward_float8"] + want["backward_float8"] + want["recompute_float8"]
     assert 0 < f8 < want["total"] and got == pytest.approx(f8, rel=1e-12), (name, census["calls"], want)
+
+
+def test_float8_experts_run_in_float8(censuses):
+    """Not vacuous: with ``float8_experts`` the census's float8 FLOPs are those of the linears
+    alone (the planner's figure for the same layout with ``float8`` only) plus the routed
+    experts' GEMMs, written out from the debug model's shapes: each of the rank's sequence-parallel
+    tokens through top_k = 2 experts of 3 weights of dim 256 x hidden 256 in the 2 MoE layers,
+    forward + 2 x backward + full AC's recomputed forward."""
+    name = "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 float8 + float8_experts full AC"
+    census = censuses[name]
+    got = sum(census["share"].get(d, 0.0) for d in ("float8_e4m3fn", "float8_e5m2")) * census["total_flops"]
+    linears = predicted_flops(CASES[name]._replace(config=(("model.converters", "float8"), *_AC_FULL)))
+    tokens = LOCAL * ACCUM * SEQ // 2  # tp = 2
+    experts = 4 * tokens * 2 * 2 * 3 * 2 * 256 * 256
+    f8_linears = linears["forward_float8"] + linears["backward_float8"] + linears["recompute_float8"]
+    assert got == pytest.approx(f8_linears + experts, rel=1e-12)
 
 
 def test_the_comparison_sees_the_differences_the_layouts_make(censuses):

@@ -79,7 +79,10 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
         ("llama3", "block_causal", "bf16"),  # the GPU's flex row, on the CPU reference kernel (sdpa)
     ]
     assert "block_causal sdpa" in rows[4]["name"] and "attn_mask_type=block_causal" in rows[4]["trainer"]["data"]
-    assert "float8" in rows[1]["name"] and "float8 (experts bf16)" in rows[3]["name"]
+    assert "float8" in rows[1]["name"] and "float8 (linears + experts)" in rows[3]["name"]
+    assert rows[0]["trainer"]["float8"] is None and "routed experts stay" in rows[1]["trainer"]["float8"]
+    # DeepSeek's float8 row: its 2 MoE layers (3 layers, the first dense) with float8 experts
+    assert "2 routed-expert modules' grouped GEMMs in float8" in rows[3]["trainer"]["float8"]
     for r in rows:
         assert r["trainer"]["tokens_per_s"] > 0 and r["bare"]["tokens_per_s"] > 0, r
         assert r["trainer_over_bare"] > 0

@@ -8,6 +8,8 @@ really computes are checked against a fake-backend census in tests/distributed/t
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +20,12 @@ from parallel_dims.layout import validate_degrees
 from tools.planner.choice import LayoutChoice
 from tools.planner.cli import main as planner_main
 from tools.planner.collectives import predict_collectives
+from tools.planner.compute import rank_matmul_flops
 from tools.planner.estimate import Job, estimate
-from tools.planner.float8 import converted_weights
+from tools.planner.float8 import converted_expert_weights, converted_weights, float8_experts_refusal
 from tools.planner.hardware import load_hardware
+from tools.planner.inventory import model_inventory
+from tools.planner.search import enumerate_degrees
 
 H100 = load_hardware("h100")
 DIM, KV, FFN, LAYERS = 4096, 8 * 128, 14336, 32
@@ -151,5 +156,183 @@ def test_cli_float8_flags(capsys):
         (["--float8", "--gpu", "a100"], "has no float8 tensor cores"),
     ):
         assert planner_main([*_DEBUG, *bad]) == 2
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- float8 routed experts (model.converters = ["float8_experts"], Float8Options.moe_fqns) ----
+# published shapes: (dim, expert hidden, top_k, MoE layers); every routed expert runs x w1^T,
+# x w3^T, h w2^T, each 2 x dim x hidden FLOPs per token in forward, 2 x that in backward
+MOE = {"debugmodel": (256, 256, 2, 5), "16B": (2048, 1408, 6, 26)}
+EXPERTS = Float8Options(linears=False, moe_fqns=("experts",))
+
+
+def _expert_forward(flavor: str, moe_tokens: int) -> int:
+    dim, hidden, top_k, layers = MOE[flavor]
+    return moe_tokens * layers * top_k * 3 * 2 * dim * hidden
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "16B"])
+@pytest.mark.parametrize("moe_fqns,etp", [(("experts",), 1), (("experts",), 2), (("layers.1.", "layers.3."), 1)])
+def test_planner_and_converter_agree_on_the_converted_experts(flavor, moe_fqns, etp):
+    spec = get_model_spec("deepseek_v3", flavor)
+    with torch.device("meta"):
+        m = spec.model_cls(spec.args)
+    report = convert_to_float8(m, Float8Options(linears=False, moe_fqns=moe_fqns), fsdp_all_gather=False, etp=etp)
+    swapped = {f"{fqn}.{w}" for fqn in report.experts for w in ("w1", "w2", "w3")}
+    assert swapped and converted_expert_weights("deepseek_v3", flavor, (), moe_fqns, etp) == swapped
+    assert len(report.experts) == (MOE[flavor][3] if moe_fqns == ("experts",) else 2)
+
+
+def test_expert_decision_depends_on_etp():
+    """The hidden size per etp rank must be a multiple of 16: 272 converts at etp 1, not at 2
+    (136); the planner prices that and the search drops etp 2, which the trainer refuses."""
+    key = (("moe_inter_dim", 272),)
+    assert converted_expert_weights("deepseek_v3", "debugmodel", key, ("experts",), 1)
+    assert not converted_expert_weights("deepseek_v3", "debugmodel", key, ("experts",), 2)
+    assert "at etp 2" in float8_experts_refusal("deepseek_v3", "debugmodel", key, ("experts",), 2)
+    assert float8_experts_refusal("llama3", "8B", (), ("experts",), 1) == "the llama3 model has no routed experts"
+    d = validate_degrees(world_size=4, dp_shard=2, tp=2, ep=2, etp=2)
+    flops = rank_matmul_flops("deepseek_v3", "debugmodel", d, LayoutChoice(4, 1, 64, float8=EXPERTS), moe_inter_dim=272)
+    assert flops["forward_float8"] == 0 and flops["backward_float8"] == 0
+    job = Job("deepseek_v3", "debugmodel", 4, 4, 64, 4, H100, model_overrides=key)
+    _, args = model_inventory("deepseek_v3", "debugmodel", **job.overrides)
+    plain = enumerate_degrees(job, args)
+    f8 = enumerate_degrees(dataclasses.replace(job, float8=EXPERTS), args)
+    assert any(d.etp == 2 for d in plain) and f8 == [d for d in plain if d.etp == 1]
+
+
+_MOE_LAYOUTS = {
+    "fsdp=8": (dict(dp_shard=8), "none", "tensorwise"),
+    # tp: the experts read the sequence-parallel shard; etp/ep move rows, not FLOPs; the
+    # experts' backward stays all float8 under the recipe that keeps the linears' gw in bf16
+    "fsdp=4,tp=2,ep=2,etp=2 full AC gw_hp": (dict(dp_shard=4, tp=2, ep=2, etp=2), "full", "rowwise_with_gw_hp"),
+}
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "16B"])
+@pytest.mark.parametrize("layout", list(_MOE_LAYOUTS))
+def test_float8_experts_add_exactly_the_expert_gemm_flops(flavor, layout):
+    degrees, ac, recipe = _MOE_LAYOUTS[layout]
+    d = validate_degrees(world_size=8, **degrees)
+    seq = 4096
+    tokens = 16 * seq // d.dp_shard  # a global batch of 16 sequences over the data-parallel ranks
+    expert = _expert_forward(flavor, tokens // d.tp)
+
+    def flops(f8):
+        return rank_matmul_flops("deepseek_v3", flavor, d, LayoutChoice(16, 1, seq, ac=ac, float8=f8))
+
+    linears = flops(Float8Options(recipe=recipe))
+    both = flops(Float8Options(recipe=recipe, moe_fqns=("experts",)))
+    alone = flops(Float8Options(recipe=recipe, linears=False, moe_fqns=("experts",)))
+    redo = expert if ac == "full" else 0
+    assert both["forward_float8"] - linears["forward_float8"] == expert
+    assert both["backward_float8"] - linears["backward_float8"] == 2 * expert
+    assert both["recompute_float8"] - linears["recompute_float8"] == redo
+    # experts only: just the experts' GEMMs in float8 (the linears in the parameter dtype)
+    assert (alone["forward_float8"], alone["backward_float8"], alone["recompute_float8"]) == (expert, 2 * expert, redo)
+    # the same FLOPs, only their rate changes (full AC recomputes float8 linears' last
+    # projection, so the recompute follows the linears' choice, not the experts')
+    bf16 = flops(None)
+    assert all(both[k] == linears[k] and alone[k] == bf16[k] for k in ("forward", "backward", "recompute", "total"))
+    assert both["forward"] == bf16["forward"] and both["backward"] == bf16["backward"]
+    # the experts are a real share of the work (the 16B's 64-expert MoE: the bulk of it)
+    assert 0.02 < 3 * expert / both["total"] < 0.6
+
+
+def test_llama3_has_no_experts_to_convert():
+    assert _est(Float8Options(moe_fqns=("experts",)), "full").time == _est(Float8Options(), "full").time
+    assert _est(Float8Options(linears=False, moe_fqns=("experts",)), "full").time == _est(None, "full").time
+
+
+def test_experts_only_prices_only_the_experts_at_the_float8_peak():
+    job = Job("deepseek_v3", "16B", 8, 8, 4096, 16, H100)
+    d = validate_degrees(world_size=8, dp_shard=8)
+
+    def est(f8):
+        return estimate(dataclasses.replace(job, float8=f8), d, LayoutChoice(16, 1, 4096, float8=f8))
+
+    rate, rate8 = H100.peak_flops("bfloat16") * 0.5, H100.peak_flops("float8") * 0.5
+    saved = 3 * _expert_forward("16B", 2 * 4096) * (1 / rate - 1 / rate8)
+    bf16, alone, linears, both = (
+        est(None),
+        est(EXPERTS),
+        est(Float8Options()),
+        est(Float8Options(moe_fqns=("experts",))),
+    )
+    assert bf16.time["compute"] - alone.time["compute"] == pytest.approx(saved, rel=1e-9)
+    assert linears.time["compute"] - both.time["compute"] == pytest.approx(saved, rel=1e-9)
+    assert alone.memory == bf16.memory
+
+
+@pytest.mark.parametrize("degrees", [dict(dp_shard=8), dict(dp_shard=8, ep=2)])  # experts in the block's group; apart
+def test_float8_all_gather_keeps_the_expert_weights_at_the_parameter_dtype(degrees):
+    d = validate_degrees(world_size=8, **degrees)
+
+    def gathers(f8):
+        recs = predict_collectives("deepseek_v3", "debugmodel", d, LayoutChoice(8, 1, 64, float8=f8))
+        return sorted((r["mesh"], r["bytes"], r["count"]) for r in recs if r["kind"] == "all_gather")
+
+    bf16, linears = gathers(None), gathers(Float8Options(fsdp_float8_all_gather=True))
+    assert linears != bf16  # the converted linears shrink (not vacuous)
+    assert gathers(Float8Options(fsdp_float8_all_gather=True, moe_fqns=("experts",))) == linears
+    assert gathers(Float8Options(fsdp_float8_all_gather=True, linears=False, moe_fqns=("experts",))) == bf16
+
+
+def test_estimate_from_config_reads_float8_experts(tmp_path):
+    from tools.planner.estimate import estimate_from_config
+    from trainer.config import load_config
+
+    argv = ["--config", "deepseek_v3.toml", "--training.seq_len", "256", "--training.local_batch_size", "2"]
+    plain = estimate_from_config(load_config(argv), 2, H100, tokenizer_vocab=2048)
+    alone = estimate_from_config(
+        load_config([*argv, "--model.converters", "float8_experts"]), 2, H100, tokenizer_vocab=2048
+    )
+    both = estimate_from_config(
+        load_config([*argv, "--model.converters", "float8,quantize.grouped_mm.float8"]), 2, H100, tokenizer_vocab=2048
+    )
+    assert alone.choice.float8 == EXPERTS and both.choice.float8 == Float8Options(moe_fqns=("experts",))
+    assert both.time["compute"] < alone.time["compute"] < plain.time["compute"]
+
+
+_MOE_DEBUG = ["--model", "deepseek_v3", "--flavor", "debugmodel", "--world-size", "2", "--seq-len", "64",
+              "--global-batch", "4", "--top", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags,converters", [([], '["float8_experts"]'), (["--float8", "rowwise"], '["float8", "float8_experts"]')])  # fmt: skip
+def test_cli_float8_experts(flags, converters, capsys, tmp_path):
+    import tomllib
+
+    toml = tmp_path / "plan.toml"
+    assert planner_main([*_MOE_DEBUG, "--float8-experts", *flags, "--toml", str(toml)]) == 0
+    out = capsys.readouterr().out
+    linears = "recipe rowwise" if flags else "linear layers in the parameter dtype"
+    assert f"float8 ({linears}; routed experts 'experts' rowwise) at 1979 TFLOP/s peak" in out
+    text = toml.read_text()
+    assert f"# with [model] converters = {converters}" in text
+    f8 = tomllib.loads(text)["float8"]
+    assert f8["moe_fqns"] == ["experts"] and ("recipe_name" in f8) == bool(flags)
+    # the snippet over the shipped config, with the converters it names: the trainer's plan
+    # runs the planned float8
+    from trainer.config import load_config
+    from trainer.plan import plan_job
+
+    data = tomllib.loads((Path(__file__).resolve().parents[2] / "train_configs" / "deepseek_v3.toml").read_text())
+    for section, values in tomllib.loads(text).items():
+        data.setdefault(section, {}).update(values)
+    data["model"]["converters"] = json.loads(converters)
+    merged = tmp_path / "merged.toml"
+    merged.write_text(
+        "".join(f"[{k}]\n" + "".join(f"{a} = {json.dumps(b)}\n" for a, b in v.items()) for k, v in data.items())
+    )
+    plan = plan_job(load_config(["--config", str(merged)]), 2, tokenizer_vocab=2048)
+    want = Float8Options(recipe="rowwise", moe_fqns=("experts",)) if flags else EXPERTS
+    assert plan.parallelize.float8 == want
+    for bad, why in (
+        (["--model", "llama3"], "--float8-experts: the llama3 model has no routed experts"),
+        (["--gpu", "a100"], "has no float8 tensor cores"),
+        (["--float8-all-gather"], "--float8-all-gather needs --float8 tensorwise"),
+    ):
+        assert planner_main([*_MOE_DEBUG, "--float8-experts", *bad]) == 2
         err = capsys.readouterr().err
         assert why in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -37,8 +37,9 @@ class LayoutChoice:
     # activation_checkpoint.selective_ac_option under ``ac == "selective"``: "op" (the per-op
     # policy) or an integer N (every N-th block of a stage fully checkpointed)
     selective_ac_option: str = "op"
-    # model.converters = ["float8"]: models.parallel.float8.Float8Options (None: off); which
-    # linears convert and what that changes: tools/planner/float8.py
+    # model.converters = ["float8"] and/or ["float8_experts"]: models.parallel.float8.Float8Options
+    # (None: off); which linears and routed experts convert and what that changes:
+    # tools/planner/float8.py
     float8: object = None
 
     @property

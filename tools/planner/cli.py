@@ -3,7 +3,7 @@ model on a cluster by estimated tokens/s per GPU within the GPU's memory.
 
     python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 \\
         --gpus-per-node 8 --gpu h100 --seq-len 8192 --global-batch 512 [--top 10] [--json] [--toml PATH]
-        [--float8 [RECIPE] [--float8-all-gather]]
+        [--float8 [RECIPE] [--float8-all-gather]] [--float8-experts]
 
 Exit codes: 0 a plan was printed; 1 no layout fits (the output names the smallest world size
 that would); 2 bad input (unknown model, flavor or GPU: the valid choices are listed).
@@ -41,8 +41,9 @@ _ASSUMPTIONS = [
     "the first and the last (none hide on a profile with comm_overlap false); TP, CP, EP, PP and "
     "loss collectives are exposed",
     "float8 (--float8): the converted linears' GEMMs at the float8 peak x efficiency (the converter's own "
-    "choice of linears; experts, router, output and attention at the parameter dtype's); --float8-all-gather: "
-    "their FSDP all-gather bytes at 1 per element",
+    "choice of linears; router, output and attention at the parameter dtype's); --float8-experts: the routed "
+    "experts' GEMMs too (forward and all of the backward; the converter's choice at each etp degree); "
+    "--float8-all-gather: the converted linears' FSDP all-gather bytes at 1 per element (never the experts')",
     "bubble: the schedule's textbook idle fraction (models/parallel/pipeline/plan.py bubble_fraction)",
     "optimizer: grad norm, clipping and AdamW over the rank's local parameter shards, memory-bound "
     f"({OPTIMIZER_BYTES_PER_PARAM} bytes per fp32 parameter over the GPU's memory bandwidth), not overlapped",
@@ -85,6 +86,11 @@ def _parse(argv):
         help="with --float8 tensorwise: FSDP all-gathers the converted weights in float8 "
         "(float8.enable_fsdp_float8_all_gather)",
     )  # fmt: skip
+    p.add_argument(
+        "--float8-experts", action="store_true",
+        help="float8 grouped GEMMs for the MoE routed experts (model.converters = ['float8_experts'], "
+        "float8.moe_fqns = ['experts'], rowwise); alone: the linears stay in the parameter dtype",
+    )  # fmt: skip
     p.add_argument("--reserve-gib", type=float, default=None, help="GPU memory kept free (default 6 GiB)")
     p.add_argument("--memory-gib", type=float, default=None, help="override the GPU's memory")
     p.add_argument("--profile", metavar="FILE", help="JSON with hardware keys overriding the GPU table")
@@ -120,15 +126,32 @@ def _job(args) -> Job:
         raise ValueError(
             "--float8-all-gather needs --float8 tensorwise (FSDP float8 all-gather works with tensorwise scaling only)"
         )
-    if args.float8:
+    if args.float8 or args.float8_experts:
         from models.parallel.float8 import Float8Options
 
         hw.peak_flops("float8")  # a part without float8 tensor cores: one line naming the fix
-        float8 = Float8Options(recipe=args.float8, fsdp_float8_all_gather=args.float8_all_gather)
-    return Job(
+        float8 = Float8Options(
+            recipe=args.float8 or "tensorwise", fsdp_float8_all_gather=args.float8_all_gather,
+            linears=bool(args.float8), moe_fqns=("experts",) if args.float8_experts else (),
+        )  # fmt: skip
+    job = Job(
         args.model, args.flavor, args.world_size, args.gpus_per_node, args.seq_len, args.global_batch, hw,
         args.efficiency, args.param_dtype, args.reduce_dtype, float8=float8,
     )  # fmt: skip
+    if args.float8_experts:
+        _check_float8_experts(job)
+    return job
+
+
+def _check_float8_experts(job: Job) -> None:
+    """``--float8-experts`` on a model whose routed experts convert without expert TP (the
+    search then drops the etp degrees at which they would not, as the trainer refuses them)."""
+    from .float8 import float8_experts_refusal
+
+    key = tuple(sorted(job.overrides.items()))
+    why = float8_experts_refusal(job.model, job.flavor, key, tuple(job.float8.moe_fqns), 1)
+    if why:
+        raise ValueError(f"--float8-experts: {why}; plan without it (--float8 converts the linear layers)")
 
 
 def _check_writable(path: str) -> None:
@@ -179,13 +202,16 @@ def toml_snippet(e: Estimate, job: Job) -> str:
         f"seq_len = {c.seq_len}",
     ]
     if c.float8 is not None:
-        lines += [
-            "",
-            '# with [model] converters = ["float8"]',
-            "[float8]",
-            f'recipe_name = "{c.float8.recipe}"',
-            f"enable_fsdp_float8_all_gather = {str(c.float8.fsdp_float8_all_gather).lower()}",
-        ]
+        f8 = c.float8
+        converters = ['"float8"'] * bool(f8.linears) + ['"float8_experts"'] * bool(f8.moe_fqns)
+        lines += ["", f"# with [model] converters = [{', '.join(converters)}]", "[float8]"]
+        if f8.linears:
+            lines += [
+                f'recipe_name = "{f8.recipe}"',
+                f"enable_fsdp_float8_all_gather = {str(f8.fsdp_float8_all_gather).lower()}",
+            ]
+        if f8.moe_fqns:
+            lines.append("moe_fqns = [" + ", ".join(f'"{f}"' for f in f8.moe_fqns) + "]")
     return "\n".join(lines) + "\n"
 
 

@@ -67,8 +67,9 @@ the same groups (compared by ranks, whatever mesh object they carry) and all-red
 sum once per group: one 4-byte all-reduce per distinct (groups, group) pair.
 
 Float8 (``choice.float8``): with FSDP float8 all-gather (tensorwise) a dense group's all-gather
-carries its converted weights at 1 byte per element and the rest in the compute dtype
-(:mod:`tools.planner.float8`); the amax all-reduces of the float8 scales are not modelled.
+carries its converted linears' weights at 1 byte per element and the rest in the compute dtype,
+routed experts' weights included, float8 experts or not (:mod:`tools.planner.float8`); the amax
+all-reduces of the float8 scales are not modelled.
 
 Modelled, not yet checked: HSDP's all-reduce in a bf16 reduce dtype (bf16 reduce-scatters and
 HSDP with bf16 parameters are checked), ``always`` without pp (it issues what ``default`` does:
@@ -130,7 +131,7 @@ def predict_collectives(
         groups = stage_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head)
         last_block = f"layers.{max(layers)}" if len(layers) else None
         ckpt = fully_checkpointed(choice, layers)  # their forward collectives run twice
-        # FSDP float8 all-gather: the converted weights gathered at 1 byte per element
+        # FSDP float8 all-gather: the converted linears' weights gathered at 1 byte per element
         f8_gathered = {}
         if float8_all_gather(choice.float8) and (dense_size or 1) > 1:
             f8_gathered = float8_gathered_numel(

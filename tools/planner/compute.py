@@ -35,12 +35,16 @@ with the real shards of :mod:`tools.planner.inventory`:
   those blocks.
 
 Float8 (``choice.float8``, :mod:`tools.planner.float8`): the same FLOPs, and how many of them
-run as float8 GEMMs (``forward_float8``, ``backward_float8``, ``recompute_float8``): the converted
-linears' ``2 x tokens x local numel`` forward, its recomputation, and 2 x that in the backward
-(the input-gradient half only under ``rowwise_with_gw_hp``). Full AC recomputes a converted
-last projection too: torchao's float8 linear is an autograd Function, whose saved tensors are
-packed when its forward has returned, GEMM included, so the early stop comes after it (measured:
-``tests/distributed/test_planner_compute.py``).
+run as float8 GEMMs (``forward_float8``, ``backward_float8``, ``recompute_float8``). The
+converted linears (``Float8Options.linears``): their ``2 x tokens x local numel`` forward, its
+recomputation, and 2 x that in the backward (the input-gradient half only under
+``rowwise_with_gw_hp``). Full AC recomputes a converted last projection too: torchao's float8
+linear is an autograd Function, whose saved tensors are packed when its forward has returned,
+GEMM included, so the early stop comes after it (measured:
+``tests/distributed/test_planner_compute.py``). The converted routed experts
+(``Float8Options.moe_fqns``, decided at the layout's etp degree): their whole ``2 x tokens / tp
+x top_k x expert numel`` forward, its recomputation (full AC recomputes the routed experts in
+any dtype) and 2 x that in the backward, whatever the linears' recipe.
 
 Checked against the FLOPs a rank really computes (``profiling.matmul_census_step`` of a
 fake-backend run, local shards): ``tests/distributed/test_planner_compute.py``.
@@ -51,7 +55,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .choice import LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
-from .float8 import backward_float8_fraction, converted_weights
+from .float8 import backward_float8_fraction, converted_expert_weights, converted_weights, float8_keys
 from .inventory import cached_layout, model_inventory, rank_shards
 
 __all__ = ["rank_matmul_flops"]
@@ -88,23 +92,31 @@ def rank_matmul_flops(model: str, flavor: str, degrees, choice: LayoutChoice, ra
 
 @lru_cache(maxsize=65536)
 def _stage_weights(
-    model, flavor, key: tuple, degrees, rank: int, layers: range, embed: bool, head: bool, f8: tuple | None = None
-) -> tuple:
+    model, flavor, key: tuple, degrees, rank: int, layers: range, embed: bool, head: bool,
+    f8: tuple | None = None, f8_experts: tuple | None = None,
+) -> tuple:  # fmt: skip
     """Weight sums of one stage of ``rank`` (cached: they do not depend on batch, AC or dtype):
     (TP-local numel of the blocks' weights read by the whole sequence, router numel, routed
     expert numel per token (top_k experts), numel of the blocks' last projections, head
-    numel, and of the first and the fourth the float8-converted part; ``f8``: the converter's
-    ``filter_fqns``, None without float8)."""
+    numel, the float8-converted part of the first and of the fourth, and the float8 routed
+    expert numel per token); ``f8``: the linear converter's ``filter_fqns``, None when no linear
+    converts; ``f8_experts``: the expert converter's ``moe_fqns``, None when no expert does."""
     params, args = model_inventory(model, flavor, **dict(key))
     top_k = getattr(args, "n_activated_experts", 0)
     converted = converted_weights(model, flavor, key, f8) if f8 is not None else frozenset()
-    whole = router = experts = last = head_numel = whole8 = last8 = 0
+    if f8_experts is not None:
+        converted_experts = converted_expert_weights(model, flavor, key, f8_experts, degrees.etp)
+    else:
+        converted_experts = frozenset()
+    whole = router = experts = last = head_numel = whole8 = last8 = experts8 = 0
     for s in rank_shards(params, degrees, cached_layout(degrees), rank, False, layers, embed, head):
         info = s.info
         if len(info.shape) < 2 or info.group == "tok_embeddings":
             continue
         if info.expert:
-            experts += top_k * (info.numel // info.shape[0])
+            per_token = top_k * (info.numel // info.shape[0])
+            experts += per_token
+            experts8 += per_token if info.fqn in converted_experts else 0
         elif info.tp_dim is None and ".router." in info.fqn:
             router += info.numel
         elif info.layer is None:
@@ -117,7 +129,7 @@ def _stage_weights(
             if info.fqn in converted:
                 whole8 += s.tp_local_numel
                 last8 += s.tp_local_numel if is_last else 0
-    return whole, router, experts, last, head_numel, whole8, last8
+    return whole, router, experts, last, head_numel, whole8, last8, experts8
 
 
 @lru_cache(maxsize=65536)
@@ -130,8 +142,8 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
     moe_tokens = tokens // d.tp  # the sequence-parallel shard the router and experts read
     heads, head_dim = _attention_dims(args)
     pairs = _pairs(choice, d)
-    blocks = head = recompute = forward8 = recompute8 = 0.0
-    f8 = tuple(choice.float8.filter_fqns) if choice.float8 is not None else None
+    blocks = head = recompute = linear8 = expert8 = recompute8 = 0.0
+    f8, f8_experts = float8_keys(choice.float8)
 
     def block_flops(whole, router, experts, n_layers):
         # Q K^T and P V: b * heads/tp * (query, key) pairs * (qk + v dims)
@@ -139,24 +151,26 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
         return 2 * tokens * whole + 2 * moe_tokens * (router + experts) + attention
 
     for layers, embed, has_head in stages:
-        stage = _stage_weights(model, flavor, key, d, rank, layers, embed, has_head, f8)
-        whole, router, experts, last, head_numel, whole8, last8 = stage
+        stage = _stage_weights(model, flavor, key, d, rank, layers, embed, has_head, f8, f8_experts)
+        whole, router, experts, last, head_numel, whole8, last8, experts8 = stage
         blocks += block_flops(whole, router, experts, len(layers))
-        forward8 += 2 * tokens * whole8
+        linear8 += 2 * tokens * whole8
+        expert8 += 2 * moe_tokens * experts8
         head += 2 * tokens * head_numel
         # the fully checkpointed blocks run their forward again, but their last projection
         redo = fully_checkpointed(choice, layers)
         if redo:
             if len(redo) < len(layers):
-                stage = _stage_weights(model, flavor, key, d, rank, tuple(redo), False, False, f8)
-                whole, router, experts, last, _, whole8, last8 = stage
+                stage = _stage_weights(model, flavor, key, d, rank, tuple(redo), False, False, f8, f8_experts)
+                whole, router, experts, last, _, whole8, last8, experts8 = stage
             # a float8 last projection is recomputed: its saved tensors are packed only once its
             # autograd Function's forward, GEMM included, has returned
             recompute += block_flops(whole, router, experts, len(redo)) - 2 * tokens * (last - last8)
-            recompute8 += 2 * tokens * whole8
+            recompute8 += 2 * tokens * whole8 + 2 * moe_tokens * experts8
     forward = blocks + head
     backward = 2 * forward
-    backward8 = 2 * forward8 * (backward_float8_fraction(choice.float8) if f8 is not None else 0.0)
+    # a converted expert's backward is all float8; a linear's per the recipe
+    backward8 = 2 * linear8 * (backward_float8_fraction(choice.float8) if f8 is not None else 0.0) + 2 * expert8
     return (("forward", forward), ("backward", backward), ("recompute", recompute),
-            ("total", forward + backward + recompute), ("forward_float8", forward8),
+            ("total", forward + backward + recompute), ("forward_float8", linear8 + expert8),
             ("backward_float8", backward8), ("recompute_float8", recompute8))  # fmt: skip

@@ -15,8 +15,8 @@ stage) -- every assumption is also printed with the result:
 * time: compute = the matmul FLOPs of the busiest rank (:mod:`tools.planner.compute`: its
   pipeline stage, its TP/CP/EP share, the trainer's FLOPs-per-token accounting, checked exactly
   against fake-backend runs) / (peak x efficiency), with float8 on (``choice.float8``) the
-  converted linears' float8 GEMM FLOPs at the float8 peak and the rest at the parameter dtype's
-  (:mod:`tools.planner.float8`), the recomputed forward under full AC
+  converted linears' and routed experts' float8 GEMM FLOPs at the float8 peak and the rest at
+  the parameter dtype's (:mod:`tools.planner.float8`), the recomputed forward under full AC
   reported apart (times ``Hardware.recompute_cost``), plus, under TP, the profile's host
   overhead per block and micro-batch (``Hardware.tp_block_overhead_s``, 0 on GPUs), and
   under CP its counterpart (``Hardware.cp_block_overhead_s``);
@@ -77,7 +77,7 @@ class Job:
     # model args a trainer config changes ((name, value) pairs: n_layers, vocab_size,
     # max_seq_len; trainer.plan.model_overrides), over the flavor's
     model_overrides: tuple = ()
-    # model.converters = ["float8"]: models.parallel.float8.Float8Options (None: off)
+    # model.converters "float8" / "float8_experts": models.parallel.float8.Float8Options (None: off)
     float8: object = None
 
     @property
@@ -252,7 +252,7 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     tokens = job.global_batch * job.seq_len
     precision = "tf32" if choice.param_dtype == "float32" and job.tf32 else choice.param_dtype
     rate = hw.peak_flops(precision) * job.efficiency
-    # float8: the converted linears' GEMMs at the float8 peak (tools/planner/float8.py)
+    # float8: the converted linears' and experts' GEMMs at the float8 peak (tools/planner/float8.py)
     rate8 = hw.peak_flops("float8") * job.efficiency if choice.float8 is not None else rate
     flops = max(
         (rank_matmul_flops(job.model, job.flavor, d, choice, r, **job.overrides) for r in ranks),

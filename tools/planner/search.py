@@ -8,8 +8,10 @@ tp, experts vs ep, seq_len vs cp and tp, layers vs pp, experts need sequence par
 the batch rules (``check_model_layout`` on the batch sizes and
 ``trainer.config.gradient_accumulation_steps``) and the
 pipeline rules (``models.parallel.pipeline.plan_stages``: stage counts per schedule,
-micro-batch counts). ``trainer.plan.plan_job`` runs the same checks; the tests feed emitted
-layouts back through it.
+micro-batch counts), and with float8 routed experts the converter's refusal of an etp degree at
+which no expert converts (``models.parallel.float8.check_float8_experts``'s rule,
+:func:`tools.planner.float8.float8_experts_refusal`). ``trainer.plan.plan_job`` runs the same
+checks; the tests feed emitted layouts back through it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from .choice import LayoutChoice
 from .estimate import FSDP_OVERLAPPED, Estimate, Job, estimate, memory_for_rank
+from .float8 import float8_experts_refusal
 from .hardware import GIB
 from .inventory import model_inventory
 
@@ -60,6 +63,8 @@ def enumerate_degrees(job: Job, args):
 
     w = job.world_size
     rules = model_rules(args, job.seq_len, True)
+    moe_fqns = tuple(job.float8.moe_fqns) if job.float8 is not None else ()
+    key = tuple(sorted(job.overrides.items()))
     seen = []
     for tp in _divisors(w):
         for cp in _divisors(w // tp):
@@ -81,6 +86,8 @@ def enumerate_degrees(job: Job, args):
                                 )  # fmt: skip
                                 check_model_layout(pd.degrees, rules)
                             except ValueError:
+                                continue
+                            if moe_fqns and float8_experts_refusal(job.model, job.flavor, key, moe_fqns, etp):
                                 continue
                             seen.append(pd.degrees)
     return seen

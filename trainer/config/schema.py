@@ -248,9 +248,8 @@ class Float8:
     )
     moe_fqns: list[str] = _opt(
         ["experts"],
-        "With 'float8_experts' in model.converters: the routed-expert modules whose FQN contains one "
-        "of these strings run their grouped GEMMs in float8 (torchtitan 0.2.2: "
-        "[quantize.grouped_mm.float8] fqns).",
+        "With 'float8_experts' in model.converters: the routed-expert modules whose FQN contains one of "
+        "these strings run their grouped GEMMs in float8 (torchtitan: [quantize.grouped_mm.float8] fqns).",
     )
 
 
