@@ -18,8 +18,10 @@ from torch.utils.checkpoint import (
 __all__ = ["apply_activation_checkpointing"]
 
 # Outputs of these ops are expensive to recompute and comparatively small: keep them. Every
-# attention kernel SDPA may pick (on H100 it can choose cuDNN's), and the MoE experts' grouped
-# GEMMs, which carry most of an MoE layer's FLOPs. Ops a torch lacks are skipped.
+# attention kernel SDPA may pick (on H100 it can choose cuDNN's), the MoE experts' grouped
+# GEMMs, which carry most of an MoE layer's FLOPs, and their float8 forms (the float8 experts'
+# per-expert _scaled_mm and torchao's _scaled_grouped_mm: without them selective AC ran every
+# float8 expert GEMM twice, test_float8_experts.py). Ops a torch lacks are skipped.
 _SAVE_OPS = {
     getattr(torch.ops.aten, name).default
     for name in (
@@ -27,6 +29,8 @@ _SAVE_OPS = {
         "addmm",
         "bmm",
         "_grouped_mm",
+        "_scaled_mm",
+        "_scaled_grouped_mm",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
