@@ -33,12 +33,14 @@ import sys
 
 LANE_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "MESHTRAIN_KERNEL_LANE": "portable"}
 
-# models, MoE kernels, optimizer, mixed precision, context parallel, Hugging Face adapters,
-# activation checkpointing, block-causal document masking, and the lane's own check
+# models, MoE kernels (and their float8 form), optimizer, mixed precision, context parallel,
+# Hugging Face adapters, activation checkpointing, block-causal document masking, and the
+# lane's own check
 NUMERICS_TESTS = [
     "tests/unit/test_kernel_lane.py",
     "tests/unit/test_models.py",
     "tests/unit/test_moe_kernels.py",
+    "tests/unit/test_float8_experts.py",
     "tests/unit/test_optim.py",
     "tests/unit/test_hf_adapters.py",
     "tests/unit/test_activation_checkpoint.py",
