@@ -171,11 +171,35 @@ def check_float8_support(opts: Float8Options, device_type: str, compile_model: b
                 f"(H100, B200); this {torch.cuda.get_device_name()} is {major}.{minor}: remove 'float8_experts' from "
                 "model.converters (the linear layers can stay in float8), or set float8.emulate = true"
             )
+        if opts.moe_fqns:
+            _check_torchao_grouped_mm()
     if opts.emulate and compile_model:
         raise ValueError(
             "float8.emulate = true does not work under torch.compile (torchao's emulated GEMM is eager only): "
             "set compile.enable = false or float8.emulate = false"
         )
+
+
+def _check_torchao_grouped_mm() -> None:
+    """torchao's float8 grouped GEMM, which the routed experts use on CUDA (torchao >= 0.17)."""
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+    except ImportError:
+        import torchao
+
+        raise ValueError(
+            f"'float8_experts' on CUDA needs torchao's float8 grouped GEMM "
+            f"(torchao.prototype.moe_training._to_fp8_rowwise_then_scaled_grouped_mm, torchao >= 0.17), which "
+            f"torchao {torchao.__version__} lacks: pip install -U 'torchao>=0.17', or remove 'float8_experts' "
+            "from model.converters"
+        ) from None
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def _check_torchao(opts: Float8Options) -> None:

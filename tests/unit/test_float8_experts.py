@@ -402,6 +402,8 @@ def test_experts_that_cannot_convert_are_one_line(args, message):
 def test_experts_need_sm90_on_cuda(monkeypatch, capability, refused):
     """torch._scaled_grouped_mm needs compute capability 9.0 (H100): an sm89 GPU (L40S) takes
     float8 linears but not float8 experts, one line naming the fix; emulation is accepted."""
+    import torchao.prototype.moe_training  # noqa: F401  (imported before CUDA is faked: it probes the GPU)
+
     from models.parallel.float8 import Float8Options, check_float8_support
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -415,6 +417,12 @@ def test_experts_need_sm90_on_cuda(monkeypatch, capability, refused):
     else:
         check_float8_support(experts, "cuda", compile_model=False)
     check_float8_support(Float8Options(linears=False, moe_fqns=("experts",), emulate=True), "cuda", False)
+    if not refused:  # a torchao without the float8 grouped GEMM (0.16 has none): one line
+        import sys
+
+        monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training", None)
+        with pytest.raises(ValueError, match=r"torchao >= 0.17\), which torchao [0-9.]+ lacks: pip install -U"):
+            check_float8_support(experts, "cuda", compile_model=False)
 
 
 @pytest.mark.skipif(
