@@ -182,12 +182,14 @@ def float8_grouped_mm(
     dtype = x.dtype
     if backend == "torchao":
         buffer, offsets, dest, valid = align_token_groups(x, counts)
-        # rows past the last group are never written by the grouped GEMM: keep them zero
+        # The grouped GEMM never writes the rows past the last group (forward and input
+        # gradient): they hold whatever memory held, NaN included. Masking h1 and h3 (not h)
+        # keeps them out of both passes: where() passes no gradient to masked rows, whatever
+        # arrives there from the w2 GEMM's input gradient.
         live = (torch.arange(buffer.shape[0], device=x.device) < offsets[-1]).unsqueeze(-1)
-        h1 = _torchao_grouped_mm(buffer, w1.transpose(-2, -1), offsets)
-        h3 = _torchao_grouped_mm(buffer, w3.transpose(-2, -1), offsets)
-        h = torch.where(live, torch.nn.functional.silu(h1) * h3, 0)
-        out = _torchao_grouped_mm(h, w2.transpose(-2, -1), offsets)
+        h1 = torch.where(live, _torchao_grouped_mm(buffer, w1.transpose(-2, -1), offsets), 0)
+        h3 = torch.where(live, _torchao_grouped_mm(buffer, w3.transpose(-2, -1), offsets), 0)
+        out = _torchao_grouped_mm(torch.nn.functional.silu(h1) * h3, w2.transpose(-2, -1), offsets)
         return unalign(out, dest, valid).to(dtype)
     sizes = counts.tolist()  # the one host read of this backend
     emulate = backend == "emulated"

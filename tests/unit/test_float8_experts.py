@@ -88,11 +88,14 @@ def _ref_colwise_dual(a, b, offsets, output_dtype=torch.float8_e4m3fn, round_sca
 
 
 def _scaled_grouped_mm_by_loop(a, b, scale_a, scale_b, offs, out_dtype=torch.bfloat16, use_fast_accum=False):
-    """torch._scaled_grouped_mm's two layouts as one rowwise torch._scaled_mm per group."""
+    """torch._scaled_grouped_mm's two layouts as one rowwise torch._scaled_mm per group. Rows
+    past the last group are NaN: the CUDA kernel leaves them unwritten (uninitialized memory),
+    and none of it may reach a result or a gradient."""
     ends = offs.tolist()
     starts = [0] + ends[:-1]
     if b.dim() == 3:  # [M, K] x [G, K, N], groups of rows
-        out = torch.zeros(a.shape[0], b.shape[2], dtype=out_dtype)
+        out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=out_dtype)
+        out[: ends[-1]] = 0
         for g, (s, e) in enumerate(zip(starts, ends)):
             if e > s:
                 out[s:e] = torch._scaled_mm(
@@ -178,6 +181,7 @@ def test_torchao_backend_matches_the_per_expert_backend(monkeypatch, dtype):
         torch.testing.assert_close(a.float(), b.float(), rtol=BF16_ULPS, atol=1e-6, msg=name)
     assert not out_s[total:].any() and not grads_s[0][total:].any()
     assert not out_t[total:].any() and not grads_t[0][total:].any()
+    assert all(torch.isfinite(t).all() for t in (out_t, *grads_t))
     # an expert with no token: zero weight gradients
     assert not grads_t[1][1].any() and not grads_s[1][1].any()
     hp = torch.zeros_like(out_s.float())
