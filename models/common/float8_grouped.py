@@ -174,11 +174,13 @@ def float8_grouped_mm(
     w3: torch.Tensor,
     counts: torch.Tensor,
     backend: str,
+    sizes: list[int] | None = None,
 ) -> torch.Tensor:
     """The SwiGLU experts ``(silu(x w1^T) * (x w3^T)) w2^T`` per group with float8 GEMMs, in
     ``x``'s dtype. ``x`` [T, dim] sorted by expert, ``counts`` [E] (rows past their sum give
     zero rows and zero gradients), ``w1``/``w3`` [E, hidden, dim], ``w2`` [E, dim, hidden] in
-    ``x``'s dtype (float32 or bfloat16)."""
+    ``x``'s dtype (float32 or bfloat16). ``sizes``: ``counts`` already read on the host, for the
+    per-expert backends (read here when None)."""
     dtype = x.dtype
     if backend == "torchao":
         buffer, offsets, dest, valid = align_token_groups(x, counts)
@@ -191,7 +193,8 @@ def float8_grouped_mm(
         h3 = torch.where(live, _torchao_grouped_mm(buffer, w3.transpose(-2, -1), offsets), 0)
         out = _torchao_grouped_mm(torch.nn.functional.silu(h1) * h3, w2.transpose(-2, -1), offsets)
         return unalign(out, dest, valid).to(dtype)
-    sizes = counts.tolist()  # the one host read of this backend
+    if sizes is None:
+        sizes = counts.tolist()  # the one host read of this backend
     emulate = backend == "emulated"
     h1 = _Float8GroupedMM.apply(x, w1.transpose(-2, -1), sizes, emulate)
     h3 = _Float8GroupedMM.apply(x, w3.transpose(-2, -1), sizes, emulate)
@@ -222,4 +225,5 @@ def float8_experts_forward(
                 f"num_tokens_per_expert sums to {sum(sizes)} (min {min(sizes)}) but x has "
                 f"{rows} rows; counts must be non-negative and cover at most the rows given."
             )
+        return float8_grouped_mm(x, w1, w2, w3, counts, backend, sizes)
     return float8_grouped_mm(x, w1, w2, w3, counts, backend)

@@ -36,7 +36,8 @@ pytestmark = pytest.mark.unit
 BF16_ULPS = 2 * 2.0**-8
 
 
-def _ref_rowwise_2d(hp, output_dtype=torch.float8_e4m3fn, round_scales_to_power_of_2=False):
+def _ref_axiswise(hp, axis, output_dtype, round_scales_to_power_of_2):
+    """torchao's own torch reference of an axiswise float8 cast: (data, scales along ``axis``)."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
@@ -44,24 +45,18 @@ def _ref_rowwise_2d(hp, output_dtype=torch.float8_e4m3fn, round_scales_to_power_
         hp,
         output_dtype,
         scaling_granularity=ScalingGranularity.AXISWISE,
-        axiswise_dim=-1,
+        axiswise_dim=axis,
         round_scales_to_power_of_2=round_scales_to_power_of_2,
     )
     return to_fp8_saturated(hp.to(torch.float32) * scales, output_dtype), scales
 
 
-def _ref_colwise_3d(hp, output_dtype=torch.float8_e4m3fn, round_scales_to_power_of_2=False):
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+def _ref_rowwise_2d(hp, output_dtype=torch.float8_e4m3fn, round_scales_to_power_of_2=False):
+    return _ref_axiswise(hp, -1, output_dtype, round_scales_to_power_of_2)
 
-    scales = tensor_to_scale(
-        hp,
-        output_dtype,
-        scaling_granularity=ScalingGranularity.AXISWISE,
-        axiswise_dim=-2,
-        round_scales_to_power_of_2=round_scales_to_power_of_2,
-    )  # [E, 1, N]
-    data = to_fp8_saturated(hp.to(torch.float32) * scales, output_dtype)
+
+def _ref_colwise_3d(hp, output_dtype=torch.float8_e4m3fn, round_scales_to_power_of_2=False):
+    data, scales = _ref_axiswise(hp, -2, output_dtype, round_scales_to_power_of_2)  # scales [E, 1, N]
     return data.transpose(-2, -1).contiguous().transpose(-2, -1), scales  # column-major per expert
 
 
