@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.suite_budget"]  # the per-test cost table printed after every run
+
 TIERS = ("unit", "distributed", "e2e")
 
 

@@ -1,20 +1,55 @@
-"""Run a function on N local CPU processes over gloo: the tier-2 tests and the benchmarks use it.
+"""Local ranks forked from a server that imported torch and the trainer once.
 
-Children come from a forkserver that has already imported torch, so each rank starts in a
-fraction of a second instead of paying ``import torch`` again. A failing rank's traceback is
-re-raised in the test process, and a hang is cut off by ``timeout``.
+Two uses, one forkserver:
+
+* :func:`run_distributed`: a function on N CPU processes over gloo (the tier-2 tests and the
+  benchmarks). A failing rank's traceback is re-raised in the caller, a hang is cut off by
+  ``timeout``.
+* :func:`run_train` / :func:`start_train`: ``train.py`` itself on N ranks of one host, what
+  ``torchrun --standalone --nproc_per_node=N train.py ...`` runs, with the launch cost paid
+  once (``python -m tools.compare_loss --launcher fork`` and the end-to-end tests use it). Each
+  rank runs the very ``train.py`` (its ``__main__``, its exit through trainer/shutdown.py) with
+  the environment torchrun would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``OMP_NUM_THREADS=1`` for N > 1 unless
+  set), in the caller's working directory, writing to the file descriptors it is given.
+
+Why: a rank started by torchrun is a new interpreter that imports torch, the trainer and (at its
+first optimizer step) torch._dynamo, about 1.5 CPU seconds before its first line of work; the
+launcher itself imports torch too. On the 2 cores of a CI host that is most of a short run
+(measured: llama3 tp=2 x fsdp=2, 3 steps, 13.6 CPU s under torchrun). A child of the forkserver
+starts with all of it imported (preloaded in the server, which runs no torch op and starts no
+thread, so forking it is safe).
+
+What a forked rank does NOT share with a torchrun worker: torchrun's supervision (its
+rendezvous, restarts, its failure summary and exit code 1 for any failed worker: here the
+first failing rank's own exit code is returned and the other ranks are stopped), a fresh
+interpreter (anything set up at interpreter start, such as a ``sitecustomize`` on
+``PYTHONPATH`` or ``PYTHONHASHSEED``, is the server's), and the process tree (the ranks are
+children of the forkserver, not of the caller). Tests about those things use torchrun.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import runpy
 import socket
+import subprocess
+import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
+from multiprocessing.connection import wait as wait_for_any
+from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_PY = ROOT / "train.py"
+
 _CTX = None
+RANKS_STARTED = 0  # processes this launcher forked, for the test suite's cost table (tests/suite_budget.py)
 
 
 def _context():
@@ -31,6 +66,11 @@ def _context():
                 "models.registry",
                 "models.parallelize",
                 "trainer.grad_clip",
+                # train.py's imports, and torch._dynamo: torch imports it lazily at the first
+                # call of a function it keeps out of compilation (the optimizer's step and
+                # zero_grad among them), so every training process pays for it
+                "trainer.train",
+                "torch._dynamo",
             ]
         )
     return _CTX
@@ -82,8 +122,10 @@ def run_distributed(
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {})) for r in range(world_size)
     ]
+    global RANKS_STARTED
     for p in procs:
         p.start()
+    RANKS_STARTED += len(procs)
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:
@@ -106,3 +148,188 @@ def run_distributed(
     if failures:
         raise RuntimeError("distributed test failed:\n" + "\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+# ------------------------------------------------------------------ train.py on forked ranks
+
+
+class _InheritedFd:
+    """A file descriptor handed to a forkserver child (sent over the server's socket while the
+    child is spawned, like multiprocessing's own connections); ``int`` in the child."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_InheritedFd._detach, (reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _detach(dup) -> int:
+        return dup.detach()
+
+
+def _train_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, stdout_fd: int, stderr_fd: int) -> None:
+    """One rank: the caller's environment and directory, its output on the given descriptors,
+    then ``script`` as ``python script argv`` runs it (train.py ends the process itself,
+    through trainer/shutdown.py; a script that returns exits 0, ``SystemExit`` gives its code,
+    an uncaught exception prints its traceback and exits 1)."""
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    for fd in {stdout_fd, stderr_fd} - {1, 2}:
+        os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # read by the OpenMP runtime when it starts: too late in a fork
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [script, *argv]
+    from trainer.shutdown import run_and_exit
+
+    def main() -> None:
+        runpy.run_path(script, run_name="__main__")
+
+    run_and_exit(main)
+
+
+class ForkedTrain:
+    """``train.py`` running on ``nproc`` forked ranks (see the module docstring). ``wait``
+    gives the job's exit code: 0 when every rank exited 0, else the first failing rank's code
+    (negative: the signal that ended it) after the other ranks were stopped."""
+
+    def __init__(
+        self,
+        nproc: int,
+        argv: list[str],
+        *,
+        stdout_fd: int,
+        stderr_fd: int,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        script: str | os.PathLike = TRAIN_PY,
+    ):
+        global RANKS_STARTED
+        ctx = _context()
+        base = dict(os.environ if env is None else env)
+        if nproc > 1:
+            base.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does for N > 1
+        port = _free_port()
+        self.procs: list = []
+        self.returncode: int | None = None
+        try:
+            self._start(ctx, nproc, argv, base, port, stdout_fd, stderr_fd, cwd, script)
+        except BaseException:
+            self.stop(grace=2.0)
+            raise
+        RANKS_STARTED += nproc
+
+    def _start(self, ctx, nproc, argv, base, port, stdout_fd, stderr_fd, cwd, script) -> None:
+        for rank in range(nproc):
+            rank_env = dict(
+                base,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                GROUP_RANK="0",
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            fds = (_InheritedFd(stdout_fd), _InheritedFd(stderr_fd))
+            args = (str(script), list(argv), rank_env, str(cwd or os.getcwd()), *fds)
+            proc = ctx.Process(target=_train_rank, args=args, name=f"train-rank{rank}")
+            proc.start()
+            self.procs.append(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        codes = [p.exitcode for p in self.procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            self.stop()
+            self.returncode = failed[0]
+        elif all(c == 0 for c in codes):
+            self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The job's exit code; raises ``subprocess.TimeoutExpired`` (ranks left running) after
+        ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sentinels = {p.sentinel: p for p in self.procs}
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"train.py on {len(self.procs)} forked ranks", timeout)
+            live = [s for s, p in sentinels.items() if p.exitcode is None]
+            wait_for_any(live, timeout=left)
+        return self.returncode
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every live rank, SIGKILL what is left after ``grace`` seconds (torchrun's
+        teardown of the other workers after one failed)."""
+        live = [p for p in self.procs if p.pid is not None and p.exitcode is None]
+        for p in live:
+            p.terminate()
+        deadline = time.monotonic() + grace
+        for p in live:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+
+
+def _drain(fd: int, chunks: list[bytes]) -> threading.Thread:
+    def read() -> None:
+        with open(fd, "rb", closefd=True) as f:
+            while block := f.read1(65536):
+                chunks.append(block)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_train(
+    nproc: int,
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float | None = None,
+    script: str | os.PathLike = TRAIN_PY,
+) -> subprocess.CompletedProcess:
+    """``train.py argv`` on ``nproc`` forked ranks: what ``subprocess.run`` of the torchrun
+    command (or of ``python train.py`` for one rank) gives, with ``capture_output=True,
+    text=True``: every rank's stdout and stderr, and the job's exit code (:class:`ForkedTrain`).
+    A timeout stops the ranks and raises ``subprocess.TimeoutExpired``."""
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    out, err = [], []
+    readers = [_drain(out_r, out), _drain(err_r, err)]
+    try:
+        job = ForkedTrain(nproc, argv, stdout_fd=out_w, stderr_fd=err_w, env=env, cwd=cwd, script=script)
+    finally:
+        os.close(out_w)  # the ranks hold their own copies: EOF once every rank has exited
+        os.close(err_w)
+    try:
+        code = job.wait(timeout)
+    except BaseException:
+        job.stop(grace=2.0)
+        raise
+    finally:
+        for thread in readers:
+            thread.join(timeout=30)
+    cmd = [str(script), *argv]
+    stdout, stderr = (b"".join(c).decode(errors="replace") for c in (out, err))
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+__all__ = ["ForkedTrain", "run_distributed", "run_train"]

@@ -1,0 +1,165 @@
+"""The test suite's budget (docs/testing.md): what each test costs, printed at the end of every run.
+
+Per test (its setup, call and teardown together, so a module fixture's launch is charged to the
+test that first used it):
+
+* wall seconds;
+* CPU seconds: this process and its threads, every child process it waited for (``subprocess``
+  runs, torchrun with its workers) and the ranks the forkserver of ``tools/launcher.py`` forked
+  for it. On a 2-core host running two xdist workers, the suite's wall time is about its CPU
+  seconds / 2: CPU is what a test takes from the others, and it barely depends on what else
+  runs beside it;
+* processes started (``subprocess`` launches and gloo ranks forked), where start-up goes.
+
+At the end of the session (on the xdist controller) it prints the total and the 25 most costly
+tests, and flags every test over the per-test budget (``PER_TEST_BUDGET_S``, wall). It does not
+fail the run on time: wall time depends on the host and what else runs on it, and a red suite
+for a busy neighbour would teach people to ignore it. ``MESHTRAIN_TEST_TIMES=path.json`` also
+writes every test's figures to a JSON file (how docs/testing.md's table was made).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+PER_TEST_BUDGET_S = 60.0
+SUITE_BUDGET_S = 12 * 60  # the whole `make test`, idle 2-core host
+SHOWN = 25
+
+_PROCESS_COUNT = 0
+
+
+def _count_popen() -> None:
+    """Count every process this worker starts through subprocess (train.py, torchrun, scripts)."""
+    original = subprocess.Popen.__init__
+
+    def counting_init(self, *args, **kwargs):
+        global _PROCESS_COUNT
+        _PROCESS_COUNT += 1
+        original(self, *args, **kwargs)
+
+    subprocess.Popen.__init__ = counting_init
+
+
+def _forkserver_children_cpu() -> float:
+    """CPU seconds of the processes the launcher's forkserver forked and reaped so far."""
+    try:
+        from multiprocessing import forkserver
+
+        pid = forkserver._forkserver._forkserver_pid
+        if pid is None:
+            return 0.0
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        # fields[0] is field 3 (state): cutime and cstime are fields 16 and 17
+        return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ImportError, AttributeError, IndexError, ValueError):
+        return 0.0
+
+
+def _forked_ranks() -> int:
+    try:
+        import tools.launcher
+
+        return tools.launcher.RANKS_STARTED
+    except (ImportError, AttributeError):
+        return 0
+
+
+def _cpu_now() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + _forkserver_children_cpu()
+
+
+def _processes_now() -> int:
+    return _PROCESS_COUNT + _forked_ranks()
+
+
+class _Worker:
+    """Runs where the tests run (each xdist worker, or the only process): measures each phase
+    and hands the figures over in the phase's report."""
+
+    def __init__(self) -> None:
+        self.start: tuple[float, int] | None = None
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        self.start = (_cpu_now(), _processes_now())
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        self.start = (_cpu_now(), _processes_now())
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        self.start = (_cpu_now(), _processes_now())
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if self.start is not None:
+            cpu, procs = self.start
+            report.user_properties.append(("cpu_s", round(_cpu_now() - cpu, 3)))
+            report.user_properties.append(("processes", _processes_now() - procs))
+
+
+class _Collector:
+    """Runs in the process that reports (the xdist controller): adds the phases up per test."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.tests: dict[str, dict] = {}
+        self.session_start = time.monotonic()
+
+    def pytest_runtest_logreport(self, report):
+        row = self.tests.setdefault(report.nodeid, {"wall_s": 0.0, "cpu_s": 0.0, "processes": 0})
+        row["wall_s"] += report.duration
+        props = dict(report.user_properties)
+        row["cpu_s"] += props.get("cpu_s", 0.0)
+        row["processes"] += props.get("processes", 0)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.tests:
+            return
+        wall = time.monotonic() - self.session_start
+        rows = sorted(self.tests.items(), key=lambda kv: -kv[1]["wall_s"])
+        cpu = sum(r["cpu_s"] for _, r in rows)
+        procs = sum(r["processes"] for _, r in rows)
+        tr = terminalreporter
+        tr.section("suite budget (docs/testing.md)")
+        tr.write_line(
+            f"{len(rows)} tests in {wall:.0f} s wall; tests' own time {sum(r['wall_s'] for _, r in rows):.0f} s, "
+            f"CPU {cpu:.0f} s, {procs} processes started (budget: make test <= {SUITE_BUDGET_S // 60} min "
+            f"on an idle 2-core host, no test over {PER_TEST_BUDGET_S:.0f} s)"
+        )
+        tr.write_line(f"the {min(SHOWN, len(rows))} slowest (setup + call + teardown; a module fixture counts once):")
+        tr.write_line(f"{'wall s':>7} {'CPU s':>7} {'procs':>5}  test")
+        for nodeid, r in rows[:SHOWN]:
+            tr.write_line(f"{r['wall_s']:7.1f} {r['cpu_s']:7.1f} {r['processes']:5d}  {nodeid}")
+        over = [(n, r) for n, r in rows if r["wall_s"] > PER_TEST_BUDGET_S]
+        for nodeid, r in over:
+            tr.write_line(f"over budget: {nodeid} took {r['wall_s']:.0f} s (> {PER_TEST_BUDGET_S:.0f} s)", yellow=True)
+        out = os.environ.get("MESHTRAIN_TEST_TIMES")
+        if out:
+            Path(out).write_text(
+                json.dumps({"wall_s": round(wall, 1), "tests": dict(rows)}, indent=1, sort_keys=False) + "\n"
+            )
+
+
+def pytest_configure(config):
+    _count_popen()
+    config.pluginmanager.register(_Worker(), "suite_budget_worker")
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        config.pluginmanager.register(_Collector(config), "suite_budget_collector")
