@@ -1,6 +1,6 @@
 """Every test carries the marker of its tier (its folder), so lanes select by marker:
 ``pytest -m unit`` (one process, seconds), ``-m distributed`` (gloo, 2-8 ranks), ``-m e2e``
-(train.py through torchrun)."""
+(train.py end to end). Files run most costly first (tests/suite_budget.py's cost table)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,6 @@ import pytest
 pytest_plugins = ["tests.suite_budget"]  # the per-test cost table printed after every run
 
 TIERS = ("unit", "distributed", "e2e")
-
-
-# Run order: the slow tiers first (stable within a tier). `make test` runs the files on two
-# pytest-xdist workers (--dist loadfile --no-loadscope-reorder), which hand out files in this
-# order: the e2e files, minutes each, start first and the seconds-long unit files fill in at
-# the end, instead of one long e2e file starting last and running alone.
-RUN_ORDER = ("e2e", "distributed", "unit")
 
 
 def _tier(item) -> str:
@@ -43,4 +36,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if refusal and item.get_closest_marker("fake_backend"):
             item.add_marker(pytest.mark.skip(reason=refusal))
-    items.sort(key=lambda item: RUN_ORDER.index(_tier(item)) if _tier(item) in RUN_ORDER else len(RUN_ORDER))
+    from tests.suite_budget import file_cost
+
+    # Run order: `make test` runs the files on two pytest-xdist workers (--dist loadfile
+    # --no-loadscope-reorder), which take the files in collection order, each worker the next file
+    # as it runs out of work. Ordered by their measured cost, most costly first (tests/test_costs.json;
+    # a file not in it by its tier's default), the long files start first and the seconds-long unit
+    # files fill in at the end, so the two workers finish together instead of one long file starting
+    # last and running alone.
+    root = Path(__file__).resolve().parents[1]
+
+    def cost(item) -> float:
+        path = Path(str(item.fspath)).resolve()
+        return file_cost(path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix())
+
+    items.sort(key=lambda item: -cost(item))

@@ -11,6 +11,13 @@ test that first used it):
   runs beside it;
 * processes started (``subprocess`` launches and gloo ranks forked), where start-up goes.
 
+The per-file wall seconds of a full run (on two workers) are kept in tests/test_costs.json, which orders the files
+(tests/conftest.py: most costly first, so the two xdist workers finish together). After changing
+what a file costs, refresh it from a full run:
+
+    MESHTRAIN_TEST_TIMES=/tmp/times.json .venv/bin/python -m pytest -q -n 2 --dist loadfile tests
+    .venv/bin/python -m tests.suite_budget /tmp/times.json      # rewrites tests/test_costs.json
+
 At the end of the session (on the xdist controller) it prints the total and the 25 most costly
 tests, and flags every test over the per-test budget (``PER_TEST_BUDGET_S``, wall). It does not
 fail the run on time: wall time depends on the host and what else runs on it, and a red suite
@@ -29,6 +36,9 @@ from pathlib import Path
 
 import pytest
 
+COSTS = Path(__file__).with_name("test_costs.json")
+# a file not in COSTS yet: its tier's typical cost, seconds
+DEFAULT_COST = {"e2e": 30.0, "distributed": 10.0, "unit": 2.0}
 PER_TEST_BUDGET_S = 60.0
 SUITE_BUDGET_S = 12 * 60  # the whole `make test`, idle 2-core host
 SHOWN = 25
@@ -158,8 +168,57 @@ class _Collector:
             )
 
 
+_costs: dict[str, float] | None = None
+
+
+def file_cost(path: str) -> float:
+    """Seconds a worker spent on the test file ``path`` (relative to the repository,
+    "tests/unit/x.py") in the last recorded full run, or its tier's default. Wall, not CPU: a
+    worker waiting on a hung rank's timeout is busy for the schedule all the same."""
+    global _costs
+    if _costs is None:
+        try:
+            _costs = json.loads(COSTS.read_text())["wall_s"]
+        except (OSError, ValueError, KeyError):
+            _costs = {}
+    if path in _costs:
+        return _costs[path]
+    parts = Path(path).parts
+    return DEFAULT_COST.get(parts[1] if len(parts) > 2 else "", 1.0)
+
+
+def write_costs(times_json: str) -> dict[str, float]:
+    """tests/test_costs.json from a full run's MESHTRAIN_TEST_TIMES file: wall and CPU seconds per
+    file."""
+    tests = json.loads(Path(times_json).read_text())["tests"]
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for nodeid, row in tests.items():
+        name = nodeid.split("::", 1)[0]
+        wall[name] = wall.get(name, 0.0) + row["wall_s"]
+        cpu[name] = cpu.get(name, 0.0) + row["cpu_s"]
+    ordered = {k: round(v, 1) for k, v in sorted(wall.items(), key=lambda kv: -kv[1])}
+    doc = {
+        "about": "seconds per test file in a full make-test run (tests/suite_budget.py): wall_s orders the files, "
+        "most costly first; cpu_s is for people",
+        "wall_s": ordered,
+        "cpu_s": {k: round(cpu[k], 1) for k in ordered},
+    }
+    COSTS.write_text(json.dumps(doc, indent=1) + "\n")
+    return ordered
+
+
 def pytest_configure(config):
     _count_popen()
     config.pluginmanager.register(_Worker(), "suite_budget_worker")
     if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
         config.pluginmanager.register(_Collector(config), "suite_budget_collector")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.suite_budget TIMES_JSON  (rewrites tests/test_costs.json)")
+    costs = write_costs(sys.argv[1])
+    print(f"{COSTS}: {len(costs)} files, {sum(costs.values()):.0f} s of tests in all")
