@@ -1,7 +1,14 @@
-"""The second-kernel lane of ``make test``: the numerics-sensitive tests again, on CPU kernels
-other than the ones torch picks for this machine.
+"""The second lane of ``make test``: the numerics-sensitive tests again, on CPU kernels other than
+the ones torch picks for this machine, and in the same session the mesh tests again under the
+portable mesh builder.
 
     python -m tests.kernel_lane [pytest args]      # what `make test` runs after the main suite
+
+One pytest session for both (pytest's start-up and collection paid once, both file sets shared
+by the two workers): the whole lane runs with ``MESHTRAIN_MESH_BUILDER=portable`` (the builder
+only decides how the meshes are made, and both builders make the same groups: test_fake_build,
+test_parallel_dims_gloo), so the mesh, scale and parity tests also run on the other kernels,
+and the numerics tests' meshes come from the portable builder.
 
 A test that compares two code paths too tightly passes on the machine it was written on and
 fails on another CPU, whose kernels sum in another order (seen: one ulp between a loop of ``mm``
@@ -31,7 +38,12 @@ from __future__ import annotations
 import os
 import sys
 
-LANE_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "MESHTRAIN_KERNEL_LANE": "portable"}
+LANE_ENV = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "MESHTRAIN_KERNEL_LANE": "portable",
+    "MESHTRAIN_MESH_BUILDER": "portable",  # parallel_dims.md#how-it-is-built
+}
 
 # models, MoE kernels (and their float8 form), optimizer, mixed precision, context parallel,
 # Hugging Face adapters, activation checkpointing, block-causal document masking, and the
@@ -50,10 +62,20 @@ NUMERICS_TESTS = [
 ]
 
 
+# the mesh builder's proofs: every group of both builders identical at scale (fake backend),
+# the groups of real gloo meshes, and the parallel layouts' training step against one process
+PORTABLE_BUILDER_TESTS = [
+    "tests/unit/test_fake_build.py",
+    "tests/distributed/test_parallel_dims_gloo.py",
+    "tests/distributed/test_parallelize_equivalence.py",
+]
+
+
 def main(argv: list[str]) -> None:
     env = dict(os.environ, **LANE_ENV)
-    print(f"== kernel lane: {' '.join(f'{k}={v}' for k, v in LANE_ENV.items())}", flush=True)
-    os.execve(sys.executable, [sys.executable, "-m", "pytest", *argv, *NUMERICS_TESTS], env)
+    print(f"== second lane: {' '.join(f'{k}={v}' for k, v in LANE_ENV.items())}", flush=True)
+    tests = [*NUMERICS_TESTS, *(t for t in PORTABLE_BUILDER_TESTS if t not in NUMERICS_TESTS)]
+    os.execve(sys.executable, [sys.executable, "-m", "pytest", *argv, *tests], env)
 
 
 if __name__ == "__main__":

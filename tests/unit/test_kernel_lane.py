@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.kernel_lane import LANE_ENV, NUMERICS_TESTS
+from tests.kernel_lane import LANE_ENV, NUMERICS_TESTS, PORTABLE_BUILDER_TESTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,8 +78,12 @@ def test_this_process_runs_the_lane_kernels_when_in_the_lane():
         pytest.skip("runs in the kernel lane (python -m tests.kernel_lane)")
     assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
     assert os.environ.get("MKL_CBWR") == "COMPATIBLE"
+    # the same session runs the mesh tests under the portable builder
+    from parallel_dims.builders import resolve_mesh_builder
+
+    assert resolve_mesh_builder() == "portable"
 
 
 def test_lane_files_exist():
-    missing = [p for p in NUMERICS_TESTS if not os.path.isfile(os.path.join(ROOT, p))]
+    missing = [p for p in NUMERICS_TESTS + PORTABLE_BUILDER_TESTS if not os.path.isfile(os.path.join(ROOT, p))]
     assert not missing, missing
