@@ -36,18 +36,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if refusal and item.get_closest_marker("fake_backend"):
             item.add_marker(pytest.mark.skip(reason=refusal))
-    from tests.suite_budget import file_cost
-
     # Run order: `make test` runs the files on two pytest-xdist workers (--dist loadfile
     # --no-loadscope-reorder), which take the files in collection order, each worker the next file
     # as it runs out of work. Ordered by their measured cost, most costly first (tests/test_costs.json;
     # a file not in it by its tier's default), the long files start first and the seconds-long unit
     # files fill in at the end, so the two workers finish together instead of one long file starting
     # last and running alone.
+    order = {name: i for i, name in enumerate(run_order({_repo_path(item) for item in items}))}
+    items.sort(key=lambda item: order[_repo_path(item)])
+
+
+def _repo_path(item) -> str:
+    """The item's file as the cost table names it ("tests/unit/test_x.py")."""
     root = Path(__file__).resolve().parents[1]
+    path = Path(str(item.fspath)).resolve()
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
 
-    def cost(item) -> float:
-        path = Path(str(item.fspath)).resolve()
-        return file_cost(path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix())
 
-    items.sort(key=lambda item: -cost(item))
+def run_order(files) -> list[str]:
+    """Test files, most costly first (ties: by name)."""
+    from tests.suite_budget import file_cost
+
+    return sorted(files, key=lambda name: (-file_cost(name), name))
