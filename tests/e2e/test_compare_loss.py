@@ -1,31 +1,55 @@
-"""Tier 3: tools.compare_loss drives real ``torchrun ... train.py`` runs and the layouts of
+"""Tier 3: tools.compare_loss drives real multi-process ``train.py`` runs and the layouts of
 docs/design.md section 5 must give the same loss curve (within the tool's DEFAULT tolerance -- never
 loosened here) from one seed checkpoint.
 
-Cost on 2 CPU cores is almost all process start-up (``import torch`` + mesh + seed load per
-rank, ~20 s for 4 ranks), so runs are tiny (3 steps, seq_len 64, global batch 8) and grouped:
-one compare_loss call per model, the seed checkpoints shared with the reproducibility and
-gradient-dump tests. Global batch 8 with local batch 2 gives 1 to 4 micro-batches per rank
-depending on the batch degree, so gradient accumulation is part of what must agree.
+Cost on 2 CPU cores is almost all process start-up, so the runs are tiny (3 steps, seq_len 64,
+global batch 8, 2 transformer blocks) and grouped: one compare_loss call per model, its seed
+checkpoint shared with the gradient-dump and local_tensor tests, the reproducibility check a
+repeated layout of the deepseek matrix. The matrices run with ``--launcher fork``: each layout's
+ranks forked from one server that imported torch and the trainer once, instead of a torchrun
+launch per layout that starts an interpreter per rank (~1.5 CPU s each); the launcher is not
+part of what the matrices prove, and forked ranks give bitwise the torchrun results
+(tests/e2e/test_launcher.py). The tool's default torchrun path stays proven end to end by
+``test_grad_dump_matches_across_layouts`` (its one-process dump goes through torchrun).
+
+What the small shapes keep:
+
+* 2 blocks (``--model.n_layers 2``): FSDP wraps each block, so 2 blocks still exercise the
+  per-block all-gather / reduce-scatter order and prefetch; pp=2 gets one block per stage (the
+  1F1B schedule needs no more), so the stage boundary, doc_tokens on every stage and the loss
+  on the last stage are all there; deepseek_v3's debug model keeps ``n_dense_layers = 1``, so
+  its 2 blocks are 1 dense + 1 MoE block, and every layout routes every token through that MoE
+  block (router, expert bias, EP all-to-all, expert TP; on pp=2 it is stage 1's block):
+  ``_check_moe_block`` asserts the seed checkpoint's block 1 is the routed-expert block.
+* 3 steps: step 2's loss is the first computed from updated weights, step 3's the first that
+  depends on optimizer state carried from an earlier step (AdamW's moments of steps 1 and 2
+  shape the step-2 update), so a layout that shards, places or forgets optimizer state wrongly
+  is seen; 2 steps would not show it.
+* Global batch 8 with local batch 2 gives 1 to 4 micro-batches per rank depending on the batch
+  degree, so gradient accumulation is part of what must agree.
 
 The two layout matrices train with block-causal attention (``--model.attn_mask_type
 block_causal``, issue 26): the objective torchtitan and Megatron train packed documents with,
 and the one whose layout plumbing (document ids gathered over cp, doc_tokens on every pipeline
 stage, masks under tp and ep) only an end-to-end run exercises together with the trainer's
 loader, accumulation and optimizer. Running the matrices once more with causal masking would
-double the cost (~3-4 min each); causal layouts stay proven step by step (one optimizer step
+double the cost; causal layouts stay proven step by step (one optimizer step
 against the single-process model, fp32 bounds) by tests/distributed/test_parallelize_equivalence.py
 (fsdp=4, dp_replicate=2 x fsdp=2, tp=2 x fsdp=2, cp=2 x fsdp=2, cp=2 x tp=2, dp_replicate=4; deepseek fsdp=4,
 fsdp=4 x ep=2, fsdp=2 x cp=2 x ep=4, fsdp=2 x tp=2 x ep=2 x etp=2, dp_replicate=2 x fsdp=2 x
 ep=2) and tests/distributed/test_pipeline.py (pp=2 x fsdp=2 with and without accumulation,
-deepseek pp=2 x fsdp=2 x ep=2). The same-layout-twice and
-grad-dump tests below stay causal (they reuse the matrices' seed checkpoints only).
+deepseek pp=2 x fsdp=2 x ep=2). The grad-dump test below stays causal (it reuses the llama3
+matrix's seed checkpoint only); the reproducibility check is block-causal now (the repeat is a
+layout of the deepseek matrix: determinism does not depend on the mask).
 
 Block-causal differs from causal only where a window holds several documents: the shipped
 synthetic corpus at seq_len 64 has 2.92 documents per window over the 3 steps (2.6 to 3.1 per
-step, 21.9 tokens per document; measured), which ``_check_data_has_documents`` asserts (>= 2)
-on the runs' own data. Measured with block-causal (CPU, 2 cores): loss within 1.2e-7, grad norm
-within 1.9e-7 of the baseline on every layout; about 140 s per matrix.
+step, 21.9 tokens per document; measured; the data does not depend on the model's depth),
+which ``_check_data_has_documents`` asserts (>= 2) on the runs' own data. Measured with
+block-causal and 2 blocks (CPU, 2 cores): loss within 1.2e-7, grad norm within 9.7e-8 of the
+baseline on every layout (6 blocks: 1.2e-7 and 1.9e-7); the repeated fsdp=4 x ep=2 bitwise
+equal to the first. About 25 CPU s for the llama3 matrix (8 layouts) and 30 for the deepseek
+one (7 runs) with forked ranks, against about 100 each under torchrun with 6 blocks.
 """
 
 from __future__ import annotations
@@ -50,6 +74,8 @@ except ModuleNotFoundError:  # Python < 3.11
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
+# the matrices' model: 2 blocks (see the module docstring)
+SMALL_MODEL = ["--model.n_layers", "2"]
 TINY = [
     "--training.seq_len",
     "64",
@@ -62,6 +88,7 @@ TINY = [
 ]
 # the matrices' runs: block-causal attention (see the module docstring)
 BLOCK_CAUSAL = [*TINY, "--model.attn_mask_type", "block_causal"]
+MATRIX = [*BLOCK_CAUSAL, *SMALL_MODEL]
 LONG_NAMES = PARALLELISM_ALIASES  # short layout key -> [parallelism] key
 LLAMA3_LAYOUTS = [
     "single",
@@ -73,19 +100,28 @@ LLAMA3_LAYOUTS = [
     "dp_replicate=4",
     "pp=2,fsdp=2",
 ]
+REPEATED = "fsdp=4,ep=2"
 DEEPSEEK_LAYOUTS = [
     "fsdp=4",
-    "fsdp=4,ep=2",
+    REPEATED,
     "fsdp=2,cp=2,ep=4",
     "fsdp=2,tp=2,ep=2,etp=2",
     "dp_replicate=2,fsdp=2,ep=2",
     "pp=2,fsdp=2,ep=2",
+    REPEATED,  # run twice: the repeat, named REPEATED#2, must be bitwise the first run
 ]
 
 
 def _env() -> dict[str, str]:
     # one thread per rank: more only oversubscribes the 2 cores (torchrun does this for N > 1)
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _names(layouts: list[str]) -> list[str]:
+    """The run names compare_loss gives ``layouts`` (a repeated layout's second run is NAME#2)."""
+    from tools.compare_loss.layouts import parse_layouts
+
+    return [layout.name for layout in parse_layouts(layouts)]
 
 
 def compare_loss(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -103,15 +139,20 @@ def _explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
 
 
-def _check_runs_used_their_layouts(summary: dict) -> None:
-    """Agreement would be meaningless if every run had silently trained the same layout."""
+def _check_runs_used_their_layouts(summary: dict, launcher: str = "torchrun") -> None:
+    """Agreement would be meaningless if every run had silently trained the same layout (or
+    another model than the 2-block one, or through another launcher than asked)."""
     for run in summary["runs"]:
         folder = Path(run["folder"])
         with open(folder / "config.toml", "rb") as f:
-            parallelism = tomllib.load(f)["parallelism"]
+            config = tomllib.load(f)
+        parallelism = config["parallelism"]
         for short, value in run["degrees"].items():
             assert parallelism[LONG_NAMES[short]] == value, (run["layout"], short)
+        assert config["model"]["n_layers"] == 2, run["layout"]
         log = (folder / "train.log").read_text()
+        ranks = f"{run['nproc']} rank{'s' if run['nproc'] > 1 else ''}"
+        assert log.startswith(f"$ [fork launcher, {ranks}] ") == (launcher == "fork"), log[:200]
         d = run["degrees"]
         assert (
             f"mesh: world={run['nproc']} pp={d['pp']} dp_replicate={d['dp_replicate']} dp_shard={d['dp_shard']} "
@@ -145,11 +186,24 @@ def _check_data_has_documents(summary: dict) -> None:
     assert docs_per_window >= 2
 
 
+def _check_moe_block(out: Path) -> None:
+    """deepseek_v3 with 2 blocks is 1 dense + 1 MoE block: the seed checkpoint every run loaded
+    holds block 0's dense FFN and block 1's router, routed experts and shared expert, nothing
+    more (every run's config says n_layers = 2, _check_runs_used_their_layouts)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(str(out / "seed" / "checkpoint" / "step-0")).read_metadata().state_dict_metadata)
+    moe = {"router.gate.weight", "expert_bias", "experts.w1", "experts.w2", "experts.w3", "shared_experts.w1.weight"}
+    assert {f"model.layers.1.moe.{k}" for k in moe} <= keys, sorted(keys)
+    assert "model.layers.0.feed_forward.w1.weight" in keys and not any(".moe." in k for k in keys if ".layers.0." in k)
+    assert {k.split(".")[2] for k in keys if k.startswith("model.layers.")} == {"0", "1"}
+
+
 def _assert_all_agree(proc: subprocess.CompletedProcess, out: Path, layouts: list[str]) -> dict:
     assert proc.returncode == 0, _explain(proc)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["passed"] and (summary["rtol"], summary["atol"], summary["grad_norm_rtol"]) == (1e-5, 1e-5, 1e-4)
-    assert [r["layout"] for r in summary["runs"]] == layouts
+    assert [r["layout"] for r in summary["runs"]] == _names(layouts)
     for run in summary["runs"]:
         assert run["status"] in ("ok", "baseline"), run
         assert run["first_step_beyond"] is None
@@ -157,7 +211,8 @@ def _assert_all_agree(proc: subprocess.CompletedProcess, out: Path, layouts: lis
             f"{run['layout']:<28} max rel loss diff {run['max_rel_diff']:.2e}  "
             f"grad-norm rel diff {run['grad_norm_max_rel_diff']:.2e}  wall {run['wall_s']:.1f}s"
         )
-    _check_runs_used_their_layouts(summary)
+    _check_runs_used_their_layouts(summary, launcher="fork")
+    assert "ranks forked (--launcher fork)" in proc.stdout
     assert f"step {STEPS}/{STEPS}" in proc.stdout  # progress was shown while the runs went
     assert (out / "loss_comparison.png").read_bytes()[:4] == b"\x89PNG"
     return summary
@@ -175,10 +230,12 @@ def llama3_comparison(tmp_path_factory):
         str(out),
         "--timeout",
         "300",
+        "--launcher",
+        "fork",
         "--layouts",
         *LLAMA3_LAYOUTS,
         "--",
-        *BLOCK_CAUSAL,
+        *MATRIX,
     )
     return proc, out
 
@@ -195,10 +252,12 @@ def deepseek_comparison(tmp_path_factory):
         str(out),
         "--timeout",
         "300",
+        "--launcher",
+        "fork",
         "--layouts",
         *DEEPSEEK_LAYOUTS,
         "--",
-        *BLOCK_CAUSAL,
+        *MATRIX,
     )
     return proc, out
 
@@ -212,45 +271,42 @@ def test_llama3_layouts_agree(llama3_comparison):
 
 def test_deepseek_v3_layouts_agree(deepseek_comparison):
     """MoE: EP over FSDP ranks, EP folded over dp_shard x cp, EP with expert TP, EP under HSDP,
-    PP+FSDP+EP, with block-causal attention."""
+    PP+FSDP+EP, with block-causal attention; 1 dense + 1 MoE block (module docstring). The
+    matrix also runs fsdp=4 x ep=2 twice, for test_same_layout_twice_is_bitwise_equal."""
     proc, out = deepseek_comparison
     _check_data_has_documents(_assert_all_agree(proc, out, DEEPSEEK_LAYOUTS))
+    _check_moe_block(out)
 
 
-def test_same_layout_twice_is_bitwise_equal(deepseek_comparison, tmp_path):
-    """Run-to-run reproducibility of one layout (MoE routing + all-to-all included) is exact."""
-    _, seed_out = deepseek_comparison
-    seed = seed_out / "seed" / "checkpoint" / "step-0"
-    out = tmp_path / "cmp"
-    proc = compare_loss(
-        "--config",
-        "train_configs/deepseek_v3.toml",
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(out),
-        "--seed-checkpoint",
-        str(seed),
-        "--assert-equal",
-        "--timeout",
-        "300",
-        "--layouts",
-        "fsdp=2,ep=2",
-        "fsdp=2,ep=2",
-        "--",
-        *TINY,
-    )
+def test_same_layout_twice_is_bitwise_equal(deepseek_comparison):
+    """Run-to-run reproducibility of one layout (MoE routing + all-to-all included) is exact:
+    the deepseek matrix runs fsdp=4 x ep=2 twice (the tool names the repeat 'fsdp=4,ep=2#2'),
+    same kernels on the same shapes from the same seed checkpoint, so every step's loss and
+    grad norm must be bitwise the first run's (and the repeat's row equals the first's)."""
+    proc, out = deepseek_comparison
     assert proc.returncode == 0, _explain(proc)
-    runs = json.loads((out / "summary.json").read_text())["runs"]
-    assert [r["layout"] for r in runs] == ["fsdp=2,ep=2", "fsdp=2,ep=2#2"]
-    assert runs[1]["status"] == "ok" and runs[1]["max_abs_diff"] == 0.0 and runs[1]["grad_norm_max_rel_diff"] == 0.0
-    assert "bitwise equality" in proc.stdout
+    runs = {r["layout"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
+    first, again = runs[REPEATED], runs[f"{REPEATED}#2"]
+    assert first["folder"] != again["folder"] and again["status"] == "ok"
+    a, b = read_metrics(first["folder"]), read_metrics(again["folder"])
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    assert [(a[s]["loss"], a[s]["grad_norm"]) for s in a] == [(b[s]["loss"], b[s]["grad_norm"]) for s in a]
+    for key in ("max_abs_diff", "max_rel_diff", "grad_norm_max_rel_diff", "final_loss"):
+        assert first[key] == again[key], key
 
 
 def test_grad_dump_matches_across_layouts(llama3_comparison, tmp_path):
     """What --diagnose runs: per-parameter gradients of step 1 from the seed, one process vs
     TP+FSDP. Same parameter names, per-parameter norms that add up to the trainer's own grad
-    norm, and gradients that agree far inside the loss tolerance."""
+    norm, and gradients that agree far inside the loss tolerance.
+
+    The one-process dump goes through torchrun, the tool's default launcher (``torchrun
+    --nproc_per_node=1 -m tools.compare_loss.grad_dump``: the suite's end-to-end proof of that
+    launch path, runner.run_streaming + torchrun_cmd, which every other run here forks), the
+    TP+FSDP dump through ``--launcher fork`` (grad_dump's file run as ``__main__`` on 4 forked
+    ranks): the dumps agreeing also shows grad_dump runs alike under both launchers."""
+    import dataclasses
+
     import torch
 
     from tools.compare_loss.diagnose import compare_grad_dumps, format_grad_rows, run_grad_dump
@@ -259,13 +315,22 @@ def test_grad_dump_matches_across_layouts(llama3_comparison, tmp_path):
     _, llama_out = llama3_comparison
     seed = str(llama_out / "seed" / "checkpoint" / "step-0")
     plan = Plan(
-        config=str(ROOT / "train_configs" / "llama3.toml"), steps=1, out=str(tmp_path), extra=TINY, seed_checkpoint=seed
+        config=str(ROOT / "train_configs" / "llama3.toml"),
+        steps=1,
+        out=str(tmp_path),
+        extra=[*TINY, *SMALL_MODEL],  # the seed checkpoint's 2 blocks
+        seed_checkpoint=seed,
     )
     dumps = []
-    for i, text in enumerate(["single", "tp=2,fsdp=2"]):
+    for i, (text, launcher) in enumerate([("single", "torchrun"), ("tp=2,fsdp=2", "fork")]):
         layout = parse_layout(text)
-        paths = run_grad_dump(plan, layout, str(tmp_path / f"dump{i}"), 1, timeout=300)
-        assert paths is not None, (tmp_path / f"dump{i}" / "grad_dump.log").read_text()[-4000:]
+        launched = dataclasses.replace(plan, launcher=launcher)
+        paths = run_grad_dump(launched, layout, str(tmp_path / f"dump{i}"), 1, timeout=300)
+        log = (tmp_path / f"dump{i}" / "grad_dump.log").read_text()
+        assert paths is not None, log[-4000:]
+        assert log.startswith(
+            "$ [fork launcher, 4 ranks] " if launcher == "fork" else f"$ {sys.executable} -m torch.distributed.run"
+        )
         with open(paths[0]) as f:
             dump = json.load(f)
         # the per-parameter norms are the pieces of the clipped global norm
@@ -279,7 +344,54 @@ def test_grad_dump_matches_across_layouts(llama3_comparison, tmp_path):
     assert all(r["grad_rel"] is not None and r["grad_rel"] < 1e-4 for r in rows), format_grad_rows(rows)
 
 
-def test_bad_layout_is_rejected_before_anything_runs(tmp_path):
+_RANKS = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"step {rank + 1}/2  loss 8.{rank}  (rank {rank})")
+print(f"rank {rank} on stderr", file=sys.stderr)
+if sys.argv[1] == "fail" and rank == 1:
+    sys.exit(3)
+if sys.argv[1] in ("fail", "hang"):
+    time.sleep(600)  # stopped by the launcher (a failed rank) or by the timeout
+"""
+
+
+def test_fork_launcher_streams_the_ranks_and_stops_them(tmp_path):
+    """``--launcher fork``'s plumbing (runner.run_forked_streaming) on a tiny script: every
+    rank's stdout and stderr reach the log and the progress callback line by line; a failing
+    rank ends the job with its own exit code while the other rank still sleeps (the parent waits
+    on the ranks, not on the pipe); ``--timeout`` stops the ranks and gives 124, as
+    run_streaming does for torchrun."""
+    import time
+
+    from tools.compare_loss.runner import STEP_LINE, run_forked_streaming
+
+    script = tmp_path / "ranks.py"
+    script.write_text(_RANKS)
+    lines: list[str] = []
+    log = tmp_path / "ok" / "train.log"
+    assert run_forked_streaming(2, ["pass"], str(log), lines.append, timeout=120, script=str(script)) == 0
+    expected = [f"rank {r} on stderr\n" for r in range(2)] + [
+        f"step {r + 1}/2  loss 8.{r}  (rank {r})\n" for r in range(2)
+    ]
+    assert sorted(lines) == expected
+    text = log.read_text()
+    assert text.startswith(f"$ [fork launcher, 2 ranks] {script} pass\n")
+    assert sorted(text.splitlines(keepends=True)[1:]) == expected
+    assert [STEP_LINE.search(l).groups() for l in sorted(lines)[2:]] == [("1", "8.0"), ("2", "8.1")]
+
+    start = time.monotonic()
+    rc = run_forked_streaming(
+        2, ["fail"], str(tmp_path / "fail.log"), lambda line: None, timeout=120, script=str(script)
+    )
+    assert rc == 3 and time.monotonic() - start < 60  # rank 0 was stopped, not waited for
+    log = tmp_path / "hang.log"
+    assert run_forked_streaming(2, ["hang"], str(log), lambda line: None, timeout=2, script=str(script)) == 124
+    assert "killed after the 2s --timeout" in log.read_text()
+
+
+def test_bad_layout_is_rejected_before_anything_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the in-process call below resolves the config as the subprocess does
     out = tmp_path / "cmp"
     proc = compare_loss(
         "--config",
@@ -295,18 +407,16 @@ def test_bad_layout_is_rejected_before_anything_runs(tmp_path):
     assert "layout 'fsdp=2,ep=2,tpp=2': unknown key 'tpp'; did you mean 'tp'?" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists()  # no seed checkpoint, no run folder
-    proc = compare_loss(
-        "--config",
-        "train_configs/deepseek_v3.toml",
-        "--out",
-        str(out),
-        "--layouts",
-        "fsdp=4",
-        "fsdp=2,ep=4",
-        timeout=120,
+    # the same path for degrees that do not fit (in this process: the entry point is proven above)
+    from tools.compare_loss.cli import main
+
+    assert (
+        main(["--config", "train_configs/deepseek_v3.toml", "--out", str(out), "--layouts", "fsdp=4", "fsdp=2,ep=4"])
+        == 2
     )
-    assert proc.returncode == 2 and "ep*etp = 4*1 = 4 does not divide dp_shard*cp*tp = 2*1*1 = 2" in proc.stderr
-    assert "Traceback" not in proc.stderr and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "ep*etp = 4*1 = 4 does not divide dp_shard*cp*tp = 2*1*1 = 2" in err and not out.exists()
 
 
 @pytest.mark.fake_backend  # comm.mode = local_tensor has the fake backend's torch floor (>= 2.13)
@@ -333,7 +443,7 @@ def test_comm_mode_local_tensor_reproduces_the_real_runs(llama3_comparison, tmp_
         "--layouts",
         "tp=2,fsdp=2",
         "--",
-        *BLOCK_CAUSAL,
+        *MATRIX,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(4 ranks in 1p)" in proc.stdout

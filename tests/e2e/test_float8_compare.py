@@ -22,18 +22,21 @@ process by fp32 summation order only, cp and pp by float8 rounding. From step 2 
 round-off in the updated weights moves some elements across a float8 rounding boundary (one
 e4m3 step is 6-12% of the value), and every layout drifts at the float8 level.
 
-Measured (CPU, 2 shared cores, seq_len 64, global batch 8, local batch 2, max relative gap to
-the single-process float8 run, loss / grad norm; "3 steps" is this test's run, the others
-ran 10 / 5 steps, whose longer learning-rate schedule gives other trajectories):
+Measured (CPU, 2 shared cores, seq_len 64, global batch 8, local batch 2, 6 blocks, max
+relative gap to the single-process float8 run, loss / grad norm; "3 steps" is this test's run,
+the others ran 10 / 5 steps, whose longer learning-rate schedule gives other trajectories). The
+step-1 and "3 steps (here)" columns were re-measured at issue 37 (forked ranks, which give the
+torchrun runs' metrics bit for bit: checked on single, fsdp=4 and cp=2 x fsdp=2); the 10-step
+column and the 5-step deepseek_v3 figures below are the earlier measurements, not re-run:
 
 ==============================  ===============  ===============  ===============
 layout (tensorwise)             step 1           3 steps (here)   10 steps
 ==============================  ===============  ===============  ===============
-llama3 fsdp=4                   1.2e-7 / 0       1.2e-7 / 8.8e-8  4.9e-5 / 1.6e-4
-llama3 tp=2,fsdp=2              1.2e-7 / 0       1.9e-6 / 1.4e-5  2.5e-5 / 1.7e-4
-llama3 dp_replicate=2,fsdp=2    1.2e-7 / 0       (not measured)   4.0e-5 / 2.0e-4
-llama3 cp=2,fsdp=2              2.8e-6 / 3.4e-5  1.6e-5 / 6.3e-5  2.0e-4 / 5.8e-4
-llama3 pp=2,fsdp=2              2.6e-6 / 8.0e-5  4.8e-5 / 8.0e-5  1.1e-4 / 4.6e-4
+llama3 fsdp=4                   0 / 0            0 / 8.8e-8       4.9e-5 / 1.6e-4
+llama3 tp=2,fsdp=2              1.2e-7 / 0       1.0e-6 / 1.9e-5  2.5e-5 / 1.7e-4
+llama3 dp_replicate=2,fsdp=2    0 / 0            0 / 0            4.0e-5 / 2.0e-4
+llama3 cp=2,fsdp=2              2.9e-6 / 3.3e-5  5.1e-6 / 3.6e-5  2.0e-4 / 5.8e-4
+llama3 pp=2,fsdp=2              2.5e-6 / 8.0e-5  4.2e-5 / 8.0e-5  1.1e-4 / 4.6e-4
 no float8, one process          2.2e-5 / 8.9e-4  2.3e-4 / 1.5e-3  1.0e-3 / 3.2e-3
 ==============================  ===============  ===============  ===============
 
@@ -63,10 +66,10 @@ rowwise GEMM returns bf16 for a float32 output, so each tp rank rounds its PARTI
 product to bf16 before the sum).
 
 Tolerances, from this test's run. Every step of every layout within ``F8_RTOL`` = 1e-4 (loss)
-and ``F8_GNORM_RTOL`` = 3.5e-4 (grad norm): 2.1x and 4.4x the largest gaps (4.8e-5, 8.0e-5,
+and ``F8_GNORM_RTOL`` = 3.5e-4 (grad norm): 2.4x and 4.4x the largest gaps (4.2e-5, 8.0e-5,
 both pp). The scale-equal layouts at step 1 within ``STEP1_RTOL`` = 1e-6 (8x the 1.2e-7
 measured, one fp32 ulp of the loss), and cp / pp at step 1 NOT within it (their per-rank
-scales must be visible: measured 34x and 80x above it in the grad norm). Negative control: the
+scales must be visible: measured 33x and 80x above it in the grad norm). Negative control: the
 same single-process run without float8 (fp32 GEMMs) is beyond both float8 tolerances (2.3x
 and 4.3x) and 890x beyond ``STEP1_RTOL`` in its step-1 grad norm. The margins are thin by
 nature: float8 layouts drift apart at the float8 level (fp32 round-off in the updated weights
@@ -74,8 +77,16 @@ flips float8 roundings, one e4m3 step being 6-12% of a value), so after step 1 a
 only 5-10x closer to the single float8 run than fp32 training is; the step-1 checks are the
 sharp ones. All figures are CPU ones (deterministic kernels); another CPU may draw other
 roundings and need a re-measurement.
-Cost on 2 shared cores: llama3 195-235 s (5 layouts x 3 steps, 1 run without float8), deepseek_v3
-about 100 s (4 layouts x 2 steps, measured 88 s for 3 layouts, and one 1-step control).
+
+Cost, and why the shapes are NOT smaller (issue 37). Both comparisons run with ``compare_loss
+--launcher fork`` (each layout's ranks forked from a server that imported torch once, instead of
+a torchrun launch per layout; bitwise the same metrics) and the controls on forked ranks
+(helpers.run_forked): about 52 CPU s each on 2 cores (34 s wall), from 100 and 77 under
+torchrun. The models keep their 6 blocks because fewer blocks break the margins above, which
+come from the float8 roundings of every block: measured with 2 blocks, llama3's run without
+float8 is only 1.2x / 1.7x beyond the float8 tolerances (stated: 2.3x / 4.3x); deepseek_v3's
+cp x ep is 1.2x ``STEP1_RTOL`` at step 1 (38x with 6 blocks) and its linears-only control 14x
+(25x); with 4 blocks that control is 8.9x, under the 10x the test asserts.
 """
 
 from __future__ import annotations
@@ -83,7 +94,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.e2e.helpers import read_metrics, run_train
+from tests.e2e.helpers import read_metrics, run_forked
 from tests.e2e.test_compare_loss import TINY, _explain, compare_loss
 
 STEPS = 3
@@ -106,7 +117,7 @@ def _compare(model: str, steps: int, layouts: list[str], out: Path, converters=F
     summary and every run's metrics by layout, after checking it passed with every layout."""
     proc = compare_loss(
         *("--config", f"train_configs/{model}.toml", "--steps", str(steps), "--out", str(out)),
-        *("--rtol", str(F8_RTOL), "--grad-norm-rtol", str(F8_GNORM_RTOL), "--timeout", "300"),
+        *("--rtol", str(F8_RTOL), "--grad-norm-rtol", str(F8_GNORM_RTOL), "--timeout", "300", "--launcher", "fork"),
         *("--layouts", *layouts, "--", *TINY, *converters),
     )
     assert proc.returncode == 0, _explain(proc)
@@ -138,7 +149,7 @@ def test_llama3_float8_layouts_agree(tmp_path):
     # negative control: one process without float8, from the same seed checkpoint
     seed = out / "seed" / "checkpoint" / "step-0"
     folder = tmp_path / "no_float8"
-    plain = run_train(
+    plain = run_forked(
         1,
         *("--config", "train_configs/llama3.toml", "--training.steps", str(STEPS), "--metrics.log_freq", "1"),
         *("--metrics.enable_jsonl", "true", "--checkpoint.enable", "false"),
@@ -149,7 +160,11 @@ def test_llama3_float8_layouts_agree(tmp_path):
     fp32 = read_metrics(folder)
     loss_gap = max(_rel(fp32[s]["loss"], base[s]["loss"]) for s in base)
     norm_gap = max(_rel(fp32[s]["grad_norm"], base[s]["grad_norm"]) for s in base)
-    print(f"no float8 vs float8, one process: max rel gap loss {loss_gap:.1e} grad norm {norm_gap:.1e}")
+    step1 = (_rel(fp32[1]["loss"], base[1]["loss"]), _rel(fp32[1]["grad_norm"], base[1]["grad_norm"]))
+    print(
+        f"no float8 vs float8, one process: max rel gap loss {loss_gap:.1e} grad norm {norm_gap:.1e}; "
+        f"step 1 {step1[0]:.1e} / {step1[1]:.1e}"
+    )
     assert loss_gap > F8_RTOL and norm_gap > F8_GNORM_RTOL, (loss_gap, norm_gap)
     assert _rel(fp32[1]["grad_norm"], base[1]["grad_norm"]) > 100 * STEP1_RTOL
 
@@ -173,7 +188,8 @@ def test_deepseek_v3_float8_layouts_agree(tmp_path):
     (experts in the parameter dtype) is 25x ``STEP1_RTOL`` away from it in the step-1 grad norm
     (measured 1.4e-6 / 2.5e-5), so the fsdp=4 x ep=2 equality shows the experts ran the same
     float8 GEMMs, not that they skipped float8. Measured over 2 steps (max loss / grad norm):
-    fsdp=4 x ep=2 4.4e-6 / 3.5e-5, tp x ep x etp 5.1e-6 / 3.7e-6, cp x ep 6.2e-6 / 8.7e-5."""
+    fsdp=4 x ep=2 4.4e-6 / 3.5e-5, tp x ep x etp 5.1e-6 / 3.7e-6, cp x ep 6.2e-6 / 8.7e-5
+    (re-measured at issue 37 with forked ranks: every figure of this docstring the same)."""
     out = tmp_path / "cmp"
     summary, runs = _compare("deepseek_v3", DEEPSEEK_STEPS, DEEPSEEK_LAYOUTS, out, F8_EXPERTS)
     base = runs["single"]
@@ -192,7 +208,7 @@ def test_deepseek_v3_float8_layouts_agree(tmp_path):
     assert gaps["fsdp=2,cp=2,ep=4"][1] > STEP1_RTOL, gaps
 
     folder = tmp_path / "linears_only"
-    linears = run_train(
+    linears = run_forked(
         1,
         *("--config", "train_configs/deepseek_v3.toml", "--training.steps", "1", "--metrics.log_freq", "1"),
         *("--metrics.enable_jsonl", "true", "--checkpoint.enable", "false", "--model.converters", "float8"),
@@ -201,4 +217,7 @@ def test_deepseek_v3_float8_layouts_agree(tmp_path):
         timeout=300,
     )
     assert linears.returncode == 0, linears.stdout[-3000:] + linears.stderr[-3000:]
-    assert _rel(read_metrics(folder)[1]["grad_norm"], base[1]["grad_norm"]) > 10 * STEP1_RTOL
+    control = read_metrics(folder)[1]
+    gap = (_rel(control["loss"], base[1]["loss"]), _rel(control["grad_norm"], base[1]["grad_norm"]))
+    print(f"float8 linears only vs with experts, one process, step 1: rel gap loss {gap[0]:.1e} grad norm {gap[1]:.1e}")
+    assert gap[1] > 10 * STEP1_RTOL

@@ -472,6 +472,125 @@ def test_cli_rejects_bad_layouts_before_running(tmp_path, monkeypatch, capsys):
     assert not out.exists()
 
 
+# ------------------------------------------------------------------------- --launcher
+
+
+def test_launcher_option_reaches_every_run(tmp_path, recorded_runs, monkeypatch, capsys):
+    """``--launcher`` defaults to torchrun (the behaviour without the option) and is carried to
+    the runs (Plan.launcher); with fork the tool stops the fork server at the end."""
+    seed, _ = recorded_runs
+    launchers: list[str] = []
+    stops: list[bool] = []
+    fake = runner.run_layouts
+    monkeypatch.setattr(
+        runner, "run_layouts", lambda plan, layouts, t: launchers.append(plan.launcher) or fake(plan, layouts, t)
+    )
+    monkeypatch.setattr(runner, "stop_fork_server", lambda: stops.append(True))
+    assert _main(tmp_path / "default", seed, "--layouts", "fsdp=4", "fsdp=4") == 0
+    assert "ranks forked" not in capsys.readouterr().out and stops == []
+    assert _main(tmp_path / "torchrun", seed, "--launcher", "torchrun", "--layouts", "fsdp=4", "fsdp=4") == 0
+    assert stops == []
+    assert _main(tmp_path / "fork", seed, "--launcher", "fork", "--assert-equal", "--layouts", "fsdp=4", "fsdp=4") == 0
+    out = capsys.readouterr().out
+    assert "ranks forked (--launcher fork)" in out and "bitwise equality (--assert-equal)" in out
+    assert launchers == ["torchrun", "torchrun", "fork"] and stops == [True]
+
+
+def test_launcher_refusals_and_bad_values(tmp_path, monkeypatch, capsys):
+    """fork starts real ranks: with --comm-mode local_tensor (no ranks, no launcher) it is refused
+    in one line, exit 2, before anything runs; an unknown launcher is argparse's usage error."""
+
+    def must_not_run(*a, **k):
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(runner, "run_layouts", must_not_run)
+    monkeypatch.setattr(runner, "create_seed_checkpoint", must_not_run)
+    out = tmp_path / "out"
+    argv = ["--config", "llama3", "--out", str(out), "--layouts", "fsdp=2", "--launcher", "fork"]
+    assert main([*argv, "--comm-mode", "local_tensor"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: --launcher fork starts each layout's ranks as real processes") and err.count("\n") == 1
+    )
+    assert "--comm-mode local_tensor runs them all in one process" in err and not out.exists()
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "llama3", "--layouts", "fsdp=2", "--launcher", "mpirun"])
+    assert (
+        exc.value.code == 2 and "invalid choice: 'mpirun' (choose from 'torchrun', 'fork')" in capsys.readouterr().err
+    )
+
+
+def test_runs_are_launched_through_the_chosen_launcher(tmp_path, monkeypatch):
+    """runner and diagnose send every launch (seed checkpoint, layouts, grad dumps) through the
+    plan's launcher: torchrun commands, or run_forked_streaming with the ranks' count and the
+    same train.py argv (grad_dump's file for the module torchrun runs with -m)."""
+    from tools.compare_loss import diagnose
+    from tools.compare_loss.layouts import Plan
+
+    calls: list[tuple] = []
+
+    def streaming(cmd, log_path, on_line, timeout=None):
+        calls.append(("popen", cmd))
+        return 0
+
+    def forked(nproc, argv, log_path, on_line, timeout=None, script=runner.TRAIN_PY):
+        calls.append(("fork", nproc, script, argv))
+        return 0
+
+    monkeypatch.setattr(runner, "run_streaming", streaming)
+    monkeypatch.setattr(runner, "run_forked_streaming", forked)
+    layout = parse_layout("tp=2,fsdp=2")
+    for launcher in ("torchrun", "fork"):
+        calls.clear()
+        plan = Plan(config="llama3.toml", steps=2, out=str(tmp_path / launcher), extra=[], seed_checkpoint="seed")
+        plan.launcher = launcher
+        runner.create_seed_checkpoint(plan, None)
+        (result,) = runner.run_layouts(plan, [layout], None)
+        assert result.returncode == 0
+        diagnose.run_grad_dump(plan, layout, str(tmp_path / launcher / "dump"), 1, None)
+        argv = plan.run_argv(layout, plan.run_folder(1, layout))
+        if launcher == "torchrun":
+            (_, seed_cmd), (_, run_cmd), (_, dump_cmd) = calls
+            assert (
+                seed_cmd[:2] == [sys.executable, runner.TRAIN_PY] and "--checkpoint.create_seed_checkpoint" in seed_cmd
+            )
+            assert run_cmd == runner.torchrun_cmd(4, runner.TRAIN_PY, argv)
+            assert dump_cmd[:6] == runner.torchrun_cmd(4, "x", [], module=True)[:5] + ["-m"]
+            assert dump_cmd[6] == diagnose.GRAD_DUMP_MODULE
+        else:
+            seed_call, run_call, dump_call = calls
+            assert (
+                seed_call[:3] == ("fork", 1, runner.TRAIN_PY) and "--checkpoint.create_seed_checkpoint" in seed_call[3]
+            )
+            assert run_call == ("fork", 4, runner.TRAIN_PY, argv)
+            assert dump_call[1] == 4 and Path(dump_call[2]) == Path(diagnose.__file__).with_name("grad_dump.py")
+            assert dump_call[3][dump_call[3].index("--") + 1 :][:2] == ["--config", "llama3.toml"]
+    # local_tensor: one python process per layout, whatever the launcher field says
+    calls.clear()
+    plan = Plan(
+        config="llama3.toml", steps=2, out=str(tmp_path / "lt"), extra=[], seed_checkpoint="s", comm_mode="local_tensor"
+    )
+    runner.run_layouts(plan, [layout], None)
+    assert calls[0][0] == "popen" and calls[0][1][:2] == [sys.executable, runner.TRAIN_PY]
+
+
+def test_main_module_starts_nothing_at_import():
+    """The fork launcher's children import the parent's __main__ module again (multiprocessing's
+    rule for forkserver/spawn): ``python -m tools.compare_loss`` must guard its main()."""
+    import runpy
+
+    ran = []
+    import tools.compare_loss.cli as cli
+
+    original = cli.main
+    cli.main = lambda *a, **k: ran.append(True) or 0
+    try:
+        runpy.run_module("tools.compare_loss.__main__", run_name="__mp_main__")
+    finally:
+        cli.main = original
+    assert ran == []
+
+
 # ------------------------------------------------------------------------------- plot
 
 

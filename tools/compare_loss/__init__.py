@@ -3,7 +3,7 @@
 
     layouts   layout syntax, parsing, the run plan (each layout's train.py argv), validation
               against the config and model (preflight)
-    runner    the runs: seed checkpoint, torchrun launches, streaming, progress, timeouts
+    runner    the runs: seed checkpoint, torchrun or forked launches, streaming, progress, timeouts
     compare   run results, metrics.jsonl reading, tolerances, per-layout verdicts, summary rows
     report    the table, summary.json and the plot
     diagnose  per-parameter gradient comparison (--diagnose), launching grad_dump

@@ -1,6 +1,7 @@
 """--diagnose: where two layouts' gradients differ. Reruns the baseline and each chosen layout up
-to one step under torchrun with :mod:`tools.compare_loss.grad_dump` and ranks the parameters by
-how much their gradients differ."""
+to one step with :mod:`tools.compare_loss.grad_dump` (through the comparison's launcher: torchrun,
+or forked ranks with ``--launcher fork``) and ranks the parameters by how much their gradients
+differ."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import sys
 from tools.compare_loss.compare import relative
 from tools.compare_loss.layouts import Layout, Plan, slug
 from tools.compare_loss.report import fmt
-from tools.compare_loss.runner import Progress, log_excerpt, run_streaming, torchrun_cmd
+from tools.compare_loss.runner import Progress, launch, log_excerpt
 
-# Run by each torchrun worker as `python -m`, so the package resolves as it does here.
+# Run by each torchrun worker as `python -m`, so the package resolves as it does here (a forked
+# rank runs the module's file as __main__, with this process' sys.path).
 GRAD_DUMP_MODULE = "tools.compare_loss.grad_dump"
 
 
@@ -27,7 +29,7 @@ def run_grad_dump(plan: Plan, layout: Layout, folder: str, step: int, timeout: f
     args += plan.run_argv(layout, folder)
     log_path = os.path.join(folder, "grad_dump.log")
     progress = Progress(f"grad dump {layout.name} ({layout.nproc}p)", step)
-    rc = run_streaming(torchrun_cmd(layout.nproc, GRAD_DUMP_MODULE, args, module=True), log_path, progress, timeout)
+    rc = launch(plan.launcher, layout.nproc, GRAD_DUMP_MODULE, args, log_path, progress, timeout, module=True)
     progress.finish("done" if rc == 0 else f"FAILED (exit {rc}); log: {log_path}")
     if rc != 0:
         print(log_excerpt(log_path), file=sys.stderr, flush=True)

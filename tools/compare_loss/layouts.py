@@ -35,6 +35,9 @@ KEY_ALIASES = {
 }
 LAYOUT_KEYS = DEGREE_KEYS + ("nproc",)
 SINGLE_PROCESS = ("1", "single")
+# how a layout's ranks start (--launcher): torchrun, or forked from a server that imported torch
+# and the trainer once (tools/launcher.py; one host)
+LAUNCHERS = ("torchrun", "fork")
 
 # Config keys each run gets from this tool; setting them after `--` would silently fight it.
 CONTROLLED_KEYS = {
@@ -191,6 +194,7 @@ class Plan:
     extra: list[str]
     seed_checkpoint: str
     comm_mode: str = "default"  # or "local_tensor": every rank of a layout in one process
+    launcher: str = "torchrun"  # or "fork" (LAUNCHERS); real ranks only, so comm_mode "default"
 
     def launch_args(self, layout: Layout) -> list[str]:
         """How a run of ``layout`` joins its ranks: real processes (torchrun, ``default``) or
