@@ -76,6 +76,19 @@ def _context():
     return _CTX
 
 
+def stop_server() -> None:
+    """End this process's forkserver, if it started one, and wait for it. The server reaps the
+    ranks it forked, so their CPU time is this process's children's (``RUSAGE_CHILDREN``) only
+    once the server itself has been waited for; and no server outlives a tool that used it.
+    The next launch starts a new server."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    stop = getattr(server, "_stop", None)  # CPython's own (3.8+; its test suite uses it)
+    if stop is not None and getattr(server, "_forkserver_pid", None) is not None:
+        stop()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -332,4 +345,4 @@ def run_train(
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
-__all__ = ["ForkedTrain", "run_distributed", "run_train"]
+__all__ = ["ForkedTrain", "run_distributed", "run_train", "stop_server"]

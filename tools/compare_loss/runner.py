@@ -158,14 +158,10 @@ def stop_fork_server() -> None:
     """End the fork launcher's server, if this process started one, and wait for it: no process
     outlives the tool, and the ranks' CPU time (the server reaps them) is counted among this
     process's children, as torchrun's workers are."""
-    if "tools.launcher" not in sys.modules:
-        return
-    from multiprocessing import forkserver
+    if "tools.launcher" in sys.modules:
+        from tools.launcher import stop_server
 
-    server = getattr(forkserver, "_forkserver", None)
-    stop = getattr(server, "_stop", None)  # CPython's own (its tests use it); absent: nothing to wait for
-    if stop is not None and getattr(server, "_forkserver_pid", None) is not None:
-        stop()
+        stop_server()
 
 
 def launch(
