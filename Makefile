@@ -112,10 +112,13 @@ XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfi
 # The numerics-sensitive tests run twice: on this CPU's own kernels, then in the second lane
 # (tests/kernel_lane.py: ATen's scalar kernels and MKL's compatible GEMMs), so a test that
 # holds only for one machine's kernels fails here rather than on another CPU; the same session
-# runs the mesh tests again under the portable mesh builder.
+# runs the mesh tests again under the portable mesh builder. Bytecode caching is on for the
+# tests even where the environment sets PYTHONDONTWRITEBYTECODE: without it every collecting
+# process (two per session) rewrites the ~200 test modules' asserts again, about 3 CPU s each
+# (the caches go to the gitignored __pycache__ folders).
 test: lint
-	$(PY) -m pytest -q $(XDIST) tests
-	$(PY) -m tests.kernel_lane -q $(XDIST)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q $(XDIST) tests
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m tests.kernel_lane -q $(XDIST)
 
 test-fast: lint
 	$(PY) -m pytest -q -m unit tests
