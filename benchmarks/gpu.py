@@ -26,10 +26,11 @@ GPU issue's measurements) and each mode (eager, compiled):
   would make the predicted step time exact (``efficiency_implied``). The planner does not model
   ``torch.compile``; the compiled rows show what that costs its estimate.
 
-Every measurement runs in a fresh process. Ratios: trainer / bare (framework overhead; goal
->= 0.97) and bare / torchtitan (model code; goal >= 1.0). MFU uses the trainer's FLOPs per token
-(``trainer.metrics.training_flops_per_token``) for all three, so the ratios of MFU equal the
-ratios of tokens/s.
+Every measurement runs in a fresh process (a new interpreter; ``--launcher fork`` forks it from
+a server that imported torch and the trainer once instead, as the CPU smoke test does). Ratios:
+trainer / bare (framework overhead; goal >= 0.97) and bare / torchtitan (model code; goal >= 1.0).
+MFU uses the trainer's FLOPs per token (``trainer.metrics.training_flops_per_token``) for all
+three, so the ratios of MFU equal the ratios of tokens/s.
 
 * float8 rows (``--precisions``, default ``bf16 float8``; causal rows only): the trainer with
   ``--model.converters float8`` (tensorwise; one GPU, so no FSDP float8 all-gather), for
@@ -189,10 +190,34 @@ def planner_check(case: Case, trainer: dict, device_name: str | None) -> dict:
 TIMEOUT_S: float | None = None
 
 
+# how a measurement process starts (--launcher): "subprocess", a new interpreter (what a GPU run
+# uses), or "fork", forked from a server that imported torch and the trainer once
+# (tools/launcher.py): the same script, arguments, environment and working directory without
+# the ~2 CPU s of imports per process, for the CPU smoke run of the test suite
+LAUNCHER = "subprocess"
+
+
+def _forked(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """``cmd`` (``python script ...`` or ``python -m module ...``) on one process forked from
+    tools/launcher.py's server: what ``subprocess.run`` gives, a timeout raising
+    ``subprocess.TimeoutExpired`` too."""
+    import importlib.util
+
+    from tools.launcher import run_train
+
+    if cmd[1] == "-m":
+        script, argv = importlib.util.find_spec(cmd[2]).origin, cmd[3:]
+    else:
+        script, argv = str(ROOT / cmd[1]), cmd[2:]
+    return run_train(1, argv, env=env, cwd=ROOT, timeout=TIMEOUT_S, script=script)
+
+
 def _run_process(cmd: list[str], env: dict) -> subprocess.CompletedProcess | str:
-    """Run ``cmd`` from the repository root; the completed process, or what went wrong when it
-    ran past ``TIMEOUT_S``."""
+    """Run ``cmd`` from the repository root (in a new interpreter, or forked: ``LAUNCHER``); the
+    completed process, or what went wrong when it ran past ``TIMEOUT_S``."""
     try:
+        if LAUNCHER == "fork":
+            return _forked(cmd, env)
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
@@ -376,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny debug shapes, on the CPU when there is no GPU: checks the benchmark runs",
     )
+    p.add_argument(
+        "--launcher",
+        choices=["subprocess", "fork"],
+        default="subprocess",
+        help="how each measurement process starts: a new interpreter (default), or forked from a "
+        "server that imported torch and the trainer once (tools/launcher.py; the test suite's CPU "
+        "smoke run: the same scripts and arguments without the imports per process)",
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -392,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    global TIMEOUT_S
-    TIMEOUT_S = args.timeout
+    global TIMEOUT_S, LAUNCHER
+    TIMEOUT_S, LAUNCHER = args.timeout, args.launcher
     if args.warmup >= args.steps:
         print(f"error: --warmup {args.warmup} leaves no timed step of --steps {args.steps}", file=sys.stderr)
         return 2

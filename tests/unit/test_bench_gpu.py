@@ -29,47 +29,55 @@ def test_bench_gpu_refuses_without_a_gpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path")
-def test_bench_gpu_timeout_and_masks_select_and_bound_rows(tmp_path):
+def test_bench_gpu_timeout_and_masks_select_and_bound_rows(tmp_path, capsys):
     """--masks picks the rows; --timeout kills a measurement that runs too long and reports it in
-    its row (a hang on a lent GPU costs one row, not the call), with exit code 1."""
+    its row (a hang on a lent GPU costs one row, not the call), with exit code 1. ``main`` runs in
+    this process (the command line's own exit code: test_bench_gpu_refuses_without_a_gpu); its
+    measurement processes are new interpreters (the default ``--launcher subprocess``, what a GPU
+    run uses), killed by the timeout."""
+    from benchmarks.gpu import main
+
     out = tmp_path / "gpu.json"
-    cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--modes", "eager", "--masks", "block_causal"]
-    cmd += ["--steps", "3", "--warmup", "1", "--timeout", "0.5", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 1, res.stderr[-2000:]
+    argv = ["--smoke", "--modes", "eager", "--masks", "block_causal"]
+    argv += ["--steps", "3", "--warmup", "1", "--timeout", "0.5", "--out", str(out)]
+    code = main(argv)
+    res = capsys.readouterr()
+    assert code == 1, res.err[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["case"]["model"], r["case"]["attn_mask_type"]) for r in rows] == [("llama3", "block_causal")]
     for kind in ("trainer", "bare"):
         assert rows[0][kind]["error"].startswith(
             ("train.py did not finish in 0.5 s", "ours loop did not finish in 0.5 s")
         ), rows[0][kind]
-    assert "Traceback" not in res.stderr
+    assert "Traceback" not in res.err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path and the no-GPU error")
-def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
+def test_bench_gpu_smoke_runs_every_measurement(tmp_path, capsys, monkeypatch):
+    """Every measurement of the smoke run (trainer, bare loop, torchtitan's model, planner; bf16
+    and float8 rows of both models; the block-causal row) runs and writes its row and the table.
+
+    Kept cheap without losing a path: ``main`` runs in this process (``python -m benchmarks.gpu``
+    itself, its argument parsing and its exit codes are the other tests' subject), each
+    measurement process is forked from tools/launcher.py's server (``--launcher fork``: the same
+    script, arguments, environment and working directory as the default new interpreter, whose
+    start and timeout kill test_bench_gpu_timeout_and_masks_select_and_bound_rows runs), and 2
+    steps with 1 warmup leave one timed step per measurement (the warmup step is dropped: checked),
+    so the rows' figures come from the same code as with more steps (a median of one), and the
+    census step is the one after them. One intra-op thread per measurement process
+    (``OMP_NUM_THREADS=1``, which tools/launcher.py applies to a forked process): with torch's
+    default of one per core, OpenMP's spinning threads on a loaded 2-core host cost more for the
+    same run (measured: 11 vs 13 to 49 CPU s for the 11 processes and the fork server), and the
+    smoke numbers mean nothing either way."""
+    from benchmarks.gpu import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
     out = tmp_path / "gpu.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.gpu",
-            "--smoke",
-            "--modes",
-            "eager",
-            "--steps",
-            "3",
-            "--warmup",
-            "1",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    argv = ["--smoke", "--modes", "eager", "--steps", "2", "--warmup", "1", "--launcher", "fork", "--out", str(out)]
+    code = main(argv)
+    res = capsys.readouterr()
+    assert code == 0, res.out[-3000:] + res.err[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["case"]["model"], r["case"]["attn_mask_type"], r["case"]["precision"]) for r in rows] == [
         ("llama3", "causal", "bf16"),
@@ -85,6 +93,7 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
     assert "2 routed-expert modules' grouped GEMMs in float8" in rows[3]["trainer"]["float8"]
     for r in rows:
         assert r["trainer"]["tokens_per_s"] > 0 and r["bare"]["tokens_per_s"] > 0, r
+        assert r["trainer"]["steps_timed"] == r["bare"]["steps_timed"] == 1  # the warmup step left out
         assert r["trainer_over_bare"] > 0
         planner = r["planner"]  # the planner's estimate of the same run
         assert planner["predicted_step_s"] > 0 and planner["measured_step_s"] > 0
@@ -112,10 +121,10 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path):
         assert all("skipped" in r["torchtitan_model"] for r in rows[1:])  # float8, deepseek on CPU, block_causal
     else:
         assert all("torchtitan_model" not in r for r in rows)
-    assert "tr/bare" in res.stdout and "plan/meas s" in res.stdout  # the table
+    assert "tr/bare" in res.out and "plan/meas s" in res.out  # the table
     # ... and the first-GPU-run checklist at the very end, after the table
-    assert res.stdout.rstrip().endswith(render_text()), res.stdout[-3000:]
-    assert res.stdout.index("tr/bare") < res.stdout.index("First GPU run: confirm")
+    assert res.out.rstrip().endswith(render_text()), res.out[-3000:]
+    assert res.out.index("tr/bare") < res.out.index("First GPU run: confirm")
 
 
 def _planned_float8_share(case: dict) -> float:
