@@ -1,8 +1,15 @@
-"""train.py with ``[validation]`` through torchrun: the validation loss is the same on fsdp=4,
-tp=2 x fsdp=2 and pp=2 within the comparison tool's tolerance (loss and perplexity reduced over
-the loss mesh like training), a different validation set gives a clearly different loss, and
-errors (bad validation config, a dataset error raised on the background loading thread) stop
-the run with one clear line and exit code 2."""
+"""train.py with ``[validation]``: the validation loss is the same on fsdp=4, tp=2 x fsdp=2 and
+pp=2 within the comparison tool's tolerance (loss and perplexity reduced over the loss mesh like
+training), a different validation set gives a clearly different loss, and errors (bad validation
+config, a dataset error raised on the background loading thread) stop the run with one clear line
+and exit code 2.
+
+The layout runs, whose claim is the numbers, run on ranks forked from tools/launcher.py's server
+(``run_forked``, bitwise what torchrun starts: tests/e2e/test_launcher.py), with 2 layers
+(``--model.n_layers 2``): FSDP and TP shard each block alike, and pp=2 (1F1B) puts one block on
+each stage, so the evaluation still runs through both stages of the pipeline's forward-only
+schedule and every layout's reduction of the loss over its loss mesh. The user errors run
+``python train.py``, as users do."""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import pytest
 
 from tools.compare_loss.compare import DEFAULT_ATOL, DEFAULT_RTOL, compare, compare_validation, load_metrics
 
-from .helpers import FAST, read_metrics, run_train, validation_records
+from .helpers import FAST, read_metrics, run_forked, run_train, validation_records
 
 STEPS = 2
 COMMON = [
@@ -32,6 +39,8 @@ COMMON = [
     "2",
     "--validation.seq_len",
     "64",
+    "--model.n_layers",
+    "2",  # module docstring
     # fixed, so every layout evaluates the same 2 x 8 samples (fsdp=4: 1 micro-batch of 2 per
     # rank, tp=2 x fsdp=2: 2 of 2, pp=2: 4 of 2 through the pipeline's forward-only schedule)
     "--validation.global_batch_size",
@@ -54,7 +63,7 @@ def test_validation_loss_is_layout_invariant(tmp_path):
     folders = {}
     for name, (nproc, args) in LAYOUTS.items():
         folders[name] = tmp_path / name.replace(",", "_").replace("=", "")
-        res = run_train(nproc, *COMMON, *args, "--job.dump_folder", str(folders[name]))
+        res = run_forked(nproc, *COMMON, *args, "--job.dump_folder", str(folders[name]))
         ok(res)
         assert "validation at step 2: loss" in res.stdout
     base = validation_records(folders["fsdp=4"])
@@ -70,7 +79,9 @@ def test_validation_loss_is_layout_invariant(tmp_path):
         other = validation_records(folders[name])
         cmp = compare_validation(base, other, rtol=DEFAULT_RTOL, atol=DEFAULT_ATOL)
         assert cmp.within and cmp.steps == [1, 2], (name, base, other)
-        assert cmp.max_rel < 1e-6, (name, cmp)  # measured: ~1e-7 (float32 summation order)
+        print(f"\nvalidation loss, fsdp=4 vs {name}: max relative gap {cmp.max_rel:.2e}")
+        # measured (2 layers): 0 on tp=2 x fsdp=2, 6.1e-8 on pp=2 (float32 summation order)
+        assert cmp.max_rel < 1e-6, (name, cmp)
         # the training losses agree too, so the comparison above compared the same weights
         path = str(folders[name] / "metrics.jsonl")
         assert compare(
@@ -82,7 +93,7 @@ def test_validation_loss_is_layout_invariant(tmp_path):
     text = tmp_path / "val.txt"
     text.write_text("the quick brown fox jumps over the lazy dog . " * 200)
     other = tmp_path / "text"
-    res = run_train(
+    res = run_forked(
         1,
         *COMMON,
         "--validation.dataset",
@@ -94,7 +105,8 @@ def test_validation_loss_is_layout_invariant(tmp_path):
     )
     ok(res)
     control = compare_validation(base, validation_records(other), rtol=DEFAULT_RTOL, atol=DEFAULT_ATOL)
-    assert not control.within and control.max_rel > 100 * DEFAULT_RTOL, control  # measured: 7e-3
+    print(f"another validation set: max relative gap {control.max_rel:.2e}")
+    assert not control.within and control.max_rel > 100 * DEFAULT_RTOL, control  # measured: 7.1e-3
 
 
 def one_error_line(res) -> str:
