@@ -1,6 +1,12 @@
-"""train.py on pre-tokenized shards (training.dataset = "tokens") through torchrun: the loss
-curve equals the streaming path's bitwise, resuming on another batch degree continues on
-exactly the same samples, and bad shards stop the run with one line and exit code 2."""
+"""train.py on pre-tokenized shards (training.dataset = "tokens"): the loss curve equals the
+streaming path's bitwise, resuming on another batch degree continues on exactly the same samples,
+and bad shards stop the run with one line and exit code 2.
+
+The trainings run on ranks forked from tools/launcher.py's server (``run_forked``, bitwise what
+torchrun starts: tests/e2e/test_launcher.py), with 2 layers (``--model.n_layers 2``): the claims
+are about which tokens each rank reads, which the depth does not change, and two blocks still
+make every sample's loss depend on the weights of each layout's shards. The bad-shard errors run
+``python train.py``, as users do."""
 
 from __future__ import annotations
 
@@ -12,13 +18,15 @@ import pytest
 
 from tools.tokenize.writer import tokenize_to_shards
 
-from .helpers import FAST, metric_records, read_metrics, run_train
+from .helpers import FAST, metric_records, read_metrics, run_forked, run_train
 
 STEPS = 4
 COMMON = [
     "--config",
     "llama3.toml",  # training.seed = 42: the synthetic stream of seed 42
     *FAST,
+    "--model.n_layers",
+    "2",
     "--training.steps",
     str(STEPS),
     "--lr_scheduler.warmup_steps",
@@ -60,14 +68,14 @@ LR0 = ["--optimizer.lr", "0"]
 def tp2_tokens_lr0(shards, tmp_path_factory):
     """tp=2 (batch degree 1) on the shards with lr = 0 for all steps: the reference of two tests."""
     folder = tmp_path_factory.mktemp("tp2_tokens_lr0")
-    ok(run_train(2, *COMMON, *LAYOUTS["tp2"], *LR0, *tokens_args(shards), "--job.dump_folder", str(folder)))
+    ok(run_forked(2, *COMMON, *LAYOUTS["tp2"], *LR0, *tokens_args(shards), "--job.dump_folder", str(folder)))
     return curve(folder)
 
 
 def test_tokens_loss_curve_equals_streaming_bitwise_fsdp2(tmp_path, shards):
     stream, tokens = tmp_path / "stream", tmp_path / "tokens"
-    ok(run_train(2, *COMMON, "--job.dump_folder", str(stream)))
-    ok(run_train(2, *COMMON, *tokens_args(shards), "--job.dump_folder", str(tokens)))
+    ok(run_forked(2, *COMMON, "--job.dump_folder", str(stream)))
+    ok(run_forked(2, *COMMON, *tokens_args(shards), "--job.dump_folder", str(tokens)))
     a, b = curve(stream), curve(tokens)
     assert a == b  # bitwise: the same tokens on every rank, in the same order
     assert a[-1][0] < a[0][0] and len(set(a)) == STEPS
@@ -75,7 +83,7 @@ def test_tokens_loss_curve_equals_streaming_bitwise_fsdp2(tmp_path, shards):
 
 def test_tokens_loss_curve_equals_streaming_bitwise_tp2(tmp_path, tp2_tokens_lr0):
     stream = tmp_path / "stream"
-    ok(run_train(2, *COMMON, *LAYOUTS["tp2"], *LR0, "--job.dump_folder", str(stream)))
+    ok(run_forked(2, *COMMON, *LAYOUTS["tp2"], *LR0, "--job.dump_folder", str(stream)))
     assert curve(stream) == tp2_tokens_lr0
     assert len(set(tp2_tokens_lr0)) == STEPS  # lr = 0: the losses differ only by their samples
 
@@ -88,9 +96,9 @@ def test_resume_on_another_batch_degree_is_bitwise(tmp_path, shards, tp2_tokens_
     weights after step 2 differ in the last bits between layouts, as their reductions differ.)"""
     args = [*COMMON, *LR0, *tokens_args(shards), "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     resumed = tmp_path / "resumed"
-    ok(run_train(2, *args, "--training.steps", "2", "--job.dump_folder", str(resumed)))
+    ok(run_forked(2, *args, "--training.steps", "2", "--job.dump_folder", str(resumed)))
     assert sorted(os.listdir(resumed / "checkpoint")) == ["step-2"]
-    res = run_train(2, *args, *LAYOUTS["tp2"], "--job.dump_folder", str(resumed))
+    res = run_forked(2, *args, *LAYOUTS["tp2"], "--job.dump_folder", str(resumed))
     ok(res)
     assert f"resumed from {resumed / 'checkpoint'} at step 2" in res.stdout, res.stdout[-2000:]
     after = [(r["loss"], r["grad_norm"]) for r in metric_records(resumed) if r["step"] > 2]
