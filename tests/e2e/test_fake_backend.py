@@ -1,16 +1,20 @@
 """comm.mode = fake_backend (one rank of a large layout in one process) and the collective
-recorder's trainer dump (comm.record_step), end to end through train.py on CPU."""
+recorder's trainer dump (comm.record_step), end to end through train.py on CPU.
+
+Each train.py run, and the job plan's dry run it is checked against, runs in one process forked
+from tools/launcher.py's server (``run_forked``: the same ``train.py``, ``__main__`` and exit, with
+torch and the trainer already imported; tests/e2e/test_launcher.py). The claims are the sharding,
+the recorded collectives and the metrics a fake-backend run writes, not how its process started.
+"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .helpers import FAST, ROOT, _env, read_metrics, run_train
+from .helpers import FAST, ROOT, _env, read_metrics, run_forked
 
 LLAMA = ["--config", "llama3.toml", *FAST]
 
@@ -19,30 +23,35 @@ def _fake_folder(out: Path, world: int, rank: int) -> Path:
     return out / "fake_backend" / f"world{world}_rank{rank}"
 
 
+# ``python -m parallel_dims ARGS``, run as a script in a forked process
+_PARALLEL_DIMS = "import sys\nfrom parallel_dims.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+def _parallel_dims(tmp_path: Path, *args: str):
+    from tools.launcher import run_train as run_script
+
+    script = tmp_path / "parallel_dims_main.py"
+    script.write_text(_PARALLEL_DIMS)
+    return run_script(1, list(args), env=_env(), cwd=ROOT, timeout=300, script=script)
+
+
 @pytest.mark.fake_backend
 def test_one_rank_of_a_64_rank_fsdp_tp_layout(tmp_path):
     """Rank 17 of FSDP 16 x TP 4 on 64 ranks: a few steps on this CPU, with this rank's step time
     and peak memory in metrics.jsonl and the report, and the real sharding: its parameters are
     the ones the job plan's dry run (python -m parallel_dims --config) computes for that rank."""
     # the same layout's sharding computed another way: the job plan's dry run of rank 17 (in
-    # its own process, started first so that both run at once)
+    # its own process: it initializes a fake default process group)
     cfg = tmp_path / "layout.toml"
     cfg.write_text(
         '[model]\nname = "llama3"\nflavor = "debugmodel"\n'
         "[training]\nseq_len = 64\nlocal_batch_size = 1\nglobal_batch_size = 16\n"
         "[parallelism]\ntensor_parallel_degree = 4\n"
     )
-    plan = subprocess.Popen(
-        [sys.executable, "-m", "parallel_dims", "--config", str(cfg), "--world-size", "64", "--rank", "17", "--json"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
+    plan = _parallel_dims(tmp_path, "--config", str(cfg), "--world-size", "64", "--rank", "17", "--json")
     out = tmp_path / "run"
     layout = ["--parallelism.tp", "4", "--training.local_batch_size", "1", "--training.global_batch_size", "16"]
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         *layout,
@@ -61,7 +70,6 @@ def test_one_rank_of_a_64_rank_fsdp_tp_layout(tmp_path):
         "--comm.record_step",
         "2",
     )
-    plan_out, plan_err = plan.communicate(timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "loss and grad_norm are meaningless" in res.stdout
     assert "mesh: world=64 pp=1 dp_replicate=1 dp_shard=16 cp=1 tp=4" in res.stdout
@@ -78,8 +86,8 @@ def test_one_rank_of_a_64_rank_fsdp_tp_layout(tmp_path):
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert [bool(s.get("comm_recorded")) for s in report["steps"]] == [False, True, False]
 
-    assert plan.returncode == 0, plan_err[-2000:]
-    dry = json.loads(plan_out)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    dry = json.loads(plan.stdout)
     assert dry["degrees"]["dp_shard"] == 16 and dry["degrees"]["tp"] == 4
     assert report["local_params"] == dry["local_params"]
     assert report["param_bytes"] == 4 * dry["local_params"] == round(dry["memory_gib"]["params"] * 2**30)
@@ -106,7 +114,7 @@ def test_fake_backend_expert_parallel_runs_with_balanced_routing(tmp_path):
     """EP's token-count all-to-all returns this rank's own counts on the fake backend: the token
     all-to-all then receives as many rows as it sends (balanced routing), and the run completes."""
     out = tmp_path / "run"
-    res = run_train(
+    res = run_forked(
         1,
         "--config",
         "deepseek_v3.toml",
@@ -149,7 +157,7 @@ def test_fake_backend_pipeline_stage_runs_with_zeroed_receives(tmp_path):
     the vote (their metadata is static) and zero their receive buffers, so the run completes with
     finite values and records the stage's sends and receives on pp."""
     out = tmp_path / "run"
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         "--training.steps",
