@@ -16,6 +16,11 @@ saved with ``save_pretrained`` in several shards. Then:
   folder gives back every tensor bit for bit;
 * bad input to train.py and to the script: one ``error:`` line, exit 2, no traceback, nothing
   written.
+
+The trainings and the successful conversions, whose claims are the numbers, run on processes
+forked from tools/launcher.py's server (``run_forked``; ``_convert_forked`` for
+scripts/convert_hf.py), bitwise what torchrun and ``python`` start (tests/e2e/test_launcher.py);
+the bad-input cases run ``python train.py`` and ``python scripts/convert_hf.py`` as users do.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 
 from tests.hf_models import hf_model, llama_config
 
-from .helpers import FAST, ROOT, _env, read_metrics, run_train
+from .helpers import FAST, ROOT, _env, read_metrics, run_forked, run_train
 
 RTOL = 1e-5
 LLAMA = ["--config", "llama3.toml", *FAST]
@@ -55,7 +60,7 @@ def hf_run(hf_dir, tmp_path_factory):
     """Two steps on fsdp=2 from the Hugging Face folder, a resumable checkpoint at the end and
     the Hugging Face export next to it."""
     run = tmp_path_factory.mktemp("runs") / "from_hf"
-    res = run_train(
+    res = run_forked(
         2,
         *LLAMA,
         "--parallelism.dp_shard",
@@ -135,7 +140,7 @@ def test_pipeline_run_exports_exactly_what_it_loaded(hf_dir, tmp_path):
     from trainer.checkpoint.hf_reader import open_hf_checkpoint
 
     run = tmp_path / "pp"
-    res = run_train(
+    res = run_forked(
         2,
         *LLAMA,
         "--parallelism.dp_shard",
@@ -169,13 +174,16 @@ def test_hf_every_n_steps_equals_the_offline_conversion_of_that_steps_checkpoint
     (written while the background save of step N may still be in flight) and the offline
     conversion of the published step-N checkpoint hold the same tensors, bit for bit (the same
     weights through the same conversion: a file round trip). The weights change every step, so
-    a folder exported at another step would differ."""
+    a folder exported at another step would differ. 2 layers (no Hugging Face input here): the
+    export converts every block alike, and ``to-hf`` infers the depth from the checkpoint."""
     from trainer.checkpoint.hf_reader import open_hf_checkpoint
 
     run = tmp_path / "every"
-    res = run_train(
+    res = run_forked(
         2,
         *LLAMA,
+        "--model.n_layers",
+        "2",
         "--parallelism.dp_shard",
         "2",
         "--training.steps",
@@ -200,7 +208,7 @@ def test_hf_every_n_steps_equals_the_offline_conversion_of_that_steps_checkpoint
     tensors = {}
     for step in (2, 4):
         out = tmp_path / f"offline-{step}"
-        conv = _convert("to-hf", str(ck / f"step-{step}"), str(out), "--model", "llama3", "--dtype", "float32")
+        conv = _convert_forked("to-hf", str(ck / f"step-{step}"), str(out), "--model", "llama3", "--dtype", "float32")
         assert conv.returncode == 0, conv.stderr[-3000:]
         live, offline = open_hf_checkpoint(str(ck / f"step-{step}-hf")), open_hf_checkpoint(str(out))
         assert set(live.tensors) == set(offline.tensors)
@@ -214,7 +222,16 @@ def test_hf_every_n_steps_equals_the_offline_conversion_of_that_steps_checkpoint
     )
 
 
+def _convert_forked(*args: str) -> subprocess.CompletedProcess:
+    """scripts/convert_hf.py in one process forked from the launcher's server (torch imported
+    once): for the conversions whose claim is the tensors they write."""
+    from tools.launcher import run_train as run_script
+
+    return run_script(1, list(args), env=_env(), cwd=ROOT, timeout=300, script=ROOT / "scripts" / "convert_hf.py")
+
+
 def _convert(*args: str) -> subprocess.CompletedProcess:
+    """``python scripts/convert_hf.py``, as a user runs it (the bad-input cases)."""
     return subprocess.run(
         [sys.executable, "scripts/convert_hf.py", *args],
         cwd=ROOT,
@@ -226,19 +243,21 @@ def _convert(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_convert_to_dcp_trains_like_hf_and_converts_back(hf_dir, hf_run, tmp_path):
+    """The run from the DCP folder trains one step: its step-1 loss is the claim (the loss of
+    the converted weights on the same layout and batch)."""
     dcp_dir = tmp_path / "dcp"
-    res = _convert("to-dcp", str(hf_dir), str(dcp_dir), "--model", "llama3")
+    res = _convert_forked("to-dcp", str(hf_dir), str(dcp_dir), "--model", "llama3")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "converting layers.5" in res.stderr and (dcp_dir / ".metadata").exists()
 
     run = tmp_path / "from_dcp"
-    res = run_train(
+    res = run_forked(
         2,
         *LLAMA,
         "--parallelism.dp_shard",
         "2",
         "--training.steps",
-        "2",
+        "1",
         "--job.dump_folder",
         str(run),
         "--checkpoint.enable",
@@ -251,7 +270,7 @@ def test_convert_to_dcp_trains_like_hf_and_converts_back(hf_dir, hf_run, tmp_pat
     assert read_metrics(run)[1]["loss"] == read_metrics(hf_run)[1]["loss"]
 
     back = tmp_path / "back"
-    res = _convert(
+    res = _convert_forked(
         "to-hf", str(dcp_dir), str(back), "--model", "llama3", "--dtype", "float32", "--max-shard-size", "3MB"
     )
     assert res.returncode == 0, res.stderr[-3000:]
