@@ -11,7 +11,9 @@ The trainings whose claim is the numbers run on ranks forked from tools/launcher
 the user errors and the run that hides torchao with a ``sitecustomize`` (read at interpreter
 start, which a forked rank does not have) run ``python train.py``. Most runs use 2 layers
 (``--model.n_layers 2``, 14 float8 linears instead of 42): the converter swaps every block's 7
-linears alike and FSDP wraps each block alike, so 2 blocks exercise every float8 path of 6."""
+linears alike and FSDP wraps each block alike, so 2 blocks exercise every float8 path of 6. The
+two tests whose tolerance is argued from a measured gap keep the depth their margins need (the
+training gap 4 layers, AC + compile the flavor's 6: their docstrings)."""
 
 from __future__ import annotations
 
@@ -184,7 +186,8 @@ def test_float8_switched_on_and_off_at_a_resume(f8_run, tmp_path):
     """A checkpoint has no float8 state (scales are dynamic): a run without float8 resumes with
     float8 (the startup line says so) and the float8 run's checkpoint resumes without it; both
     train steps 3-4 with finite losses that differ from the float8 run's own continuation only
-    by the float8 rounding (within the training-gap tolerance)."""
+    by the float8 rounding (within the training-gap tolerance; measured: 7.7e-6 switched on,
+    1.3e-4 switched off)."""
     run, f8_ref = f8_run
     plain = tmp_path / "plain"
     # the same 4-step job (its lr schedule) without float8; its step-2 checkpoint is resumed
@@ -193,7 +196,9 @@ def test_float8_switched_on_and_off_at_a_resume(f8_run, tmp_path):
     assert "float8: recipe tensorwise; FSDP float8 all-gather with precomputed scales" in res.stdout
     res, off = _resume(run, tmp_path / "off")
     assert "float8:" not in res.stdout
-    for records in (on, off):
+    for name, records in (("on", on), ("off", off)):
+        gap = max(abs(r["loss"] - f8_ref[r["step"]]["loss"]) / f8_ref[r["step"]]["loss"] for r in records)
+        print(f"\nfloat8 switched {name} at a resume vs the float8 run: max relative loss gap {gap:.2e}")
         assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records), records
         for r in records:
             assert abs(r["loss"] - f8_ref[r["step"]]["loss"]) <= GAP_RTOL * f8_ref[r["step"]]["loss"], (r, f8_ref)
