@@ -20,7 +20,6 @@ what the negative controls show (plain causal attention moves later documents' l
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -40,6 +39,7 @@ from models.common.sequence import load_balanced_positions, load_balanced_shard
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
 from models.parallel.context_parallel import load_balanced_causal_attention
 from models.registry import build_model
+from tests.distributed.inductor_probe import skip_without_flex_cpu, skip_without_inductor_cpu
 
 MODELS = ["llama3", "deepseek_v3"]
 EOS = 1
@@ -309,17 +309,11 @@ def _qkv_and_docs(s: int):
     return q, k, v, Documents(ids=document_ids(tokens, EOS), q_positions=torch.arange(s))
 
 
-# The kernel lane (tests/kernel_lane.py) runs this file again under ATEN_CPU_CAPABILITY=default;
-# inductor's CPU C++ code does not build there (torch 2.13: at::vec::transpose_block and
-# pack_vnni2 are missing from the scalar vec headers), so the two compiled tests run in the main
-# suite only.
-_NO_INDUCTOR_IN_LANE = pytest.mark.skipif(
-    os.environ.get("MESHTRAIN_KERNEL_LANE") == "portable",
-    reason="inductor's CPU codegen does not build under ATEN_CPU_CAPABILITY=default; the main suite runs it",
-)
+# The compiled tests skip where inductor cannot build what they need on this machine, with the
+# reason (tests/distributed/inductor_probe.py): e.g. under ATEN_CPU_CAPABILITY=default (the
+# kernel lane's setting), where torch 2.13's FlexAttention CPU lowering refuses to run.
 
 
-@_NO_INDUCTOR_IN_LANE
 def test_flex_matches_sdpa_forward_on_cpu():
     """FlexAttention (compiled; torch 2.13 runs its forward on CPU, not its backward) against the
     SDPA reference, on a whole row (AttentionCore) and on the context-parallel chunk path of cp
@@ -327,6 +321,7 @@ def test_flex_matches_sdpa_forward_on_cpu():
     does) against SDPA block-causal over the whole row, sharded. Different kernels: tolerance
     1e-5 on outputs of magnitude ~3 (measured 0 on the row, 4.8e-7 on the chunks). Cost: three
     flex compilations, ~25 s on a cold inductor cache."""
+    skip_without_flex_cpu()
     s, cp, rank = 32, 2, 1
     q, k, v, docs = _qkv_and_docs(s)
     t0 = time.perf_counter()
@@ -446,12 +441,12 @@ def test_activation_checkpointing_block_causal_is_bitwise(name, mode, monkeypatc
     assert all(torch.equal(grads[n], ac_grads[n]) for n in grads)
 
 
-@_NO_INDUCTOR_IN_LANE
 def test_compiled_blocks_block_causal_match_eager():
     """torch.compile per block, as models/parallelize.py does, on a one-layer Llama 3 with
     block_causal: forward and backward. Inductor fuses the elementwise ops (norms, RoPE, SiLU)
     and reorders their reductions: tolerance (measured 0 on the loss, 7.5e-9 on gradients of
     magnitude ~0.09). ~16 s on a cold inductor cache; one case only."""
+    skip_without_inductor_cpu()
     rows = _packed_batch()
     loss, grads = _loss_and_grads(_model("llama3", n_layers=1), rows)
     model = _model("llama3", n_layers=1)

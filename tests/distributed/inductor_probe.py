@@ -1,0 +1,85 @@
+"""Whether inductor can build CPU kernels in this process: the skip condition of the tests that
+compile with it (tests/unit/test_document_masking.py's compiled tests, test_parallel_features'
+``compile=True`` layout).
+
+The skip follows what the test needs on this machine, not which lane runs it: inductor's CPU
+backend compiles C++ with the system compiler against ATen's vectorized headers, and whether that
+works depends on the host and its environment (seen with torch 2.13: under
+``ATEN_CPU_CAPABILITY=default``, the kernel lane's setting, FlexAttention's CPU lowering refuses
+to run, and a kernel that inductor's cache holds from a run under another capability fails to
+build against the scalar headers). So a user who sets the capability, or a host without a
+working compiler, sees a skip that says why, not a failure; where inductor works, the tests run.
+
+Each probe runs once per process (``functools.cache``) and costs one tiny compile (cached by
+inductor across runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if "error" in line.lower()] or text.splitlines() or [""]
+    return f"{type(exc).__name__}: {lines[0].strip()[:300]}"
+
+
+def _capability() -> str:
+    return f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}"
+
+
+@functools.cache
+def inductor_cpu_unavailable() -> str | None:
+    """None when inductor builds and runs a small vectorizable CPU kernel in this process (the
+    kind of C++ a compiled block needs); otherwise why not, for a skip message."""
+    import torch
+
+    try:
+        x = torch.linspace(-2.0, 2.0, 67)  # not a multiple of any vector width: a tail loop too
+        got = torch.compile(lambda t: torch.sin(t * 2.0) + t, backend="inductor", fullgraph=True)(x)
+    except Exception as exc:
+        return f"inductor cannot build a CPU kernel here ({_capability()}): {_first_line(exc)}"
+    if not torch.allclose(got, torch.sin(x * 2.0) + x, rtol=1e-5, atol=1e-6):
+        return f"inductor's CPU kernel computes a wrong result here ({_capability()})"
+    return None
+
+
+@functools.cache
+def flex_cpu_unavailable() -> str | None:
+    """None when compiled FlexAttention can run on the CPU here: inductor builds CPU kernels and
+    its FlexAttention CPU lowering accepts this machine (torch's own gate,
+    ``torch._inductor.kernel.flex.flex_cpu.check_cpu_supported``: AVX2 kernels, not
+    ``ATEN_CPU_CAPABILITY=default``); otherwise why not."""
+    reason = inductor_cpu_unavailable()
+    if reason is not None:
+        return reason
+    try:
+        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+    except ImportError:  # another torch: no separate gate, the test itself decides
+        return None
+    if not check_cpu_supported():
+        return (
+            f"inductor's FlexAttention CPU lowering does not run here ({_capability()}; it needs "
+            "AVX2 kernels: torch._inductor.kernel.flex.flex_cpu.check_cpu_supported() is False)"
+        )
+    return None
+
+
+def skip_without_inductor_cpu() -> None:
+    """``pytest.skip`` with the reason when :func:`inductor_cpu_unavailable`."""
+    import pytest
+
+    reason = inductor_cpu_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def skip_without_flex_cpu() -> None:
+    """``pytest.skip`` with the reason when :func:`flex_cpu_unavailable`."""
+    import pytest
+
+    reason = flex_cpu_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
