@@ -10,8 +10,9 @@ Two uses, one forkserver:
   once (``python -m tools.compare_loss --launcher fork`` and the end-to-end tests use it). Each
   rank runs the very ``train.py`` (its ``__main__``, its exit through trainer/shutdown.py) with
   the environment torchrun would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``OMP_NUM_THREADS=1`` for N > 1 unless
-  set), in the caller's working directory, writing to the file descriptors it is given.
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a rendezvous store the caller hosts as
+  torchrun's agent does, ``OMP_NUM_THREADS=1`` for N > 1 unless set), in the caller's working
+  directory, writing to the file descriptors it is given.
 
 Why: a rank started by torchrun is a new interpreter that imports torch, the trainer and (at its
 first optimizer step) torch._dynamo, about 1.5 CPU seconds before its first line of work; the
@@ -33,7 +34,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import threading
@@ -89,17 +89,34 @@ def stop_server() -> None:
         stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _job_store(world_size: int, timeout: float = 300.0):
+    """The rendezvous store of one launch, hosted here, as torchrun's agent hosts it: a TCPStore
+    bound to a port the kernel picks (port 0), so two launches at once can never pick the same
+    port (probing a free port and letting rank 0 bind it later can: seen as a job whose ranks
+    met another job's ranks and waited out the timeout). The ranks connect to it as clients
+    (``TORCHELASTIC_USE_AGENT_STORE``, torchrun's own switch). Keep it alive until the job ends."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+
+
+# the environment that makes init_process_group's env:// rendezvous use the store above
+def _store_env(store) -> dict[str, str]:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def _worker(fn, rank, world_size, port, args, queue, env):
-    os.environ.update(env)
+    os.environ.update(env)  # MASTER_ADDR, MASTER_PORT and the store switch among them (_store_env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -131,9 +148,10 @@ def run_distributed(
     results in rank order. ``fn`` and ``args`` must be picklable (module-level function)."""
     ctx = _context()
     queue = ctx.Queue()
-    port = _free_port()
+    store = _job_store(world_size, timeout)
+    env = {**(env or {}), **_store_env(store)}
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {})) for r in range(world_size)
+        ctx.Process(target=_worker, args=(fn, r, world_size, store.port, args, queue, env)) for r in range(world_size)
     ]
     global RANKS_STARTED
     for p in procs:
@@ -229,17 +247,18 @@ class ForkedTrain:
         base = dict(os.environ if env is None else env)
         if nproc > 1:
             base.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does for N > 1
-        port = _free_port()
+        self.store = _job_store(nproc)  # dropped when this object is: keep the handle until the job ends
+        base.update(_store_env(self.store))
         self.procs: list = []
         self.returncode: int | None = None
         try:
-            self._start(ctx, nproc, argv, base, port, stdout_fd, stderr_fd, cwd, script)
+            self._start(ctx, nproc, argv, base, stdout_fd, stderr_fd, cwd, script)
         except BaseException:
             self.stop(grace=2.0)
             raise
         RANKS_STARTED += nproc
 
-    def _start(self, ctx, nproc, argv, base, port, stdout_fd, stderr_fd, cwd, script) -> None:
+    def _start(self, ctx, nproc, argv, base, stdout_fd, stderr_fd, cwd, script) -> None:
         for rank in range(nproc):
             rank_env = dict(
                 base,
@@ -248,8 +267,6 @@ class ForkedTrain:
                 GROUP_RANK="0",
                 WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
             )
             fds = (_InheritedFd(stdout_fd), _InheritedFd(stderr_fd))
             args = (str(script), list(argv), rank_env, str(cwd or os.getcwd()), *fds)
