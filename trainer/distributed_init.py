@@ -38,6 +38,7 @@ __all__ = [
     "report_collective_timeout",
     "require_writable_folder",
     "start_watchdog",
+    "wait_until_every_rank_joined",
 ]
 
 
@@ -84,7 +85,30 @@ def init_distributed(cfg: JobConfig) -> torch.device:
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         dist.init_process_group(backend=backend, timeout=timeout)
+        wait_until_every_rank_joined()
     return device
+
+
+def wait_until_every_rank_joined() -> None:
+    """On a gloo job of several processes, return only once every rank has finished creating
+    every process group it created so far (a barrier over WORLD): called after
+    ``init_process_group`` and after the meshes are built, the two places where gloo connects.
+
+    Why: a gloo group connects all its ranks' sockets while it is created, and a rank is done
+    connecting as soon as its own sockets are, which may be before a peer's. A rank that then
+    stops on bad input (a config error found by the job plan, right after joining) and exits
+    closes its sockets under a peer that is still connecting: the peer's
+    ``init_process_group`` (or ``new_group``) fails with gloo's "Connection closed by peer",
+    a traceback instead of the one line of the rank that found the error (seen under CPU load
+    with 2 ranks and ``--parallelism.cp 2 --training.seq_len 66``). After this barrier every
+    rank has joined, so a rank that ends leaves no peer half-connected. NCCL connects at a
+    group's first collective (no barrier there); a process without peers has nothing to wait
+    for."""
+    if not dist.is_initialized() or is_fake_backend() or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() != "gloo":
+        return
+    dist.barrier()
 
 
 # groups whose collectives legitimately wait for a long operation on a peer (a background

@@ -47,6 +47,7 @@ from trainer.distributed_init import (
     report_collective_timeout,
     require_writable_folder,
     start_watchdog,
+    wait_until_every_rank_joined,
 )
 from trainer.distributed_init import log as _log
 from trainer.fake_backend import is_fake_backend
@@ -113,6 +114,10 @@ class Trainer:
 
         with host_side():  # the meshes are the same for every simulated rank (built as rank 0's)
             self.pd.build_mesh(self.device.type)
+        if self.mode.has_peers(self.world_size):
+            # every rank created every group before any may go on (and perhaps stop on bad
+            # input) and close its sockets under a peer still connecting
+            wait_until_every_rank_joined()
         _log(
             f"mesh: world={self.world_size} pp={self.pd.pp} dp_replicate={self.pd.dp_replicate} "
             f"dp_shard={self.pd.dp_shard} cp={self.pd.cp} tp={self.pd.tp} ep={self.pd.ep} "

@@ -3,7 +3,14 @@ with exit code 2 and no traceback: missing or unreadable inputs, absent steps, c
 truncated checkpoints. A run that is already complete says so and how to go on. (Bad config
 values and degrees: tests/e2e/test_train.py.) The other commands follow the same rule
 (trainer/cli_errors.py; in process: tests/unit/test_cli_errors.py); one scripts/convert_hf.py
-run here proves it end to end."""
+run here proves it end to end.
+
+The train.py runs are forked from tools/launcher.py's server (run_forked): the same train.py
+``__main__`` and exit (trainer/shutdown.py), so the same stderr and the process's own exit code,
+without a new interpreter per case; what a fresh ``python train.py`` prints and returns on bad
+input is tests/e2e/test_exit.py's bad_input case and the python case of
+tests/e2e/test_train.py::test_bad_config_gives_a_clear_error. 2 layers: the checkpoints only
+need to exist (and be corrupted)."""
 
 from __future__ import annotations
 
@@ -15,15 +22,15 @@ import sys
 
 import pytest
 
-from .helpers import FAST, ROOT, _env, run_train
+from .helpers import FAST, ROOT, _env, run_forked
 
-LLAMA = ["--config", "llama3.toml", *FAST, "--parallelism.dp_shard", "1"]
+LLAMA = ["--config", "llama3.toml", *FAST, "--parallelism.dp_shard", "1", "--model.n_layers", "2"]
 
 
 @pytest.fixture(scope="module")
 def run_with_two_checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpts") / "run"
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         "--training.steps",
@@ -57,7 +64,7 @@ def _one_clean_line(res, *needles):
 
 
 def test_missing_dataset_path(tmp_path):
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         "--training.steps",
@@ -73,7 +80,7 @@ def test_missing_dataset_path(tmp_path):
 
 
 def test_missing_tokenizer_path(tmp_path):
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         "--training.steps",
@@ -89,12 +96,12 @@ def test_missing_tokenizer_path(tmp_path):
 def test_unwritable_dump_folder(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(blocker / "run"))
+    res = run_forked(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(blocker / "run"))
     _one_clean_line(res, "job.dump_folder", str(blocker / "run"), "choose a writable folder")
 
 
 def test_missing_initial_load_path(tmp_path):
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         "--training.steps",
@@ -115,7 +122,7 @@ def test_missing_initial_load_path(tmp_path):
 
 def test_absent_load_step(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         "--training.steps",
@@ -134,7 +141,7 @@ def test_truncated_metadata(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
     meta = run / "checkpoint" / "step-2" / ".metadata"
     meta.write_bytes(meta.read_bytes()[:100])
-    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
+    res = run_forked(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
     _one_clean_line(
         res,
         str(run / "checkpoint" / "step-2"),
@@ -147,7 +154,7 @@ def test_truncated_shard_file(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
     (shard,) = (run / "checkpoint" / "step-2").glob("*.distcp")
     shard.write_bytes(shard.read_bytes()[:1000])
-    res = run_train(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
+    res = run_forked(1, *LLAMA, "--training.steps", "4", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
     _one_clean_line(
         res,
         str(run / "checkpoint" / "step-2"),
@@ -161,7 +168,7 @@ def test_the_named_fix_works(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
     meta = run / "checkpoint" / "step-2" / ".metadata"
     meta.write_bytes(meta.read_bytes()[:100])
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         "--training.steps",
@@ -179,7 +186,7 @@ def test_the_named_fix_works(tmp_path, run_with_two_checkpoints):
 
 def test_a_complete_run_says_so_and_how_to_continue(tmp_path, run_with_two_checkpoints):
     run = _copy(run_with_two_checkpoints, tmp_path)
-    res = run_train(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
+    res = run_forked(1, *LLAMA, "--training.steps", "2", "--job.dump_folder", str(run), "--checkpoint.enable", "true")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "already complete (step 2 of training.steps = 2" in res.stdout, res.stdout[-2000:]
     assert "--training.steps" in res.stdout and f"delete {run}" in res.stdout
