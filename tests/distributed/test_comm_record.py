@@ -61,37 +61,23 @@ def test_recorder_sees_exact_collectives_on_named_meshes():
         }, records
 
 
+# fsdp 2 x tp 2, two layers (FSDP wraps each block: a resharded block and the last one), short
+# sequences: every mesh of the layout issues its collectives all the same
+_ARGV = [
+    *("--config", "llama3.toml", "--model.n_layers", "2", "--training.seq_len", "32"),
+    *("--training.global_batch_size", "4", "--training.local_batch_size", "2", "--training.steps", "1"),
+    *("--parallelism.tp", "2", "--comm.record_step", "1", "--checkpoint.enable", "false"),
+    *("--metrics.enable_tensorboard", "false"),
+]
+
+
 def _train_and_record(rank, world_size, folder):
     import json
 
     from trainer.config import load_config
     from trainer.train import Trainer
 
-    cfg = load_config(
-        [
-            "--config",
-            "llama3.toml",
-            "--training.seq_len",
-            "64",
-            "--training.global_batch_size",
-            "4",
-            "--training.local_batch_size",
-            "2",
-            "--training.steps",
-            "1",
-            "--parallelism.tp",
-            "2",
-            "--comm.record_step",
-            "1",
-            "--checkpoint.enable",
-            "false",
-            "--metrics.enable_tensorboard",
-            "false",
-            "--job.dump_folder",
-            folder,
-        ]
-    )
-    Trainer(cfg).train()
+    Trainer(load_config([*_ARGV, "--job.dump_folder", folder])).train()
     with open(f"{folder}/comm_rank{rank}.json") as f:
         return json.load(f)
 
@@ -100,54 +86,23 @@ def _train_and_record(rank, world_size, folder):
 def test_trainer_dumps_every_ranks_collectives_and_a_fake_rank_issues_the_same(tmp_path):
     """comm.record_step on 4 gloo ranks (fsdp 2 x tp 2): every rank writes its step-1 records,
     with collectives on fsdp, tp and loss; ranks holding the same shapes issue the same ones; and
-    a fake-backend run of rank 1 of the same layout records exactly rank 1's (kind, mesh,
-    count, bytes)."""
+    a fake-backend run of rank 1 of the same layout (``train.py`` on a process of its own,
+    forked from tools/launcher.py's server, running alongside the gloo ranks) records exactly
+    rank 1's (kind, mesh, count, bytes)."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    from tools.launcher import ForkedTrain
+
     fake = tmp_path / "fake"
-    # the fake run in its own interpreter, alongside the gloo ranks
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "train.py",
-            "--config",
-            "llama3.toml",
-            "--training.seq_len",
-            "64",
-            "--training.global_batch_size",
-            "4",
-            "--training.local_batch_size",
-            "2",
-            "--training.steps",
-            "1",
-            "--parallelism.tp",
-            "2",
-            "--comm.record_step",
-            "1",
-            "--metrics.enable_tensorboard",
-            "false",
-            "--job.dump_folder",
-            str(fake),
-            "--comm.mode",
-            "fake_backend",
-            "--comm.fake_world_size",
-            "4",
-            "--comm.fake_rank",
-            "1",
-        ],
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log_path = tmp_path / "fake.log"
+    fake_argv = [*_ARGV, "--job.dump_folder", str(fake)]
+    fake_argv += ["--comm.mode", "fake_backend", "--comm.fake_world_size", "4", "--comm.fake_rank", "1"]
+    with open(log_path, "wb") as log:
+        proc = ForkedTrain(1, fake_argv, stdout_fd=log.fileno(), stderr_fd=log.fileno())
     try:
         dumps = run_distributed(_train_and_record, 4, str(tmp_path / "real"), timeout=240)
     finally:
-        fake_log, _ = proc.communicate(timeout=240)
+        returncode = proc.wait(240)
     for rank, d in enumerate(dumps):
         assert d["rank"] == rank and d["step"] == 1 and d["world_size"] == 4 and d["comm_mode"] == "default"
         summary = {(e["kind"], e["mesh"]): e for e in d["summary"]}
@@ -157,7 +112,7 @@ def test_trainer_dumps_every_ranks_collectives_and_a_fake_rank_issues_the_same(t
         assert summary[("all_reduce", "tp")]["count"] > 0
     assert dumps[0]["summary"] == dumps[2]["summary"] and dumps[1]["summary"] == dumps[3]["summary"]
 
-    assert proc.returncode == 0, fake_log[-3000:]
+    assert returncode == 0, log_path.read_text()[-3000:]
     fake_dump = json.loads((fake / "fake_backend" / "world4_rank1" / "comm_rank1.json").read_text())
     assert fake_dump["comm_mode"] == "fake_backend"
     assert fake_dump["summary"] == dumps[1]["summary"]

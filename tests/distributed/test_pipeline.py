@@ -1,11 +1,13 @@
 """Pipeline parallelism (gloo) against a single-process reference on the same weights and batch.
 
 Each layout runs one optimizer step: pipeline forward/backward over 4 micro-batches, loss summed
-over pp and the loss mesh, grad norm over pp (trainer/grad_clip.py), clip, AdamW. Every rank
-also runs the unsplit model on the whole batch itself (the models are tiny) and compares the
-full (un-sharded) grads and updated weights of the parameters its stages own; the test process
-checks that the stages of all pp ranks cover every parameter exactly once and takes the worst
-error. Several layouts share one launch: process start-up, not the step, dominates the cost.
+over pp and the loss mesh, grad norm over pp (trainer/grad_clip.py), clip, AdamW (on each
+parameter's local shard: tests/distributed/parallel_harness.py ``adamw_step``). Every rank
+compares the full (un-sharded) grads and updated weights of the parameters its stages own with
+the unsplit model's step on the whole batch (computed once per model and mask by rank 0 of the
+module's first launch that needs it, and read by every other rank: ``_shared_references``); the
+test process checks that the stages of all pp ranks cover every parameter exactly once and takes
+the worst error. Several layouts share one launch.
 
 Tolerances (fp32), what differs from the reference being summation order only (micro-batch
 sums, reduce-scatters, split matmuls); a wrong normalization or a lost micro-batch is O(1e-1):
@@ -54,6 +56,7 @@ from tests.distributed.parallel_harness import (
     SEED,
     VOCAB,
     _optimizer,
+    adamw_step,
     build_layout_stages,
     harness_plan,
     make_batch,
@@ -231,7 +234,7 @@ def _one_step(
     finalize_grads(params)
     grads = {n: _full(p.grad) for m in split.modules for n, p in m.named_parameters()}
     norm = clip_grad_norm_(params, MAX_NORM, pd.get_optional_mesh("pp"))
-    _optimizer(params).step()
+    adamw_step(params)
     weights = {n: _full(p) for m in split.modules for n, p in m.named_parameters()}
     counts: dict = {}
     for m in split.modules:
@@ -258,19 +261,37 @@ def _one_step(
     }
 
 
-def _layouts_worker(rank, world_size, cases, schedule_checks=()):
+def _shared_references(rank: int, keys: list[tuple[str, str]], ref_dir: str) -> dict:
+    """The :func:`_reference` of each (model, mask) in ``keys`` on every rank, computed once:
+    rank 0 computes those that ``ref_dir`` does not hold yet (an earlier launch of the module
+    may have) and saves them there, the other ranks load them (the same tensors, bit for bit,
+    at a fraction of the cost of every rank computing them)."""
+    import os
+
+    import torch.distributed as dist
+
+    paths = {key: os.path.join(ref_dir, f"{key[0]}-{key[1]}.pt") for key in keys}
+    if rank == 0:
+        for key, path in paths.items():
+            if not os.path.exists(path):
+                torch.save(_reference(*key), path + ".part")
+                os.replace(path + ".part", path)
+    dist.barrier()
+    return {key: torch.load(path, weights_only=False) for key, path in paths.items()}
+
+
+def _layouts_worker(rank, world_size, cases, schedule_checks=(), ref_dir=None):
     """Run each (model, degrees, schedule, parallelize options) case on this rank, then try to
     build each (schedule, n_microbatches, local batch) of ``schedule_checks`` (pp=2, llama3)
     and collect the ValueError messages (None when it builds)."""
     from parallel_dims import ParallelDims
 
-    refs: dict = {}
+    keys = list(dict.fromkeys((c[0], (c[4] if len(c) > 4 else {}).get("mask", "causal")) for c in cases))
+    refs = _shared_references(rank, keys, ref_dir)
     out = []
     for model_name, degrees, schedule, opts_kwargs, *step_kwargs in cases:
         extra = step_kwargs[0] if step_kwargs else {}
         mask = extra.get("mask", "causal")
-        if (model_name, mask) not in refs:
-            refs[model_name, mask] = _reference(model_name, mask)
         plan = _plan(
             model_name,
             degrees,
@@ -365,9 +386,10 @@ def _degrees(pp=2, dp_shard=1, cp=1, tp=1, ep=1) -> dict:
     return dict(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep, etp=1)
 
 
-def _run_cases(world_size: int, cases: list, schedule_checks=()) -> tuple[list[dict], list]:
-    """``cases``: (model, degrees, schedule, parallelize options[, _one_step kwargs])."""
-    per_rank = run_distributed(_layouts_worker, world_size, cases, schedule_checks)
+def _run_cases(world_size: int, cases: list, ref_dir: str, schedule_checks=()) -> tuple[list[dict], list]:
+    """``cases``: (model, degrees, schedule, parallelize options[, _one_step kwargs]);
+    ``ref_dir``: where the launches of the module share their references."""
+    per_rank = run_distributed(_layouts_worker, world_size, cases, schedule_checks, ref_dir)
     reports = []
     for i, case in enumerate(cases):
         report = _report([r[0][i] for r in per_rank])
@@ -450,23 +472,30 @@ PP2_CASES = [pytest.param("llama3", s, "causal", id=s) for s in SCHEDULES] + [
 
 
 @pytest.fixture(scope="module")
-def pp2_world() -> tuple[dict, list]:
+def ref_dir(tmp_path_factory) -> str:
+    """Where the module's launches keep the single-process references (see
+    :func:`_shared_references`)."""
+    return str(tmp_path_factory.mktemp("pipeline_refs"))
+
+
+@pytest.fixture(scope="module")
+def pp2_world(ref_dir) -> tuple[dict, list]:
     """One 2-rank launch: every schedule's step (and the block-causal cases), then the schedule
     validation cases. Reports are keyed (model, schedule, mask)."""
     keys = [tuple(p.values) for p in PP2_CASES]
     cases = [(model, _degrees(), s, {}, {"mask": mask}) for model, s, mask in keys]
-    reports, messages = _run_cases(2, cases, SCHEDULE_CHECKS)
+    reports, messages = _run_cases(2, cases, ref_dir, SCHEDULE_CHECKS)
     return dict(zip(keys, reports)), messages
 
 
 @pytest.fixture(scope="module")
-def world4_reports() -> dict:
-    return dict(zip(WORLD4_CASES, _run_cases(4, list(WORLD4_CASES.values()))[0]))
+def world4_reports(ref_dir) -> dict:
+    return dict(zip(WORLD4_CASES, _run_cases(4, list(WORLD4_CASES.values()), ref_dir)[0]))
 
 
 @pytest.fixture(scope="module")
-def world8_reports() -> dict:
-    return dict(zip(WORLD8_CASES, _run_cases(8, list(WORLD8_CASES.values()))[0]))
+def world8_reports(ref_dir) -> dict:
+    return dict(zip(WORLD8_CASES, _run_cases(8, list(WORLD8_CASES.values()), ref_dir)[0]))
 
 
 @pytest.mark.parametrize("model_name, schedule, mask", PP2_CASES)

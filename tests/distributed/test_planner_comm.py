@@ -29,10 +29,13 @@ rank the number of calls on each mesh exactly, and the bytes summed over the who
 exactly: every row a rank sends is received by another, so the world's total equals the
 planner's balanced-routing assumption summed over the ranks.
 
-Each layout trains 2 steps of a 2-layer (llama3) / 3-layer (deepseek_v3) debug model (unless
-its config says otherwise) through a fresh real Trainer, 32 tokens per sequence, 2
-micro-batches of 2 sequences per rank (gradient accumulation is part of what is checked),
-recording step 2 (steady state: step 1 also runs the pipeline's one-off shape exchange). All
+Each layout trains a 2-layer (llama3) / 3-layer (deepseek_v3) debug model (unless its config
+says otherwise) through a fresh real Trainer, 32 tokens per sequence, 2 micro-batches of 2
+sequences per rank (gradient accumulation is part of what is checked). A layout without
+pipeline parallelism trains and records its first step: nothing in it is one-off (its records
+equal the planner's, as a later step's did when step 2 was recorded), and a second step cost a
+fifth of the launch's CPU time. A pipelined layout trains 2 steps and records step 2 (step 1 also runs
+the pipeline's one-off shape exchange). All
 the layouts a session selects of one world size run one after another in ONE launch (two
 launches: 4 ranks, and 8 ranks for the few layouts that need them;
 ``tools.launcher.run_distributed``; a layout that fails ends its launch, naming the layout): a
@@ -40,7 +43,8 @@ launch per layout paid the ranks' start and first-step warm-up again for every l
 Trainers in one process share DTensor's sharding-propagation and redistribution caches, whose
 keys compare meshes by value, so a later layout's equal mesh would get back specs holding an
 earlier layout's mesh objects and process groups (seen: without the drop, 12 of 20 layouts
-recorded calls on earlier layouts' groups); the caches are dropped after every layout, and the
+recorded calls on earlier layouts' groups); the caches that hold meshes are dropped after every
+layout (the tensor-metadata cache, shapes and dtypes only, is kept), and the
 test checks that every recorded call ran on a process group of its own layout's meshes (a
 leaked group has no name among them). AdamW runs its fused kernel (the GPU default; on CPU the default is
 foreach): AdamW issues no collective either way, and one op per parameter group costs
@@ -78,13 +82,12 @@ import pytest
 
 from parallel_dims.axes import AXES
 from tools.launcher import run_distributed
-from tools.planner.measure import forget_sharding_caches
 
 WORLD = 4  # ranks of a layout unless it says otherwise
 SEQ = 32
 LOCAL = 2
 ACCUM = 2
-RECORD_STEP = 2
+PP_RECORD_STEP = 2  # the step a pipelined layout records (step 1 runs the one-off shape exchange)
 N_LAYERS = {"llama3": 2, "deepseek_v3": 3}  # deepseek: one dense layer, two MoE layers
 
 
@@ -239,6 +242,25 @@ _KEYS = {a.name: f"--parallelism.{a.config_key}" for a in AXES}
 ROUTED = "routed"  # the bytes key of a token all-to-all (see the module docstring)
 
 
+def record_step(layout: Layout) -> int:
+    """The step a layout trains to and records: the first without pipelining (the same
+    collectives as every later step: it has no one-off exchange), :data:`PP_RECORD_STEP` with."""
+    return PP_RECORD_STEP if layout.degrees.get("pp", 1) > 1 else 1
+
+
+def _forget_mesh_caches() -> None:
+    """DTensor's caches whose entries hold meshes (and so process groups): sharding
+    propagation and redistribution plans (tools.planner.measure.forget_sharding_caches less its
+    tensor-metadata cache, whose values are shapes, strides and dtypes only, valid for any layout)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _gen_transform_infos.cache_clear()
+
+
 def _argv(layout: Layout, folder: str) -> list[str]:
     model, degrees = layout.model, layout.degrees
     batch_degree = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
@@ -246,7 +268,7 @@ def _argv(layout: Layout, folder: str) -> list[str]:
         *("--config", f"{model}.toml", "--model.n_layers", str(N_LAYERS[model])),
         *("--training.seq_len", str(SEQ), "--training.local_batch_size", str(LOCAL)),
         *("--training.global_batch_size", str(LOCAL * ACCUM * batch_degree)),
-        *("--training.steps", str(RECORD_STEP), "--comm.record_step", str(RECORD_STEP)),
+        *("--training.steps", str(record_step(layout)), "--comm.record_step", str(record_step(layout))),
         *("--training.prefetch", "false", "--checkpoint.enable", "false"),
         *("--metrics.enable_tensorboard", "false", "--job.dump_folder", folder),
     ]
@@ -280,7 +302,7 @@ def _record_layouts(rank: int, world_size: int, folder: str, names: list[str]) -
         with open(sub / f"comm_rank{rank}.json") as f:
             out[name] = json.load(f)["records"]
         trainer = None
-        forget_sharding_caches()
+        _forget_mesh_caches()
     return out
 
 
