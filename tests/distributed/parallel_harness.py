@@ -303,16 +303,19 @@ def build_layout_stages(plan: JobPlan):
     return split
 
 
-def run_layout(world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm) -> dict:
+def run_layout(
+    world_size, model_name, degrees, opts_kwargs, global_bs, seq_len, max_norm, *, n_layers: int | None = None
+) -> dict:
     """One step under ``degrees`` on this rank (all ranks must call it). Returns the global loss
     and grad norm and this rank's view of the FULL initial weights, grads (before clipping),
     updated weights, and world-summed MoE routing counts (the keys of :func:`reference_step`),
-    plus ``attention_calls``."""
+    plus ``attention_calls``. ``n_layers``: :func:`small_layers` unless given (the reference
+    step has that many)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
-    plan = harness_plan(model_name, degrees, global_bs, seq_len, opts_kwargs)
+    plan = harness_plan(model_name, degrees, global_bs, seq_len, opts_kwargs, n_layers=n_layers)
     if plan.world_size != world_size:
         raise ValueError(f"degrees {degrees} need {plan.world_size} ranks, the launch has {world_size}")
     pd, opts = plan.parallel_dims, plan.parallelize
