@@ -13,15 +13,14 @@ expert and expert-tensor parallel, context-parallel query shards, the pipeline's
 micro-batches, full AC's recomputed forward, selective AC's none with the per-op policy and
 the fully checkpointed blocks' with its every-N-th-block option, one rank of a 64-rank job, and
 float8 (``model.converters``): the FLOPs of the converted linears and routed experts, which the
-census counts by their float8 operands. All layouts run one after another in one interpreter (DTensor's caches are dropped
-between them), one optimizer step each.
+census counts by their float8 operands. All layouts run one after another in one process (forked from
+tools/launcher.py's server; DTensor's caches are dropped between them), one optimizer step each.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -94,6 +93,9 @@ def _argv(case: Case, folder: str) -> list[str]:
         *("--training.prefetch", "false", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"),
         *("--comm.mode", "fake_backend", "--comm.fake_world_size", str(_world(case))),
         *("--comm.fake_rank", str(case.rank), "--job.dump_folder", folder),
+        # AdamW has no matmul to count; fused, it costs DTensor's first-use sharding propagation
+        # far less than the CPU default foreach
+        *("--optimizer.implementation", "fused"),
     ]
     for name, key in _KEYS.items():
         argv += [key, str(d.get(name, 1))]
@@ -116,10 +118,18 @@ def predicted_flops(case: Case) -> dict:
 
 @pytest.fixture(scope="module")
 def censuses(tmp_path_factory) -> dict[str, dict]:
+    """Every case's census, the runs one after another on ONE process forked from
+    tools/launcher.py's server (torch and the trainer imported once; a process of its own, as
+    the fake backend's process group needs), one intra-op thread (the census counts FLOPs, not
+    time)."""
+    from tools.launcher import run_train
+
     root = tmp_path_factory.mktemp("census")
     argvs = [_argv(case, str(root / f"case{i}")) for i, case in enumerate(CASES.values())]
-    code = "import json, sys; from tools.planner.measure import census_of_runs; print(json.dumps(census_of_runs(json.loads(sys.argv[1]))))"
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = run_train(
+        1, [json.dumps(argvs)], env=env, cwd=ROOT, timeout=900, script=ROOT / "tests/distributed/census_runs.py"
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return dict(zip(CASES, json.loads(out.stdout.strip().splitlines()[-1])))
 
