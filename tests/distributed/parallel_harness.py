@@ -361,6 +361,23 @@ def run_layout(
     }
 
 
+def computed_once(rank: int, directory: str, name: str, compute):
+    """``compute()`` on every rank of a launch, computed by rank 0 only: it saves the result in
+    ``directory`` under ``name`` (unless an earlier launch did), the other ranks load it. For the
+    single-process references several ranks need (the same tensors, bit for bit, at the cost of a
+    file read instead of a model step per rank). All ranks must call it (a barrier)."""
+    import os
+
+    import torch.distributed as dist
+
+    path = os.path.join(directory, f"{name}.pt")
+    if rank == 0 and not os.path.exists(path):
+        torch.save(compute(), path + ".part")
+        os.replace(path + ".part", path)
+    dist.barrier()
+    return torch.load(path, weights_only=False)
+
+
 def fingerprint(result: dict) -> str:
     """Digest of the loss, norm, full grads and full updated weights, bit for bit: ranks of one
     layout must agree exactly (replicas that drifted apart would differ here)."""

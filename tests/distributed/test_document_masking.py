@@ -48,7 +48,15 @@ import torch.nn.functional as F
 
 from models.common.documents import document_ids
 from models.common.sequence import load_balanced_shard
-from tests.distributed.parallel_harness import EOS, SEED, VOCAB, build_layout_model, build_layout_stages, harness_plan
+from tests.distributed.parallel_harness import (
+    EOS,
+    SEED,
+    VOCAB,
+    build_layout_model,
+    build_layout_stages,
+    computed_once,
+    harness_plan,
+)
 from tools.launcher import run_distributed
 
 BS, SEQ = 2, 32  # seq divisible by 2 * cp * tp = 8
@@ -253,11 +261,10 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def summarize(model_name: str, mask: str, run: dict, local=None) -> dict:
+def summarize(ref: dict, run: dict, local=None) -> dict:
     """Small, picklable numbers of one (layout, mask) run: x vs y on the layout, and each of
-    them vs the single-process reference. ``local``: global ``[BS, SEQ, ...]`` tensor -> this
-    rank's part, as its logits are cut (None for a pipeline, which returns no logits)."""
-    ref = reference(model_name, mask)
+    them vs the single-process reference ``ref``. ``local``: global ``[BS, SEQ, ...]`` tensor ->
+    this rank's part, as its logits are cut (None for a pipeline, which returns no logits)."""
     x, y = run["x"], run["y"]
     s = {
         "grad_names": sorted(x["grads"]),
@@ -281,9 +288,15 @@ def _logit_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def layouts_worker(rank: int, world_size: int, cases: list) -> list[dict]:
-    """Every (model, degrees) case, both masks: one summary dict per case and mask."""
+def layouts_worker(rank: int, world_size: int, cases: list, ref_dir: str) -> list[dict]:
+    """Every (model, degrees) case, both masks: one summary dict per case and mask. The
+    references: computed once per module by rank 0 (``parallel_harness.computed_once``)."""
     data = packed_batches()
+    refs = {
+        (m, mask): computed_once(rank, ref_dir, f"{m}-{mask}", lambda m=m, mask=mask: reference(m, mask))
+        for m in dict.fromkeys(model for model, _ in cases)
+        for mask in MASKS
+    }
     out = []
     for model_name, degrees in cases:
         per_mask = {}
@@ -291,16 +304,17 @@ def layouts_worker(rank: int, world_size: int, cases: list) -> list[dict]:
             plan = _plan(model_name, degrees, mask)
             if plan.world_size != world_size:
                 raise ValueError(f"{degrees} needs {plan.world_size} ranks, the launch has {world_size}")
+            ref = refs[model_name, mask]
             if plan.parallel_dims.pp > 1:
-                per_mask[mask] = summarize(model_name, mask, _run_pipeline(plan, data), None)
+                per_mask[mask] = summarize(ref, _run_pipeline(plan, data), None)
             else:
-                per_mask[mask] = summarize(model_name, mask, _run_model(plan, data), _local_view(plan.parallel_dims))
+                per_mask[mask] = summarize(ref, _run_model(plan, data), _local_view(plan.parallel_dims))
         out.append(per_mask)
     return out
 
 
-def _launch(world_size: int, layouts: dict) -> dict:
-    per_rank = run_distributed(layouts_worker, world_size, list(layouts.values()), timeout=600)
+def _launch(world_size: int, layouts: dict, ref_dir: str) -> dict:
+    per_rank = run_distributed(layouts_worker, world_size, list(layouts.values()), ref_dir, timeout=600)
     results = {}
     for i, layout in enumerate(layouts):
         results[layout] = {mask: [r[i][mask] for r in per_rank] for mask in MASKS}
@@ -308,13 +322,18 @@ def _launch(world_size: int, layouts: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2() -> dict:
-    return _launch(2, WORLD2)
+def ref_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("document_refs"))
 
 
 @pytest.fixture(scope="module")
-def world4() -> dict:
-    return _launch(4, WORLD4)
+def world2(ref_dir) -> dict:
+    return _launch(2, WORLD2, ref_dir)
+
+
+@pytest.fixture(scope="module")
+def world4(ref_dir) -> dict:
+    return _launch(4, WORLD4, ref_dir)
 
 
 def _check_layout(model_name: str, per_rank_block: list[dict], per_rank_causal: list[dict]) -> None:

@@ -58,6 +58,7 @@ from tests.distributed.parallel_harness import (
     _optimizer,
     adamw_step,
     build_layout_stages,
+    computed_once,
     harness_plan,
     make_batch,
     make_packed_batch,
@@ -262,22 +263,9 @@ def _one_step(
 
 
 def _shared_references(rank: int, keys: list[tuple[str, str]], ref_dir: str) -> dict:
-    """The :func:`_reference` of each (model, mask) in ``keys`` on every rank, computed once:
-    rank 0 computes those that ``ref_dir`` does not hold yet (an earlier launch of the module
-    may have) and saves them there, the other ranks load them (the same tensors, bit for bit,
-    at a fraction of the cost of every rank computing them)."""
-    import os
-
-    import torch.distributed as dist
-
-    paths = {key: os.path.join(ref_dir, f"{key[0]}-{key[1]}.pt") for key in keys}
-    if rank == 0:
-        for key, path in paths.items():
-            if not os.path.exists(path):
-                torch.save(_reference(*key), path + ".part")
-                os.replace(path + ".part", path)
-    dist.barrier()
-    return {key: torch.load(path, weights_only=False) for key, path in paths.items()}
+    """The :func:`_reference` of each (model, mask) in ``keys`` on every rank, computed once per
+    module by rank 0 (``parallel_harness.computed_once``)."""
+    return {key: computed_once(rank, ref_dir, "-".join(key), lambda key=key: _reference(*key)) for key in keys}
 
 
 def _layouts_worker(rank, world_size, cases, schedule_checks=(), ref_dir=None):
