@@ -19,9 +19,6 @@ tools/launcher.py's server; DTensor's caches are dropped between them), one opti
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -30,7 +27,6 @@ from parallel_dims.axes import AXES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.fake_backend]
 
-ROOT = Path(__file__).resolve().parents[2]
 SEQ, LOCAL, ACCUM = 32, 2, 2
 N_LAYERS = {"llama3": 2, "deepseek_v3": 3}  # deepseek: one dense layer, two MoE layers
 
@@ -122,16 +118,11 @@ def censuses(tmp_path_factory) -> dict[str, dict]:
     tools/launcher.py's server (torch and the trainer imported once; a process of its own, as
     the fake backend's process group needs), one intra-op thread (the census counts FLOPs, not
     time)."""
-    from tools.launcher import run_train
+    from tests.distributed.run_json import run_on_own_process
 
     root = tmp_path_factory.mktemp("census")
     argvs = [_argv(case, str(root / f"case{i}")) for i, case in enumerate(CASES.values())]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = run_train(
-        1, [json.dumps(argvs)], env=env, cwd=ROOT, timeout=900, script=ROOT / "tests/distributed/census_runs.py"
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return dict(zip(CASES, json.loads(out.stdout.strip().splitlines()[-1])))
+    return dict(zip(CASES, run_on_own_process("tools.planner.measure:census_of_runs", argvs, timeout=900)))
 
 
 @pytest.mark.parametrize("name", list(CASES))

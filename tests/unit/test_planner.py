@@ -22,7 +22,7 @@ from tools.planner.collectives import predict_collectives
 from tools.planner.estimate import Job, estimate, memory_for_rank
 from tools.planner.hardware import load_hardware
 from tools.planner.inventory import model_inventory
-from tools.planner.measure import measure_activations, measure_in_subprocess
+from tools.planner.measure import measure_activations
 from tools.planner.search import enumerate_layouts, losing_reason
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,9 +124,21 @@ def _predicted(model, degrees, rank, dtype):
 def test_training_state_memory_equals_the_real_sharded_model():
     """Predicted fp32 params (FSDP2's padded chunks), gradients (its padded reduce-scatter
     buffers) and AdamW states (unpadded local shards) per rank equal the bytes of the real
-    sharded model after a step, and FSDP's per-group all-gather sizes equal FSDP2's own."""
+    sharded model after a step, and FSDP's per-group all-gather sizes equal FSDP2's own.
+
+    Each layout is measured on a process of its own (its fake process group; DTensor caches
+    that start empty, see tools/planner/measure.py), forked from tools/launcher.py's server
+    (tests/distributed/run_json.py): no new interpreter's imports per layout."""
+    from tests.distributed.run_json import run_on_own_process
+
+    def measure(case):
+        model, degrees, rank, dtype = case
+        return run_on_own_process(
+            "tools.planner.measure:measure_training_state", model, "debugmodel", degrees, rank, dtype
+        )
+
     with ThreadPoolExecutor(2) as pool:
-        measured = list(pool.map(lambda c: measure_in_subprocess(c[0], "debugmodel", c[1], c[2], c[3]), MEMORY_CASES))
+        measured = list(pool.map(measure, MEMORY_CASES))
     for (model, degrees, rank, dtype), got in zip(MEMORY_CASES, measured):
         job, d, choice, mem = _predicted(model, degrees, rank, dtype)
         case = f"{model} {degrees} rank {rank} {dtype}"
