@@ -1,10 +1,13 @@
 """``python tests/distributed/run_json.py MODULE:FUNCTION ARGS_JSON``: ``FUNCTION(*args, **kwargs)``
 of ``ARGS_JSON = [args, kwargs]``, its result as one JSON line on stdout.
+``python tests/distributed/run_json.py -m MODULE ARGS...``: what ``python -m MODULE ARGS...`` runs.
 
-For tests that need a function run on a process of its own (a fake-backend process group,
-DTensor caches that start empty) without paying a new interpreter's imports:
-:func:`run_on_own_process` runs this file on a process forked from tools/launcher.py's server,
-which imported torch and the trainer once and ran no torch op."""
+For tests that need a function or a command-line module run on a process of its own (a
+fake-backend process group, DTensor caches that start empty, an exit code) without paying a new
+interpreter's imports: :func:`run_on_own_process` and :func:`run_module_on_own_process` run this
+file on a process forked from tools/launcher.py's server, which imported torch and the trainer
+once and ran no torch op. Not for what a new interpreter itself does (import-time output, start-up
+hooks): those tests start one."""
 
 from __future__ import annotations
 
@@ -31,7 +34,22 @@ def run_on_own_process(target: str, *args, timeout: float = 300, threads: int = 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_module_on_own_process(module: str, *args: str, timeout: float = 300):
+    """``python -m module args...`` on one process forked from tools/launcher.py's server, from
+    the repository root: a ``subprocess.CompletedProcess`` with its exit code, stdout and stderr
+    (text)."""
+    from tools.launcher import run_train
+
+    return run_train(1, ["-m", module, *args], cwd=ROOT, timeout=timeout, script=Path(__file__))
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "-m":
+        import runpy
+
+        sys.argv = [sys.argv[2], *sys.argv[3:]]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        sys.exit(0)
     module, _, function = sys.argv[1].partition(":")
     args, kwargs = json.loads(sys.argv[2])
     print(json.dumps(getattr(importlib.import_module(module), function)(*args, **kwargs)))

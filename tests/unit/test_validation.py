@@ -130,7 +130,16 @@ def test_model_rules_accept_good_layouts():
 
 
 def _cli(*args):
+    """``python -m parallel_dims args...`` in a new interpreter (the entry point as a user runs it)."""
     return subprocess.run([sys.executable, "-m", "parallel_dims", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def _cli_forked(*args):
+    """The same command on a process forked from tools/launcher.py's server (the module's
+    ``__main__``, exit code and output, without a new interpreter's imports)."""
+    from tests.distributed.run_json import run_module_on_own_process
+
+    return run_module_on_own_process("parallel_dims", *args)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +151,7 @@ def _cli(*args):
     ],
 )
 def test_cli_rejects_bad_degrees(args, message):
-    result = _cli(*args)
+    result = _cli_forked(*args)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -179,7 +188,7 @@ def test_cli_describes_layout():
 def test_cli_json():
     import json
 
-    result = _cli("--world-size", "16", "--tp", "2", "--ep", "4", "--etp", "2", "--rank", "3", "--json")
+    result = _cli_forked("--world-size", "16", "--tp", "2", "--ep", "4", "--etp", "2", "--rank", "3", "--json")
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["degrees"]["dp_shard"] == 8 and info["degrees"]["efsdp"] == 2
