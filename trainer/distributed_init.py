@@ -89,26 +89,31 @@ def init_distributed(cfg: JobConfig) -> torch.device:
     return device
 
 
-def wait_until_every_rank_joined() -> None:
-    """On a gloo job of several processes, return only once every rank has finished creating
-    every process group it created so far (a barrier over WORLD): called after
-    ``init_process_group`` and after the meshes are built, the two places where gloo connects.
+def wait_until_every_rank_joined(group: dist.ProcessGroup | None = None) -> None:
+    """Return only once every rank of ``group`` (default WORLD) has finished creating every
+    process group it created so far: a barrier over ``group`` when it is a gloo group of several
+    processes. Called after ``init_process_group`` and after the meshes are built (WORLD), and
+    after the background checkpoint writer's two gloo groups are created (over the second),
+    the places where gloo connects.
 
     Why: a gloo group connects all its ranks' sockets while it is created, and a rank is done
-    connecting as soon as its own sockets are, which may be before a peer's. A rank that then
-    stops on bad input (a config error found by the job plan, right after joining) and exits
-    closes its sockets under a peer that is still connecting: the peer's
-    ``init_process_group`` (or ``new_group``) fails with gloo's "Connection closed by peer",
-    a traceback instead of the one line of the rank that found the error (seen under CPU load
-    with 2 ranks and ``--parallelism.cp 2 --training.seq_len 66``). After this barrier every
-    rank has joined, so a rank that ends leaves no peer half-connected. NCCL connects at a
-    group's first collective (no barrier there); a process without peers has nothing to wait
-    for."""
-    if not dist.is_initialized() or is_fake_backend() or dist.get_world_size() == 1:
+    connecting as soon as its own sockets are, which may be before a peer's (of each pair, the
+    active side connects and writes its sequence number and is done; the passive side takes the
+    connection from its listener when it gets to it, and fails if the socket is closed by then).
+    A rank that then stops on bad input (a config error found by the job plan, right after
+    joining; a ``checkpoint.load_step`` that is not in the folder, right after the checkpoint
+    writer's groups) and exits closes its sockets under a peer that is still connecting: the
+    peer's ``init_process_group`` (or ``new_group``) fails with gloo's "Connection closed by
+    peer", a traceback instead of the one line of the rank that found the error (seen under CPU
+    load with 2 ranks and ``--parallelism.cp 2 --training.seq_len 66``). After this barrier
+    every rank has joined, so a rank that ends leaves no peer half-connected. NCCL connects at a
+    group's first collective (no barrier there; the checkpoint writer's groups are gloo on every
+    job); a process without peers has nothing to wait for."""
+    if not dist.is_initialized() or is_fake_backend() or dist.get_world_size(group) == 1:
         return
-    if dist.get_backend() != "gloo":
+    if dist.get_backend(group) != "gloo":
         return
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 # groups whose collectives legitimately wait for a long operation on a peer (a background

@@ -292,46 +292,47 @@ def test_bad_config_gives_a_clear_error(tmp_path, launch, nproc, args, message):
     assert "trainer/" not in res.stderr and 'File "' + str(Path("train.py")) not in res.stderr, res.stderr[-3000:]
 
 
-# Rank 1 joins late at both places where gloo connects sockets (init_process_group, the groups
-# of build_mesh): it sleeps after each and then leaves a mark. Rank 0 notes whether the mark
-# was there when it went on (at the job plan; at the model build, where both ranks then stop
-# on bad input).
+# Rank 1 joins late at the three places where gloo connects sockets (init_process_group, the
+# groups of build_mesh, the background checkpoint writer's two groups): it sleeps after each and
+# then leaves a mark. Rank 0 notes whether the mark was there when it went on (at the job plan,
+# at the model build, at the resume, where both ranks then stop on bad input: a load_step that
+# is not there).
 _LATE_JOINER = textwrap.dedent(
     """
     import os, sys, time
     import torch.distributed as dist
     from parallel_dims import ParallelDims
+    import trainer.checkpoint.async_save as async_save
     import trainer.train as tt
-    from trainer.config import ConfigError
+    from trainer.checkpoint.manager import CheckpointManager
 
     rank, marks = int(os.environ["RANK"]), sys.argv[1]
 
-    def late(fn, mark):
+    def late(fn, mark, every=1):
+        calls = []
+
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
-            if rank == 1:
+            calls.append(1)
+            if rank == 1 and len(calls) % every == 0:
                 time.sleep(1.5)
                 open(os.path.join(marks, mark), "w").close()
             return out
         return wrapped
 
-    def note(what, mark):
-        if rank == 0:
-            print(f"{what}: {os.path.exists(os.path.join(marks, mark))}", flush=True)
+    def noting(fn, what, mark):
+        def wrapped(*args, **kwargs):
+            if rank == 0:
+                print(f"{what}: {os.path.exists(os.path.join(marks, mark))}", flush=True)
+            return fn(*args, **kwargs)
+        return wrapped
 
     dist.init_process_group = late(dist.init_process_group, "joined")
     ParallelDims.build_mesh = late(ParallelDims.build_mesh, "meshes")
-    _plan_job = tt.plan_job
-
-    def plan_job(*args, **kwargs):
-        note("at the job plan, rank 1 had joined", "joined")
-        return _plan_job(*args, **kwargs)
-
-    def build_model_parts(*args, **kwargs):
-        note("at the model build, rank 1 had built its groups", "meshes")
-        raise ConfigError("bad input found after the meshes")
-
-    tt.plan_job, tt.build_model_parts = plan_job, build_model_parts
+    async_save.host_group = late(async_save.host_group, "writer", every=2)  # after the second
+    tt.plan_job = noting(tt.plan_job, "at the job plan, rank 1 had joined", "joined")
+    tt.build_model_parts = noting(tt.build_model_parts, "at the model build, rank 1 had built its groups", "meshes")
+    CheckpointManager.resume = noting(CheckpointManager.resume, "at the resume, rank 1 had its writer's groups", "writer")
     sys.exit(tt.main(sys.argv[2:]))
     """
 )
@@ -342,21 +343,34 @@ def test_no_rank_goes_on_before_every_rank_joined(tmp_path):
     under CPU load): rank 0 joined the gloo group, found the config error and exited while
     rank 1 was still connecting its sockets, and rank 1's init_process_group died with gloo's
     "Connection closed by peer" and a traceback. Now no rank goes on from joining (after
-    init_process_group, after the meshes' groups) until every rank has: made deterministic
-    here by a rank 1 that joins 1.5 s late (without the barrier rank 0 sees False twice, and
-    used to exit before rank 1 finished). Both ranks then stop on bad input: one line, exit 2."""
+    init_process_group, after the meshes' groups, after the async checkpoint writer's groups)
+    until every rank has: made deterministic here by a rank 1 that joins 1.5 s late at each
+    (without the barriers rank 0 sees False, and used to exit before rank 1 finished). Both
+    ranks then stop on bad input at the resume (async mode, a load_step that is not there):
+    one line, exit 2. (Reproduced without the barriers by a rank 1 that sleeps inside gloo's
+    connect, in its lookup of rank 0's address, while rank 0 stops on the bad input: rank 1's
+    group creation fails with "Connection closed by peer" whenever gloo gives it the passive
+    side of the connection, about half the runs; never with them.)"""
     script = tmp_path / "late_joiner.py"
     script.write_text(_LATE_JOINER)
     marks = tmp_path / "marks"
     marks.mkdir()
     from tools.launcher import run_train as run_forked_script
 
-    args = [str(marks), *LLAMA, "--training.steps", "2", "--job.dump_folder", str(tmp_path / "run")]
+    run = tmp_path / "run"
+    args = [str(marks), *LLAMA, *TWO_LAYERS, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1"]
+    args += ["--job.dump_folder", str(run)]
+    args += ["--checkpoint.enable", "true", "--checkpoint.async_mode", "async", "--checkpoint.load_step", "7"]
     res = run_forked_script(2, args, env=_env(), cwd=ROOT, timeout=300, script=script)
-    assert "at the job plan, rank 1 had joined: True" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "at the model build, rank 1 had built its groups: True" in res.stdout, res.stdout[-2000:]
+    out = res.stdout[-2000:] + res.stderr[-3000:]
+    assert "at the job plan, rank 1 had joined: True" in res.stdout, out
+    assert "at the model build, rank 1 had built its groups: True" in res.stdout, out
+    assert "at the resume, rank 1 had its writer's groups: True" in res.stdout, out
     assert res.returncode == 2, res.stderr[-3000:]
-    assert res.stderr.splitlines() == ["error: bad input found after the meshes"], res.stderr[-3000:]
+    assert res.stderr.splitlines() == [
+        f"error: no complete checkpoint for step 7 in {run / 'checkpoint'}; available steps: none "
+        f"(set checkpoint.load_step = -1 for the latest)"
+    ], res.stderr[-3000:]
 
 
 def test_bad_model_layout_combination(tmp_path):
