@@ -14,7 +14,13 @@ Interleaved1F1B, LoopedBFS, InterleavedZeroBubble with two stages per rank; ZBVZ
 V, whose turn stays on one rank), CP without TP, MoE experts replicated over TP (deepseek_v3
 tp=2 without EP), and three layouts on 8 ranks (HSDP x FSDP x TP; routed experts split over
 etp and sharded over efsdp = 2; pp=4 x tp=2). Options share a layout where they do not
-interact, to keep the launches short.
+interact, to keep the launches short, and a layout whose every planner branch another layout
+takes is not run: llama3 tp=2,fsdp=2 bf16 (bf16 gathers and compute under TP with resharding
+after forward: the bf16-reduce "selective AC every 2" layout; fp32 reduce-scatters and the fp32
+all-reduce of accumulated partial gradients: the 8-rank HSDP x FSDP x TP bf16 layout, fsdp=2,
+2 micro-batches), llama3 pp=2,tp=2 bf16 (the size-1 FSDP mesh's casts and a non-split
+schedule's fp32 accumulator under pp x tp: the GPipe one-micro-batch layout) and llama3
+pp=2,cp=2 GPipe (its block-causal twin issues the same plus the token-id gathers).
 
 What is compared, per layout and per rank: the planner's ``(kind, mesh, bytes of one call) ->
 calls per optimizer step`` against the recorded step's, EXACTLY, over every kind and mesh the
@@ -117,7 +123,6 @@ LAYOUTS = {
     "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2": Layout("deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2)),
     "deepseek_v3 pp=2,fsdp=2": Layout("deepseek_v3", dict(dp_shard=2, pp=2)),
     # the options that change what a step issues
-    "llama3 tp=2,fsdp=2 bf16": Layout("llama3", dict(dp_shard=2, tp=2), _BF16),
     "llama3 tp=2,fsdp=2 no SP, no loss parallel, full AC": Layout(
         "llama3",
         dict(dp_shard=2, tp=2),
@@ -127,14 +132,8 @@ LAYOUTS = {
             *_FULL_AC,
         ),
     ),
-    # bf16 on the size-1 FSDP mesh (no data parallelism: FSDP2 only casts)
-    "llama3 pp=2,tp=2 bf16": Layout("llama3", dict(dp_shard=1, pp=2, tp=2), _BF16),
-    # FSDP over the cp ranks
-    "llama3 pp=2,cp=2 GPipe": Layout(
-        "llama3", dict(dp_shard=1, pp=2, cp=2), (("parallelism.pipeline_parallel_schedule", "GPipe"),)
-    ),
-    # block-causal masking: each stage gathers the micro-batch's token ids over cp once per
-    # forward (document ids are defined on the whole row)
+    # FSDP over the cp ranks; block-causal masking: each stage gathers the micro-batch's token
+    # ids over cp once per forward (document ids are defined on the whole row)
     "llama3 pp=2,cp=2 GPipe block_causal": Layout(
         "llama3",
         dict(dp_shard=1, pp=2, cp=2),
@@ -186,8 +185,9 @@ LAYOUTS = {
             ("model.n_layers", "8"),
         ),
     ),
-    # one pipeline micro-batch: its backward still moves the tp-replicated weights' gradients
-    # into FSDP2's fp32 accumulator (torch's stage syncs only at the end of the step)
+    # bf16 on the size-1 FSDP mesh (no data parallelism: FSDP2 only casts); one pipeline
+    # micro-batch: its backward still moves the tp-replicated weights' gradients into FSDP2's
+    # fp32 accumulator (torch's stage syncs only at the end of the step)
     "llama3 pp=2,tp=2 bf16 GPipe, 1 micro-batch": Layout(
         "llama3",
         dict(dp_shard=1, pp=2, tp=2),
