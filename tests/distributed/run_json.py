@@ -34,13 +34,14 @@ def run_on_own_process(target: str, *args, timeout: float = 300, threads: int = 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_module_on_own_process(module: str, *args: str, timeout: float = 300):
+def run_module_on_own_process(module: str, *args: str, timeout: float = 300, threads: int = 1):
     """``python -m module args...`` on one process forked from tools/launcher.py's server, from
-    the repository root: a ``subprocess.CompletedProcess`` with its exit code, stdout and stderr
-    (text)."""
+    the repository root, with ``threads`` intra-op threads: a ``subprocess.CompletedProcess``
+    with its exit code, stdout and stderr (text)."""
     from tools.launcher import run_train
 
-    return run_train(1, ["-m", module, *args], cwd=ROOT, timeout=timeout, script=Path(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    return run_train(1, ["-m", module, *args], env=env, cwd=ROOT, timeout=timeout, script=Path(__file__))
 
 
 if __name__ == "__main__":
