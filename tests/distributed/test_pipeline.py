@@ -427,9 +427,11 @@ WORLD4_CASES = {
 }
 
 # pp x cp x tp (8 ranks): a stage's input is its tp rank's shard of its cp rank's load-balanced
-# chunks, [b, s / (cp * tp), dim], and its RoPE must cover that cp rank's global positions
+# chunks, [b, s / (cp * tp), dim], and its RoPE must cover that cp rank's global positions. One
+# model: the stage boundaries and positions are the model-independent pipeline code, here under
+# a multi-stage schedule with MLA and MoE on sequence shards; Llama 3's attention inside
+# pipeline stages runs under cp (pp2_cp2) and under tp (pp2_tp2) on 4 ranks.
 WORLD8_CASES = {
-    "pp2_cp2_tp2": ("llama3", _degrees(cp=2, tp=2), "1F1B", {}),
     "deepseek_pp2_cp2_tp2": ("deepseek_v3", _degrees(cp=2, tp=2), "Interleaved1F1B", {}),
 }
 
