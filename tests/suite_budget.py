@@ -16,7 +16,7 @@ The per-file wall seconds of a full run (on two workers) are kept in tests/test_
 what a file costs, refresh it from a full run:
 
     MESHTRAIN_TEST_TIMES=/tmp/times.json .venv/bin/python -m pytest -q -n 2 --dist loadfile tests
-    .venv/bin/python -m tests.suite_budget /tmp/times.json      # rewrites tests/test_costs.json
+    .venv/bin/python tests/suite_budget.py /tmp/times.json      # rewrites tests/test_costs.json
 
 At the end of the session (on the xdist controller) it prints the total and the 25 most costly
 tests, and flags every test over the per-test budget (``PER_TEST_BUDGET_S``, wall). It does not
@@ -215,10 +215,17 @@ def pytest_configure(config):
         config.pluginmanager.register(_Collector(config), "suite_budget_collector")
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    import argparse
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m tests.suite_budget TIMES_JSON  (rewrites tests/test_costs.json)")
-    costs = write_costs(sys.argv[1])
+    parser = argparse.ArgumentParser(
+        prog="python tests/suite_budget.py", description="rewrite tests/test_costs.json from a full run's times"
+    )
+    parser.add_argument("times_json", help="the file a full run wrote with MESHTRAIN_TEST_TIMES=<file>")
+    args = parser.parse_args(argv)
+    costs = write_costs(args.times_json)
     print(f"{COSTS}: {len(costs)} files, {sum(costs.values()):.0f} s of tests in all")
+
+
+if __name__ == "__main__":
+    main()
