@@ -219,7 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dcp_dir", metavar="DCP_STEP_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     common(p)
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the written weights (default bfloat16, as Hugging Face publishes them; "
+        "float32 keeps the training run's float32 weights bit for bit)",
+    )
     p.add_argument(
         "--max-shard-size",
         default=str(DEFAULT_MAX_SHARD_BYTES),

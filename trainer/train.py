@@ -148,13 +148,15 @@ class Trainer:
         # the next step's micro-batches are prepared on a background thread (training.prefetch)
         if self.mode.local:  # every simulated rank's slice, as one LocalTensor per micro-batch
             loader = PerRankLoader(
-                lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch),
+                lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=c == 0),
                 self.pd,
                 self.world_size,
             )
             self._load_local_initial_weights()
         else:
-            loader = build_dataloader(cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch=plan.batch)
+            loader = build_dataloader(
+                cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch=plan.batch, log_epochs=self.rank == 0
+            )
         self.data = wrap_loader(loader, cfg.training.prefetch, self.device)
         self.validator = None
         if cfg.validation.enable:
@@ -232,11 +234,12 @@ class Trainer:
             check_all_local(self.model_parts, self.optimizer)
         if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
             precompute_float8_scales(self.model_parts)
+        lr_used = self.lr_scheduler.get_last_lr()  # the rate this step's update ran at, before the schedule moves on
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if moes:
             update_expert_bias(moes, self.pd)
-        return StepResult(loss_value, norm_value, self.lr_scheduler.get_last_lr())
+        return StepResult(loss_value, norm_value, lr_used)
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
@@ -286,6 +289,7 @@ class Trainer:
             f"{batch.seq_len} tokens, {self.data.grad_accum_steps} micro-batch(es) of "
             f"{batch.local_batch_size} per rank"
         )
+        _log(f"data: {self.data.description}")
         steps_since_log = 0
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False

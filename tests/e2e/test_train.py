@@ -65,6 +65,15 @@ def test_short_run_learns_and_writes_outputs(tmp_path):
     ckpts = sorted(p.name for p in (out / "checkpoint").iterdir())
     assert ckpts == ["step-20"], ckpts  # keep_latest_k=1 removed step-10
     assert "resolved config:" in res.stdout and "step 20/20" in res.stdout
+    # the lr column is the rate each step's update ran at: the schedule's closed form at the
+    # step's index (warm-up 1/4, 2/4, 3/4 of the peak, the peak at step 4, then cosine to the
+    # floor at step 20), not the next step's rate
+    peak, floor = 8e-4, 0.1  # llama3.toml's optimizer.lr and lr_scheduler.min_lr_ratio
+    assert [m[s]["lr"] for s in (1, 2, 3, 4)] == pytest.approx([peak / 4, peak / 2, 3 * peak / 4, peak], rel=1e-12)
+    for s in range(5, 21):
+        cosine = 0.5 * (1 + math.cos(math.pi * (s - 4) / 16))
+        assert m[s]["lr"] == pytest.approx(peak * (floor + (1 - floor) * cosine), rel=1e-12), s
+    assert m[20]["lr"] == pytest.approx(peak * floor, rel=1e-12)
 
 
 def _steps(m, lo, hi):

@@ -393,3 +393,38 @@ def test_planner_toml_is_written_whole(tmp_path, capsys):
     assert planner_cli.main([*PLAN, "--top", "1", "--toml", str(path)]) == 0
     assert path.read_text().startswith("# layout planner: llama3/debugmodel")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.toml"]  # no temporary file left
+
+
+def test_help_names_the_defaults_and_choices(capsys):
+    """--help says what a user must otherwise guess: the converter's export dtype (bfloat16 by
+    default, float32 for a bit-for-bit round trip), the checkpoint tool's, and the planner's
+    flavors of every registered model."""
+    from models.registry import flavor_names, model_names
+    from trainer.checkpoint import __main__ as checkpoint_tool
+
+    def help_text(main, argv) -> str:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+        return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+    to_hf = help_text(convert_hf.main, ["to-hf", "--help"])
+    assert "default bfloat16" in to_hf and "float32 keeps the training run's float32 weights bit for bit" in to_hf
+    assert "(default float32)" in help_text(checkpoint_tool.main, ["--help"])
+    plan = help_text(planner_cli.main, ["--help"])
+    for model in model_names():
+        assert f"{model}: {', '.join(flavor_names(model))}" in plan
+
+
+def test_checkpoint_tool_says_a_missing_folder_does_not_exist(tmp_path, capsys):
+    """``python -m trainer.checkpoint`` on a path that is not there says so (not "not a complete
+    checkpoint", which is for a folder without .metadata), and writes nothing."""
+    from trainer.checkpoint import __main__ as checkpoint_tool
+
+    missing, out = tmp_path / "step-7", tmp_path / "x.pt"
+    _one_error_line(checkpoint_tool.main([str(missing), str(out)]), capsys.readouterr().err, "does not exist")
+    missing.mkdir()
+    _one_error_line(
+        checkpoint_tool.main([str(missing), str(out)]), capsys.readouterr().err, "not a complete checkpoint"
+    )
+    assert not out.exists()

@@ -48,6 +48,10 @@ def write_corpus(folder: Path) -> None:
     (folder / "text" / "two.txt").write_text("".join(f"line {i}: {d} é\n" for i, d in enumerate(docs[5:40])))
     (folder / "text" / "empty.txt").write_text("")
     (folder / "text" / "three.txt").write_text(docs[40] + "\nno final newline")
+    # paragraphs (training.text_documents = blank_line): several blank lines, a whitespace-only
+    # line, a paragraph of two lines, CRLF line ends
+    paragraphs = "\n\n".join(f"{docs[i]}\n{docs[i + 1]}" for i in range(41, 51, 2))
+    (folder / "text" / "four.txt").write_text("\n" + paragraphs + "\n \t\n\n" + docs[52] + "\r\n\r\n" + docs[53])
 
 
 def tokenize(inputs, out, **kw):
@@ -95,17 +99,21 @@ def corpus(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "text", "synthetic"])
+@pytest.mark.parametrize("kind", ["jsonl", "text", "text:blank_line", "text:line", "synthetic"])
 def test_tokens_path_gives_the_streaming_samples_on_every_layout(corpus, tmp_path, monkeypatch, kind):
     """Every token of every rank's micro-batches, several layouts, across shard boundaries
-    and (files) the wrap into the next epoch, equals the streaming path's."""
+    and (files) the wrap into the next epoch, equals the streaming path's (text: each way of
+    cutting .txt files into documents)."""
     monkeypatch.setattr(FileSource, "CHUNK_BYTES", 256)  # long text files come in several pieces
+    kind, _, documents = kind.partition(":")
+    documents = documents or "file"
     if kind == "synthetic":
         spec, stream_source = "synthetic:5:40", lambda: SyntheticSource(5)
     else:
-        spec, stream_source = str(corpus / kind), lambda: FileSource(str(corpus / kind), kind)
+        spec = str(corpus / kind)
+        stream_source = lambda: FileSource(str(corpus / kind), kind, documents=documents)  # noqa: E731
     out = tmp_path / "tok"
-    tokenize([spec], out, shard_tokens=101, workers=2 if kind == "text" else 1)
+    tokenize([spec], out, shard_tokens=101, workers=2 if kind == "text" else 1, text_documents=documents)
     ds = TokenDataset(str(out))
     # every stream token, through the streaming reader, equals the shards' concatenation
     ref = make_loader(stream_source(), 1, 0, 8)._stream
@@ -121,6 +129,8 @@ def test_tokens_path_gives_the_streaming_samples_on_every_layout(corpus, tmp_pat
         assert steps * 8 * W > len(ds), "the test must cross the wrap"
     ends = ds.document_ends()
     assert len(ends) == ds.n_documents and ends[-1] == len(ds)
+    if kind == "text":  # 4 files; their 10 paragraphs; their 54 lines that are not blank
+        assert ds.n_documents == {"file": 4, "blank_line": 10, "line": 54}[documents]
     assert (ds.read(0, len(ds))[ends - 1] == TOK.eos_id).all()
 
 

@@ -50,13 +50,25 @@ _ASSUMPTIONS = [
 ]
 
 
+def _registered() -> dict[str, list[str]]:
+    """Each registered model's flavors, for --help."""
+    from models.registry import flavor_names, model_names
+
+    return {name: flavor_names(name) for name in model_names()}
+
+
 def _parse(argv):
+    models = _registered()
     p = argparse.ArgumentParser(
         prog="python -m parallel_dims plan",
         description="Rank every valid layout of a model on a cluster by estimated tokens/s per GPU.",
     )
-    p.add_argument("--model", required=True)
-    p.add_argument("--flavor", required=True)
+    p.add_argument("--model", required=True, help=f"one of {', '.join(models)}")
+    p.add_argument(
+        "--flavor",
+        required=True,
+        help="the model's size: " + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in models.items()),
+    )
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(

@@ -3,11 +3,12 @@
 
     python scripts/tokenize_dataset.py INPUT... --out DIR [--tokenizer PATH] [--workers N]
                                        [--shard-tokens N] [--kind auto|text|jsonl|hf]
-                                       [--text-field text] [--split train] [--verify]
+                                       [--text-field text] [--split train]
+                                       [--text-documents file|blank_line|line] [--verify]
     python scripts/tokenize_dataset.py --verify --out DIR     # check a finished folder
 
 INPUT: .txt / .jsonl files or folders (read exactly as training.dataset = text / jsonl reads
-them, so the tokens equal the streaming path's), local Hugging Face datasets (a save_to_disk
+them, so the tokens equal the streaming path's; --text-documents as training.text_documents), local Hugging Face datasets (a save_to_disk
 folder, or .parquet / .arrow / .json files or folders), or synthetic:SEED:DOCS (the first DOCS
 documents of the built-in corpus for training.seed = SEED). Inputs are concatenated in the
 order given. --tokenizer takes model.tokenizer_path's values ('' = the shipped tokenizer).
@@ -24,6 +25,7 @@ import sys
 
 from tools.tokenize.writer import DEFAULT_SHARD_TOKENS, tokenize_to_shards, verify_folder
 from trainer.cli_errors import run_command
+from trainer.config.schema import TEXT_DOCUMENTS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kind", default="auto", choices=("auto", "text", "jsonl", "hf", "synthetic"))
     p.add_argument("--text-field", default="text", help="column holding the text (Hugging Face inputs)")
     p.add_argument("--split", default="train", help="split of a Hugging Face DatasetDict folder")
+    p.add_argument(
+        "--text-documents",
+        default="file",
+        choices=TEXT_DOCUMENTS,
+        help="what one document of a .txt input is, as training.text_documents: the whole file (default), "
+        "paragraphs between blank lines, or each line",
+    )
     p.add_argument("--verify", action="store_true", help="check every shard's sha256 (reads everything)")
     args = p.parse_args(argv)
     if not args.inputs and not args.verify:
@@ -56,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             kind=args.kind,
             text_field=args.text_field,
             split=args.split,
+            text_documents=args.text_documents,
             verify=args.verify,
         )
 

@@ -5,7 +5,6 @@ restartable from a cursor.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Iterator
@@ -30,18 +29,22 @@ class InputSpec:
     builder: str = ""  # hf: parquet | arrow | json | "" (save_to_disk folder)
     seed: int = 0
     n_docs: int = 0
+    documents: str = "file"  # text: what one document of a .txt file is (training.text_documents)
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must find unchanged."""
         if self.kind == "synthetic":
             return {"kind": "synthetic", "seed": self.seed, "docs": self.n_docs}
-        return {
+        out = {
             "kind": self.kind,
             "path": os.path.abspath(self.path),
             "files": [
                 [os.path.relpath(f, self.path) if f != self.path else "", os.path.getsize(f)] for f in self.files
             ],
         }
+        if self.kind == "text" and self.documents != "file":  # folders written before the choice stay valid
+            out["documents"] = self.documents
+        return out
 
 
 def _walk(path: str) -> list[str]:
@@ -51,7 +54,8 @@ def _walk(path: str) -> list[str]:
     return sorted(os.path.join(root, f) for root, _, names in os.walk(path, onerror=unreadable) for f in names)
 
 
-def resolve_input(spec: str, kind: str = "auto") -> InputSpec:
+def resolve_input(spec: str, kind: str = "auto", documents: str = "file") -> InputSpec:
+    """``documents``: what one document of a ``.txt`` input is (as training.text_documents)."""
     m = _SYNTHETIC.match(spec)
     if m and not os.path.exists(spec):
         if kind not in ("auto", "synthetic"):
@@ -100,7 +104,7 @@ def resolve_input(spec: str, kind: str = "auto") -> InputSpec:
     for f in chosen:
         if not os.access(f, os.R_OK):
             raise BadInput(f"input '{spec}': cannot read '{f}' (permission denied)")
-    out = InputSpec(spec, kind, spec, files=chosen)
+    out = InputSpec(spec, kind, spec, files=chosen, documents=documents)
     if kind == "hf":
         builders = {HF_SUFFIXES.get(os.path.splitext(f)[1]) for f in chosen} - {None}
         if len(builders) != 1:
@@ -113,16 +117,16 @@ def resolve_input(spec: str, kind: str = "auto") -> InputSpec:
 
 def _units_filesource(spec: InputSpec, start: list[int] | None) -> Iterator[tuple[str, bool, Any]]:
     """The streaming path's own reader, for one epoch."""
-    logging.getLogger(sources.__name__).setLevel(logging.ERROR)  # its "starting over" warning
     try:
-        src = sources.FileSource(spec.path, spec.kind)
+        src = sources.FileSource(spec.path, spec.kind, documents=spec.documents, log_epochs=False)
     except ConfigError as exc:  # e.g. every file empty
         raise BadInput(f"input '{spec.spec}': {str(exc).replace('training.dataset_path ', '')}") from None
     cursor = list(start) if start else src.start()
     while True:
         text, ends_doc, nxt = src.read(cursor)
-        # a jsonl read that ran past the last file returns a document of the next epoch
-        if spec.kind == "jsonl" and nxt[0] > cursor[0]:
+        # a jsonl (or line / blank_line text) read that ran past the last file returns a
+        # document of the next epoch
+        if nxt[0] > cursor[0] and (spec.kind == "jsonl" or spec.documents != "file"):
             return
         yield text, ends_doc, cursor
         if nxt[0] > 0:

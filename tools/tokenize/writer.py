@@ -72,6 +72,7 @@ def tokenize_to_shards(
     kind: str = "auto",
     text_field: str = "text",
     split: str = "train",
+    text_documents: str = "file",
     verify: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
     command: str | None = None,
@@ -91,7 +92,7 @@ def tokenize_to_shards(
     fp = tokenizer_fingerprint(tok)
     dtype_name = token_dtype_name(tok.vocab_size)
     itemsize = DTYPES[dtype_name].itemsize
-    specs = [resolve_input(s, kind) for s in inputs]
+    specs = [resolve_input(s, kind, text_documents) for s in inputs]
     source = {
         "inputs": [s.identity() for s in specs],
         "shard_tokens": shard_tokens,
@@ -108,6 +109,7 @@ def tokenize_to_shards(
             ("--kind", kind, "auto"),
             ("--text-field", text_field, "text"),
             ("--split", split, "train"),
+            ("--text-documents", text_documents, "file"),
         ]:
             if value != default:
                 parts += [flag, str(value)]

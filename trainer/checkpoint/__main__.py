@@ -17,7 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint_dir", help="e.g. outputs/checkpoint/step-50")
     parser.add_argument("output", help="output .pt or .safetensors path")
-    parser.add_argument("--dtype", default="float32", choices=sorted(EXPORT_DTYPES))
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(EXPORT_DTYPES),
+        help="dtype of the written weights (default float32)",
+    )
     args = parser.parse_args(argv)
     try:
         print(export_checkpoint(args.checkpoint_dir, args.output, args.dtype))

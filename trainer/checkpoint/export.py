@@ -46,6 +46,8 @@ def _write_consolidated(state: dict[str, torch.Tensor], path: str, dtype: str) -
 
 def export_checkpoint(checkpoint_dir: str, path: str, dtype: str = "float32") -> str:
     """Single process: consolidate the model weights of a DCP checkpoint into one file."""
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"checkpoint {checkpoint_dir} does not exist: point it at a step-N folder of a run")
     if not is_complete(checkpoint_dir):
         raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint (no .metadata)")
     meta = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata

@@ -17,6 +17,7 @@ well as from its own.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -124,6 +125,8 @@ def load_full_checkpoint(
     unknown = exclude - set(EXCLUDABLE)
     if unknown:
         raise ValueError(f"cannot exclude {sorted(unknown)} from loading; choose from {EXCLUDABLE}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
     stored = checkpoint_keys(path)

@@ -21,6 +21,8 @@ Value syntax on the CLI: bools accept true/false/1/0/yes/no/on/off and a bare fl
 model,loss``); optional ints accept ``none``.
 """
 
+from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
+from trainer.config.errors import ConfigError
 from trainer.config.loader import (
     apply_mapping,
     config_from_dict,
@@ -39,7 +41,6 @@ from trainer.config.schema import (
     Checkpoint,
     Comm,
     Compile,
-    ConfigError,
     Job,
     JobConfig,
     LRScheduler,
@@ -50,8 +51,6 @@ from trainer.config.schema import (
     Profiling,
     Training,
     Validation,
-    gradient_accumulation_steps,
-    resolve_global_batch_size,
 )
 from trainer.config.toml_writer import dump_toml
 from trainer.config.validate import validate_config

@@ -16,12 +16,12 @@ import types
 import typing
 from typing import Any
 
+from trainer.config.errors import ConfigError
 from trainer.config.schema import (
     ALIASES,
     CONFIG_DIR,
     PARALLELISM_ALIASES,
     SECTIONS,
-    ConfigError,
     JobConfig,
 )
 from trainer.config.validate import validate_config

@@ -3,8 +3,9 @@ and (for enums) legal values, and :class:`JobConfig` that holds them all.
 
 Validation of values lives in :mod:`trainer.config.validate` (:func:`validate_config`), reading
 TOML and command lines in :mod:`trainer.config.loader` (:func:`load_config`,
-:func:`config_from_dict`), writing TOML in :mod:`trainer.config.toml_writer`. This module imports
-none of them but the writer.
+:func:`config_from_dict`), writing TOML in :mod:`trainer.config.toml_writer`, the batch-size
+arithmetic in :mod:`trainer.config.batch`, :class:`ConfigError` in :mod:`trainer.config.errors`.
+This module imports none of them but the writer and the arithmetic.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from typing import Any
 from models.parallel.float8 import FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
+from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
 from trainer.config.toml_writer import dump_toml
+
+# what one document of a .txt file is (trainer/data/sources.py FileSource)
+TEXT_DOCUMENTS = ("file", "blank_line", "line")
 
 # trainer/config/schema.py -> the repository root, three levels up
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,10 +30,6 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "train_configs")
 
 PARALLELISM_ALIASES: dict[str, str] = {a.name: a.config_key for a in AXES}
 ALIASES: dict[str, dict[str, str]] = {"parallelism": PARALLELISM_ALIASES}
-
-
-class ConfigError(ValueError):
-    """A configuration value or key the trainer cannot run with."""
 
 
 def _opt(default: Any, help: str, *, choices: tuple | None = None) -> Any:
@@ -129,6 +130,13 @@ class Training:
         choices=("synthetic", "text", "jsonl", "tokens"),
     )
     dataset_path: str = _opt("", "File or folder for the 'text' and 'jsonl' datasets; the shards folder for 'tokens'.")
+    text_documents: str = _opt(
+        "file",
+        "What one document of a 'text' dataset's .txt files is (where block-causal masking and the "
+        "EOS token cut): 'file' (the whole file), 'blank_line' (paragraphs between blank lines) or "
+        "'line' (every line that is not blank).",
+        choices=TEXT_DOCUMENTS,
+    )
     prefetch: bool = _opt(
         True,
         "Prepare the next step's micro-batches on a background thread while the current step "
@@ -395,6 +403,11 @@ class Validation:
         choices=("synthetic", "text", "jsonl", "tokens"),
     )
     dataset_path: str = _opt("", "File or folder for 'text'/'jsonl'; the shards folder for 'tokens'.")
+    text_documents: str = _opt(
+        "file",
+        "What one document of a 'text' dataset's .txt files is, as training.text_documents.",
+        choices=TEXT_DOCUMENTS,
+    )
     local_batch_size: int = _opt(8, "Validation micro-batch size per rank (samples per forward).")
     global_batch_size: int = _opt(
         -1,
@@ -463,38 +476,3 @@ class JobConfig:
 
 def _copy_value(v: Any) -> Any:
     return list(v) if isinstance(v, list) else v
-
-
-# ---------------------------------------------------------------- batch-size arithmetic
-
-
-def resolve_global_batch_size(global_batch_size: int, local_batch_size: int, batch_degree: int) -> int:
-    if batch_degree < 1:
-        raise ConfigError(f"batch degree must be >= 1, got {batch_degree}")
-    if global_batch_size == -1:
-        return local_batch_size * batch_degree
-    return global_batch_size
-
-
-def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, batch_degree: int) -> int:
-    """Micro-batches each rank runs per optimizer step.
-
-    The global batch G is split into D contiguous per-rank slices of G/D samples, each
-    consumed as micro-batches of local_batch_size, so G must be a multiple of
-    D * local_batch_size.
-    """
-    g = resolve_global_batch_size(global_batch_size, local_batch_size, batch_degree)
-    unit = batch_degree * local_batch_size
-    if g <= 0 or g % unit != 0:
-        legal = ", ".join(str(unit * k) for k in range(1, 5))
-        msg = (
-            f"training.global_batch_size ({g}) must be a positive multiple of batch degree "
-            f"({batch_degree}) x training.local_batch_size ({local_batch_size}) = {unit}; "
-            f"legal values: {legal}, ..."
-        )
-        if g > 0 and g % batch_degree == 0:
-            per_rank = g // batch_degree
-            divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-            msg += f"; or keep it and set training.local_batch_size to one of {divisors}"
-        raise ConfigError(msg)
-    return g // unit

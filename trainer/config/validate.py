@@ -16,9 +16,9 @@ import torch
 
 from models.parallel.float8 import FLOAT8_CONVERTERS, FLOAT8_EXPERT_CONVERTERS
 from models.registry import flavor_names, has_experts
+from trainer.config.errors import ConfigError
 from trainer.config.schema import (
     SECTIONS,
-    ConfigError,
     JobConfig,
 )
 

@@ -53,6 +53,7 @@ class PackedDataLoader:
         self.rank_samples = self.global_batch_size // batch_degree
         self.tokens_per_step = self.global_batch_size * seq_len  # global, for throughput
         self.source_name = source.name
+        self.description = getattr(source, "description", source.name)  # the start-up line's words
         if isinstance(source, TokenDataset):  # pre-tokenized: read by address
             source.check_tokenizer(tokenizer)
             self._stream = source.stream(seq_len)

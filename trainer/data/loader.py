@@ -13,13 +13,15 @@ from trainer.data.sources import DocumentSource, FileSource, SyntheticSource
 from trainer.data.token_shards import TokenDataset
 
 
-def build_source(cfg: JobConfig) -> DocumentSource | TokenDataset:
+def build_source(cfg: JobConfig, *, log_epochs: bool = True) -> DocumentSource | TokenDataset:
+    """The training data's document source; ``log_epochs``: whether a file source says when it
+    starts over (the trainer's rank 0 only)."""
     t = cfg.training
     if t.dataset == "synthetic":
         return SyntheticSource(t.seed)
     if t.dataset == "tokens":
         return TokenDataset(t.dataset_path)
-    return FileSource(t.dataset_path, t.dataset)
+    return FileSource(t.dataset_path, t.dataset, documents=t.text_documents, log_epochs=log_epochs)
 
 
 def build_validation_dataloader(cfg: JobConfig, tokenizer, batch_rank: int, batch_degree: int) -> PackedDataLoader:
@@ -33,7 +35,10 @@ def build_validation_dataloader(cfg: JobConfig, tokenizer, batch_rank: int, batc
     elif v.dataset == "tokens":
         source = TokenDataset(v.dataset_path, option="validation.dataset_path")
     else:
-        source = FileSource(v.dataset_path, v.dataset, option="validation.dataset_path")
+        # every evaluation reads the same stretch again from its start: no "starting over" each time
+        source = FileSource(
+            v.dataset_path, v.dataset, option="validation.dataset_path", documents=v.text_documents, log_epochs=False
+        )
     return PackedDataLoader(
         source,
         tokenizer,
@@ -52,7 +57,7 @@ def wrap_loader(loader: PackedDataLoader, prefetch: bool, device: torch.device |
 
 
 def build_dataloader(
-    cfg: JobConfig, tokenizer, batch_rank: int, batch_degree: int | None = None, *, batch=None
+    cfg: JobConfig, tokenizer, batch_rank: int, batch_degree: int | None = None, *, batch=None, log_epochs: bool = True
 ) -> PackedDataLoader:
     """``batch_rank``: this rank's coordinate in the batch (data-parallel: dp_replicate x
     dp_shard) dimension of the device mesh. ``batch``: the job plan's
@@ -67,7 +72,7 @@ def build_dataloader(
     else:
         global_batch_size, local_batch_size, seq_len = t.global_batch_size, t.local_batch_size, t.seq_len
     return PackedDataLoader(
-        build_source(cfg),
+        build_source(cfg, log_epochs=log_epochs),
         tokenizer,
         seq_len=seq_len,
         global_batch_size=global_batch_size,

@@ -127,6 +127,11 @@ class TokenDataset:
         if verify and sha256_file(p) != shard["sha256"]:
             raise ConfigError(f"token shard {p} is corrupt (sha256 differs from the index); {self._fix()}")
 
+    @property
+    def description(self) -> str:
+        """The start-up line's words for this data."""
+        return f"token shards in {self.path} ({self.total_tokens:,} tokens)"
+
     def __len__(self) -> int:
         return self.total_tokens
 
