@@ -161,6 +161,19 @@ def _prefixed(prefix: str, plan: dict[str, ParallelStyle]) -> dict[str, Parallel
     return {(f"{prefix}.{k}" if k else prefix): v for k, v in plan.items()}
 
 
+def _own_storage(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """The sharded embedding's output in storage of its own: the reduce-scatter onto the
+    sequence dimension (Partial -> Shard(1)) runs on dim 0 and hands back ``movedim(0, 1)`` of
+    its buffer, a non-contiguous view. FSDP2 (its post-forward hook runs after this one) warns
+    of every view it wraps, because an in-place op on a view drops its pre-backward hook. The
+    model adds to the embedding out of place, so that drop cannot happen here; the copy (one
+    activation of this rank's sequence shard per micro-batch) removes the view rather than
+    the warning, and hands the first block contiguous memory."""
+    if output._base is None:
+        return output
+    return output.clone(memory_format=torch.contiguous_format)
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -185,6 +198,8 @@ def apply_tensor_parallel(
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if model.tok_embeddings is not None and sp:
+        model.tok_embeddings.register_forward_hook(_own_storage)
     # Pipeline stages exchange the blocks' own layout: this rank's sequence shard under SP
     # (the first block's SequenceParallel norm takes it as received).
     model.boundary_seq_shards = tp_mesh.size() if sp else 1

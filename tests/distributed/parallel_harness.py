@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -333,7 +334,10 @@ def run_layout(
     n_tokens = global_bs * seq_len
 
     attention_calls = _call_counter([block.attention for block in model.layers.values()])
-    with loss_parallel_context(pd.tp > 1 and opts.loss_parallel):
+    with loss_parallel_context(pd.tp > 1 and opts.loss_parallel), warnings.catch_warnings():
+        # FSDP2 warns of a wrapped module's output that is a view (an in-place op on it would
+        # drop its pre-backward hook): no layout may hand it one (tensor_parallel._own_storage)
+        warnings.filterwarnings("error", message=".*returned a view tensor")
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / n_tokens
         loss.backward()
