@@ -37,6 +37,7 @@ from trainer.checkpoint.local_tensor import LocalTensorFolder
 from trainer.checkpoint.manager import CheckpointManager, check_initial_load
 from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
 from trainer.config import ConfigError, JobConfig, load_config
+from trainer.console import configure_console
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.data.tokenizer import load_tokenizer
@@ -88,6 +89,7 @@ class Trainer:
         with host_side():  # local_tensor on torch 2.15 answers get_rank() per simulated rank: this process is 0
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
+        configure_console(self.rank)  # warnings and log records: rank 0 says each once
         for note in mode_notes + precision_notes:
             _log(note)
         torch.manual_seed(cfg.training.seed)
@@ -269,6 +271,7 @@ class Trainer:
             os.makedirs(run_folder, exist_ok=True)
             with open(os.path.join(run_folder, "config.toml"), "w") as f:
                 f.write(cfg.to_toml())
+        _log(f"config: {os.path.join(run_folder, 'config.toml')} (the resolved config; --job.print_config prints it)")
         metrics = MetricsLogger(
             run_folder,
             self.mode.metrics_rank(self.rank),
@@ -401,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             create_seed_checkpoint(cfg)
             return 0
         trainer = Trainer(cfg)
-        if trainer.rank == 0:
+        if trainer.rank == 0 and cfg.job.print_config:
             print("resolved config:\n" + cfg.to_toml(), flush=True)
         trainer.train()
         return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 import textwrap
@@ -64,7 +65,15 @@ def test_short_run_learns_and_writes_outputs(tmp_path):
     assert (out / "config.toml").read_text().count("[parallelism]") == 1
     ckpts = sorted(p.name for p in (out / "checkpoint").iterdir())
     assert ckpts == ["step-20"], ckpts  # keep_latest_k=1 removed step-10
-    assert "resolved config:" in res.stdout and "step 20/20" in res.stdout
+    assert "step 20/20" in res.stdout and "resolved config:" not in res.stdout  # its path, not the whole
+    assert f"config: {out / 'config.toml'} (the resolved config" in res.stdout
+    # a quiet start: at most 25 lines before step 1 (torchrun's own banner included), and no
+    # line twice (each warning once, from rank 0; before, every rank printed the warm-up warning
+    # and FSDP's view warning, and the resolved config took ~125 lines)
+    startup = re.split(r"step +1/20", res.stdout)[0].splitlines() + res.stderr.splitlines()
+    assert len(startup) <= 25, "\n".join(startup)
+    ours = [line for line in startup if line.strip() and "torch/distributed/run.py" not in line]
+    assert len(ours) == len(set(ours)), "\n".join(ours)
     # the lr column is the rate each step's update ran at: the schedule's closed form at the
     # step's index (warm-up 1/4, 2/4, 3/4 of the peak, the peak at step 4, then cosine to the
     # floor at step 20), not the next step's rate

@@ -51,6 +51,11 @@ class Job:
     name: str = _opt("default", "Run name, shown in logs.")
     dump_folder: str = _opt("./outputs", "Run folder; relative checkpoint/TensorBoard/metrics paths live under it.")
     description: str = _opt("", "Free-form description, recorded with the resolved config.")
+    print_config: bool = _opt(
+        False,
+        "Print the resolved config whole at start (it is always written to <dump_folder>/config.toml, "
+        "whose path is printed).",
+    )
 
 
 @dataclass
