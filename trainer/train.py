@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -62,6 +63,7 @@ from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  #
 from trainer.precision import apply_precision_policy
 from trainer.run_mode import RunMode
 from trainer.step import StepResult, TrainingDiverged, check_finite, reduce_loss, update_expert_bias
+from trainer.stop import StopSignals, exit_code
 from trainer.validation import Validator
 
 __all__ = ["StepResult", "Trainer", "TrainingDiverged", "main"]
@@ -179,6 +181,7 @@ class Trainer:
             folder_cls=LocalTensorFolder if self.mode.local else CheckpointFolder,
         )
         self.step = 0
+        self.stopped_by: int | None = None  # the signal that stopped train() early (trainer/stop.py)
         self.instruments = Instruments()  # the step hooks; train() builds the config's
 
     def _load_local_initial_weights(self) -> None:
@@ -298,7 +301,8 @@ class Trainer:
         timeout_applied = False
         # every step (and save, validation) under a deadline: trainer/comm_watchdog.py
         self.watchdog = start_watchdog(cfg, self.mode, self.rank, self.world_size)
-        with metrics, self._build_instruments() as instruments, self.data, self.watchdog:
+        stop = StopSignals(self._stop_group(), newest=self.ckpt.newest)
+        with metrics, self._build_instruments() as instruments, self.data, self.watchdog, stop:
             for message in instruments.messages:
                 _log(message)
             while self.step < last_step:
@@ -314,12 +318,17 @@ class Trainer:
                     apply_train_timeout(cfg.comm.train_timeout_seconds)
                     timeout_applied = True
                 steps_since_log += 1
+                # a SIGINT or SIGTERM on any rank: every rank stops after this step, with a save
+                stopping = stop.agreed() if self.step < cfg.training.steps else None
                 # checkpointing first (a finished background save published, the save or export
                 # due now), so its numbers are in this step's line; its time is not step time
                 ckpt = self.ckpt.after_step(
-                    self.step, last=self.step == cfg.training.steps, phase=lambda what: self._long_phase(what, metrics)
+                    self.step,
+                    last=self.step == cfg.training.steps,
+                    phase=lambda what: self._long_phase(what, metrics),
+                    stopping=stopping is not None,
                 )
-                if metrics.should_log(self.step) or self.step == cfg.training.steps or ckpt:
+                if metrics.should_log(self.step) or self.step == cfg.training.steps or ckpt or stopping:
                     metrics.log(
                         self.step,
                         loss=result.loss,
@@ -330,6 +339,10 @@ class Trainer:
                         extra={**(step_extra or {}), **ckpt} or None,
                     )
                     steps_since_log, data_wait = 0, 0.0
+                if stopping is not None:
+                    self.stopped_by = stopping
+                    self.watchdog.disarm()
+                    break
                 if self.validator is not None and self.validator.should_run(self.step):
                     self.watchdog.long_phase(f"validation after step {self.step}")
                     val = self.validator.validate()
@@ -343,6 +356,25 @@ class Trainer:
             done = self.ckpt.close(phase=lambda what: self._long_phase(what, metrics))
             if done:
                 metrics.log_checkpoint(self.step, done)
+        if self.stopped_by is not None:
+            name = signal.Signals(self.stopped_by).name
+            if cfg.checkpoint.enable:
+                saved = f"checkpoint step-{self.step} saved in {self.ckpt.folder}; run the same command to resume"
+            else:
+                saved = "nothing saved (checkpoint.enable = false): the same command starts over"
+            _log(f"stopped at step {self.step} by {name}; {saved}")
+
+    def _stop_group(self) -> dist.ProcessGroup | None:
+        """The gloo group the ranks agree over to stop (trainer/stop.py); None without peers.
+        On a gloo job that is WORLD; otherwise a gloo group of every rank (created here, by
+        every rank), so the agreement never waits behind the accelerator's queue."""
+        if not self.mode.has_peers(self.world_size):
+            return None
+        if dist.get_backend() == "gloo":
+            return dist.group.WORLD
+        group = dist.new_group(backend="gloo")
+        wait_until_every_rank_joined(group)
+        return group
 
     @contextlib.contextmanager
     def _long_phase(self, what: str, metrics: MetricsLogger):
@@ -407,7 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.rank == 0 and cfg.job.print_config:
             print("resolved config:\n" + cfg.to_toml(), flush=True)
         trainer.train()
-        return 0
+        return 0 if trainer.stopped_by is None else exit_code(trainer.stopped_by)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop (which stops at a step instead)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print("interrupted (SIGINT) before training began: nothing to save", file=sys.stderr, flush=True)
+        return exit_code(signal.SIGINT)
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -155,6 +155,10 @@ class Job:
             env=_env(),
             start_new_session=True,
         )
+        self._start_reader(self.proc.stdout)
+
+    def _start_reader(self, stream) -> None:
+        self._stream = stream
         self._lines: list[str] = []
         self._changed = threading.Condition()
         self._eof = False
@@ -163,7 +167,7 @@ class Job:
         self._reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._stream:
             with self._changed:
                 self._lines.append(line)
                 self._changed.notify_all()
@@ -339,3 +343,41 @@ def validation_records(folder: str | Path) -> dict[int, dict]:
 def read_metrics(folder: str | Path) -> dict[int, dict]:
     """step -> last record written for it (a resumed run appends to the same file)."""
     return {rec["step"]: rec for rec in metric_records(folder)}
+
+
+class ForkedJob(Job):
+    """``run_forked``'s job started in the background (tools/launcher.py's ForkedTrain), its
+    stdout and stderr drained together, for a test that signals the ranks themselves (as a
+    scheduler signals every process of a job). ``wait`` gives the job's exit code."""
+
+    def __init__(self, nproc: int, *args: str, env: dict | None = None):
+        from tools.launcher import ForkedTrain
+
+        self.nproc = nproc
+        read_fd, write_fd = os.pipe()
+        try:
+            self.train = ForkedTrain(
+                nproc, list(args), stdout_fd=write_fd, stderr_fd=write_fd, env=env or _env(), cwd=ROOT
+            )
+        finally:
+            os.close(write_fd)  # the ranks hold their own copies: EOF once every rank has exited
+        self._start_reader(open(read_fd, encoding="utf-8", errors="replace"))
+
+    def workers(self) -> dict[int, int]:
+        return dict(enumerate(self.train.pids))
+
+    def signal(self, signum: int, ranks: list[int] | None = None) -> None:
+        for rank, pid in self.workers().items():
+            if ranks is None or rank in ranks:
+                os.kill(pid, signum)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.train.wait(timeout)
+        finally:
+            self.train.stop(grace=2.0)
+            self._reader.join(timeout=30)
+
+    def close(self) -> None:
+        self.train.stop(grace=2.0)
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import FAST, ROOT, Job, _env, metric_records, read_metrics, run_forked, run_train, run_until
+from .helpers import FAST, ROOT, ForkedJob, Job, _env, metric_records, read_metrics, run_forked, run_train, run_until
 
 LLAMA = ["--config", "llama3.toml", *FAST]
 TWO_LAYERS = ["--model.n_layers", "2"]
@@ -276,6 +277,110 @@ def test_pipeline_with_activation_checkpointing_is_bitwise_unchanged(tmp_path, p
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert _steps(read_metrics(tmp_path), 1, 4) == _steps(read_metrics(pipeline_job_runs[2]), 1, 4)
+
+
+# ---------------------------------------------------------------- stopping (trainer/stop.py)
+# SIGINT / SIGTERM stop every rank at a step boundary with a checkpoint there; the resumed run
+# continues the uninterrupted curve bitwise (the crash job's reference). The step a signal
+# lands in is random (the assertion messages name it): every step must work.
+_STOPPED = re.compile(r"stopped at step (\d+) by (SIGINT|SIGTERM); checkpoint step-(\d+) saved in (\S+); "
+                      r"run the same command to resume")  # fmt: skip
+
+
+def _signal_after_step(job, first: int, signum: int, **kw) -> None:
+    """Once step ``first`` is printed, send ``signum`` (torchrun: to torchrun alone, as a
+    terminal's Ctrl-C reaches it; forked ranks: to every rank, as a scheduler does)."""
+    assert job.wait_for_output(f"step {first}/8", 300), job.output[-3000:]
+    if isinstance(job, ForkedJob):
+        job.signal(signum, **kw)
+    else:
+        os.kill(job.proc.pid, signum)
+
+
+def _resumes_bitwise(run: Path, stopped: int, reference) -> None:
+    logged = len(metric_records(run))
+    res = run_forked(2, *CRASH_JOB, "--job.dump_folder", str(run))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoint'} at step {stopped}" in res.stdout, res.stdout[-2000:]
+    resumed = metric_records(run)[logged:]
+    assert [r["step"] for r in resumed] == list(range(stopped + 1, 9))
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == _steps(reference, stopped + 1, 8)  # bitwise
+
+
+def test_ctrl_c_under_torchrun_stops_at_a_step_with_a_checkpoint(tmp_path, crash_job_reference):
+    """Ctrl-C in the terminal of a torchrun job (SIGINT to torchrun, which sends SIGINT to its
+    workers): the workers stop at the next step boundary, save a synchronous checkpoint there,
+    rank 0 prints the one line first (before torchrun's own report of the signal), and the same
+    command resumes bitwise."""
+    first = random.randint(1, 5)
+    run = tmp_path / "run"
+    job = Job(2, *CRASH_JOB, "--job.dump_folder", str(run))
+    try:
+        _signal_after_step(job, first, signal.SIGINT)
+        job.proc.wait(timeout=120)
+        job._finish()  # torchrun waited for its workers: the output is complete
+    finally:
+        job.close()
+    out = job.output
+    lines = [m for m in map(_STOPPED.search, out.splitlines()) if m]
+    assert len(lines) == 1, (first, out[-3000:])
+    stopped = int(lines[0].group(1))
+    assert first <= stopped < 8 and lines[0].group(2) == "SIGINT" and int(lines[0].group(3)) == stopped, first
+    assert "error:" not in out and out.count("Traceback") <= 1, out[-3000:]  # torchrun's own, if any
+    if "Traceback" in out:
+        assert out.index("stopped at step") < out.index("Traceback"), out[-3000:]
+    assert f"step-{stopped}" in os.listdir(run / "checkpoint")
+    _resumes_bitwise(run, stopped, crash_job_reference)
+
+
+def test_sigterm_to_every_rank_finishes_the_background_save(tmp_path, crash_job_reference):
+    """SIGTERM to every rank (a scheduler's preemption) with asynchronous checkpoints: every rank
+    stops at the same step, the save of that step is written in the background and finished
+    before the exit, one line, exit code 143 (128 + SIGTERM), and the resumed run is bitwise."""
+    first = random.randint(1, 5)
+    run = tmp_path / "run"
+    job = ForkedJob(2, *CRASH_JOB, "--checkpoint.async_mode", "async", "--job.dump_folder", str(run))
+    try:
+        _signal_after_step(job, first, signal.SIGTERM)
+        code = job.wait(timeout=120)
+    finally:
+        job.close()
+    out = job.output
+    assert code == 143, (first, code, out[-3000:])
+    lines = [m for m in map(_STOPPED.search, out.splitlines()) if m]
+    assert len(lines) == 1 and lines[0].group(2) == "SIGTERM", (first, out[-3000:])
+    stopped = int(lines[0].group(1))
+    assert first <= stopped < 8, first
+    assert "Traceback" not in out and "error:" not in out, out[-3000:]
+    assert f"step-{stopped}" in os.listdir(run / "checkpoint")
+    _resumes_bitwise(run, stopped, crash_job_reference)
+
+
+def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path):
+    """A second SIGINT (after trainer/stop.py's 3 s window) while the stop's checkpoint is being
+    written (every rank held at the drill's ``write`` point: data files written, no .metadata)
+    ends every rank at once with one line each naming the newest complete checkpoint, exit code
+    130; the save cut short is never published (step-N.tmp), the newest complete one loads."""
+    from trainer.checkpoint.dcp import CheckpointFolder
+    from trainer.stop import REPEAT_WINDOW_S
+
+    run = tmp_path / "run"
+    env = dict(_env(), MESHTRAIN_CHECKPOINT_DRILL="write")  # every save holds once its files are written
+    job = ForkedJob(2, *_checkpointed_job(8, 100), "--job.dump_folder", str(run), env=env)
+    try:
+        _signal_after_step(job, 2, signal.SIGINT)
+        assert job.wait_for_output("checkpoint drill: write", 120), job.output[-3000:]
+        time.sleep(REPEAT_WINDOW_S)
+        job.signal(signal.SIGINT)
+        code = job.wait(timeout=60)
+    finally:
+        job.close()
+    out = job.output
+    assert code == 130, (code, out[-3000:])
+    assert out.count("stopped at once by a second SIGINT") == 2, out[-3000:]  # each rank, one line
+    assert "Traceback" not in out, out[-3000:]
+    (tmp,) = os.listdir(run / "checkpoint")
+    assert tmp.endswith(".tmp") and CheckpointFolder(str(run / "checkpoint")).list_steps() == []
 
 
 # ---------------------------------------------------------------- errors

@@ -178,10 +178,12 @@ class CheckpointManager:
         *,
         last: bool,
         phase: Callable[[str], AbstractContextManager[Any]] = lambda _what: nullcontext(),
+        stopping: bool = False,
     ) -> dict[str, float]:
         """Everything checkpointing does after ``step`` (collective): notice a background save
         that finished (publish it) or failed (:class:`CheckpointWriteFailed`, exit 1); the save
-        when one is due; the Hugging Face export when one is due. Each save or export runs
+        when one is due (``stopping``: the run stops after this step, a save is due whenever
+        checkpointing is on; trainer/stop.py); the Hugging Face export when one is due. Each save or export runs
         inside ``phase(description)`` (the trainer's watchdog phase, left out of the step
         time). Returns the metrics of what happened at this step (empty when nothing did):
         ``checkpoint_stall_s`` (seconds this save held training when it started: for a
@@ -195,7 +197,7 @@ class CheckpointManager:
         out: dict[str, float] = {}
         if self.saver is not None and self.saver.in_flight is not None:
             out.update(self._finish(self.saver.poll()))
-        if self.should_save(step, last):
+        if self.should_save(step, last) or (stopping and self.config.enable):
             with phase(f"checkpoint save at step {step}"):
                 if self.saver is not None and self.saver.in_flight is not None:
                     # at most one in flight: the wait is the previous save's (its poll stall)
@@ -282,6 +284,11 @@ class CheckpointManager:
             raise CheckpointWriteFailed(line) from exc
         self.log(f"saved checkpoint {path}")
         return False
+
+    def newest(self) -> str:
+        """The newest complete checkpoint, in words (``step-N in FOLDER``, or that there is none)."""
+        step = self.steps.latest_step() if self.config.enable else None
+        return f"step-{step} in {self.folder}" if step is not None else "none"
 
     def stopped_message(self, exc: CheckpointWriteFailed) -> str:
         """The one line printed when a save failed: what failed and what is still on disk."""

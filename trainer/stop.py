@@ -1,0 +1,97 @@
+"""Stopping a run is part of the run: SIGINT (Ctrl-C) and SIGTERM (how Slurm, Kubernetes and
+torchrun end a job) stop every rank at the next step boundary with a checkpoint there.
+
+While the training loop runs, :class:`StopSignals` holds the two signals' handlers. The first
+signal is only noted. At the end of every step the ranks agree (:meth:`StopSignals.agreed`, a
+max over one int on a gloo group: a rank that got a signal makes every rank stop at that same
+step, whichever ranks the signal reached and whenever within the step it came). The trainer
+then writes a checkpoint of that step (a synchronous save, or the background one finished),
+rank 0 prints one line, ``stopped at step 12 by SIGTERM; checkpoint step-12 saved in
+outputs/run/checkpoint; run the same command to resume``, and the process exits with
+128 + the signal's number (130 for SIGINT, 143 for SIGTERM), the shell's convention for a
+process ended by a signal, so a script that chains commands after training does not carry on
+as if the run had finished.
+
+A second SIGINT, at least :data:`REPEAT_WINDOW_S` after the first, stops the process at once:
+one line, the same exit code, no new checkpoint (a save cut short never gets its final name:
+the newest complete checkpoint stays the one to resume from). Within that window a second
+signal is the first one arriving again: torchrun forwards the signal it gets to every worker,
+so under a terminal's Ctrl-C or ``srun`` each worker may receive the same request twice. A
+SIGTERM never stops at once (schedulers send one and then, after their grace period, SIGKILL).
+
+A step that hangs while stopping is bounded by the step watchdog (trainer/comm_watchdog.py),
+as every step is; the save runs under its long-phase deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["REPEAT_WINDOW_S", "StopSignals", "exit_code"]
+
+REPEAT_WINDOW_S = 3.0
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_code(signum: int) -> int:
+    """The exit code of a run stopped by ``signum``: 128 + its number."""
+    return 128 + int(signum)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM noted while the training loop runs (a context manager; handlers are
+    installed only in the main thread, and the previous ones are restored on exit).
+
+    ``group``: the gloo group the ranks agree over (None: one process, nothing to agree);
+    ``newest``: a callable giving the newest complete checkpoint's description for the line a
+    second SIGINT prints."""
+
+    def __init__(self, group: dist.ProcessGroup | None, newest=lambda: "none"):
+        self.group = group
+        self.newest = newest
+        self.signum: int | None = None  # the first signal received
+        self._first_at = 0.0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self._first_at = signum, now
+            return
+        if signum == signal.SIGINT and now - self._first_at >= REPEAT_WINDOW_S:
+            name = signal.Signals(signum).name
+            print(
+                f"stopped at once by a second {name}: no checkpoint of this step; the newest complete "
+                f"checkpoint is {self.newest()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(exit_code(signum))
+
+    def agreed(self) -> int | None:
+        """Collective (every rank, at the end of every step): the signal every rank stops for
+        now (SIGTERM over SIGINT when ranks got different ones), or None to train on."""
+        code = 0 if self.signum is None else _SIGNALS.index(self.signum) + 1
+        if self.group is not None:
+            flag = torch.tensor([code], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            code = int(flag.item())
+        return None if code == 0 else int(_SIGNALS[code - 1])
