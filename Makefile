@@ -124,7 +124,7 @@ test-fast: lint
 	$(PY) -m pytest -q -m unit tests
 
 train: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config train_configs/llama3.toml $(ARGS)
+	@$(PY) train.py --nproc_per_node=$(NPROC) --config train_configs/llama3.toml $(ARGS)
 
 # Then docs/benchmarks.md, the one page of measured figures, is generated again from
 # bench_results/*.json (benchmarks/report.py).

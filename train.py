@@ -22,6 +22,15 @@ finally:
 if __name__ == "__main__":
     # not sys.exit: torch's communication threads can outlive the process groups and call into
     # a finalizing interpreter (a finished run would abort at exit); trainer/shutdown.py
+    import sys
+
+    from trainer.launch import main as launch
+
+    # python train.py --nproc_per_node N ...: the launcher (trainer/launch.py), which starts
+    # train.py workers without its flags; without them, this process trains
+    code = launch(sys.argv[1:])
+    if code is not None:
+        sys.exit(code)
     from trainer.shutdown import run_and_exit
 
     run_and_exit(main)

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Multi-node training under Slurm: one torchrun agent per node, rendezvous over c10d.
+# Multi-node training under Slurm: one launcher per node (python train.py with torchrun's flags,
+# trainer/launch.py: torch's elastic agent in process), rendezvous over c10d.
 #
 #   sbatch --nodes=8 scripts/slurm_train.sh train_configs/llama3_70b.toml [--section.key value ...]
 #
@@ -17,12 +18,14 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 RDZV_PORT=${RDZV_PORT:-29500}
 
-# Each node runs one torchrun; they meet at the head node and torchrun assigns global ranks
-# node by node, so the tp groups (innermost in ParallelDims) stay inside a node.
-srun --kill-on-bad-exit=1 .venv/bin/torchrun \
+# Each node runs one launcher; they meet at the head node and the agents assign global ranks
+# node by node, so the tp groups (innermost in ParallelDims) stay inside a node. A bad config
+# ends on every node before any worker starts (one line, exit code 2); scancel's SIGTERM
+# stops the workers at a step with a checkpoint (the same sbatch command resumes).
+srun --kill-on-bad-exit=1 .venv/bin/python train.py \
     --nnodes="$SLURM_NNODES" \
     --nproc_per_node="$GPUS_PER_NODE" \
     --rdzv_id="$SLURM_JOB_ID" \
     --rdzv_backend=c10d \
     --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" \
-    train.py --config "$CONFIG" "$@"
+    --config "$CONFIG" "$@"

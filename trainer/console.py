@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
-__all__ = ["configure_console"]
+__all__ = ["RANK_ZERO_GRACE_S", "configure_console", "say_once"]
+
+# how long a rank other than 0 holds an error line that rank 0 may be printing too
+RANK_ZERO_GRACE_S = 10.0
 
 _HANDLER_NAME = "meshtrain-console"
 
@@ -35,3 +39,16 @@ def configure_console(rank: int) -> None:
     if root.level == logging.NOTSET or root.level > logging.WARNING:
         root.setLevel(logging.WARNING)
     logging.captureWarnings(True)
+
+
+def say_once(line: str, rank: int) -> None:
+    """An ``error:`` line that every rank may meet (a config error, a bad checkpoint, a diverged
+    loss), printed once. Rank 0 prints it at once. Another rank waits :data:`RANK_ZERO_GRACE_S`
+    first: rank 0's exit ends the job (torchrun, trainer/launch.py and tools/launcher.py stop
+    the other ranks when one fails), so when rank 0 met the error too this rank never prints,
+    and when only this rank met it (rank 0 still running), it prints it with its rank. Without
+    the wait a rank that exits first can have rank 0 stopped before its line is out."""
+    if rank != 0:
+        time.sleep(RANK_ZERO_GRACE_S)
+        line = line.replace("error: ", f"error: rank {rank}: ", 1)
+    print(line, file=sys.stderr, flush=True)

@@ -36,9 +36,9 @@ from trainer.checkpoint.async_save import CheckpointWriteFailed
 from trainer.checkpoint.dcp import CheckpointFolder, save_seed_checkpoint
 from trainer.checkpoint.local_tensor import LocalTensorFolder
 from trainer.checkpoint.manager import CheckpointManager, check_initial_load
-from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
+from trainer.cli_errors import EXIT_BAD_INPUT, error_line, user_error
 from trainer.config import ConfigError, JobConfig, load_config
-from trainer.console import configure_console
+from trainer.console import configure_console, say_once
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.data.tokenizer import load_tokenizer
@@ -425,11 +425,21 @@ def create_seed_checkpoint(cfg: JobConfig) -> str:
     return path
 
 
+def _rank() -> int:
+    """This process's rank for what it prints (a fake-backend or local_tensor run is one
+    process: rank 0)."""
+    if not dist.is_initialized() or is_fake_backend():
+        return int(os.environ.get("RANK", "0")) if not dist.is_initialized() else 0
+    with host_side():
+        return dist.get_rank()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
-    except ValueError as exc:
-        return report_user_error(exc)
+    except ValueError as exc:  # every rank reads the same config: said once (under torchrun RANK is set already)
+        say_once(error_line(exc), int(os.environ.get("RANK", "0")))
+        return EXIT_BAD_INPUT
     trainer = None  # read by the collective-timeout message (the step that was running)
     try:
         if cfg.checkpoint.create_seed_checkpoint:
@@ -444,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print("interrupted (SIGINT) before training began: nothing to save", file=sys.stderr, flush=True)
         return exit_code(signal.SIGINT)
-    except TrainingDiverged as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+    except TrainingDiverged as exc:  # every rank has the same reduced loss and norm
+        say_once(f"error: {exc}", _rank())
         return 1
     except CheckpointWriteFailed as exc:  # a save failed mid-run: not bad input, the run stops
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -457,9 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         # DCP wraps it): a clear message from rank 0, no traceback
         err = user_error(exc)
         if err is not None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            if rank == 0 or is_fake_backend():
-                report_user_error(err)
+            say_once(error_line(err), _rank())
             return EXIT_BAD_INPUT
         if not isinstance(exc, Exception) or not is_collective_timeout(exc):
             raise

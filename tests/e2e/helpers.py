@@ -380,4 +380,3 @@ class ForkedJob(Job):
 
     def close(self) -> None:
         self.train.stop(grace=2.0)
-

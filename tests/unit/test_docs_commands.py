@@ -13,7 +13,8 @@ the lines after a ``$`` prompt) are checked without doing their work:
   overrides after ``--`` go to every run's train.py, so the config loader checks them.
 * ``train.py ...`` (with python or through ``torchrun``): the trainer's config loader parses the
   options (``trainer.config.load_config``: ``--config`` resolves, every ``--section.key value``
-  is a known key with a valid value); torchrun's own options go through torchrun's parser.
+  is a known key with a valid value); torchrun's own options (also given to ``python train.py``,
+  the launcher) go through torchrun's parser.
 * ``make TARGET [VAR=value]``: ``make -n`` of the target succeeds as a top-level make (in a copy
   of the Makefile), and the python / torchrun commands the recipe would run are checked as above
   (so ``ARGS='...'`` reaches the right parser).
@@ -275,6 +276,12 @@ def _check_python(args: list[str]) -> None:
         return
     script, rest = args[0], args[1:]
     if script == "train.py":
+        from trainer.launch import launcher_argv
+
+        split = launcher_argv(rest)  # torchrun's flags: the launcher (trainer/launch.py)
+        if split is not None:
+            launch, rest = split
+            _check_torchrun([*launch, "train.py"])
         _check_train(rest)
         return
     _run_parser("script", script, rest)

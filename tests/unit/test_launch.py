@@ -1,0 +1,62 @@
+"""trainer/launch.py's pieces that need no job: which arguments are the launcher's (torchrun's
+flags) and which the trainer's, and what the launcher says of a failed job. (The launcher end
+to end: tests/e2e/test_train_launcher.py.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from trainer.launch import _failure_line, _parse_launch, launcher_argv
+
+
+def test_torchrun_flags_are_the_launchers_and_the_rest_the_trainers():
+    assert launcher_argv(["--config", "llama3.toml", "--training.steps", "5"]) is None  # plain python train.py
+    assert launcher_argv(["--help"]) is None
+    assert launcher_argv(["--nproc_per_node", "4", "--config", "llama3.toml", "--training.steps=5"]) == (
+        ["--nproc_per_node", "4"],
+        ["--config", "llama3.toml", "--training.steps=5"],
+    )
+    # anywhere on the line, = or a separate value, dashes or underscores, flags without a value
+    argv = ["--config", "x.toml", "--nnodes=2", "--standalone", "--rdzv-endpoint", "h:1", "--parallelism.tp", "2"]
+    assert launcher_argv(argv) == (
+        ["--nnodes=2", "--standalone", "--rdzv-endpoint", "h:1"],
+        ["--config", "x.toml", "--parallelism.tp", "2"],
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nproc_per_node", "0"], "--nproc_per_node must be >= 1, got 0"),
+        (["--nproc_per_node", "gpu"], "--nproc_per_node must be a number of processes here, got 'gpu'"),
+        (["--nproc_per_node", "2", "--nnodes", "a:b"], "--nnodes must be N or MIN:MAX, got 'a:b'"),
+        (["--nproc_per_node", "2", "--max_restarts", "many"], "argument --max-restarts"),
+    ],
+)
+def test_bad_launcher_flags_are_one_line(flags, message):
+    with pytest.raises(ValueError, match="torchrun's flags") as exc:
+        _parse_launch(flags)
+    assert message in str(exc.value)
+
+
+def test_world_size_is_nodes_times_processes_at_the_smallest_node_count():
+    assert _parse_launch(["--nproc_per_node", "4", "--nnodes", "2"])[1] == 8
+    assert _parse_launch(["--nproc_per_node", "8", "--nnodes", "2:4"])[1] == 16
+
+
+def _failed(code: int):
+    failure = SimpleNamespace(exitcode=code, pid=4242)
+    return SimpleNamespace(get_first_failure=lambda: (3, failure))
+
+
+def test_what_the_launcher_says_of_a_failed_job():
+    # the workers said it (a user error's line, a stop's line): nothing more, their exit code
+    assert _failure_line(_failed(2)) == (None, 2)
+    assert _failure_line(_failed(130)) == (None, 130)
+    assert _failure_line(_failed(143)) == (None, 143)
+    line, code = _failure_line(_failed(-9))
+    assert code == 137 and line.startswith("error: rank 3 (pid 4242) was ended by SIGKILL")
+    line, code = _failure_line(_failed(1))
+    assert code == 1 and line.startswith("rank 3 (pid 4242) exited with code 1")

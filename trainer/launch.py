@@ -1,0 +1,250 @@
+"""``python train.py --nproc_per_node N [torchrun's other flags] --config X [overrides]``: the
+launcher, torchrun's job without its noise.
+
+It takes torchrun's own flags (its parser: ``--nproc_per_node``, ``--nnodes``, ``--node_rank``,
+``--rdzv_*``, ``--master_*``, ``--max_restarts``, ...; every flag without a dot is a launcher
+flag, every ``--section.key`` a config key) and then:
+
+1. checks before any worker starts what can be checked without one: the config, the layout
+   against the world size (``nnodes x nproc_per_node``; an elastic node range is checked at
+   its smallest), the tokenizer, the data path, the Hugging Face folder to start from. Most
+   user errors end here: one ``error:`` line, exit code 2, no worker started;
+2. runs torch's elastic agent in this process (what torchrun runs), the workers being
+   ``train.py`` with the config arguments only;
+3. ends as the job ended, in one line at most: a worker's user error was already printed by
+   rank 0 (exit code 2); a run stopped by SIGINT / SIGTERM printed its stop line (exit code
+   128 + the signal, trainer/stop.py); a worker that crashed or was killed gets one line naming
+   the rank, its exit code or signal, and that its output is above.
+
+What torchrun adds and this leaves out: the OMP_NUM_THREADS banner (the variable is still set
+to 1 for several workers when unset), the agent's warnings, the ``ChildFailedError``
+traceback. A signal to the launcher (a terminal's Ctrl-C, ``scancel``) reaches the workers
+through the agent, which waits ``--shutdown_timeout`` (default here: the checkpoint save's
+bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; a second Ctrl-C
+is sent on to the workers, which then stop at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import uuid
+
+from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
+
+__all__ = ["launcher_argv", "main"]
+
+TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+
+
+def _torchrun_parser():
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
+def _takes_value(action) -> bool:
+    return action.nargs != 0
+
+
+def launcher_argv(argv: list[str]) -> tuple[list[str], list[str]] | None:
+    """``(launcher flags, config arguments)`` when ``argv`` holds any of torchrun's flags, else
+    None (a plain ``python train.py`` run). A torchrun flag never has a dot; a config key always
+    has one (``--training.steps``), and ``--config`` / ``--help`` are the trainer's."""
+    if not any(a.startswith("--") and "." not in a.split("=")[0] for a in argv if a not in ("--config", "--help")):
+        return None
+    actions = _torchrun_parser()._option_string_actions
+    launch, rest, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if name.startswith("--") and "." not in name and name not in ("--config", "--help") and name in actions:
+            launch.append(token)
+            if "=" not in token and _takes_value(actions[name]) and i + 1 < len(argv):
+                launch.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(token)
+        i += 1
+    return (launch, rest) if launch else None
+
+
+class LaunchError(ValueError):
+    """A launcher flag the job cannot start with."""
+
+
+def _parse_launch(launch: list[str]):
+    """torchrun's parser on the launcher flags, its usage errors as one line."""
+    parser = _torchrun_parser()
+    parser.prog = "python train.py"
+
+    def fail(message: str):
+        raise LaunchError(f"{message} (torchrun's flags: python -m torch.distributed.run --help)")
+
+    parser.error = fail  # type: ignore[method-assign]
+    args = parser.parse_args([*launch, TRAIN_PY])
+    from torch.distributed.run import parse_min_max_nnodes as parse_nnodes
+
+    try:
+        min_nodes, _max_nodes = parse_nnodes(args.nnodes)
+    except Exception:
+        fail(f"--nnodes must be N or MIN:MAX, got {args.nnodes!r}")
+    try:
+        nproc = int(args.nproc_per_node)
+    except ValueError:
+        fail(f"--nproc_per_node must be a number of processes here, got {args.nproc_per_node!r}")
+    if nproc < 1:
+        fail(f"--nproc_per_node must be >= 1, got {nproc}")
+    return args, min_nodes * nproc
+
+
+def preflight(cfg, world_size: int) -> None:
+    """Every check of a worker's start that needs no process group, for ``world_size`` ranks:
+    the job plan (degrees, batch, model vs layout), the tokenizer, the training and validation
+    data, the Hugging Face folder to start from. Raises the worker's own ValueError."""
+    from trainer.checkpoint.manager import check_initial_load
+    from trainer.config import ConfigError
+    from trainer.data.loader import build_source
+    from trainer.data.tokenizer import load_tokenizer
+    from trainer.plan import plan_job
+
+    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(
+            "--checkpoint.create_seed_checkpoint runs on one process: use --nproc_per_node 1 (or plain python train.py)"
+        )
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    if cfg.checkpoint.create_seed_checkpoint:
+        return
+    plan = plan_job(cfg, world_size, tokenizer.vocab_size, tokenizer_eos=tokenizer.eos_id, device_type=_device_type())
+    build_source(cfg, log_epochs=False)
+    if cfg.validation.enable and cfg.validation.dataset != "synthetic":
+        from trainer.data.loader import build_validation_dataloader
+
+        build_validation_dataloader(cfg, tokenizer, batch_rank=0, batch_degree=plan.batch.batch_degree)
+    check_initial_load(cfg, plan.model.args)
+
+
+def _device_type() -> str:
+    from parallel_dims import default_device_type
+
+    return default_device_type()
+
+
+def _quiet_agent() -> None:
+    """The elastic agent's own warnings (closing signals, restarts) are not the user's news."""
+    # (its "failed (exitcode: 2)" report too: the launcher says what a failure means, once)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
+
+
+def _forward_to_children(signum: int) -> None:
+    """Send ``signum`` to this process's children (the workers), found in /proc (Linux)."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            try:
+                os.kill(int(entry), signum)
+            except ProcessLookupError:
+                pass
+
+
+def _wait_for_children(timeout: float) -> None:
+    """Reap this process's children (the workers) as they exit; SIGKILL what is left after
+    ``timeout`` seconds. A signal meanwhile is sent on to them."""
+    import time
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: _forward_to_children(signum))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # none left
+        if pid == 0:
+            if time.monotonic() > deadline:
+                _forward_to_children(signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.05)
+
+
+def _failure_line(exc) -> tuple[str | None, int]:
+    """What to print for a failed job (None: the workers said it) and the exit code."""
+    rank, failure = exc.get_first_failure()
+    code = failure.exitcode
+    if code < 0:  # killed by a signal
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        return (
+            f"error: rank {rank} (pid {failure.pid}) was ended by {name}; the job stopped (its output is above)",
+            128 - code,
+        )
+    if code in (EXIT_BAD_INPUT, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+        return None, code  # the one error line, or the stop line, was printed by the workers
+    return f"rank {rank} (pid {failure.pid}) exited with code {code}; the job stopped (its output is above)", code
+
+
+def run(launch: list[str], rest: list[str]) -> int:
+    from trainer.config import load_config
+
+    try:
+        args, world_size = _parse_launch(launch)
+        cfg = load_config(rest)
+        preflight(cfg, world_size)
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT) before the workers started: nothing to save", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    except BaseException as exc:
+        err = user_error(exc)
+        if err is None:
+            raise
+        return report_user_error(err)
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None):
+        if args.standalone or parse_min_max_nnodes(args.nnodes)[1] == 1:  # torchrun's single-node rendezvous
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    if hasattr(args, "shutdown_timeout") and "--shutdown_timeout" not in " ".join(launch).replace("-", "_"):
+        args.shutdown_timeout = cfg.comm.init_timeout_seconds + 60  # the workers' stop-and-save bound
+    if int(args.nproc_per_node) > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does, without its banner
+    args.training_script, args.training_script_args = TRAIN_PY, rest
+    _quiet_agent()
+    config, cmd, cmd_args = config_from_args(args)
+    try:
+        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except ChildFailedError as exc:
+        line, code = _failure_line(exc)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:
+        # the agent sent the signal on to the workers and waited for them to save and exit. A
+        # second signal while it waited ends its wait here with the workers still running: it
+        # goes on to them too (a second Ctrl-C stops them at once), and they are waited for
+        _forward_to_children(int(exc.sigval))
+        _wait_for_children(getattr(args, "shutdown_timeout", 30))
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def main(argv: list[str]) -> int | None:
+    """The launcher's exit code when ``argv`` holds torchrun flags, else None."""
+    split = launcher_argv(argv)
+    if split is None:
+        return None
+    return run(*split)
