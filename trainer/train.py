@@ -295,7 +295,7 @@ class Trainer:
             f"{batch.seq_len} tokens, {self.data.grad_accum_steps} micro-batch(es) of "
             f"{batch.local_batch_size} per rank"
         )
-        _log(f"data: {self.data.description}")
+        _log(f"dataset: {self.data.description}")  # (the first step's "data:" line describes its batch)
         steps_since_log = 0
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False

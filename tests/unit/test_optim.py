@@ -234,3 +234,35 @@ def test_optimizer_state_dict_is_flat_fqn_keyed():
     assert torch.equal(
         opt2.optimizers[0].state[model2.proj.weight]["exp_avg"], opt.optimizers[0].state[model.proj.weight]["exp_avg"]
     )
+
+
+@pytest.mark.parametrize("decay, warmup", [("linear", 2), ("constant", 2), ("cosine", 0)])
+def test_the_logged_lr_is_the_rate_each_step_ran_at(tmp_path, decay, warmup):
+    """The trainer's lr column (metrics.jsonl's ``lr``) for every step equals the schedule's
+    closed form at that step's index (step s ran at lr x lr_multiplier(s - 1)): with and
+    without warm-up, each decay shape. (Before, the column held the next step's rate: with 5
+    warm-up steps step 1 showed 2/5 of the peak.) One process, one tiny layer, 5 steps."""
+    import json
+
+    from trainer.train import main
+
+    steps, lr, floor = 5, 1e-3, 0.1
+    argv = ["--config", "llama3.toml", "--model.n_layers", "1", "--training.seq_len", "16",
+            "--training.global_batch_size", "2", "--training.local_batch_size", "2", "--training.steps", str(steps),
+            "--optimizer.lr", str(lr), "--lr_scheduler.warmup_steps", str(warmup), "--lr_scheduler.decay_style", decay,
+            "--lr_scheduler.min_lr_ratio", str(floor), "--checkpoint.enable", "false", "--metrics.log_freq", "1",
+            "--metrics.enable_tensorboard", "false", "--parallelism.dp_shard", "1", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    try:
+        assert main(argv) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(tmp_path / "metrics.jsonl") as f:
+        logged = {r["step"]: r["lr"] for r in map(json.loads, f) if "loss" in r}
+    expected = {
+        s: lr * lr_multiplier(s - 1, warmup_steps=warmup, total_steps=steps, decay_style=decay, min_lr_ratio=floor)
+        for s in range(1, steps + 1)
+    }
+    assert logged == pytest.approx(expected, rel=1e-12)
+    if warmup:
+        assert logged[1] == pytest.approx(lr / warmup, rel=1e-12)  # the first warm-up step's rate, not the second's

@@ -50,7 +50,7 @@ class SyntheticSource:
 
 
 def describe_text_documents(documents: str) -> str:
-    """What one document of a ``.txt`` file is, in words (the start-up data line)."""
+    """What one document of a ``.txt`` file is, in words (the start-up "dataset:" line)."""
     return {
         "file": "one document per file",
         "blank_line": "documents separated by blank lines",
