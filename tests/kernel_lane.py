@@ -73,6 +73,8 @@ PORTABLE_BUILDER_TESTS = [
 
 def main(argv: list[str]) -> None:
     env = dict(os.environ, **LANE_ENV)
+    if env.get("MESHTRAIN_TEST_TIMES"):  # the main session's figures stay where they were written
+        env["MESHTRAIN_TEST_TIMES"] += ".lane.json"
     print(f"== second lane: {' '.join(f'{k}={v}' for k, v in LANE_ENV.items())}", flush=True)
     tests = [*NUMERICS_TESTS, *(t for t in PORTABLE_BUILDER_TESTS if t not in NUMERICS_TESTS)]
     os.execve(sys.executable, [sys.executable, "-m", "pytest", *argv, *tests], env)

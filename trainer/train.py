@@ -182,6 +182,7 @@ class Trainer:
         )
         self.step = 0
         self.stopped_by: int | None = None  # the signal that stopped train() early (trainer/stop.py)
+        self.stop_signals: StopSignals | None = None  # while and after train() runs
         self.instruments = Instruments()  # the step hooks; train() builds the config's
 
     def _load_local_initial_weights(self) -> None:
@@ -301,7 +302,7 @@ class Trainer:
         timeout_applied = False
         # every step (and save, validation) under a deadline: trainer/comm_watchdog.py
         self.watchdog = start_watchdog(cfg, self.mode, self.rank, self.world_size)
-        stop = StopSignals(self._stop_group(), newest=self.ckpt.newest)
+        self.stop_signals = stop = StopSignals(self._stop_group(), newest=self.ckpt.newest)
         with metrics, self._build_instruments() as instruments, self.data, self.watchdog, stop:
             for message in instruments.messages:
                 _log(message)
@@ -463,6 +464,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {message}", file=sys.stderr, flush=True)
         return 1
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        signum = getattr(getattr(trainer, "stop_signals", None), "signum", None)
+        if signum is not None and isinstance(exc, Exception):
+            # a signal came first: the job is being taken down (torchrun and the launcher send
+            # SIGTERM to the ranks left after one failed), and this rank's step failed on a peer
+            # that is gone; no checkpoint of this step, no traceback
+            print(
+                f"rank {_rank()}: stopped by {signal.Signals(signum).name} during step {trainer.step + 1}, without "
+                f"a checkpoint of it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                f"the newest complete checkpoint is {trainer.ckpt.newest()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return exit_code(signum)
         # bad input (config, degrees vs world size, model vs layout, a checkpoint, also when
         # DCP wraps it): a clear message from rank 0, no traceback
         err = user_error(exc)
