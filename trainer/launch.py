@@ -20,8 +20,8 @@ What torchrun adds and this leaves out: the OMP_NUM_THREADS banner (the variable
 to 1 for several workers when unset), the agent's warnings, the ``ChildFailedError``
 traceback. A signal to the launcher (a terminal's Ctrl-C, ``scancel``) reaches the workers
 through the agent, which waits ``--shutdown_timeout`` (default here: the checkpoint save's
-bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; a second Ctrl-C
-is sent on to the workers, which then stop at once.
+bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; on a second
+Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once.
 """
 
 from __future__ import annotations
@@ -133,10 +133,14 @@ def _device_type() -> str:
 
 
 def _quiet_agent() -> None:
-    """The elastic agent's own warnings (closing signals, restarts) are not the user's news."""
-    # (its "failed (exitcode: 2)" report too: the launcher says what a failure means, once)
+    """The elastic agent's own warnings (closing signals, restarts; its "failed (exitcode: 2)"
+    report too: the launcher says what a failure means, once) are not the user's news. torch
+    gives each of its elastic modules a logger with a level of its own (LOGLEVEL, default
+    WARNING), so each is set, not only their parent."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _forward_to_children(signum: int) -> None:
@@ -234,8 +238,9 @@ def run(launch: list[str], rest: list[str]) -> int:
         return code
     except SignalException as exc:
         # the agent sent the signal on to the workers and waited for them to save and exit. A
-        # second signal while it waited ends its wait here with the workers still running: it
-        # goes on to them too (a second Ctrl-C stops them at once), and they are waited for
+        # second signal while it waited makes it shut down again with SIGTERM, which stops the
+        # workers at once (trainer/stop.py); any worker still running gets the signal too and
+        # is waited for
         _forward_to_children(int(exc.sigval))
         _wait_for_children(getattr(args, "shutdown_timeout", 30))
         return 128 + int(exc.sigval)

@@ -12,12 +12,15 @@ outputs/run/checkpoint; run the same command to resume``, and the process exits 
 process ended by a signal, so a script that chains commands after training does not carry on
 as if the run had finished.
 
-A second SIGINT, at least :data:`REPEAT_WINDOW_S` after the first, stops the process at once:
-one line, the same exit code, no new checkpoint (a save cut short never gets its final name:
-the newest complete checkpoint stays the one to resume from). Within that window a second
-signal is the first one arriving again: torchrun forwards the signal it gets to every worker,
-so under a terminal's Ctrl-C or ``srun`` each worker may receive the same request twice. A
-SIGTERM never stops at once (schedulers send one and then, after their grace period, SIGKILL).
+A second signal, at least :data:`REPEAT_WINDOW_S` after the first, stops the process at once:
+one line, exit code 128 + that signal, no new checkpoint (a save cut short never gets its final
+name: the newest complete checkpoint stays the one to resume from). A second Ctrl-C reaches a
+worker as SIGINT when it is signalled directly, and as SIGTERM through torch's elastic agent
+(torchrun, trainer/launch.py), which answers a signal during its shutdown by shutting down
+again with SIGTERM. Within the window a second signal is the first one arriving again: a
+launcher forwards the signal it gets to every worker, so under a terminal's Ctrl-C or ``srun``
+a worker may receive the same request twice. Schedulers send one SIGTERM and, after their
+grace period, SIGKILL: they never stop a save short.
 
 A step that hangs while stopping is bounded by the step watchdog (trainer/comm_watchdog.py),
 as every step is; the save runs under its long-phase deadline.
@@ -76,11 +79,11 @@ class StopSignals:
         if self.signum is None:
             self.signum, self._first_at = signum, now
             return
-        if signum == signal.SIGINT and now - self._first_at >= REPEAT_WINDOW_S:
+        if now - self._first_at >= REPEAT_WINDOW_S:
             name = signal.Signals(signum).name
             print(
-                f"stopped at once by a second {name}: no checkpoint of this step; the newest complete "
-                f"checkpoint is {self.newest()}",
+                f"stopped at once by a second signal ({name}): no checkpoint of this step; the newest "
+                f"complete checkpoint is {self.newest()}",
                 file=sys.stderr,
                 flush=True,
             )

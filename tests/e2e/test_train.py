@@ -377,7 +377,7 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path):
         job.close()
     out = job.output
     assert code == 130, (code, out[-3000:])
-    assert out.count("stopped at once by a second SIGINT") == 2, out[-3000:]  # each rank, one line
+    assert out.count("stopped at once by a second signal (SIGINT)") == 2, out[-3000:]  # each rank, one line
     assert "Traceback" not in out, out[-3000:]
     (tmp,) = os.listdir(run / "checkpoint")
     assert tmp.endswith(".tmp") and CheckpointFolder(str(run / "checkpoint")).list_steps() == []

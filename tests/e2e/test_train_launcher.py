@@ -16,10 +16,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from .helpers import FAST, ROOT, _env, run_train
+from .helpers import FAST, ROOT, _descendants, _env, run_train
 
 LLAMA = ["--config", "llama3.toml", *FAST, "--model.n_layers", "2", "--training.steps", "8"]
 
@@ -47,6 +48,17 @@ def launch(nproc: int, *args: str, timeout: float = 300) -> subprocess.Completed
     """``python train.py --nproc_per_node N args``, as a user types it."""
     cmd = [sys.executable, "train.py", "--nproc_per_node", str(nproc), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """Cleanup after a failed test: the launcher and its workers (each in a session of its own)."""
+    if proc.poll() is None:
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
 
 
 def _error_lines(text: str) -> list[str]:
@@ -113,9 +125,7 @@ def test_ctrl_c_to_the_launcher_stops_the_workers_at_a_step(tmp_path):
                 break
         rest, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_job(proc)
     out = "".join(lines) + rest
     assert proc.returncode == 130, (proc.returncode, out[-3000:])
     stops = [line for line in out.splitlines() if line.startswith("stopped at step")]
@@ -123,6 +133,42 @@ def test_ctrl_c_to_the_launcher_stops_the_workers_at_a_step(tmp_path):
     stopped = int(stops[0].split()[3])
     assert 2 <= stopped < 8 and f"step-{stopped}" in os.listdir(run / "checkpoint"), out[-3000:]
     assert "Traceback" not in out and "error:" not in out, out[-3000:]
+
+
+def test_a_second_ctrl_c_to_the_launcher_stops_the_workers_at_once(tmp_path):
+    """Ctrl-C, then (3 s on, trainer/stop.py's window) Ctrl-C again while the workers are held
+    in the middle of writing the stop's checkpoint (the drill's ``write`` point): the agent's
+    wait is cut short and it shuts down again with SIGTERM, the workers stop at once (one line
+    each), the launcher exits 130 with nothing of its own, no traceback; the save cut short is
+    never published."""
+    from trainer.checkpoint.dcp import CheckpointFolder
+    from trainer.stop import REPEAT_WINDOW_S
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *LLAMA, "--job.dump_folder", str(run),
+           "--checkpoint.enable", "true", "--checkpoint.interval", "100"]  # fmt: skip
+    env = dict(_env(), MESHTRAIN_CHECKPOINT_DRILL="write")  # every save holds once its files are written
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 2/8"):
+                os.kill(proc.pid, signal.SIGINT)
+            if line.startswith("checkpoint drill: write"):
+                break
+        time.sleep(REPEAT_WINDOW_S)
+        os.kill(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_job(proc)
+    out = "".join(lines) + rest
+    assert proc.returncode == 130, (proc.returncode, out[-3000:])
+    assert out.count("stopped at once by a second signal (SIGTERM)") == 2, out[-3000:]  # each worker, one line
+    assert "Traceback" not in out and "error:" not in out, out[-3000:]
+    assert CheckpointFolder(str(run / "checkpoint")).list_steps() == []  # the stop's save was cut short
 
 
 def test_two_launchers_meet_as_two_nodes(tmp_path):
