@@ -91,10 +91,12 @@ def _parse_launch(launch: list[str]):
         min_nodes, _max_nodes = parse_nnodes(args.nnodes)
     except Exception:
         fail(f"--nnodes must be N or MIN:MAX, got {args.nnodes!r}")
-    try:
-        nproc = int(args.nproc_per_node)
-    except ValueError:
-        fail(f"--nproc_per_node must be a number of processes here, got {args.nproc_per_node!r}")
+    from torch.distributed.run import determine_local_world_size
+
+    try:  # a number, or torchrun's gpu / cpu / auto (every GPU of the node, ...)
+        nproc = determine_local_world_size(str(args.nproc_per_node))
+    except ValueError as exc:
+        fail(f"--nproc_per_node must be a number of processes, gpu, cpu or auto, got {args.nproc_per_node!r} ({exc})")
     if nproc < 1:
         fail(f"--nproc_per_node must be >= 1, got {nproc}")
     return args, min_nodes * nproc

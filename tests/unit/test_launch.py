@@ -30,7 +30,7 @@ def test_torchrun_flags_are_the_launchers_and_the_rest_the_trainers():
     "flags, message",
     [
         (["--nproc_per_node", "0"], "--nproc_per_node must be >= 1, got 0"),
-        (["--nproc_per_node", "gpu"], "--nproc_per_node must be a number of processes here, got 'gpu'"),
+        (["--nproc_per_node", "many"], "--nproc_per_node must be a number of processes, gpu, cpu or auto, got 'many'"),
         (["--nproc_per_node", "2", "--nnodes", "a:b"], "--nnodes must be N or MIN:MAX, got 'a:b'"),
         (["--nproc_per_node", "2", "--max_restarts", "many"], "argument --max-restarts"),
     ],
@@ -42,8 +42,12 @@ def test_bad_launcher_flags_are_one_line(flags, message):
 
 
 def test_world_size_is_nodes_times_processes_at_the_smallest_node_count():
+    from torch.distributed.run import determine_local_world_size
+
     assert _parse_launch(["--nproc_per_node", "4", "--nnodes", "2"])[1] == 8
     assert _parse_launch(["--nproc_per_node", "8", "--nnodes", "2:4"])[1] == 16
+    # torchrun's names too (cpu: the usable cores, as torchrun counts them)
+    assert _parse_launch(["--nproc_per_node", "cpu", "--nnodes", "2"])[1] == 2 * determine_local_world_size("cpu")
 
 
 def _failed(code: int):
