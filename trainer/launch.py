@@ -99,6 +99,7 @@ def _parse_launch(launch: list[str]):
         fail(f"--nproc_per_node must be a number of processes, gpu, cpu or auto, got {args.nproc_per_node!r} ({exc})")
     if nproc < 1:
         fail(f"--nproc_per_node must be >= 1, got {nproc}")
+    args.nproc_per_node = str(nproc)  # resolved once (gpu / cpu / auto)
     return args, min_nodes * nproc
 
 

@@ -47,7 +47,8 @@ def test_world_size_is_nodes_times_processes_at_the_smallest_node_count():
     assert _parse_launch(["--nproc_per_node", "4", "--nnodes", "2"])[1] == 8
     assert _parse_launch(["--nproc_per_node", "8", "--nnodes", "2:4"])[1] == 16
     # torchrun's names too (cpu: the usable cores, as torchrun counts them)
-    assert _parse_launch(["--nproc_per_node", "cpu", "--nnodes", "2"])[1] == 2 * determine_local_world_size("cpu")
+    args, world = _parse_launch(["--nproc_per_node", "cpu", "--nnodes", "2"])
+    assert world == 2 * determine_local_world_size("cpu") and args.nproc_per_node == str(world // 2)
 
 
 def _failed(code: int):
