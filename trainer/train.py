@@ -17,6 +17,7 @@ fake backend) and trainer/instruments/ (the step hooks).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ from torch import nn
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from models.registry import build_model
 from parallel_dims import default_device_type
+from parallel_dims.process_groups import host_group
 from parallel_dims.torch_compat import host_side
 from trainer.build import build_model_parts, build_pipeline
 from trainer.checkpoint.async_save import CheckpointWriteFailed
@@ -367,13 +369,14 @@ class Trainer:
 
     def _stop_group(self) -> dist.ProcessGroup | None:
         """The gloo group the ranks agree over to stop (trainer/stop.py); None without peers.
-        On a gloo job that is WORLD; otherwise a gloo group of every rank (created here, by
-        every rank), so the agreement never waits behind the accelerator's queue."""
+        On a gloo job that is WORLD; otherwise a host group of every rank (parallel_dims'
+        ``host_group``, created by every rank), so the agreement never waits behind the
+        accelerator's queue."""
         if not self.mode.has_peers(self.world_size):
             return None
         if dist.get_backend() == "gloo":
             return dist.group.WORLD
-        group = dist.new_group(backend="gloo")
+        group = host_group("stop_signals", datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds))
         wait_until_every_rank_joined(group)
         return group
 

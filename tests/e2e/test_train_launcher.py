@@ -106,28 +106,44 @@ def test_every_user_error_is_one_line_first_under_torchrun(tmp_path, kind, nproc
     assert report and res.stderr.index(errors[0]) < min(report), res.stderr[-3000:]
 
 
+def _signalled_launch(run, until, then=None, env=None) -> tuple[int, str]:
+    """``python train.py --nproc_per_node 2`` on LLAMA with checkpoints (none due before the
+    last step) in the background; ``until(line, pid)`` sees each output line (and may signal the
+    launcher) until it returns True, then ``then(pid)`` runs; the exit code and all output."""
+    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *LLAMA, "--job.dump_folder", str(run),
+           "--checkpoint.enable", "true", "--checkpoint.interval", "100"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or _env(),
+        start_new_session=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if until(line, proc.pid):
+                break
+        if then is not None:
+            then(proc.pid)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_job(proc)
+    return proc.returncode, "".join(lines) + rest
+
+
+def _ctrl_c_at_step_2(line: str, pid: int) -> bool:
+    if line.startswith("step 2/8"):
+        os.kill(pid, signal.SIGINT)
+        return True
+    return False
+
+
 def test_ctrl_c_to_the_launcher_stops_the_workers_at_a_step(tmp_path):
     """SIGINT to the launcher (a terminal's Ctrl-C): the agent sends it on, the workers stop
     after a step with a checkpoint there and their one line, the launcher exits 130 with
     nothing of its own (no torchrun traceback)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *LLAMA, "--job.dump_folder", str(run),
-           "--checkpoint.enable", "true", "--checkpoint.interval", "100"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True
-    )
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 2/8"):
-                os.kill(proc.pid, signal.SIGINT)
-                break
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        _kill_job(proc)
-    out = "".join(lines) + rest
-    assert proc.returncode == 130, (proc.returncode, out[-3000:])
+    code, out = _signalled_launch(run, _ctrl_c_at_step_2)
+    assert code == 130, (code, out[-3000:])
     stops = [line for line in out.splitlines() if line.startswith("stopped at step")]
     assert len(stops) == 1 and "by SIGINT; checkpoint step-" in stops[0], out[-3000:]
     stopped = int(stops[0].split()[3])
@@ -144,28 +160,18 @@ def test_a_second_ctrl_c_to_the_launcher_stops_the_workers_at_once(tmp_path):
     from trainer.checkpoint.dcp import CheckpointFolder
     from trainer.stop import REPEAT_WINDOW_S
 
-    run = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *LLAMA, "--job.dump_folder", str(run),
-           "--checkpoint.enable", "true", "--checkpoint.interval", "100"]  # fmt: skip
-    env = dict(_env(), MESHTRAIN_CHECKPOINT_DRILL="write")  # every save holds once its files are written
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 2/8"):
-                os.kill(proc.pid, signal.SIGINT)
-            if line.startswith("checkpoint drill: write"):
-                break
+    def held_mid_write(line: str, pid: int) -> bool:
+        _ctrl_c_at_step_2(line, pid)
+        return line.startswith("checkpoint drill: write")
+
+    def again(pid: int) -> None:
         time.sleep(REPEAT_WINDOW_S)
-        os.kill(proc.pid, signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        _kill_job(proc)
-    out = "".join(lines) + rest
-    assert proc.returncode == 130, (proc.returncode, out[-3000:])
+        os.kill(pid, signal.SIGINT)
+
+    run = tmp_path / "run"
+    env = dict(_env(), MESHTRAIN_CHECKPOINT_DRILL="write")  # every save holds once its files are written
+    code, out = _signalled_launch(run, held_mid_write, again, env)
+    assert code == 130, (code, out[-3000:])
     assert out.count("stopped at once by a second signal (SIGTERM)") == 2, out[-3000:]  # each worker, one line
     assert "Traceback" not in out and "error:" not in out, out[-3000:]
     assert CheckpointFolder(str(run / "checkpoint")).list_steps() == []  # the stop's save was cut short
