@@ -20,10 +20,17 @@ from models.parallel.context_parallel import apply_context_parallel
 from models.parallel.expert_parallel import apply_expert_parallel
 from models.parallel.float8 import Float8Options, convert_to_float8
 from models.parallel.fsdp import apply_fsdp
+from models.parallel.mixed_precision import apply_compute_copies
 from models.parallel.tensor_parallel import apply_tensor_parallel
 from parallel_dims import ParallelDims
 
 __all__ = ["ParallelizeOptions", "parallelize_model"]
+
+# How mixed precision runs where no parameter is sharded over data-parallel ranks and there is
+# no pipeline: "compute_copies" (models/parallel/mixed_precision.py) or "fsdp" (FSDP2 on the
+# size-1 mesh, the way before; benchmarks/param_traffic.py and the tests that prove the two
+# equal set it).
+ONE_RANK_MIXED_PRECISION = "compute_copies"
 
 
 @dataclass
@@ -72,9 +79,20 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
     # Experts get their own FSDP wrapping whenever their rank sets differ from the dense
     # params': as DTensors over ep/etp, or replicated over tp ranks that see different tokens.
     separate = bool(moes) and (pd.ep > 1 or pd.etp > 1 or pd.tp > 1)
-    # Mixed precision is FSDP2's on every layout: without data parallelism FSDP2 wraps on the
-    # size-1 shard mesh, where it only casts (see models/parallel/fsdp.py).
     mixed = opts.param_dtype != "float32" or opts.reduce_dtype != "float32"
+    dense_mesh = pd.fsdp_mesh_for("dense")
+    expert_mesh = pd.fsdp_mesh_for("expert") if separate else None
+    one_rank = dense_mesh is None and expert_mesh is None and pd.pp == 1
+    if mixed and one_rank and opts.param_dtype != "float32" and ONE_RANK_MIXED_PRECISION == "compute_copies":
+        # No parameter is sharded over data-parallel ranks and there is no pipeline (one GPU,
+        # pure TP): fp32 masters with compute copies, the work of a mixed-precision loop and
+        # no more (see models/parallel/mixed_precision.py; FSDP2 on a size-1 mesh computes the
+        # same values but copies every gradient once more).
+        apply_compute_copies(model, opts.param_dtype)
+        return model
+    # Otherwise mixed precision is FSDP2's: without data parallelism (a pipeline stage, EP
+    # without data parallelism) FSDP2 wraps on the size-1 shard mesh, where it only casts (see
+    # models/parallel/fsdp.py).
     apply_fsdp(
         model,
         pd.fsdp_mesh_for("dense", allow_trivial=mixed),

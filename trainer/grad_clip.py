@@ -50,6 +50,22 @@ def _all_reduce_on(sq: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
     dist.all_reduce(sq, group=mesh.get_group(dim))
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The float32 sum of squares of every element of ``grads`` (local tensors): one
+    ``torch._foreach_norm`` per (device, dtype) group, which reads each gradient once (a
+    per-tensor ``pow`` then ``sum`` reads it twice and writes a squared copy), accumulating in
+    float32 whatever the gradients' dtype."""
+    by_device_dtype: dict = defaultdict(list)
+    for t in grads:
+        by_device_dtype[(t.device, t.dtype)].append(t)
+    total = None
+    for (_, dtype), ts in by_device_dtype.items():
+        norms = torch._foreach_norm(ts, 2, dtype=None if dtype == torch.float32 else torch.float32)
+        sq = torch.stack(norms).square().sum()
+        total = sq if total is None else total + sq.to(total.device)
+    return total
+
+
 def grad_norm(params: Iterable[torch.Tensor], pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """Global L2 norm of the grads of ``params`` (float32 scalar, same value on every rank).
 
@@ -77,8 +93,7 @@ def grad_norm(params: Iterable[torch.Tensor], pp_mesh: DeviceMesh | None = None)
             by_groups[("local", g.device)].append(g)
     total = None
     for key, grads in by_groups.items():
-        squares = [t.float().pow(2).sum() for t in grads]
-        sq = torch.stack(squares).sum() if len(squares) > 1 else squares[0].clone()
+        sq = _sum_of_squares(grads)
         for mesh, dim in reducers.get(key, ()):
             _all_reduce_on(sq, mesh, dim)
         total = sq if total is None else total + sq.to(total.device)

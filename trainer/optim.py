@@ -100,9 +100,29 @@ class Optimizers:
                 )
             )
 
-    def step(self) -> None:
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether :meth:`step` can skip a step on the device (``found_inf``): the fused AdamW
+        kernel takes it (it leaves parameters, moments and step counts as they were); the
+        foreach and for-loop implementations refuse it."""
+        return self.implementation == "fused"
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """One AdamW step of every part. ``found_inf``: a float32 device scalar, 1.0 to skip the
+        step on the device without a host sync (only where :attr:`skips_on_device`)."""
+        if found_inf is not None and not self.skips_on_device:
+            raise ValueError(f"found_inf needs the fused AdamW kernel, not {self.implementation!r}")
         for opt in self.optimizers:
-            opt.step()
+            if found_inf is None:
+                opt.step()
+                continue
+            # torch's Adam/AdamW pass the optimizer's ``found_inf`` attribute to the fused
+            # kernel (what torch.amp.GradScaler sets)
+            opt.found_inf = found_inf
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:

@@ -12,7 +12,7 @@ from torch import nn
 
 from parallel_dims import ParallelDims
 
-__all__ = ["StepResult", "TrainingDiverged", "check_finite", "reduce_loss", "update_expert_bias"]
+__all__ = ["StepResult", "TrainingDiverged", "check_finite", "read_step_scalars", "reduce_loss", "update_expert_bias"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -24,6 +24,12 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+
+
+def read_step_scalars(scalars: torch.Tensor) -> list[float]:
+    """The step's one host sync: the values of the step's device scalars (loss, gradient norm).
+    Its own function so that tests can see when in the step it runs."""
+    return scalars.tolist()
 
 
 def check_finite(loss: float, grad_norm: float, step: int) -> None:

@@ -64,7 +64,14 @@ from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.precision import apply_precision_policy
 from trainer.run_mode import RunMode
-from trainer.step import StepResult, TrainingDiverged, check_finite, reduce_loss, update_expert_bias
+from trainer.step import (
+    StepResult,
+    TrainingDiverged,
+    check_finite,
+    read_step_scalars,
+    reduce_loss,
+    update_expert_bias,
+)
 from trainer.stop import StopSignals, exit_code
 from trainer.validation import Validator
 
@@ -229,15 +236,19 @@ class Trainer:
 
             loss_sum = sum_loss_over_pp(loss_sum, pp_mesh, self.device)  # only last stage has it
         loss_total = reduce_loss(loss_sum, self.pd)
-        # The step's one host sync: everything above is queued on the device, and the loss
-        # and norm are needed on the host to stop a diverged run before the optimizer applies
-        # it. The optimizer's kernels are queued right after, and the next step's data is
-        # prepared on the host while they run.
-        loss_value, norm_value = torch.stack([loss_total, grad_norm.to(loss_total)]).tolist()
-        if self.mode.checks_divergence:
-            check_finite(loss_value, norm_value, self.step + 1)
+        scalars = torch.stack([loss_total, grad_norm.to(loss_total)])
+        # The step's one host sync reads the loss and the norm (to log them and to stop a
+        # diverged run). Where the optimizer can skip a non-finite step on the device (fused
+        # AdamW's found_inf), it comes after the optimizer and the rest of the step are queued,
+        # so the device never waits for the host; otherwise before the optimizer step, which
+        # must not apply a non-finite update.
+        skip_on_device = self.mode.checks_divergence and self.optimizer.skips_on_device and not self.mode.local
+        if not skip_on_device:
+            loss_value, norm_value = read_step_scalars(scalars)
+            if self.mode.checks_divergence:
+                check_finite(loss_value, norm_value, self.step + 1)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
-        self.optimizer.step()
+        self.optimizer.step(found_inf=(~torch.isfinite(scalars).all()).float() if skip_on_device else None)
         if self.mode.local:  # every parameter, gradient and optimizer state holds every rank's value
             check_all_local(self.model_parts, self.optimizer)
         if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
@@ -247,6 +258,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if moes:
             update_expert_bias(moes, self.pd)
+        if skip_on_device:
+            # a non-finite step left the weights and the optimizer state as they were (the
+            # schedule and the experts' bias moved on, but the run stops here, unsaved)
+            loss_value, norm_value = read_step_scalars(scalars)
+            check_finite(loss_value, norm_value, self.step + 1)
         return StepResult(loss_value, norm_value, lr_used)
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:

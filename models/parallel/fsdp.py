@@ -59,11 +59,11 @@ def apply_fsdp(
     ``expert_mesh``), then the embeddings, the norm+output head and the root, in place."""
     mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype), reduce_dtype=_dtype(reduce_dtype))
     reshard_policy(reshard_after_forward, pp_enabled, 2)  # a bad policy fails even if nothing is wrapped
-    wrapped: list[FSDPModule] = []
+    wrapped: list[tuple[FSDPModule, int]] = []  # with the number of ranks of its mesh
 
     def wrap(module: nn.Module, mesh: DeviceMesh, reshard_flag: bool) -> None:
         reshard_flag = reshard_flag and reshard_policy(reshard_after_forward, pp_enabled, mesh.size())
-        wrapped.append(fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_flag))
+        wrapped.append((fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_flag), mesh.size()))
 
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
@@ -79,9 +79,14 @@ def apply_fsdp(
             head = [m for m in (model.norm, model.output) if m is not None]
             # norm + output form one FSDP group (one all-gather); the returned handle is the list
             fully_shard(head, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
-            wrapped.append(head[0])
+            wrapped.append((head[0], dense_mesh.size()))
         wrap(model, dense_mesh, True)
-    for module in wrapped:
+    for module, ranks in wrapped:
+        if ranks == 1:
+            # nothing to reduce: FSDP2 copies the gradient from its reduce buffer to the output
+            # as it is, and a divide factor would add a division (``copy_(grad / factor)``:
+            # 8 more bytes per parameter per step)
+            continue
         # exact sums across ranks (see module docstring); SUM is also the one op every backend
         # supports (gloo has no PREMUL_SUM)
         module.set_gradient_divide_factor(1.0)
