@@ -333,7 +333,8 @@ class ParallelDims(TorchtitanCompat):
         ``allow_trivial`` a layout without data parallelism for those params gets the size-1
         shard mesh instead of None. On a size-1 mesh FSDP2 never communicates (its group is a
         placeholder); it only casts parameters to the compute dtype and gradients back, which
-        is how mixed precision takes effect on layouts without FSDP (one GPU, pure TP, PP)."""
+        is how mixed precision takes effect on pipeline stages and EP without data parallelism (one
+        GPU and pure TP use compute copies, models/parallel/mixed_precision.py)."""
         if params not in ("dense", "expert"):
             raise ValueError(f"fsdp_mesh_for(params={params!r}); legal values: 'dense', 'expert'")
         shard_axis = "fsdp" if params == "dense" else "efsdp"

@@ -1,17 +1,19 @@
-"""FSDP2 for dense and expert parameters, and the one mechanism for mixed precision.
+"""FSDP2 for dense and expert parameters, and mixed precision wherever FSDP2 wraps.
 
 Gradients are SUMMED across data-parallel ranks, never averaged: the trainer's loss on each rank
 is its tokens' loss summed and divided by the *global* token count, so the sum over ranks is the
 exact global-batch gradient whatever the layout (dp, cp, micro-batches, expert meshes alike).
 
-Mixed precision comes from FSDP2's ``MixedPrecisionPolicy`` on EVERY layout: where a layout has
-no data parallelism (one GPU, pure TP, PP-only), the caller passes the size-1 shard mesh
+Mixed precision comes from FSDP2's ``MixedPrecisionPolicy`` wherever FSDP2 wraps: with data
+parallelism, and on layouts without it that have a pipeline or experts on their own mesh
+(PP-only, EP without data parallelism), where the caller passes the size-1 shard mesh
 (:meth:`ParallelDims.fsdp_mesh_for` with ``allow_trivial``), on which FSDP2 never communicates and
 only casts parameters to ``param_dtype`` for compute and gradients back to the fp32 master
-weights. So a bf16 run computes the same way (bf16 parameters and activations, fp32 master
-weights, gradients and optimizer state) whatever the degrees, and bf16 loss curves stay
-comparable across layouts; ``torch.autocast`` instead would keep the residual stream in fp32 on
-some layouts and not on others.
+weights. One GPU and pure TP use compute copies instead (models/parallel/mixed_precision.py: the
+same values, fewer copies). So a bf16 run computes the same way (bf16 parameters and
+activations, fp32 master weights, gradients and optimizer state) whatever the degrees, and bf16
+loss curves stay comparable across layouts; ``torch.autocast`` instead would keep the residual
+stream in fp32 on some layouts and not on others.
 """
 
 from __future__ import annotations
