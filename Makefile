@@ -14,7 +14,7 @@ STAMP := $(VENV)/$(if $(filter 1,$(SYSTEM_TORCH)),.installed-system-torch,.insta
 # GPUs when there are any, else 4 CPU processes over gloo.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ $$n -gt 0 ] && echo $$n || echo 4)
 
-.PHONY: setup lint format test test-fast train bench bench-gpu describe clean
+.PHONY: setup lint format test test-fast train bench bench-gpu bench-gpu-prepare describe clean
 
 setup: $(STAMP)
 
@@ -138,6 +138,13 @@ bench: $(STAMP)
 # repository root, no venv at all. Ends with the first-GPU-run checklist.
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu --out bench_results/gpu.json $(ARGS)
+
+# The torchtitan rows of bench-gpu (its model and its own trainer) need torchtitan_ref and the
+# wheels of ../shared (SHARED=path elsewhere): this copies them into the ignored .gpu/ (git
+# ignores it through .git/info/exclude); carry .gpu to the GPU machine. Needs no venv.
+SHARED ?= ../shared
+bench-gpu-prepare:
+	$(PYTHON) -m benchmarks.gpu --prepare-torchtitan $(SHARED)
 
 describe: $(STAMP)
 	$(PY) -m parallel_dims --world-size 4096 --dp-shard -1 --cp 2 --tp 8 --pp 4 --ep 64 --rank 17 --gpus-per-node 8

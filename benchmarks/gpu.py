@@ -1,23 +1,42 @@
-"""`make bench-gpu`: our trainer against a bare bf16 loop of the same model, and our model code
-against torchtitan's, on one GPU, in one run.
+"""`make bench-gpu`: our trainer against a bare mixed-precision loop of the same model code (the
+framework's overhead), a pure-bf16 loop, torchtitan's model in that loop, and torchtitan's own
+trainer, on one GPU, in one call.
 
 For each model (Llama 3 with 8B shapes and 8 layers, 1 x 8192 tokens; DeepSeek-V3 with 16B
 shapes and 6 layers, 2 x 4096 tokens, ep 1; selective per-op activation checkpointing, as in the
 GPU issue's measurements) and each mode (eager, compiled):
 
-* ``trainer``: ``train.py`` as a user launches it (bf16 mixed precision, synthetic data,
-  checkpointing off); tokens/s, MFU and peak memory from its own metrics.jsonl;
-* ``bare``: the same model code in a loop a user would write by hand: bf16 parameters, the same
-  activation checkpointing and per-block compile, cross entropy, clipping, fused AdamW, one
-  ``loss.item()`` per step; no FSDP, no ParallelDims, no data loader;
-* ``torchtitan``: torchtitan's model of the same shapes (``attn_type="sdpa"``, causal) in the
-  very same bare loop, when torchtitan is importable.
+* ``trainer``: ``train.py`` as a user launches it (bf16 mixed precision: fp32 master weights,
+  bf16 compute; synthetic data, checkpointing off); tokens/s, MFU and peak memory from its own
+  metrics.jsonl;
+* ``bare_mixed`` (``--references mixed``): the same model code in a loop a user would write by
+  hand for the trainer's recipe (``benchmarks/gpu_bare.py``): fp32 masters, one foreach cast to
+  bf16 compute copies per step, bf16 forward and backward under the same activation
+  checkpointing and per-block compile, gradients cast to fp32, clipping with one
+  ``torch._foreach_norm``, fp32 fused AdamW, one ``loss.item()`` per step; no FSDP, no
+  ParallelDims, no data loader. ``trainer_over_bare_mixed`` is the framework's overhead (goal
+  >= 0.97);
+* ``bare_bf16`` (``--references bf16``): the same loop on bf16 parameters with bf16 AdamW state,
+  a different and cheaper recipe, kept as a second reference (``trainer_over_bare_bf16``);
+* ``torchtitan_model`` (``--references torchtitan_model``): torchtitan's model of the same shapes
+  (``attn_type="sdpa"``, causal) in the pure-bf16 loop (``bare_bf16_over_torchtitan_model``:
+  model code against model code);
+* ``torchtitan_trainer`` (``--references torchtitan_trainer``): torchtitan 0.2.2's own trainer
+  (``torchrun``, one process) on the same shapes, from ``.gpu/torchtitan_ref``
+  (``make bench-gpu-prepare`` copies it there with torchtitan's wheels in ``.gpu/site``): the
+  median of the tps its log prints for the same timed steps as ours (``parse_torchtitan_log``);
+  ``ours_over_torchtitan_trainer`` = trainer / it (goal >= 1.05). On one GPU torchtitan trains
+  fp32 parameters under ``torch.autocast(bfloat16)``; its memory column is its max reserved GiB.
+
+torchtitan's rows say ``torchtitan not importable`` when it is not (``.gpu/site`` is put on the
+path when it exists and torchtitan is not importable without it), and are skipped for float8,
+block-causal and (its trainer) CPU rows.
 
 * ``block_causal`` rows (``model.attn_mask_type = "block_causal"``, ``attn_type = "flex"``,
-  compiled only; unmeasured until a GPU runs them): the trainer and the bare loop on the same
-  packed windows of the trainer's data (its synthetic documents, EOS between them; the trainer's
-  ``data:`` startup line gives their mean length), to read against the causal compiled row of the
-  same model. FlexAttention has no CPU backward, so the smoke row runs this code on ``sdpa``.
+  compiled only): the trainer and the bare loops on the same packed windows of the trainer's
+  data (its synthetic documents, EOS between them; the trainer's ``data:`` startup line gives
+  their mean length), to read against the causal compiled row of the same model. FlexAttention
+  has no CPU backward, so the smoke row runs this code on ``sdpa``.
 
 * ``planner``: the layout planner's estimate of the trainer's run (``tools.planner``: the same
   config through ``estimate_from_config``, the GPU's table entry, the planner's default
@@ -27,22 +46,23 @@ GPU issue's measurements) and each mode (eager, compiled):
   ``torch.compile``; the compiled rows show what that costs its estimate.
 
 Every measurement runs in a fresh process (a new interpreter; ``--launcher fork`` forks it from
-a server that imported torch and the trainer once instead, as the CPU smoke test does). Ratios:
-trainer / bare (framework overhead; goal >= 0.97) and bare / torchtitan (model code; goal >= 1.0).
-MFU uses the trainer's FLOPs per token (``trainer.metrics.training_flops_per_token``) for all
-three, so the ratios of MFU equal the ratios of tokens/s.
+a server that imported torch and the trainer once instead, as the CPU smoke test does; torchtitan's
+trainer always starts a new one). MFU uses the trainer's FLOPs per token
+(``trainer.metrics.training_flops_per_token``) for our rows and the bare loops, so their ratios
+of MFU equal the ratios of tokens/s; torchtitan's trainer's MFU is its own count.
 
 * float8 rows (``--precisions``, default ``bf16 float8``; causal rows only): the trainer with
   ``--model.converters float8`` (tensorwise; one GPU, so no FSDP float8 all-gather), for
   DeepSeek also ``float8_experts`` (the routed experts' grouped GEMMs, rowwise: torchao's
-  ``torch._scaled_grouped_mm`` path on sm90+), and the bare loop with the same model converted
-  (``convert_to_float8`` before the bf16 cast, AC and compile); ``float8_over_bf16``: their tokens/s over the bf16 row of the same model and
-  mode (the issue's anchor: >= 1.2 on Llama 3 8B shapes compiled); the bare loop's matmul census
-  reports the float8 share of the GEMM FLOPs (``matmul_float8_share``); torchtitan's model is
-  skipped; MFU stays priced at the bf16 peak, the planner row prices the converted GEMMs at the
-  float8 peak.
+  ``torch._scaled_grouped_mm`` path on sm90+), and the bare loops with the same model converted
+  (``convert_to_float8`` before the bf16 cast, AC and compile); ``float8_over_bf16``: their
+  tokens/s over the bf16 row of the same model and mode (the issue's anchor: >= 1.2 on Llama 3
+  8B shapes compiled); the mixed loop's matmul census reports the float8 share of the GEMM FLOPs
+  (``matmul_float8_share``); torchtitan is skipped; MFU stays priced at the bf16 peak, the
+  planner row prices the converted GEMMs at the float8 peak.
 
-JSON to ``bench_results/gpu.json``, a table to stdout.
+JSON to ``bench_results/gpu.json`` (with ``goals``: :data:`GOALS` evaluated on its rows), a
+table to stdout.
 
 ``--smoke`` runs the same code paths on tiny debug shapes (on the CPU when there is no GPU), so
 CI proves the benchmark itself works; its numbers mean nothing.
@@ -54,8 +74,8 @@ Where GPUs are (often no network, a driver pinned to the node's CUDA build of to
 ``SYSTEM_TORCH=1 make bench-gpu`` makes ``.venv`` on the node python's own torch and installs
 nothing that needs the network (see the Makefile's setup), or, with no venv at all, run
 ``python -m benchmarks.gpu`` with that python from the repository root: the benchmark needs torch,
-numpy, tokenizers and this checkout (train.py is run from the root; torchtitan's model rows are
-skipped when torchtitan is not importable).
+numpy and tokenizers and this checkout (train.py is run from the root); torchtitan's rows need
+``.gpu/`` (``make bench-gpu-prepare`` where ``../shared`` is, then carry ``.gpu``).
 """
 
 from __future__ import annotations
@@ -63,6 +83,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,6 +96,12 @@ from pathlib import Path
 from benchmarks.gpu_checklist import render_text as render_checklist
 
 ROOT = Path(__file__).resolve().parents[1]
+# what the GPU machine needs besides the checkout, in a folder git ignores (.git/info/exclude):
+# torchtitan_ref (torchtitan's trainer scripts and configs, its data and tokenizer) and site
+# (torchtitan 0.2.2 and its pure-Python dependencies, unzipped); `make bench-gpu-prepare` fills it
+GPU_FOLDER = ROOT / ".gpu"
+TORCHTITAN_REF = GPU_FOLDER / "torchtitan_ref"
+TORCHTITAN_SITE = GPU_FOLDER / "site"
 
 
 @dataclass(frozen=True)
@@ -250,69 +278,242 @@ def run_trainer(case: Case, steps: int, warmup: int) -> dict:
     }
 
 
+# ------------------------------------------------------------------ torchtitan's own trainer
+
+# model -> (flavor, layers, run script, config) of ../shared/gpu/torchtitan_ref: the scripts
+# register torchtitan flavors of these shapes ("8B_l8", "16B_l6"); seq_len and batch come from
+# the command line
+TORCHTITAN_REF_RUNS = {
+    "llama3": ("8B", 8, "llama_run.py", "llama_8b_8layers.toml"),
+    "deepseek_v3": ("16B", 6, "deepseek_run.py", "deepseek_16b_6layers.toml"),
+}
+TORCHTITAN_DATA = "c4_test/data.json"  # written by its make_data.py (make bench-gpu-prepare)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# torchtitan 0.2.2's training line (torchtitan/components/metrics.py, MetricsProcessor.log):
+# "step: {step:2}  loss: {loss:8.5f}  grad_norm: {norm:7.4f}  memory: {reserved_gib:5.2f}GiB({pct:.2f}%)
+#  tps: {round(tps):,}  tflops: {tflops:,.2f}  mfu: {mfu:.2f}%", each field after a color code
+# unless metrics.disable_color_printing, behind its logger's "[titan] <time> - root - INFO - "
+_TITAN_STEP = re.compile(
+    r"(?<![A-Za-z])step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<grad_norm>\S+)\s+"
+    r"memory:\s*(?P<memory>[\d.]+)GiB\((?P<memory_pct>[\d.]+)%\)\s+tps:\s*(?P<tps>[\d,]+)\s+"
+    r"tflops:\s*(?P<tflops>[\d,.]+)\s+mfu:\s*(?P<mfu>[\d.]+)%"
+)
+
+
+def parse_torchtitan_log(text: str) -> list[dict]:
+    """Every training-step line of torchtitan's log in ``text`` (colored or not; validation lines,
+    which have no grad_norm, are not steps): step, loss, grad_norm, tps (tokens per second per
+    device over the steps since the last line; log_freq 1: that step), tflops, mfu_pct and
+    reserved_gib (the step's max reserved memory), in log order."""
+    records = []
+    for line in text.splitlines():
+        m = _TITAN_STEP.search(_ANSI.sub("", line))
+        if m is None:
+            continue
+        records.append(
+            {
+                "step": int(m["step"]),
+                "loss": float(m["loss"]),
+                "grad_norm": float(m["grad_norm"]),
+                "tps": float(m["tps"].replace(",", "")),
+                "tflops": float(m["tflops"].replace(",", "")),
+                "mfu_pct": float(m["mfu"]),
+                "reserved_gib": float(m["memory"]),
+            }
+        )
+    return records
+
+
+def summarize_torchtitan(records: list[dict], steps: int, warmup: int) -> dict:
+    """The figures of our trainer's row from torchtitan's step records: medians over the steps
+    after ``warmup`` (the window ours is timed on), every one of them logged, or an error."""
+    timed = [r for r in records if r["step"] > warmup]
+    if sorted(r["step"] for r in timed) != list(range(warmup + 1, steps + 1)):
+        got = ", ".join(str(r["step"]) for r in records) or "none"
+        return {"error": f"torchtitan's log has steps {got}, not every one of steps {warmup + 1}..{steps}"}
+    return {
+        "tokens_per_s": statistics.median(r["tps"] for r in timed),
+        "mfu_pct": statistics.median(r["mfu_pct"] for r in timed),
+        "peak_reserved_gib": max(r["reserved_gib"] for r in timed),
+        "steps_timed": len(timed),
+        "last_loss": timed[-1]["loss"],
+    }
+
+
+def torchtitan_trainer_cmd(case: Case, steps: int, folder: str) -> list[str]:
+    """torchrun of ``.gpu/torchtitan_ref``'s script for ``case``'s model with its config, run from
+    that folder (its data, tokenizer and configs are relative to it), one process."""
+    _flavor, _layers, script, config = TORCHTITAN_REF_RUNS[case.model]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", script]
+    cmd += ["--job.config_file", config, "--job.dump_folder", folder, "--training.steps", str(steps)]
+    cmd += ["--training.seq_len", str(case.seq_len), "--training.local_batch_size", str(case.local_batch_size)]
+    if case.model == "deepseek_v3":
+        cmd += ["--parallelism.expert_parallel_degree", "1"]
+    if case.compile:
+        cmd.append("--compile.enable")  # components model and loss, as its config lists
+    return cmd
+
+
+def torchtitan_skip(case: Case, kind: str, unavailable: str | None) -> str | None:
+    """Why torchtitan's ``kind`` (``torchtitan_model`` or ``torchtitan_trainer``) does not run on
+    ``case``'s row, or None. ``unavailable``: why torchtitan cannot be imported, or None."""
+    if unavailable:
+        return unavailable
+    if case.precision != "bf16":
+        return "the torchtitan comparison runs bf16 only"
+    if case.attn_mask_type != "causal":
+        return "the torchtitan comparison runs causal sdpa only"
+    if kind == "torchtitan_model":
+        if case.device == "cpu" and case.model == "deepseek_v3":
+            # its router counts tokens with torch.histc, which has no CPU kernel for integers
+            return "torchtitan's MoE does not run on CPU"
+        return None
+    if case.device != "cuda":
+        return "torchtitan's trainer runs on CUDA only (it takes device cuda:LOCAL_RANK)"
+    flavor, layers, script, _config = TORCHTITAN_REF_RUNS[case.model]
+    if (case.flavor, case.n_layers) != (flavor, layers):
+        return f"torchtitan_ref's {script} has {flavor} shapes with {layers} layers only"
+    if not (TORCHTITAN_REF / script).exists() or not (TORCHTITAN_REF / TORCHTITAN_DATA).exists():
+        return (
+            f"{TORCHTITAN_REF.relative_to(ROOT)} is not prepared: run make bench-gpu-prepare where "
+            "../shared is, and carry .gpu to the GPU machine"
+        )
+    return None
+
+
+def run_torchtitan_trainer(case: Case, steps: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+        if TORCHTITAN_SITE.is_dir():
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHTITAN_SITE), env.get("PYTHONPATH")]))
+        try:
+            res = subprocess.run(
+                torchtitan_trainer_cmd(case, steps, folder),
+                cwd=TORCHTITAN_REF,
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            return {
+                "error": f"torchtitan's trainer did not finish in {TIMEOUT_S:g} s (--timeout), killed: {out[-2000:]}"
+            }
+    log = res.stdout + "\n" + res.stderr
+    if res.returncode != 0:
+        return {"error": f"torchtitan's trainer exited {res.returncode}: {log[-2000:]}"}
+    out = summarize_torchtitan(parse_torchtitan_log(log), steps, warmup)
+    if "error" in out:
+        out["error"] += f": {log[-2000:]}"
+    return out
+
+
 # ------------------------------------------------------------------ driver
 
 
 def _worker(argv: list[str]) -> int:
     from benchmarks.gpu_bare import bare_loop
 
-    kind, case_json, steps, warmup = argv
+    implementation, recipe, case_json, steps, warmup = argv
     case = Case(**json.loads(case_json))
-    print(json.dumps(bare_loop(case, kind, int(steps), int(warmup), trainer_args)))
+    print(json.dumps(bare_loop(case, implementation, int(steps), int(warmup), trainer_args, recipe)))
     return 0
 
 
-def run_bare(case: Case, kind: str, steps: int, warmup: int) -> dict:
+def run_bare(case: Case, implementation: str, recipe: str, steps: int, warmup: int) -> dict:
+    """A bare loop (``benchmarks/gpu_bare.py``) of ``implementation``'s model (``ours`` or
+    ``torchtitan``) in ``recipe`` (``mixed`` or ``bf16``), in its own process."""
     env = dict(os.environ)
     if case.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    res = _run_process(
-        [sys.executable, "-m", "benchmarks.gpu", "--worker", kind, json.dumps(asdict(case)), str(steps), str(warmup)],
-        env,
-    )
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--worker", implementation, recipe, json.dumps(asdict(case))]
+    res = _run_process(cmd + [str(steps), str(warmup)], env)
+    what = f"{recipe} loop" + (" of torchtitan's model" if implementation == "torchtitan" else "")
     if isinstance(res, str):
-        return {"error": f"{kind} loop {res}"}
+        return {"error": f"{what} {res}"}
     if res.returncode != 0:
-        return {"error": f"{kind} loop exited {res.returncode}: {res.stderr[-2000:]}"}
+        return {"error": f"{what} exited {res.returncode}: {res.stderr[-2000:]}"}
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _torchtitan_available() -> bool:
+def _import_torchtitan() -> str | None:
+    """None when torchtitan's models import, else the error."""
     try:
         import torchtitan.models.deepseek_v3
         import torchtitan.models.llama3  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
-def _ratio(a: dict, b: dict) -> float | None:
-    if "error" in a or "error" in b or not b.get("tokens_per_s"):
+def torchtitan_unavailable() -> str | None:
+    """None when torchtitan is importable, else the reason its rows give. Not importable as is but
+    ``.gpu/site`` exists (``make bench-gpu-prepare``): that folder goes on this process's path and
+    on ``PYTHONPATH`` for the measurement processes, and counts if torchtitan imports from it."""
+    err = _import_torchtitan()
+    if err is not None and TORCHTITAN_SITE.is_dir() and str(TORCHTITAN_SITE) not in sys.path:
+        sys.path.insert(0, str(TORCHTITAN_SITE))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHTITAN_SITE), os.environ.get("PYTHONPATH")]))
+        err = _import_torchtitan()
+    return None if err is None else f"torchtitan not importable ({err})"
+
+
+def _ratio(a: dict | None, b: dict | None) -> float | None:
+    if not a or not b or "error" in a or "error" in b or not a.get("tokens_per_s") or not b.get("tokens_per_s"):
         return None
     return a["tokens_per_s"] / b["tokens_per_s"]
 
 
+# what each reference is (--references), the row key it writes
+REFERENCES = {
+    "mixed": "bare_mixed",
+    "bf16": "bare_bf16",
+    "torchtitan_model": "torchtitan_model",
+    "torchtitan_trainer": "torchtitan_trainer",
+}
+MEASURED = ("trainer", *REFERENCES.values())  # the row keys of measurements (a failure: "error")
+
+
+def add_ratios(row: dict) -> None:
+    """The row's ratios of tokens/s (None where a side is missing, failed or skipped)."""
+    row["trainer_over_bare_mixed"] = _ratio(row["trainer"], row.get("bare_mixed"))
+    row["trainer_over_bare_bf16"] = _ratio(row["trainer"], row.get("bare_bf16"))
+    row["bare_bf16_over_torchtitan_model"] = _ratio(row.get("bare_bf16"), row.get("torchtitan_model"))
+    row["ours_over_torchtitan_trainer"] = _ratio(row["trainer"], row.get("torchtitan_trainer"))
+
+
 def measure(
-    cases: list[Case], steps: int, warmup: int, with_torchtitan: bool, device_name: str | None = None
+    cases: list[Case],
+    steps: int,
+    warmup: int,
+    references: list[str] | tuple[str, ...] = tuple(REFERENCES),
+    titan_unavailable: str | None = None,
+    device_name: str | None = None,
 ) -> list[dict]:
+    """One row per case: the trainer, the planner's estimate of it, and each of ``references``
+    (torchtitan's with the reason they did not run where they did not)."""
     rows = []
     for case in cases:
         print(f"== {case.name}", file=sys.stderr, flush=True)
         row = {"case": asdict(case), "name": case.name}
         row["trainer"] = run_trainer(case, steps, warmup)
         row["planner"] = planner_check(case, row["trainer"], device_name)
-        row["bare"] = run_bare(case, "ours", steps, warmup)
-        row["trainer_over_bare"] = _ratio(row["trainer"], row["bare"])
-        if with_torchtitan and case.precision != "bf16":
-            row["torchtitan_model"] = {"skipped": "the torchtitan comparison runs bf16 only"}
-        elif with_torchtitan and case.attn_mask_type != "causal":
-            row["torchtitan_model"] = {"skipped": "the torchtitan comparison runs causal sdpa only"}
-        elif with_torchtitan and case.device == "cpu" and case.model == "deepseek_v3":
-            # its router counts tokens with torch.histc, which has no CPU kernel for integers
-            row["torchtitan_model"] = {"skipped": "torchtitan's MoE does not run on CPU"}
-        elif with_torchtitan:
-            row["torchtitan_model"] = run_bare(case, "torchtitan", steps, warmup)
-            row["bare_over_torchtitan_model"] = _ratio(row["bare"], row["torchtitan_model"])
+        for recipe in ("mixed", "bf16"):
+            if recipe in references:
+                row[REFERENCES[recipe]] = run_bare(case, "ours", recipe, steps, warmup)
+        for kind in ("torchtitan_model", "torchtitan_trainer"):
+            if kind not in references:
+                continue
+            skip = torchtitan_skip(case, kind, titan_unavailable)
+            if skip is not None:
+                row[kind] = {"skipped": skip}
+            elif kind == "torchtitan_model":
+                row[kind] = run_bare(case, "torchtitan", "bf16", steps, warmup)
+            else:
+                row[kind] = run_torchtitan_trainer(case, steps, warmup)
+        add_ratios(row)
         rows.append(row)
     _float8_ratios(rows)
     return rows
@@ -320,7 +521,7 @@ def measure(
 
 def _float8_ratios(rows: list[dict]) -> None:
     """Each float8 row's tokens/s over the bf16 row of the same model, mask and mode (trainer and
-    bare loop; None when that row was not run or failed)."""
+    bare loops; None when that row was not run or failed)."""
     same = ("model", "flavor", "n_layers", "seq_len", "attn_mask_type", "compile")
     for row in rows:
         if row["case"]["precision"] != "float8":
@@ -330,39 +531,156 @@ def _float8_ratios(rows: list[dict]) -> None:
             (r for r in rows if r["case"]["precision"] == "bf16" and tuple(r["case"][k] for k in same) == key), None
         )
         row["float8_over_bf16"] = {
-            kind: _ratio(row[kind], bf16[kind]) if bf16 is not None else None for kind in ("trainer", "bare")
+            kind: _ratio(row.get(kind), bf16.get(kind)) if bf16 is not None else None
+            for kind in ("trainer", "bare_mixed", "bare_bf16")
+            if kind in row
         }
+
+
+# ------------------------------------------------------------------ goals (issue 39)
+
+# (id, what, threshold): each measured on the four bf16 causal rows of the GPU shapes (both
+# models, eager and compiled) of one or more runs that had these references
+GOALS = [
+    ("ours_over_torchtitan_trainer", "ours / torchtitan's trainer (tokens/s, same shapes, same call), each row", 1.05),
+    ("trainer_over_bare_mixed", "trainer / mixed-precision bare loop (tokens/s), each row", 0.97),
+    ("deepseek_compiled_over_eager", "DeepSeek-V3 trainer compiled / eager (tokens/s)", 1.10),
+]
+GOAL_ROWS = [(m, c) for m in ("llama3", "deepseek_v3") for c in (False, True)]
+# how to measure the goals: here, then on the GPU machine (one call per model: each is 2 rows of
+# the trainer and 4 references), then the report here
+GOALS_COMMAND = (
+    "here: `make bench-gpu-prepare`; on the GPU machine (carry `.gpu`), from the repository root: "
+    "`python -m benchmarks.gpu --models llama3 --masks causal --precisions bf16 "
+    "--out bench_results/gpu_issue39_llama3.json`, then the same with `--models deepseek_v3` and "
+    "`--out bench_results/gpu_issue39_deepseek_v3.json` (on a lent device machine: `--out $OUT/...`, "
+    "then copy both files into bench_results/ here); then `python -m benchmarks.report` here"
+)
+
+
+def _row_label(model: str, compiled: bool) -> str:
+    return f"{model} {'compiled' if compiled else 'eager'}"
+
+
+def evaluate_goals(rows: list[dict]) -> list[dict]:
+    """:data:`GOALS` on ``rows`` (later rows of the same case replace earlier ones): per goal its
+    threshold, the measured values by row and its status: ``met``, ``missed``, or ``UNMEASURED``
+    when a value is missing (not run, failed, skipped)."""
+    four: dict[tuple[str, bool], dict] = {}
+    for r in rows:
+        c = r["case"]
+        shapes = TORCHTITAN_REF_RUNS.get(c["model"], (None, None))[:2]
+        if (c["precision"], c["attn_mask_type"], c["device"]) == ("bf16", "causal", "cuda") and (
+            c["flavor"],
+            c["n_layers"],
+        ) == shapes:
+            four[(c["model"], c["compile"])] = r
+    out = []
+    for gid, what, threshold in GOALS:
+        if gid == "deepseek_compiled_over_eager":
+            eager, compiled = four.get(("deepseek_v3", False)), four.get(("deepseek_v3", True))
+            value = _ratio(compiled["trainer"], eager["trainer"]) if eager and compiled else None
+            measured = {"deepseek_v3": value}
+        else:
+            measured = {_row_label(*k): (four[k].get(gid) if k in four else None) for k in GOAL_ROWS}
+        values = list(measured.values())
+        if any(v is None for v in values):
+            status = "UNMEASURED"
+        else:
+            status = "met" if all(v >= threshold for v in values) else "missed"
+        out.append({"goal": gid, "what": what, "threshold": threshold, "status": status, "measured": measured})
+    return out
+
+
+# ------------------------------------------------------------------ the table
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+# (header, width, value of a row, format)
+_COLUMNS = [
+    ("trainer tok/s", 14, lambda r: r["trainer"].get("tokens_per_s"), ",.0f"),
+    ("MFU%", 7, lambda r: r["trainer"].get("mfu_pct"), ".1f"),
+    ("GiB", 7, lambda r: r["trainer"].get("peak_memory_gib"), ".1f"),
+    ("mixed tok/s", 12, lambda r: r.get("bare_mixed", {}).get("tokens_per_s"), ",.0f"),
+    ("tr/mixed", 9, lambda r: r.get("trainer_over_bare_mixed"), ".3f"),
+    ("bf16 tok/s", 12, lambda r: r.get("bare_bf16", {}).get("tokens_per_s"), ",.0f"),
+    ("tr/bf16", 9, lambda r: r.get("trainer_over_bare_bf16"), ".3f"),
+    ("titan-tr tok/s", 15, lambda r: r.get("torchtitan_trainer", {}).get("tokens_per_s"), ",.0f"),
+    ("ours/titan-tr", 14, lambda r: r.get("ours_over_torchtitan_trainer"), ".3f"),
+    ("titan-model", 12, lambda r: r.get("torchtitan_model", {}).get("tokens_per_s"), ",.0f"),
+    ("bf16/t-model", 13, lambda r: r.get("bare_bf16_over_torchtitan_model"), ".3f"),
+    ("bf16 GEMM", 10, lambda r: r.get("bare_mixed", {}).get("matmul_bf16_share"), ".3f"),
+    ("f8 GEMM", 8, lambda r: r.get("bare_mixed", {}).get("matmul_float8_share"), ".3f"),
+    ("f8/bf16 tr", 11, lambda r: r.get("float8_over_bf16", {}).get("trainer"), ".3f"),
+    ("plan/meas s", 12, lambda r: r.get("planner", {}).get("predicted_over_measured"), ".3f"),
+    ("plan/meas GiB", 14, lambda r: r.get("planner", {}).get("memory_predicted_over_measured"), ".3f"),
+]
+
+
 def print_table(rows: list[dict]) -> None:
-    header = (
-        f"{'case':<60}{'trainer tok/s':>14}{'MFU%':>7}{'GiB':>7}{'bare tok/s':>12}{'MFU%':>7}"
-        f"{'GiB':>7}{'tr/bare':>9}{'titan tok/s':>13}{'bare/titan':>11}{'bf16 GEMM':>10}"
-        f"{'f8 GEMM':>8}{'f8/bf16 tr':>11}{'f8/bf16 bare':>13}{'plan/meas s':>12}{'plan/meas GiB':>14}"
-    )
+    header = f"{'case':<60}" + "".join(f"{h:>{w}}" for h, w, _v, _f in _COLUMNS)
     print(header)
     print("-" * len(header))
     for r in rows:
-        t, b, tt, pl = r["trainer"], r["bare"], r.get("torchtitan_model", {}), r.get("planner", {})
-        f8 = r.get("float8_over_bf16", {})
-        print(
-            f"{r['name']:<60}{_fmt(t.get('tokens_per_s'), ',.0f'):>14}{_fmt(t.get('mfu_pct'), '.1f'):>7}"
-            f"{_fmt(t.get('peak_memory_gib'), '.1f'):>7}{_fmt(b.get('tokens_per_s'), ',.0f'):>12}"
-            f"{_fmt(b.get('mfu_pct'), '.1f'):>7}{_fmt(b.get('peak_memory_gib'), '.1f'):>7}"
-            f"{_fmt(r['trainer_over_bare'], '.3f'):>9}{_fmt(tt.get('tokens_per_s'), ',.0f'):>13}"
-            f"{_fmt(r.get('bare_over_torchtitan_model'), '.3f'):>11}{_fmt(b.get('matmul_bf16_share'), '.3f'):>10}"
-            f"{_fmt(b.get('matmul_float8_share'), '.3f'):>8}{_fmt(f8.get('trainer'), '.3f'):>11}"
-            f"{_fmt(f8.get('bare'), '.3f'):>13}{_fmt(pl.get('predicted_over_measured'), '.3f'):>12}"
-            f"{_fmt(pl.get('memory_predicted_over_measured'), '.3f'):>14}"
-        )
+        print(f"{r['name']:<60}" + "".join(f"{_fmt(v(r), f):>{w}}" for _h, w, v, f in _COLUMNS))
     for r in rows:
-        for kind in ("trainer", "bare", "torchtitan_model"):
+        for kind in MEASURED:
             if "error" in r.get(kind, {}):
                 print(f"\n{r['name']} / {kind} failed:\n{r[kind]['error']}")
+    skipped = {r[kind]["skipped"] for r in rows for kind in MEASURED if "skipped" in r.get(kind, {})}
+    for reason in sorted(skipped):
+        print(f"skipped: {reason}")
+
+
+# ------------------------------------------------------------------ prepare (make bench-gpu-prepare)
+
+
+def prepare_torchtitan(shared: Path) -> int:
+    """Fill ``.gpu/`` for the GPU machine from ``shared`` (../shared): ``gpu/torchtitan_ref`` copied
+    to ``.gpu/torchtitan_ref`` (writable copies) and its data written there (its make_data.py),
+    every wheel of ``wheels/`` unzipped into ``.gpu/site``, and ``/.gpu/`` added to
+    ``.git/info/exclude`` so git ignores the folder."""
+    import zipfile
+
+    ref, wheels = shared / "gpu" / "torchtitan_ref", shared / "wheels"
+    missing = [str(p) for p in (ref, wheels) if not p.is_dir()]
+    if missing:
+        print(
+            f"error: {', '.join(missing)} not found: pass the folder that holds gpu/torchtitan_ref and "
+            "wheels/ (make bench-gpu-prepare SHARED=path)",
+            file=sys.stderr,
+        )
+        return 2
+    for src in sorted(ref.rglob("*")):
+        dst = TORCHTITAN_REF / src.relative_to(ref)
+        if src.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)  # contents only: the source is read-only
+    TORCHTITAN_SITE.mkdir(parents=True, exist_ok=True)
+    names = sorted(w.name for w in wheels.glob("*.whl"))
+    for name in names:
+        with zipfile.ZipFile(wheels / name) as z:
+            z.extractall(TORCHTITAN_SITE)
+    subprocess.run([sys.executable, "make_data.py"], cwd=TORCHTITAN_REF, check=True)
+    git_dir = subprocess.run(
+        ["git", "rev-parse", "--git-path", "info/exclude"], cwd=ROOT, capture_output=True, text=True
+    )
+    if git_dir.returncode == 0:
+        exclude = ROOT / git_dir.stdout.strip()
+        lines = exclude.read_text().splitlines() if exclude.exists() else []
+        if "/.gpu/" not in lines:
+            exclude.parent.mkdir(parents=True, exist_ok=True)
+            exclude.write_text("\n".join([*lines, "/.gpu/"]) + "\n")
+    print(
+        f"prepared {GPU_FOLDER.relative_to(ROOT)}/: torchtitan_ref from {ref} (data: {TORCHTITAN_DATA}), "
+        f"site from {len(names)} wheels ({', '.join(names)}); carry .gpu to the GPU machine"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,7 +727,23 @@ def main(argv: list[str] | None = None) -> int:
         "server that imported torch and the trainer once (tools/launcher.py; the test suite's CPU "
         "smoke run: the same scripts and arguments without the imports per process)",
     )
+    p.add_argument(
+        "--references",
+        nargs="*",
+        choices=list(REFERENCES),
+        default=list(REFERENCES),
+        help="what the trainer is measured against (default all): the mixed-precision bare loop, the "
+        "pure-bf16 bare loop, torchtitan's model in the bf16 loop, torchtitan's own trainer",
+    )
+    p.add_argument(
+        "--prepare-torchtitan",
+        metavar="SHARED",
+        help="copy SHARED/gpu/torchtitan_ref and unzip SHARED/wheels into .gpu/ (make bench-gpu-prepare), "
+        "then exit; nothing else runs",
+    )
     args = p.parse_args(argv)
+    if args.prepare_torchtitan:
+        return prepare_torchtitan(Path(args.prepare_torchtitan))
 
     import torch
 
@@ -445,10 +779,11 @@ def main(argv: list[str] | None = None) -> int:
         for p in args.precisions
         if p == "bf16" or c.attn_mask_type == "causal"  # float8: next to the causal rows
     ]
-    with_titan = _torchtitan_available()
-    if not with_titan:
-        print("torchtitan is not importable: the model comparison is skipped", file=sys.stderr)
-    rows = measure(cases, args.steps, args.warmup, with_titan, torch.cuda.get_device_name() if has_gpu else None)
+    titan = torchtitan_unavailable() if any(k.startswith("torchtitan") for k in args.references) else None
+    if titan:
+        print(f"{titan}: torchtitan's rows are skipped", file=sys.stderr)
+    device_name = torch.cuda.get_device_name() if has_gpu else None
+    rows = measure(cases, args.steps, args.warmup, args.references, titan, device_name)
     result = {
         "host": {
             "torch": torch.__version__,
@@ -456,7 +791,10 @@ def main(argv: list[str] | None = None) -> int:
             "smoke": args.smoke,
         },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "references": args.references,
+        "steps": {"total": args.steps, "warmup": args.warmup},
         "rows": rows,
+        "goals": evaluate_goals(rows),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -465,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out}", file=sys.stderr, flush=True)
     # what a first GPU run must confirm beyond these numbers (one list: benchmarks/gpu_checklist.py)
     print("\n" + render_checklist())
-    failed = [r["name"] for r in rows if any("error" in r.get(k, {}) for k in ("trainer", "bare", "torchtitan_model"))]
+    failed = [r["name"] for r in rows if any("error" in r.get(k, {}) for k in MEASURED)]
     return 1 if failed else 0
 
 

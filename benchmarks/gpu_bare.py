@@ -1,17 +1,32 @@
 """The bare loops of ``make bench-gpu`` (``benchmarks/gpu.py``'s docstring), run in a worker
-process: our model (or torchtitan's) with bf16 parameters, the same activation checkpointing and
-per-block compile as the trainer, cross entropy, clipping, fused AdamW; a float8 case converts
-the model's linears (and DeepSeek's routed experts) first (``models/parallel/float8.py``
-``convert_to_float8``, as the trainer's ``model.converters`` does before any other applier)."""
+process: our model (or torchtitan's) with the same activation checkpointing and per-block compile
+as the trainer, cross entropy, gradient-norm clipping and fused AdamW, in one of two recipes
+(:data:`RECIPES`), both from the same model code:
+
+* ``mixed``, the reference for the framework's overhead: the recipe the trainer runs (fp32 master
+  weights, bf16 compute), written out by hand. The fp32 model holds the masters; a bf16 twin of it
+  (the same modules, parameters cast to bf16, buffers as built) runs forward and backward. Per
+  step: one foreach cast of every master into its bf16 compute copy, bf16 forward and backward,
+  one foreach cast of the bf16 gradients into fp32 gradient buffers of the masters, the total
+  norm from one ``torch._foreach_norm`` and one foreach scale, fp32 fused AdamW on the masters.
+* ``bf16``: bf16 parameters, gradients and AdamW state (``model.to(torch.bfloat16)``); cheaper
+  and a different recipe, kept as a second reference.
+
+A float8 case converts the model's linears (and DeepSeek's routed experts) first
+(``models/parallel/float8.py`` ``convert_to_float8``, as the trainer's ``model.converters`` does
+before any other applier)."""
 
 from __future__ import annotations
 
+import copy
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 
-__all__ = ["bare_loop", "float8_share"]
+__all__ = ["RECIPES", "BareStep", "bare_loop", "float8_share"]
+
+RECIPES = ("mixed", "bf16")
 
 
 def _trainer_windows(case, steps: int, trainer_args: Callable[..., list[str]]):
@@ -78,14 +93,135 @@ def _build_torchtitan(case, device, eos_id=None):
     return model, args.vocab_size
 
 
-def bare_loop(case, implementation: str, steps: int, warmup: int, trainer_args: Callable[..., list[str]]) -> dict:
-    """Fwd + bwd + clipping + fused AdamW on bf16 parameters, timed per step after warmup.
-    ``case``: a ``benchmarks.gpu.Case``; ``trainer_args``: its ``trainer_args`` (the trainer's
-    config of the case, whose data the block-causal rows read)."""
+def bf16_twin(model):
+    """A copy of ``model`` whose parameters are bf16 (tied parameters stay tied; buffers are kept
+    as built, as FSDP's bf16 mixed precision keeps them): the compute copy of the ``mixed``
+    recipe. Its values are set by :meth:`BareStep.cast_in` before every forward."""
     import torch
-    import torch.nn.functional as F
 
-    from models.parallel.activation_checkpoint import apply_activation_checkpointing
+    # deepcopy takes each parameter from the memo: its bf16 copy, made once (tied ones stay tied),
+    # and no fp32 copy of the model is ever made
+    memo = {id(p): torch.nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad) for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+class BareStep:
+    """One training step of a bare loop on ``model`` (built in fp32; a float8 model converted
+    already) in ``recipe`` (:data:`RECIPES`): the model's activation checkpointing ``ac_mode``
+    (per-op selective as the trainer's ``"op"`` option, or full, or none), each block compiled
+    when ``compile``, cross entropy summed over the batch over ``n_tokens``, clipping to
+    ``max_norm``, AdamW (fused on CUDA, foreach elsewhere; the trainer's lr, betas, weight decay).
+
+    :meth:`step` runs one step; its parts (:meth:`cast_in`, :meth:`forward_backward`,
+    :meth:`grads_to_masters`, :meth:`clip`, :meth:`optimizer_step`) are methods so a test can
+    check the state between them. ``masters``: the parameters AdamW updates (fp32 in ``mixed``,
+    bf16 in ``bf16``); ``compute_params``: the ones forward and backward use."""
+
+    def __init__(self, model, recipe: str, *, ac_mode: str, compile: bool, n_tokens: int, max_norm: float = 1.0):
+        import torch
+
+        from models.parallel.activation_checkpoint import apply_activation_checkpointing
+
+        if recipe not in RECIPES:
+            raise ValueError(f"bare loop recipe {recipe!r} is not one of {', '.join(RECIPES)}")
+        self.recipe, self.n_tokens, self.max_norm = recipe, n_tokens, max_norm
+        if recipe == "bf16":
+            model.to(torch.bfloat16)
+            self.compute = model
+            self.masters = list(model.parameters())
+            self.compute_params = self.masters
+        else:
+            self.compute = bf16_twin(model)
+            self.masters = list(model.parameters())
+            self.compute_params = list(self.compute.parameters())
+            names = [n for n, _ in model.named_parameters()]
+            if names != [n for n, _ in self.compute.named_parameters()]:
+                raise RuntimeError("the bf16 compute copy does not list the masters' parameters in their order")
+            # fp32 gradients of the masters, written by one foreach cast per step
+            self.master_grads = [torch.zeros_like(p) for p in self.masters]
+            self.cast_in()
+        device = self.masters[0].device
+        apply_activation_checkpointing(self.compute, ac_mode, "op")
+        if compile:
+            for block in self.compute.layers.values():
+                block.compile()
+        self.optimizer = torch.optim.AdamW(
+            self.masters,
+            lr=3e-4,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            fused=device.type == "cuda",
+            foreach=device.type != "cuda",
+        )
+
+    def cast_in(self) -> None:
+        """``mixed``: every master into its bf16 compute copy, one foreach cast."""
+        import torch
+
+        if self.recipe == "mixed":
+            with torch.no_grad():
+                torch._foreach_copy_(self.compute_params, self.masters)
+
+    def forward_backward(self, inputs, labels):
+        import torch.nn.functional as F
+
+        logits = self.compute(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / self.n_tokens
+        loss.backward()
+        return loss
+
+    def grads_to_masters(self) -> None:
+        """``mixed``: the bf16 gradients into the masters' fp32 gradients, one foreach cast (a
+        parameter that got no gradient gets none); the compute copies' gradients freed."""
+        import torch
+
+        if self.recipe != "mixed":
+            return
+        pairs = [(g, p) for g, p in zip(self.master_grads, self.compute_params) if p.grad is not None]
+        with torch.no_grad():
+            torch._foreach_copy_([g for g, _ in pairs], [p.grad for _, p in pairs])
+        for master, grad, p in zip(self.masters, self.master_grads, self.compute_params):
+            master.grad = grad if p.grad is not None else None
+            p.grad = None
+
+    def clip(self):
+        """Scale the masters' gradients to a total norm of at most ``max_norm``: the norm from one
+        ``torch._foreach_norm`` (``mixed``), torch's foreach ``clip_grad_norm_`` (``bf16``, as
+        before). Returns the norm before clipping."""
+        import torch
+
+        if self.recipe != "mixed":
+            return torch.nn.utils.clip_grad_norm_(self.masters, self.max_norm, foreach=True)
+        grads = [p.grad for p in self.masters if p.grad is not None]
+        with torch.no_grad():
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
+            torch._foreach_mul_(grads, torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        if self.recipe == "bf16":
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, inputs, labels):
+        self.cast_in()
+        loss = self.forward_backward(inputs, labels)
+        self.grads_to_masters()
+        self.clip()
+        self.optimizer_step()
+        return loss
+
+
+def bare_loop(
+    case, implementation: str, steps: int, warmup: int, trainer_args: Callable[..., list[str]], recipe: str = "mixed"
+) -> dict:
+    """``steps`` steps of :class:`BareStep` in ``recipe``, each ending with one ``loss.item()``,
+    timed per step after ``warmup``; then, eager only, one more step under the matmul census.
+    ``case``: a ``benchmarks.gpu.Case``; ``implementation``: ``ours`` or ``torchtitan`` (its
+    model); ``trainer_args``: ``benchmarks.gpu.trainer_args`` (the trainer's config of the case,
+    whose data the block-causal rows read)."""
+    import torch
+
     from models.registry import build_model
     from trainer.instruments.matmul_census import MatmulCensus
     from trainer.metrics import peak_flops, training_flops_per_token
@@ -102,32 +238,13 @@ def bare_loop(case, implementation: str, steps: int, warmup: int, trainer_args: 
 
         experts = ("experts",) if case.model == "deepseek_v3" else ()  # as the trainer's converters
         convert_to_float8(model, Float8Options(recipe="tensorwise", moe_fqns=experts), fsdp_all_gather=False)
-    model.to(torch.bfloat16)
-    apply_activation_checkpointing(model, case.ac_mode, "op")
-    if case.compile:
-        for block in model.layers.values():
-            block.compile()
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=3e-4,
-        betas=(0.9, 0.95),
-        weight_decay=0.1,
-        fused=device.type == "cuda",
-        foreach=device.type != "cuda",
-    )
+    n_tokens = case.local_batch_size * case.seq_len
+    loop = BareStep(model, recipe, ac_mode=case.ac_mode, compile=case.compile, n_tokens=n_tokens)
     shape = (steps + 1, case.local_batch_size, case.seq_len + 1)  # block_causal: the trainer's documents
     tokens = windows.to(device) if windows is not None else torch.randint(0, vocab, shape, device=device)
-    n_tokens = case.local_batch_size * case.seq_len
 
     def step(i: int) -> None:
-        inputs, labels = tokens[i, :, :-1], tokens[i, :, 1:]
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / n_tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
+        loop.step(tokens[i, :, :-1], tokens[i, :, 1:]).item()
 
     def sync() -> None:
         if device.type == "cuda":
@@ -144,7 +261,14 @@ def bare_loop(case, implementation: str, steps: int, warmup: int, trainer_args: 
         if i >= warmup:
             times.append(time.perf_counter() - start)
     tps = n_tokens / statistics.median(times)
-    out = {"tokens_per_s": tps, "steps_timed": len(times), "peak_memory_gib": None, "mfu_pct": None}
+    out = {
+        "recipe": recipe,
+        "tokens_per_s": tps,
+        "steps_timed": len(times),
+        "peak_memory_gib": None,
+        "mfu_pct": None,
+        "master_dtype": str(loop.masters[0].dtype).removeprefix("torch."),
+    }
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         peak = peak_flops(torch.cuda.get_device_name(device), "bfloat16")

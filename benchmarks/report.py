@@ -41,6 +41,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "2, 3, 4, 8, from the real sharded model on the fake backend; reference: ideal = fsdp=1 bytes / N",
     ),
     (
+        "param_traffic",
+        "Bytes moved per parameter per step (one rank)",
+        "`make bench` section `param_traffic` (also `python -m benchmarks.param_traffic`): a census of "
+        "the bytes every ATen op of one bf16 training step reads and writes (debug models, 1 x 16 tokens, "
+        "fused AdamW, clipping), per parameter; reference: a hand-written mixed-precision loop on the same "
+        "model and data (fp32 masters, one foreach cast, fused AdamW), goal trainer / reference <= 1.1; "
+        "also FSDP2 on the size-1 mesh (the one-rank path before 2026-11-28) with and without its "
+        "gradient divide factor",
+    ),
+    (
         "throughput",
         "Trainer throughput",
         "`make bench` section `throughput`: tokens/s of the llama3 debug model through `train.py` (1 "
@@ -132,7 +142,10 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "gpu",
         "GPU runs (make bench-gpu)",
-        "`make bench-gpu`: the trainer against a bare bf16 loop and torchtitan's model on one GPU",
+        "`make bench-gpu`: the trainer on one GPU against a mixed-precision bare loop of the same model "
+        "code (fp32 masters, bf16 compute: the framework's overhead), a pure-bf16 bare loop, torchtitan's "
+        "model in that loop and torchtitan's own trainer, in the same call (runs before 2026-11-28 had only "
+        "the pure-bf16 loop and torchtitan's model)",
     ),
     ("tests", "Test suite time", "`make test` on a fresh clone (`bash .ci/run`)"),
 ]
@@ -206,6 +219,56 @@ def grouped_tables(rows: list[dict], key: str = "name") -> list[str]:
     return lines
 
 
+# the GPU summary: (column, row key or keys tried in order); a run made before the
+# mixed-precision loop had one bare loop, "bare", with pure bf16 parameters: its ratios read into
+# the bf16 columns
+_GPU_SUMMARY = [
+    ("trainer tok/s", ("trainer.tokens_per_s",)),
+    ("trainer MFU %", ("trainer.mfu_pct",)),
+    ("ours / torchtitan trainer", ("ours_over_torchtitan_trainer", "torchtitan_trainer.skipped")),
+    ("trainer / mixed bare", ("trainer_over_bare_mixed",)),
+    ("trainer / bf16 bare", ("trainer_over_bare_bf16", "trainer_over_bare")),
+    ("bf16 bare / torchtitan model", ("bare_bf16_over_torchtitan_model", "bare_over_torchtitan_model")),
+    ("planner / measured step", ("planner.predicted_over_measured",)),
+    ("planner / measured memory", ("planner.memory_predicted_over_measured",)),
+]
+
+
+def gpu_summary(rows: list[dict]) -> list[str]:
+    """A bench-gpu run's rows as one table of its headline figures and ratios of tokens/s."""
+    out = []
+    for r in rows:
+        flat = _flatten(r)
+        line = [r.get("name")]
+        for _col, keys in _GPU_SUMMARY:
+            line.append(next((flat[k] for k in keys if flat.get(k) is not None), None))
+        out.append(line)
+    return table(["row"] + [c for c, _k in _GPU_SUMMARY], out)
+
+
+def gpu_goals(runs: list[tuple[str, dict]]) -> list[str]:
+    """Issue 39's GPU goals (``benchmarks.gpu.GOALS``) on the rows of the bench-gpu runs that had
+    its references (a ``references`` list; later runs replace earlier rows of the same case), each
+    met, missed or UNMEASURED, with the command that measures them."""
+    from benchmarks.gpu import GOALS_COMMAND, evaluate_goals
+
+    used = sorted(
+        ((str(d.get("started", "")), name, d) for name, d in runs if "references" in d), key=lambda c: (c[0], c[1])
+    )
+    rows = [r for _s, _n, d in used for r in d["rows"]]
+    goals = evaluate_goals(rows)
+    sources = ", ".join(f"`{RESULTS_DIR}/{n}`" for _s, n, _d in used) or "no run with these references yet"
+    lines = [f"Goals of issue 39 (from {sources}):", ""]
+    body = [
+        [g["what"], f">= {g['threshold']}", g["status"], ", ".join(f"{k} {fmt(v)}" for k, v in g["measured"].items())]
+        for g in goals
+    ]
+    lines += table(["goal", "threshold", "status", "measured"], body) + [""]
+    if any(g["status"] == "UNMEASURED" for g in goals):
+        lines += [f"To measure the UNMEASURED goals: {GOALS_COMMAND}.", ""]
+    return lines
+
+
 def render_value(value, depth: int = 0) -> list[str]:
     """Raw benchmark output of any shape: scalars as a list, lists of dicts as tables."""
     if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
@@ -270,6 +333,7 @@ def render(files: list[tuple[str, dict]]) -> str:
             block = [f"From `{RESULTS_DIR}/{name}` ({_host(data)}):", ""]
             if data.get("how"):
                 block += [" ".join(data["how"].split()), ""]
+            block += ["Summary (ratios of tokens/s):", ""] + gpu_summary(data["rows"]) + [""]
             block += grouped_tables(data["rows"])
             for check, value in data.get("checks", {}).items():  # first-GPU-run checklist measurements
                 block += [f"{check}:", ""] + render_value(value)
@@ -284,6 +348,7 @@ def render(files: list[tuple[str, dict]]) -> str:
         _started, name, data = max(candidates, key=lambda c: (c[0], c[1]))
         block = [f"From `{RESULTS_DIR}/{name}` ({_host(data)}):", ""]
         per_section[sid].append(block + render_value(data[sid]))
+    per_section["gpu"].insert(0, gpu_goals([(n, d) for n, d in used if classify(d) == "gpu"]))
     sources = ", ".join(f"`{RESULTS_DIR}/{name}`" for name, _ in used) or "(none)"
     out = [
         "# Benchmarks",

@@ -122,3 +122,52 @@ def test_a_section_in_several_files_shows_only_its_newest_measurement():
     assert "From `bench_results/bench.json`" in page  # its other section stays
     flipped = report.render([("bench.json", {**older, "started": "2026-03-01T00:00:00"}), ("moe.json", newer)])
     assert "old figure" in flipped and "new figure" not in flipped
+
+
+def test_gpu_section_summarizes_each_run_and_lists_issue_39s_goals():
+    """The GPU section from a recorded bench-gpu run with issue 39's references
+    (tests/unit/test_bench_gpu.py's ``recorded_run``) and a run from before them (its one bare loop
+    was pure bf16, under "bare"): each run's summary table carries the ratios of tokens/s per row
+    (ours / torchtitan's trainer, trainer / mixed bare, trainer / bf16 bare, bf16 bare / torchtitan's
+    model) and the planner columns, the old run's bare ratio in the bf16 column; the goals table
+    reads the new run only. Without such a run every goal is UNMEASURED with the command that
+    measures it."""
+    from benchmarks.gpu import GOALS_COMMAND
+    from tests.unit.test_bench_gpu import recorded_run
+
+    new = recorded_run()
+    old = {
+        "host": {"torch": "2.11.0+cu130", "device": "NVIDIA H200", "smoke": False},
+        "started": "2026-11-26T04:33:18",
+        "rows": [
+            {
+                "name": "llama3 8B x8 layers, eager",
+                "case": new["rows"][0]["case"],
+                "trainer": {"tokens_per_s": 26122.0, "mfu_pct": 44.49},
+                "bare": {"tokens_per_s": 29616.0},
+                "trainer_over_bare": 0.882,
+                "bare_over_torchtitan_model": 0.908,
+            }
+        ],
+    }
+    page = report.render([("gpu.json", old), ("gpu_issue39_llama3.json", new)])
+    header = (
+        "| row | trainer tok/s | trainer MFU % | ours / torchtitan trainer | trainer / mixed bare | "
+        "trainer / bf16 bare | bf16 bare / torchtitan model | planner / measured step | planner / measured memory |"
+    )
+    assert page.count(header) == 2
+    assert "| llama3 8B x8 layers, eager | 26122 | 44.49 | - | - | 0.882 | 0.908 | - | - |" in page
+    r0 = new["rows"][0]
+    expected = [r0["name"], 27000.0, r0["trainer"]["mfu_pct"], 27000 / 25500, 27000 / 27500, 27000 / 29600]
+    expected += [29600 / 32600, 0.9, 1.05]
+    assert "| " + " | ".join(report.fmt(v) for v in expected) + " |" in page
+    f8 = new["rows"][-1]["name"]  # skipped: the reason stands in the torchtitan column
+    assert f"| {f8} | 40000 | - | the torchtitan comparison runs bf16 only | - | - |" in page
+    assert "Goals of issue 39 (from `bench_results/gpu_issue39_llama3.json`):" in page
+    assert "| trainer / mixed-precision bare loop (tokens/s), each row | >= 0.97 | met |" in page
+    assert "UNMEASURED" not in page
+
+    only_old = report.render([("gpu.json", old)])
+    assert "Goals of issue 39 (from no run with these references yet):" in only_old
+    assert only_old.count("| UNMEASURED |") == 3
+    assert f"To measure the UNMEASURED goals: {GOALS_COMMAND}." in only_old
