@@ -564,3 +564,54 @@ def test_make_bench_gpu_prepare_copies_from_shared_without_a_venv(tmp_path):
         .strip()
         .endswith("--prepare-torchtitan /data/shared")
     )
+
+
+def test_run_torchtitan_trainer_reads_the_log_of_its_torchrun(tmp_path, monkeypatch):
+    """run_torchtitan_trainer end to end but for torchtitan itself: torchrun (one process) starts
+    the reference folder's script from that folder with .gpu/site on PYTHONPATH, and its log (a
+    stand-in script printing torchtitan's recorded line format for every step it was asked to
+    run) becomes the row: the median tps of the steps after warmup. A script that fails is an
+    error with its log's tail, not an exception."""
+    import benchmarks.gpu as gpu
+
+    ref, site = tmp_path / "torchtitan_ref", tmp_path / "site"
+    ref.mkdir()
+    site.mkdir()
+    (ref / "llama_run.py").write_text(
+        "import os, sys\n"
+        "steps = int(sys.argv[sys.argv.index('--training.steps') + 1])\n"
+        "assert os.path.exists('llama_8b_8layers.toml') and '--compile.enable' in sys.argv\n"
+        f"assert os.environ['PYTHONPATH'].split(os.pathsep)[0] == {str(site)!r}\n"
+        "for s in range(1, steps + 1):\n"
+        "    print(f'[titan] 2026-12-01 10:00:00,000 - root - INFO - \\x1b[31mstep: {s:2}  \\x1b[32mloss:  8.00000  '\n"
+        "          f'grad_norm:  1.0000  memory: 60.00GiB(42.00%)  \\x1b[34mtps: {1000 * s:,}  tflops: 400.00  '\n"
+        "          f'mfu: 40.00%\\x1b[39m', flush=True)\n"
+    )
+    (ref / "llama_8b_8layers.toml").write_text("")
+    monkeypatch.setattr(gpu, "TORCHTITAN_REF", ref)
+    monkeypatch.setattr(gpu, "TORCHTITAN_SITE", site)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    got = gpu.run_torchtitan_trainer(_case(compile=True), steps=6, warmup=2)
+    assert got == {"tokens_per_s": 4500.0, "mfu_pct": 40.0, "peak_reserved_gib": 60.0, "steps_timed": 4,
+                   "last_loss": 8.0}  # fmt: skip
+    got = gpu.run_torchtitan_trainer(_case(compile=False), steps=6, warmup=2)  # its assert fails
+    assert got["error"].startswith("torchtitan's trainer exited 1") and "AssertionError" in got["error"]
+
+
+def test_torchtitan_comes_from_gpu_site_when_not_importable_otherwise(tmp_path, monkeypatch):
+    """No torchtitan on the path: .gpu/site (make bench-gpu-prepare) goes on this process's path
+    and on PYTHONPATH for the measurement processes, and counts if torchtitan imports from it;
+    without that folder the rows' reason is "torchtitan not importable (<the import error>)"."""
+    import benchmarks.gpu as gpu
+
+    site = tmp_path / "site"
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    missing = "ModuleNotFoundError: No module named 'torchtitan'"
+    monkeypatch.setattr(gpu, "_import_torchtitan", lambda: None if str(site) in sys.path else missing)
+    monkeypatch.setattr(gpu, "TORCHTITAN_SITE", site)
+    assert gpu.torchtitan_unavailable() == f"torchtitan not importable ({missing})"
+    assert str(site) not in sys.path and os.environ["PYTHONPATH"] == "/elsewhere"
+    site.mkdir()
+    assert gpu.torchtitan_unavailable() is None
+    assert sys.path[0] == str(site) and os.environ["PYTHONPATH"] == os.pathsep.join([str(site), "/elsewhere"])
