@@ -8,7 +8,8 @@ in the same run:
   own FLOP count of that step over its median time less the optimizer's; efficiency 1);
 * ``memory_gbps``: the optimizer step (gradient norm, clipping, AdamW foreach) timed over the
   debug model's parameters on one thread, as the bandwidth that moves the planner's 40 bytes per
-  parameter in that time;
+  float32 parameter in that time (``step_bytes_per_param("float32")``: no casts); the compute rate
+  is fitted after the planner's elementwise time at that bandwidth is taken off the step;
 * ``recompute_cost``: what a matmul FLOP of full AC's recomputed forward costs relative to that
   rate, from the same 1-process run with full AC (the extra time over the planner's recomputed
   FLOPs); on CPU the forward carries more non-matmul work per FLOP than the whole step;
@@ -208,6 +209,19 @@ def _choice(settings: dict, world_size: int = 2):
     return d, choice
 
 
+def _elementwise_s(d, choice, memory_gbps: float) -> float:
+    """The planner's memory-bound activation time of the 1-process debug-model step at
+    ``memory_gbps`` (subtracted before the matmul rate is fitted: the estimate adds it apart)."""
+    import dataclasses
+
+    from tools.planner.estimate import Job, estimate
+    from tools.planner.hardware import load_hardware
+
+    hw = dataclasses.replace(load_hardware("h100"), memory_gbps=memory_gbps)
+    job = Job("llama3", "debugmodel", 1, 1, SEQ, GLOBAL_BATCH, hw, 1.0, "float32", "float32")
+    return estimate(job, d, choice).time["elementwise"]
+
+
 def cpu_profile() -> dict:
     """The planner hardware keys of this host: the optimizer's memory bandwidth, the matmul
     FLOP/s of a 1-process, 1-thread train.py step (the planner's own FLOP count of that step over
@@ -224,13 +238,17 @@ def cpu_profile() -> dict:
     optimizer_s, n_params = _optimizer_seconds()
     memory_gbps = n_params * OPTIMIZER_BYTES_PER_PARAM / optimizer_s / 1e9
     # the 1-process step runs the optimizer over every parameter once: the rest is the FLOPs'
+    # and the memory-bound activation work's (tools/planner/elementwise.py at this bandwidth)
     step = _train(1, {"dp_shard": 1})["median"]
     d, choice = _choice({"dp_shard": 1}, world_size=1)
-    rate = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["total"] / (step - optimizer_s)
+    elementwise = _elementwise_s(d, choice, memory_gbps)
+    flops = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["total"]
+    rate = flops / max(step - optimizer_s - elementwise, 1e-9)
     step_full_ac = _train(1, {"dp_shard": 1, "ac": "full"})["median"]
     d, choice = _choice({"dp_shard": 1, "ac": "full"}, world_size=1)
     recomputed = rank_matmul_flops("llama3", "debugmodel", d, choice, 0, max_seq_len=2048)["recompute"]
-    recompute_cost = max(step_full_ac - step, 0.0) / (recomputed / rate)
+    more_elementwise = _elementwise_s(d, choice, memory_gbps) - elementwise  # AC recomputes them
+    recompute_cost = max(step_full_ac - step - more_elementwise, 0.0) / (recomputed / rate)
     link = _gloo_profile(run_distributed(_gloo_times, 2, env=_env())[0])
     blocks = _blocks()
 
@@ -427,5 +445,37 @@ def run() -> dict:
     return result
 
 
+def gpu_rows(path: str | Path = ROOT / "bench_results" / "gpu.json") -> list[dict]:
+    """The planner's step time for every row of a recorded ``make bench-gpu`` run, priced now
+    (the current planner, the row's GPU, the same config the row's trainer ran:
+    ``benchmarks.gpu.planner_check``'s path), against the step time measured then; the
+    prediction recorded with the row (``recorded_over_measured``) shows what the planner said
+    when the row ran. Arithmetic only: no GPU, no model."""
+    from benchmarks.gpu import Case, planner_check
+
+    data = json.loads(Path(path).read_text())
+    device = data["host"]["device"]
+    out = []
+    for row in data["rows"]:
+        if "tokens_per_s" not in row.get("trainer", {}):
+            continue
+        case = Case(**row["case"])
+        now = planner_check(case, row["trainer"], device)
+        out.append({
+            "name": row["name"],
+            "measured_step_s": round(now["measured_step_s"], 4),
+            "predicted_step_s": round(now["predicted_step_s"], 4),
+            "predicted_over_measured": round(now["predicted_over_measured"], 3),
+            "recorded_over_measured": round(row.get("planner", {}).get("predicted_over_measured", float("nan")), 3),
+            "predicted_time_s": {k: round(v, 4) for k, v in now["predicted_time_s"].items()},
+            # what planner_check does not list (no collectives on one GPU): the elementwise work
+            "elementwise_s": round(now["predicted_step_s"] - sum(now["predicted_time_s"].values()), 4),
+        })  # fmt: skip
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(), indent=1))
+    if sys.argv[1:] == ["--gpu-rows"]:
+        print(json.dumps(gpu_rows(), indent=1))
+    else:
+        print(json.dumps(run(), indent=1))

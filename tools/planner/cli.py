@@ -22,7 +22,7 @@ from trainer.cli_errors import report_user_error
 from trainer.files import atomic_write
 
 from .estimate import Estimate, Job
-from .hardware import GIB, OPTIMIZER_BYTES_PER_PARAM, load_hardware
+from .hardware import GIB, STEP_BYTES_PER_PARAM, load_hardware, step_bytes_per_param
 from .search import plan_layouts, smallest_world_size, summarize_losers
 
 __all__ = ["main", "toml_snippet"]
@@ -34,9 +34,9 @@ _ASSUMPTIONS = [
     "compute: the matmul FLOPs of the busiest rank (its pipeline stage, its TP/CP/EP share; the "
     "trainer's FLOPs accounting) / (peak x efficiency); full AC adds one forward of the blocks but "
     "their last projection; selective AC recomputes no matmul",
-    "communication: ring all-gather / reduce-scatter / all-reduce, torch's DTensor cost model "
-    "(torch/distributed/tensor/_collective_utils.py); an axis whose groups cross nodes uses the "
-    "inter-node figures",
+    "communication: ring all-gather / reduce-scatter / all-reduce at published nccl-tests bus bandwidths "
+    "per GPU kind and NCCL's own latencies (tools/planner/hardware.py LINKS, docs/planner.md); an axis "
+    "whose groups cross nodes gets the per-GPU NIC figure x its members per node (at most the NVLink figure)",
     "overlap: FSDP all-gathers, reduce-scatters and HSDP all-reduces hide behind compute except "
     "the first and the last (none hide on a profile with comm_overlap false); TP, CP, EP, PP and "
     "loss collectives are exposed",
@@ -45,8 +45,13 @@ _ASSUMPTIONS = [
     "experts' GEMMs too (forward and all of the backward; the converter's choice at each etp degree); "
     "--float8-all-gather: the converted linears' FSDP all-gather bytes at 1 per element (never the experts')",
     "bubble: the schedule's textbook idle fraction (models/parallel/pipeline/plan.py bubble_fraction)",
-    "optimizer: grad norm, clipping and AdamW over the rank's local parameter shards, memory-bound "
-    f"({OPTIMIZER_BYTES_PER_PARAM} bytes per fp32 parameter over the GPU's memory bandwidth), not overlapped",
+    "optimizer: the per-parameter work over the rank's local parameter shards, memory-bound, not overlapped: "
+    + " + ".join(f"{k} {v}" for k, v in STEP_BYTES_PER_PARAM.items())
+    + f" = {step_bytes_per_param()} bytes per parameter over the GPU's memory bandwidth "
+    f"({step_bytes_per_param('float32')} with float32 compute: no casts)",
+    "elementwise: norms, RoPE, SwiGLU's gate, residual adds, MoE dispatch and combine and the loss's "
+    "log-softmax at their minimum traffic (inputs read once, outputs written once; backward 2x; AC "
+    "recomputes them) over the memory bandwidth (tools/planner/elementwise.py)",
 ]
 
 
@@ -248,6 +253,7 @@ def _breakdown(e: Estimate) -> list[str]:
         f"      time s: compute {t['compute']:.3f} + recompute {t['recompute']:.3f}"
         + (f" + tp host overhead {t['tp_overhead']:.3f}" if t["tp_overhead"] else "")
         + (f" + cp host overhead {t['cp_overhead']:.3f}" if t["cp_overhead"] else "")
+        + f" + elementwise {t['elementwise']:.3f}"
         + f" + exposed comm {t['comm_exposed_fsdp'] + t['comm_exposed_other']:.3f} + bubble {t['bubble']:.3f}"
         f" + optimizer {t['optimizer']:.3f} = {t['total']:.3f}; comm per axis (before overlap): {comm or 'none'}",
     ]

@@ -20,8 +20,13 @@ stage) -- every assumption is also printed with the result:
   reported apart (times ``Hardware.recompute_cost``), plus, under TP, the profile's host
   overhead per block and micro-batch (``Hardware.tp_block_overhead_s``, 0 on GPUs), and
   under CP its counterpart (``Hardware.cp_block_overhead_s``);
-  optimizer = the gradient norm, clipping and AdamW over the rank's local (unpadded) parameter
-  shards, memory-bound (:func:`tools.planner.hardware.optimizer_seconds`), after the backward;
+  optimizer = the per-parameter work of a mixed-precision step over the rank's local (unpadded)
+  parameter shards -- the parameter and gradient casts (with a compute dtype other than float32),
+  the gradient norm, clipping and fused AdamW -- memory-bound at
+  :func:`tools.planner.hardware.step_bytes_per_param` bytes each, after the backward;
+  elementwise = the memory-bound activation work (norms, RoPE, SwiGLU's gate, residual adds, MoE
+  dispatch and combine, the loss's log-softmax: :mod:`tools.planner.elementwise`) over the
+  memory bandwidth, part of the busy time;
   communication = every collective
   of :func:`tools.planner.collectives.predict_collectives` priced by the ring model of
   :mod:`tools.planner.hardware` (inter-node figures for an axis whose groups cross nodes,
@@ -45,7 +50,8 @@ from .activations import activation_bytes
 from .choice import DTYPE_BYTES, LayoutChoice, grad_accum_steps, selective_every, stage_layers
 from .collectives import predict_collectives
 from .compute import rank_matmul_flops
-from .hardware import GIB, Hardware, collective_seconds, optimizer_seconds
+from .elementwise import elementwise_bytes
+from .hardware import GIB, Hardware, collective_seconds, elementwise_seconds, optimizer_seconds, step_bytes_per_param
 from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
 
 __all__ = [
@@ -130,6 +136,7 @@ class Estimate:
                 "tp_overhead": round(self.time["tp_overhead"], 6),
                 "cp_overhead": round(self.time["cp_overhead"], 6),
                 "optimizer": round(self.time["optimizer"], 6),
+                "elementwise": round(self.time["elementwise"], 6),
                 "comm": {k: round(v, 6) for k, v in self.time["comm"].items()},
                 "bubble": round(self.time["bubble"], 6),
                 "total": round(self.time["total"], 6),
@@ -140,11 +147,28 @@ class Estimate:
         }
 
 
+_MESH_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "efsdp", "fsdp", "loss")
+
+
 @lru_cache(maxsize=4096)
 def _crossing(degrees, gpus_per_node: int) -> dict[str, bool]:
     layout = cached_layout(degrees)
-    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "efsdp", "fsdp", "loss")
-    return {n: layout.size(n) > 1 and layout.crosses_nodes(n, gpus_per_node) for n in names}
+    return {n: layout.size(n) > 1 and layout.crosses_nodes(n, gpus_per_node) for n in _MESH_NAMES}
+
+
+@lru_cache(maxsize=4096)
+def _per_node(degrees, gpus_per_node: int) -> dict[str, int]:
+    """Members per node of each mesh's groups (the fewest over its groups and nodes): the NICs a
+    group that crosses nodes uses at once."""
+    import numpy as np
+
+    layout = cached_layout(degrees)
+    out = {}
+    for n in _MESH_NAMES:
+        groups = layout.groups(n)
+        nodes = groups // gpus_per_node
+        out[n] = int(min(np.unique(row, return_counts=True)[1].min() for row in nodes))
+    return out
 
 
 def _in_flight(choice: LayoutChoice, pp: int, plan) -> tuple[float, int]:
@@ -228,6 +252,47 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     return mem
 
 
+def _elementwise_bytes(job: Job, degrees, choice: LayoutChoice, rank: int) -> int:
+    """Bytes of memory-bound activation work ``rank`` moves per step (:mod:`tools.planner.elementwise`):
+    every micro-batch of every stage it holds."""
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    d = degrees
+    stages, _ = stage_layers(args, d, choice, rank, cached_layout(d))
+    m = choice.n_microbatches if d.pp > 1 else 1
+    forwards = grad_accum_steps(choice, d) * m
+    key = tuple(sorted(job.overrides.items()))
+    per_mb = sum(
+        _stage_elementwise(
+            job.model,
+            job.flavor,
+            key,
+            layers,
+            choice.local_batch // m,
+            choice.seq_len,
+            d.tp,
+            d.cp,
+            d.etp,
+            choice.sequence_parallel,
+            DTYPE_BYTES[choice.param_dtype],
+            choice.ac,
+            head,
+            selective_every(choice),
+        )
+        for layers, _embed, head in stages
+    )
+    return per_mb * forwards
+
+
+@lru_cache(maxsize=65536)
+def _stage_elementwise(model, flavor, key: tuple, layers, mb, seq_len, tp, cp, etp, sp, act_bytes, ac, head, every):
+    """:func:`elementwise_bytes` of one stage and micro-batch (cached like :func:`_activations`)."""
+    _, args = model_inventory(model, flavor, **dict(key))
+    return elementwise_bytes(
+        args, layers, mb, seq_len, tp=tp, cp=cp, etp=etp, sp=sp, act_bytes=act_bytes, ac=ac, head=head,
+        selective_every=every,
+    )  # fmt: skip
+
+
 def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) -> Estimate:
     """Memory and step time of one layout. With ``time_if_oom=False`` a layout that does not
     fit gets no step time (``time`` None, 0 tokens/s): the search ranks those by memory only,
@@ -240,8 +305,10 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     ranks = sorted({0, (d.pp - 1) * stride_pp})
     mems = [memory_for_rank(job, d, choice, r) for r in ranks]
     mem = max(mems, key=lambda x: x["total"])
-    # the optimizer step of the rank with the most local parameters (AdamW: 8 bytes each)
-    optimizer = optimizer_seconds(max(m["optimizer"] for m in mems) / 8, hw)
+    # the per-parameter work (casts, norm, clipping, AdamW) of the rank with the most local
+    # parameters (AdamW: 8 bytes each)
+    per_param = step_bytes_per_param(choice.param_dtype, choice.reduce_dtype)
+    optimizer = optimizer_seconds(max(m["optimizer"] for m in mems) / 8, hw, per_param)
     fits = mem["total"] <= hw.usable_gib * GIB
     if not fits and not time_if_oom:
         return Estimate(
@@ -269,9 +336,11 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         blocks = max(sum(len(layers) for layers, _, _ in stage_layers(args, d, choice, r, layout)[0]) for r in ranks)
         tp_overhead = hw.tp_block_overhead_s * blocks * forwards if d.tp > 1 else 0.0
         cp_overhead = hw.cp_block_overhead_s * blocks * forwards if d.cp > 1 else 0.0
-    busy = compute + recompute + tp_overhead + cp_overhead
+    elementwise = elementwise_seconds(max(_elementwise_bytes(job, d, choice, r) for r in ranks), hw)
+    busy = compute + recompute + tp_overhead + cp_overhead + elementwise
     # communication, from the busiest stage's rank
     crossing = _crossing(d, job.gpus_per_node)
+    per_node = _per_node(d, job.gpus_per_node) if any(crossing.values()) else {}
     comm: dict[str, float] = {}
     fsdp_total = fsdp_first = 0.0
     records = max(
@@ -280,7 +349,8 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     )
     for r in records:
         size = layout.size(r["mesh"])
-        one = collective_seconds(r["kind"], r["bytes"], size, crossing.get(r["mesh"], False), hw)
+        crosses = crossing.get(r["mesh"], False)
+        one = collective_seconds(r["kind"], r["bytes"], size, crosses, hw, per_node.get(r["mesh"], 1) if crosses else 1)
         total = one * r["count"]
         if r["mesh"] in FSDP_OVERLAPPED:
             fsdp_total += total
@@ -311,6 +381,7 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         "tp_overhead": tp_overhead,
         "cp_overhead": cp_overhead,
         "optimizer": optimizer,
+        "elementwise": elementwise,
         "comm": comm,
         "comm_exposed_fsdp": exposed_fsdp,
         "comm_exposed_other": exposed_other,

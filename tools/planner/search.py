@@ -179,6 +179,7 @@ def losing_reason(e: Estimate, best: Estimate, job: Job) -> str:
         "tensor-parallel host overhead": e.time["tp_overhead"] - best.time["tp_overhead"],
         "context-parallel host overhead": e.time["cp_overhead"] - best.time["cp_overhead"],
         "optimizer step": e.time["optimizer"] - best.time["optimizer"],
+        "elementwise work": e.time["elementwise"] - best.time["elementwise"],
     }
     for axis in set(e.time["comm"]) | set(best.time["comm"]):
         mine = e.time["comm"].get(axis, 0.0)
