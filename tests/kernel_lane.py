@@ -52,6 +52,7 @@ NUMERICS_TESTS = [
     "tests/unit/test_kernel_lane.py",
     "tests/unit/test_models.py",
     "tests/unit/test_moe_kernels.py",
+    "tests/unit/test_moe_combine.py",
     "tests/unit/test_float8_experts.py",
     "tests/unit/test_optim.py",
     "tests/unit/test_hf_adapters.py",

@@ -83,8 +83,10 @@ class ModelForward:
 
         ``backward``: also run the backward pass (gradients accumulate into the parameters);
         without it, evaluation (call under ``torch.no_grad()``; the pipeline runs forward-only).
-        ``aux_loss_sequences``: with ``moes``, add each MoE layer's sequence auxiliary loss
-        divided by this many sequences (the step's global batch) before the backward."""
+        ``aux_loss_sequences``: with ``moes``, each MoE layer's sequence auxiliary loss counts
+        divided by this many sequences (the step's global batch): the layers get the divisor
+        before the forward and give their aux loss its gradient in the backward themselves
+        (``models/deepseek_v3/moe.py``, ``_AuxLossGrad``); the returned loss includes it."""
         inputs = self.shard_for_cp(inputs).to(self.device, non_blocking=True)
         labels = self.shard_for_cp(labels).to(self.device, non_blocking=True)
         if self.pipeline is not None:
@@ -94,13 +96,16 @@ class ModelForward:
 
             part = pipeline_step(self.pipeline, inputs, labels, global_tokens, forward_only=not backward)
             return None if part is None else full_tensor(part.detach()).float()
+        aux_moes = [m for m in moes if m.aux_loss_coeff > 0] if aux_loss_sequences is not None else []
+        for moe in aux_moes:
+            moe.aux_loss_sequences = aux_loss_sequences
+            moe.aux_loss_total.zero_()
         with loss_parallel_context(self.loss_parallel):
             logits = self.model_parts[0](inputs)
             loss = self.loss_fn(logits, labels) / global_tokens
-            if aux_loss_sequences is not None:
-                for moe in moes:
-                    if moe.aux_loss_sum is not None:
-                        loss = loss + moe.aux_loss_sum / aux_loss_sequences
             if backward:
                 loss.backward()
-        return full_tensor(loss.detach()).float()
+        reported = full_tensor(loss.detach()).float()
+        for moe in aux_moes:  # what the layers' aux losses added to the loss
+            reported = reported + moe.aux_loss_total / aux_loss_sequences
+        return reported

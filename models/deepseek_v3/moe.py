@@ -133,9 +133,11 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 class _ZeroGradPastTotal(torch.autograd.Function):
     """Identity whose backward zeroes the gradient rows of padding (rows past the counts'
     sum). ``torch._grouped_mm`` leaves output rows past the last offset uninitialised, in the
-    forward and in its input-gradient GEMM, so those rows must be masked on both sides. (The
-    garbage stays in the padding rows of internal tensors; only ``detect_anomaly`` could see
-    it, and only when a caller passes padding rows, which MoE and the EP wrapper never do.)"""
+    forward and in its input-gradient GEMM, so those rows must be masked on both sides. Only
+    applied where the caller may pass padding rows (``GroupedExperts.forward``'s
+    ``has_padding``, True unless the caller states otherwise; MoE states otherwise, and the
+    EP wrapper passes the caller's statement on: it rejects inputs with rows past the counts'
+    sum, so it adds none)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -159,11 +161,12 @@ class GroupedExperts(nn.Module):
 
     * grouped GEMM: three ``torch._grouped_mm`` calls over all local experts. Group offsets
       are a device-side cumsum of the counts, the count check is a device-side
-      ``torch._assert_async`` and padding rows are masked on device, so this path never
-      syncs with the host and, in bfloat16, compiles into one graph. What a failed check
-      looks like on a GPU: nothing at this line. The kernel's assert fires on the device and
-      CUDA's "device-side assert triggered" error reaches Python only at the next
-      synchronizing call (often the step's loss ``.item()``), maybe without this message;
+      ``torch._assert_async`` and padding rows (where the caller may have any) are masked on
+      device, so this path never syncs with the host and, in bfloat16, compiles into one
+      graph. What a failed check looks like on a GPU: nothing at this line. The kernel's
+      assert fires on the device and CUDA's "device-side assert triggered" error reaches
+      Python only at the next synchronizing call (often the step's loss ``.item()``), maybe
+      without this message;
       the CUDA context is then unusable (every later CUDA call in the process fails, only a
       restart recovers), and the other ranks wait in their next collective until the NCCL
       watchdog's timeout ends them. (On CPU it raises RuntimeError here, with the message.)
@@ -205,10 +208,15 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim).normal_(0.0, 0.02))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim).normal_(0.0, 0.02))
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, *, has_padding: bool = True
+    ) -> torch.Tensor:
         """``x`` [T, dim] sorted by expert; ``num_tokens_per_expert`` [E_local] (integer, on
-        any device). Rows past the sum of the counts (padding an EP wrapper may add) produce
-        zero rows and get zero gradients. Returns [T, dim] in the compute dtype."""
+        any device). Rows past the sum of the counts (padding) produce zero rows and get zero
+        gradients. ``has_padding=False`` states that the counts sum to exactly T: the grouped
+        path then skips the padding mask (two elementwise passes over [T, dim] in forward and
+        one in backward) and checks the statement on device instead. Returns [T, dim] in the
+        compute dtype."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         e_local = w1.shape[0]
         if num_tokens_per_expert.dim() != 1 or num_tokens_per_expert.shape[0] != e_local:
@@ -231,7 +239,7 @@ class GroupedExperts(nn.Module):
         else:
             grouped = self.use_grouped_mm
         if grouped:
-            return self._grouped_mm_forward(x, w1, w2, w3, num_tokens_per_expert)
+            return self._grouped_mm_forward(x, w1, w2, w3, num_tokens_per_expert, has_padding)
         # The loop path's one host sync; the sizes also let us validate the counts.
         sizes = num_tokens_per_expert.tolist()
         total = sum(sizes)
@@ -239,6 +247,11 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"num_tokens_per_expert sums to {total} (min {min(sizes)}) but x has "
                 f"{x.shape[0]} rows; counts must be non-negative and cover at most the rows given."
+            )
+        if not has_padding and total != x.shape[0]:
+            raise ValueError(
+                f"has_padding=False but num_tokens_per_expert sums to {total} while x has {x.shape[0]} "
+                "rows; pass has_padding=True for inputs with padding rows."
             )
         return self._loop_forward(x, w1, w2, w3, sizes)
 
@@ -250,6 +263,7 @@ class GroupedExperts(nn.Module):
         w2: torch.Tensor,
         w3: torch.Tensor,
         counts: torch.Tensor,
+        has_padding: bool = True,
     ) -> torch.Tensor:
         rows = x.shape[0]
         counts = counts.to(device=x.device)
@@ -257,15 +271,26 @@ class GroupedExperts(nn.Module):
         total = offsets[-1]
         # Checked on device, no host sync: on CPU a violation raises RuntimeError here, on
         # CUDA it is a device-side assert that stops the stream before a GEMM reads past x.
-        torch._assert_async(
-            (counts.min() >= 0) & (total <= rows),
-            "GroupedExperts: num_tokens_per_expert must be non-negative and sum to at most the number of rows of x",
-        )
+        if has_padding:
+            torch._assert_async(
+                (counts.min() >= 0) & (total <= rows),
+                "GroupedExperts: num_tokens_per_expert must be non-negative and sum to at most the number of rows of x",
+            )
+        else:
+            torch._assert_async(
+                (counts.min() >= 0) & (total == rows),
+                "GroupedExperts: has_padding=False but num_tokens_per_expert is negative or does not sum to the "
+                "number of rows of x; pass has_padding=True for inputs with padding rows",
+            )
         if rows == 0:
             # No tokens at all (e.g. an EP rank that received none); the counts are zero by
             # the check above, so the loop over E empty groups needs no host read and gives
             # every weight its zero gradient (torch._grouped_mm rejects empty inputs).
             return cls._loop_forward(x, w1, w2, w3, [0] * w1.shape[0])
+        if not has_padding:
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
         valid = (torch.arange(rows, device=x.device) < total).unsqueeze(-1)
         x = _ZeroGradPastTotal.apply(x, valid)
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
@@ -299,6 +324,55 @@ class GroupedExperts(nn.Module):
             f"use_grouped_mm={self.use_grouped_mm}"
             + ("" if self.float8_emulate is None else f", float8={'emulated' if self.float8_emulate else 'rowwise'}")
         )
+
+
+def combine_routed(routed_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The MoE combine: token ``t``'s output is ``sum_j weights[t, j] * y(t, j)``, where
+    ``y(t, j)`` is the experts' output for the pair (token ``t``, its ``j``-th pick).
+
+    ``routed_out`` [T*k, dim]: the experts' output in expert-sorted order, row ``i`` belonging
+    to flat pair ``order[i]`` (= ``t*k + j``); ``weights`` [T, k] (float32). Returns [T, dim] in
+    ``routed_out``'s dtype.
+
+    * Un-permute by writing row ``i`` to row ``order[i]`` (an ``index_put_`` without
+      accumulation: ``order`` is a permutation, so every destination is written once, no
+      atomics; its backward is a gather, also without atomics, and it saves only ``order``,
+      where ``index_copy`` would also keep the routed output alive for its backward). The
+      [T, k, dim] result is in the experts' dtype: no float32 copy of the [T*k, dim] routed
+      output is made.
+    * Reduce the k contributions of each token with one batched matmul, [T, 1, k] @
+      [T, k, dim]. Its kernels accumulate in float32 for bfloat16/float16 inputs (CPU and
+      cuBLAS) and round once at the end; the weights are cast to the experts' dtype for it
+      (in bfloat16 that rounds each weight to 8 significant bits, as an autocast matmul
+      would). The weights' gradient is the matching bmm in backward.
+
+    Deterministic on every device (same inputs, same bits), unlike the ``index_add`` it
+    replaces, whose CUDA kernel adds a token's k rows with atomics in no fixed order."""
+    t, k = weights.shape
+    unsorted = routed_out.new_empty(routed_out.shape)
+    unsorted[order] = routed_out
+    combined = torch.bmm(weights.to(routed_out.dtype).unsqueeze(1), unsorted.view(t, k, routed_out.shape[-1]))
+    return combined.squeeze(1)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the MoE output whose backward also gives the sequence-wise aux loss its
+    gradient: ``1 / sequences`` (what ``loss + aux_sum / sequences`` gave it). So the aux loss
+    trains the router without being added to the loss and without the forward storing it on
+    the module (a side effect that torch.compile refuses inside a checkpointed block)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_sum: torch.Tensor, sequences: int) -> torch.Tensor:
+        ctx.sequences = sequences
+        ctx.aux_dtype = aux_sum.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_aux = None
+        if ctx.needs_input_grad[1]:
+            grad_aux = torch.ones((), dtype=ctx.aux_dtype, device=grad.device) / ctx.sequences
+        return grad, grad_aux, None
 
 
 class TokenChoiceRouter(nn.Module):
@@ -381,7 +455,18 @@ class MoE(nn.Module):
     last :meth:`update_expert_bias`; zero at every optimizer-step boundary, which is where
     checkpoints are taken). Each forward counts its tokens once: a forward that activation
     checkpointing recomputes in backward (eager, or under ``torch.compile`` with any backend)
-    adds nothing, so the counts equal those of the same steps without checkpointing."""
+    adds nothing, so the counts equal those of the same steps without checkpointing.
+
+    Sequence-wise aux loss (``aux_loss_coeff > 0``): each forward computes ``aux_sum``, the
+    coefficient-weighted loss summed over this rank's sequences, and attaches it to the output
+    (:class:`_AuxLossGrad`): the backward through the output gives ``aux_sum`` the gradient
+    ``1 / aux_loss_sequences``, exactly as adding ``aux_sum / aux_loss_sequences`` to the loss
+    did. ``aux_loss_sequences`` (default 1) is the step's global sequence count; the trainer
+    sets it before each forward (``trainer/forward.py``). A loss scale applied after the
+    forward does not scale the aux gradient. For reporting, ``aux_loss_total`` (float32
+    buffer, not persistent) accumulates the detached ``aux_sum`` of every forward (not of
+    recomputations); the trainer zeroes it before a forward and adds ``aux_loss_total /
+    aux_loss_sequences`` to the loss it reports."""
 
     def __init__(self, args: DeepSeekV3Args, use_grouped_mm: bool | None = None) -> None:
         super().__init__()
@@ -413,9 +498,10 @@ class MoE(nn.Module):
         # context parallelism replaces it with an all-reduce over the CP group so f_i is
         # computed over whole sequences.
         self.reduce_aux_counts: Callable[[torch.Tensor], torch.Tensor] = _identity
-        # Coefficient-weighted aux loss summed over this rank's sequences, set by each forward
-        # when aux_loss_coeff > 0 (None otherwise).
-        self.aux_loss_sum: torch.Tensor | None = None
+        # The divisor of the aux loss (the step's global sequence count), set by the trainer
+        # before a forward; read as a constant (torch.compile guards on it).
+        self.aux_loss_sequences: int = 1
+        self.register_buffer("aux_loss_total", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, s, dim = x.shape
@@ -436,22 +522,23 @@ class MoE(nn.Module):
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
 
         # Dropless dispatch: sort the (token, expert) pairs by expert; stable so tokens keep
-        # their order inside an expert. Results are reproducible run to run on CPU; on CUDA
-        # only with ``training.deterministic`` (the combine's ``index_add`` and the backward
-        # of ``index_select`` accumulate with atomics there, in no fixed order).
+        # their order inside an expert. The combine is deterministic on every device; the
+        # dispatch's index_select has an atomic backward on CUDA (a token's k gradient rows
+        # add up in no fixed order), reproducible there with ``training.deterministic``.
         order = torch.argsort(flat_experts, stable=True)
         token_index = order // self.top_k
-        routed_out = self.experts(x_flat.index_select(0, token_index), num_tokens_per_expert)
-        routed_weights = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        # Combine in float32: each token sums top_k contributions.
-        combined = torch.zeros(bs * s, dim, dtype=torch.float32, device=x.device).index_add(
-            0, token_index, routed_out.float() * routed_weights
-        )
-        out = combined.to(x.dtype)
+        routed_out = self.experts(x_flat.index_select(0, token_index), num_tokens_per_expert, has_padding=False)
+        out = combine_routed(routed_out, weights, order).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat)
 
-        self.aux_loss_sum = self._sequence_aux_loss(scores, selected, bs, s) if self.aux_loss_coeff > 0 else None
+        if self.aux_loss_coeff > 0:
+            aux_sum = self._sequence_aux_loss(scores, selected, bs, s)
+            # reported value: once per forward, not again in a recomputation (the same
+            # custom op as the routing counts above, for the same reasons)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.aux_loss_total):
+                self.aux_loss_total.add_(_counts_outside_backward(aux_sum.detach()).to(self.aux_loss_total.dtype))
+            out = _AuxLossGrad.apply(out, aux_sum, self.aux_loss_sequences)
         return out.view(bs, s, dim)
 
     def _sequence_aux_loss(self, scores: torch.Tensor, selected: torch.Tensor, bs: int, s: int) -> torch.Tensor:
@@ -496,4 +583,4 @@ class MoE(nn.Module):
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
-        self.aux_loss_sum = None
+        self.aux_loss_total.zero_()

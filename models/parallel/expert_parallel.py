@@ -121,16 +121,18 @@ class _ExpertParallelDispatcher:
 
     # ------------------------------------------------------------------ dispatch
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if kwargs or len(args) != 2:
+        if set(kwargs) - {"has_padding"} or len(args) != 2:
             raise ValueError(
                 "expert-parallel experts must be called as experts(x, num_tokens_per_expert) "
-                f"with two positional arguments; got {len(args)} positional and keyword "
-                f"arguments {sorted(kwargs)}"
+                f"with two positional arguments (and optionally has_padding=); got {len(args)} "
+                f"positional and keyword arguments {sorted(kwargs)}"
             )
         x, counts = args
         routed, local_counts, plan = self._dispatch(x, counts)
         self._plans.append(plan)
-        return (routed, local_counts), {}
+        # has_padding passes through: _dispatch rejects rows past the counts' sum and adds
+        # none, so the experts see padding exactly where the caller had it
+        return (routed, local_counts), kwargs
 
     def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _DispatchPlan]:
         if isinstance(x, DTensor) or isinstance(counts, DTensor):

@@ -599,15 +599,25 @@ def _reference_aux_loss(scores, selected, coeff, e, k):
 
 
 def test_sequence_aux_loss_and_context_parallel_count_hook():
+    """The aux loss a forward reports (``aux_loss_total``) is DeepSeek's formula, its gradient
+    (given by ``_AuxLossGrad`` in the backward through the output) is that formula's gradient
+    divided by ``aux_loss_sequences``, and the CP count hook makes per-rank halves add up to the
+    whole-sequence loss."""
     torch.manual_seed(0)
     moe = MoE(_moe_args(aux_loss_coeff=0.01))
     x = torch.randn(3, 8, 32)
-    moe(x)
-    full = moe.aux_loss_sum
+    moe.aux_loss_sequences = 4
+    out = moe(x)
+    full = moe.aux_loss_total.clone()
     _, selected, scores = moe.router(x.reshape(-1, 32), moe.expert_bias)
     ref = _reference_aux_loss(scores.view(3, 8, 8), selected.view(3, 8, 2), 0.01, 8, 2)
-    torch.testing.assert_close(full, ref)
-    assert full.requires_grad  # the loss trains the router
+    torch.testing.assert_close(full, ref.detach())
+    # the loss trains the router: with a zero output gradient, the gate's gradient is the aux
+    # loss's alone, d(ref / 4) / d(gate)
+    out.backward(torch.zeros_like(out))
+    (want,) = torch.autograd.grad(ref / 4, moe.router.gate.weight)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(moe.router.gate.weight.grad, want)
 
     # Two "CP ranks" each hold half of every sequence; the hook adds the other half's counts.
     halves = [x[:, :4], x[:, 4:]]
@@ -619,13 +629,16 @@ def test_sequence_aux_loss_and_context_parallel_count_hook():
     total = 0.0
     for r, half in enumerate(halves):
         moe.reduce_aux_counts = lambda c, r=r: c + local_counts[1 - r]
+        moe.aux_loss_total.zero_()
         moe(half)
-        total = total + moe.aux_loss_sum
+        total = total + moe.aux_loss_total
     torch.testing.assert_close(total, full)
 
     off = MoE(_moe_args(aux_loss_coeff=0.0))
-    off(x)
-    assert off.aux_loss_sum is None
+    x.requires_grad_(True)
+    out = off(x)
+    assert off.aux_loss_total.item() == 0.0
+    assert "AuxLossGrad" not in type(out.grad_fn).__name__ and "AuxLossGrad" not in str(out.grad_fn.next_functions)
 
 
 def test_moe_layers_helper_and_stats():
