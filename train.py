@@ -14,7 +14,7 @@ import gc
 # the run itself creates.
 gc.disable()
 try:
-    from trainer.train import main
+    from trainer.entry import main
 finally:
     gc.freeze()
     gc.enable()

@@ -21,7 +21,6 @@ import datetime
 import logging
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -29,32 +28,26 @@ import torch.distributed as dist
 from torch import nn
 
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
-from models.registry import build_model
 from parallel_dims import default_device_type
 from parallel_dims.process_groups import host_group
 from parallel_dims.torch_compat import host_side
 from trainer.build import build_model_parts, build_pipeline
-from trainer.checkpoint.async_save import CheckpointWriteFailed
-from trainer.checkpoint.dcp import CheckpointFolder, save_seed_checkpoint
+from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.local_tensor import LocalTensorFolder
 from trainer.checkpoint.manager import CheckpointManager, check_initial_load
-from trainer.cli_errors import EXIT_BAD_INPUT, error_line, user_error
-from trainer.config import ConfigError, JobConfig, load_config
-from trainer.console import configure_console, say_once
+from trainer.config import JobConfig
+from trainer.console import configure_console
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.data.tokenizer import load_tokenizer
 from trainer.distributed_init import (
     apply_train_timeout,
     init_distributed,
-    is_collective_timeout,
-    report_collective_timeout,
     require_writable_folder,
     start_watchdog,
     wait_until_every_rank_joined,
 )
 from trainer.distributed_init import log as _log
-from trainer.fake_backend import is_fake_backend
 from trainer.forward import ModelForward, cross_entropy_sum
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.instruments import Instruments, build_instruments
@@ -72,10 +65,10 @@ from trainer.step import (
     reduce_loss,
     update_expert_bias,
 )
-from trainer.stop import StopSignals, exit_code
+from trainer.stop import StopSignals
 from trainer.validation import Validator
 
-__all__ = ["StepResult", "Trainer", "TrainingDiverged", "main"]
+__all__ = ["StepResult", "Trainer", "TrainingDiverged"]
 
 logger = logging.getLogger(__name__)
 
@@ -422,90 +415,3 @@ class Trainer:
             log=_log,
         )
         return self.instruments
-
-
-def create_seed_checkpoint(cfg: JobConfig) -> str:
-    """Initial weights from the seed, written once by one process; every layout loads them."""
-    device = init_distributed(cfg)
-    if dist.get_world_size() != 1:
-        raise ConfigError(
-            "--checkpoint.create_seed_checkpoint runs on one process: use "
-            "torchrun --nproc_per_node=1 (or plain python train.py)"
-        )
-    require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model = build_model(
-        cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size, tokenizer.eos_id)
-    )
-    with torch.no_grad():
-        model.init_weights(cfg.training.seed)
-    folder = cfg.resolve_path(cfg.checkpoint.folder)
-    path = save_seed_checkpoint(model.to(device), folder)
-    _log(f"wrote seed checkpoint {path}")
-    return path
-
-
-def _rank() -> int:
-    """This process's rank for what it prints (a fake-backend or local_tensor run is one
-    process: rank 0)."""
-    if not dist.is_initialized() or is_fake_backend():
-        return int(os.environ.get("RANK", "0")) if not dist.is_initialized() else 0
-    with host_side():
-        return dist.get_rank()
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = load_config(argv)
-    except ValueError as exc:  # every rank reads the same config: said once (under torchrun RANK is set already)
-        say_once(error_line(exc), int(os.environ.get("RANK", "0")))
-        return EXIT_BAD_INPUT
-    trainer = None  # read by the collective-timeout message (the step that was running)
-    try:
-        if cfg.checkpoint.create_seed_checkpoint:
-            create_seed_checkpoint(cfg)
-            return 0
-        trainer = Trainer(cfg)
-        if trainer.rank == 0 and cfg.job.print_config:
-            print("resolved config:\n" + cfg.to_toml(), flush=True)
-        trainer.train()
-        return 0 if trainer.stopped_by is None else exit_code(trainer.stopped_by)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop (which stops at a step instead)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print("interrupted (SIGINT) before training began: nothing to save", file=sys.stderr, flush=True)
-        return exit_code(signal.SIGINT)
-    except TrainingDiverged as exc:  # every rank has the same reduced loss and norm
-        say_once(f"error: {exc}", _rank())
-        return 1
-    except CheckpointWriteFailed as exc:  # a save failed mid-run: not bad input, the run stops
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            message = trainer.ckpt.stopped_message(exc) if trainer is not None else str(exc)
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        return 1
-    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        signum = getattr(getattr(trainer, "stop_signals", None), "signum", None)
-        if signum is not None and isinstance(exc, Exception):
-            # a signal came first: the job is being taken down (torchrun and the launcher send
-            # SIGTERM to the ranks left after one failed), and this rank's step failed on a peer
-            # that is gone; no checkpoint of this step, no traceback
-            print(
-                f"rank {_rank()}: stopped by {signal.Signals(signum).name} during step {trainer.step + 1}, without "
-                f"a checkpoint of it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                f"the newest complete checkpoint is {trainer.ckpt.newest()}",
-                file=sys.stderr,
-                flush=True,
-            )
-            return exit_code(signum)
-        # bad input (config, degrees vs world size, model vs layout, a checkpoint, also when
-        # DCP wraps it): a clear message from rank 0, no traceback
-        err = user_error(exc)
-        if err is not None:
-            say_once(error_line(err), _rank())
-            return EXIT_BAD_INPUT
-        if not isinstance(exc, Exception) or not is_collective_timeout(exc):
-            raise
-        # gloo (the exception path; on NCCL the step watchdog speaks first): the same one line
-        return report_collective_timeout(cfg, exc, getattr(getattr(trainer, "watchdog", None), "phase", ""))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -456,7 +456,8 @@ _LATE_JOINER = textwrap.dedent(
     tt.plan_job = noting(tt.plan_job, "at the job plan, rank 1 had joined", "joined")
     tt.build_model_parts = noting(tt.build_model_parts, "at the model build, rank 1 had built its groups", "meshes")
     CheckpointManager.resume = noting(CheckpointManager.resume, "at the resume, rank 1 had its writer's groups", "writer")
-    sys.exit(tt.main(sys.argv[2:]))
+    from trainer.entry import main
+    sys.exit(main(sys.argv[2:]))
     """
 )
 

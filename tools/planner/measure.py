@@ -204,7 +204,7 @@ def census_of_runs(argvs: list[list[str]]) -> list[dict]:
     import glob
     import os
 
-    from trainer.train import main
+    from trainer.entry import main
 
     out = []
     for argv in argvs:

@@ -1,0 +1,127 @@
+"""The training process: config -> exit code.
+
+``main`` is what ``train.py`` runs on every rank: it reads the config, builds the
+:class:`~trainer.train.Trainer` (or writes the seed checkpoint) and trains, and it turns every
+way a run ends into its exit code and at most one line per cause (bad input: exit 2, said once;
+a diverged run or a failed save: exit 1; a stop signal: 128 + the signal; a collective timeout:
+the watchdog's line), with no traceback from deep inside torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from models.registry import build_model
+from parallel_dims.torch_compat import host_side
+from trainer.checkpoint.async_save import CheckpointWriteFailed
+from trainer.checkpoint.dcp import save_seed_checkpoint
+from trainer.cli_errors import EXIT_BAD_INPUT, error_line, user_error
+from trainer.config import ConfigError, JobConfig, load_config
+from trainer.console import say_once
+from trainer.data.tokenizer import load_tokenizer
+from trainer.distributed_init import (
+    init_distributed,
+    is_collective_timeout,
+    report_collective_timeout,
+    require_writable_folder,
+)
+from trainer.distributed_init import log as _log
+from trainer.fake_backend import is_fake_backend
+from trainer.plan import model_overrides
+from trainer.step import TrainingDiverged
+from trainer.stop import exit_code
+from trainer.train import Trainer
+
+__all__ = ["create_seed_checkpoint", "main"]
+
+
+def create_seed_checkpoint(cfg: JobConfig) -> str:
+    """Initial weights from the seed, written once by one process; every layout loads them."""
+    device = init_distributed(cfg)
+    if dist.get_world_size() != 1:
+        raise ConfigError(
+            "--checkpoint.create_seed_checkpoint runs on one process: use "
+            "torchrun --nproc_per_node=1 (or plain python train.py)"
+        )
+    require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    model = build_model(
+        cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size, tokenizer.eos_id)
+    )
+    with torch.no_grad():
+        model.init_weights(cfg.training.seed)
+    folder = cfg.resolve_path(cfg.checkpoint.folder)
+    path = save_seed_checkpoint(model.to(device), folder)
+    _log(f"wrote seed checkpoint {path}")
+    return path
+
+
+def _rank() -> int:
+    """This process's rank for what it prints (a fake-backend or local_tensor run is one
+    process: rank 0)."""
+    if not dist.is_initialized() or is_fake_backend():
+        return int(os.environ.get("RANK", "0")) if not dist.is_initialized() else 0
+    with host_side():
+        return dist.get_rank()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+    except ValueError as exc:  # every rank reads the same config: said once (under torchrun RANK is set already)
+        say_once(error_line(exc), int(os.environ.get("RANK", "0")))
+        return EXIT_BAD_INPUT
+    trainer = None  # read by the collective-timeout message (the step that was running)
+    try:
+        if cfg.checkpoint.create_seed_checkpoint:
+            create_seed_checkpoint(cfg)
+            return 0
+        trainer = Trainer(cfg)
+        if trainer.rank == 0 and cfg.job.print_config:
+            print("resolved config:\n" + cfg.to_toml(), flush=True)
+        trainer.train()
+        return 0 if trainer.stopped_by is None else exit_code(trainer.stopped_by)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop (which stops at a step instead)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print("interrupted (SIGINT) before training began: nothing to save", file=sys.stderr, flush=True)
+        return exit_code(signal.SIGINT)
+    except TrainingDiverged as exc:  # every rank has the same reduced loss and norm
+        say_once(f"error: {exc}", _rank())
+        return 1
+    except CheckpointWriteFailed as exc:  # a save failed mid-run: not bad input, the run stops
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            message = trainer.ckpt.stopped_message(exc) if trainer is not None else str(exc)
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        return 1
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        signum = getattr(getattr(trainer, "stop_signals", None), "signum", None)
+        if signum is not None and isinstance(exc, Exception):
+            # a signal came first: the job is being taken down (torchrun and the launcher send
+            # SIGTERM to the ranks left after one failed), and this rank's step failed on a peer
+            # that is gone; no checkpoint of this step, no traceback
+            print(
+                f"rank {_rank()}: stopped by {signal.Signals(signum).name} during step {trainer.step + 1}, without "
+                f"a checkpoint of it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                f"the newest complete checkpoint is {trainer.ckpt.newest()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return exit_code(signum)
+        # bad input (config, degrees vs world size, model vs layout, a checkpoint, also when
+        # DCP wraps it): a clear message from rank 0, no traceback
+        err = user_error(exc)
+        if err is not None:
+            say_once(error_line(err), _rank())
+            return EXIT_BAD_INPUT
+        if not isinstance(exc, Exception) or not is_collective_timeout(exc):
+            raise
+        # gloo (the exception path; on NCCL the step watchdog speaks first): the same one line
+        return report_collective_timeout(cfg, exc, getattr(getattr(trainer, "watchdog", None), "phase", ""))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
