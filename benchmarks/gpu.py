@@ -383,27 +383,44 @@ def torchtitan_skip(case: Case, kind: str, unavailable: str | None) -> str | Non
 
 
 def run_torchtitan_trainer(case: Case, steps: int, warmup: int) -> dict:
+    """torchtitan's trainer on ``case`` (``torchtitan_trainer_cmd``), its figures from its log
+    (``summarize_torchtitan``), or an error with the log's tail. Past ``TIMEOUT_S`` torchrun gets
+    SIGTERM, on which it stops its worker (which runs in a session of its own) before it exits,
+    so no worker is left holding the GPU for the next measurement; SIGKILL to torchrun's session
+    after 30 s more. The log goes to a file, which a worker cannot hold open the way it could a
+    pipe."""
+    import signal
+
     with tempfile.TemporaryDirectory() as folder:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
         if TORCHTITAN_SITE.is_dir():
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHTITAN_SITE), env.get("PYTHONPATH")]))
-        try:
-            res = subprocess.run(
-                torchtitan_trainer_cmd(case, steps, folder),
+        log_path = Path(folder) / "torchtitan.log"
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(
+                torchtitan_trainer_cmd(case, steps, os.path.join(folder, "dump")),
                 cwd=TORCHTITAN_REF,
-                capture_output=True,
-                text=True,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
                 env=env,
-                timeout=TIMEOUT_S,
+                start_new_session=True,
             )
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            return {
-                "error": f"torchtitan's trainer did not finish in {TIMEOUT_S:g} s (--timeout), killed: {out[-2000:]}"
-            }
-    log = res.stdout + "\n" + res.stderr
-    if res.returncode != 0:
-        return {"error": f"torchtitan's trainer exited {res.returncode}: {log[-2000:]}"}
+            timed_out = False
+            try:
+                proc.wait(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        log = log_path.read_text(errors="replace")
+    if timed_out:
+        return {"error": f"torchtitan's trainer did not finish in {TIMEOUT_S:g} s (--timeout), killed: {log[-2000:]}"}
+    if proc.returncode != 0:
+        return {"error": f"torchtitan's trainer exited {proc.returncode}: {log[-2000:]}"}
     out = summarize_torchtitan(parse_torchtitan_log(log), steps, warmup)
     if "error" in out:
         out["error"] += f": {log[-2000:]}"

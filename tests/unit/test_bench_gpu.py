@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -571,7 +572,8 @@ def test_run_torchtitan_trainer_reads_the_log_of_its_torchrun(tmp_path, monkeypa
     the reference folder's script from that folder with .gpu/site on PYTHONPATH, and its log (a
     stand-in script printing torchtitan's recorded line format for every step it was asked to
     run) becomes the row: the median tps of the steps after warmup. A script that fails is an
-    error with its log's tail, not an exception."""
+    error with its log's tail, not an exception; one that runs past --timeout is killed with its
+    torchrun (its worker too: checked)."""
     import benchmarks.gpu as gpu
 
     ref, site = tmp_path / "torchtitan_ref", tmp_path / "site"
@@ -596,6 +598,19 @@ def test_run_torchtitan_trainer_reads_the_log_of_its_torchrun(tmp_path, monkeypa
                    "last_loss": 8.0}  # fmt: skip
     got = gpu.run_torchtitan_trainer(_case(compile=False), steps=6, warmup=2)  # its assert fails
     assert got["error"].startswith("torchtitan's trainer exited 1") and "AssertionError" in got["error"]
+
+    # past --timeout the whole session goes: torchrun and its worker (which would hold the GPU)
+    pid_file = tmp_path / "worker.pid"
+    (ref / "deepseek_run.py").write_text(
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\nprint('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    monkeypatch.setattr(gpu, "TIMEOUT_S", 6.0)
+    got = gpu.run_torchtitan_trainer(_case(model="deepseek_v3"), steps=6, warmup=2)
+    assert got["error"].startswith("torchtitan's trainer did not finish in 6 s (--timeout), killed"), got
+    assert "got signal: 15" in got["error"]  # torchrun's SIGTERM, on which it stops its worker
+    status = Path(f"/proc/{pid_file.read_text()}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()  # gone (or a zombie awaiting its reaper)
 
 
 def test_torchtitan_comes_from_gpu_site_when_not_importable_otherwise(tmp_path, monkeypatch):
