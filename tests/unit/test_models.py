@@ -1017,18 +1017,21 @@ def test_toy_model_trains_a_step_through_parallelize_model(toy_registered, tmp_p
         pd.build_mesh("cpu")
         spec = get_model_spec("toy", "tiny")
         model = build_model("toy", "tiny")
-        # bf16 mixed precision: FSDP2 wraps blocks, embeddings, head and root on the size-1 mesh
+        # bf16 mixed precision on one rank: fp32 masters with bf16 compute copies
+        # (models/parallel/mixed_precision.py), made after the meta model is materialised
         opts = ParallelizeOptions(param_dtype="bfloat16", ac_mode="full")
         assert spec.parallelize_fn is parallelize_model
         spec.parallelize_fn(model, pd, opts)
+        assert hasattr(model, "compute_copies")
         model.to_empty(device="cpu")
         model.init_weights(0)
-        before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         tokens = _tokens(bs=2, s=33, vocab=128)
         losses = []
         for _ in range(3):
             logits = model(tokens[:, :-1])
+            assert logits.dtype == torch.bfloat16
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             opt.zero_grad()
             loss.backward()
@@ -1036,6 +1039,6 @@ def test_toy_model_trains_a_step_through_parallelize_model(toy_registered, tmp_p
             losses.append(loss.item())
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
         for n, p in model.named_parameters():
-            assert not torch.equal(p.detach().full_tensor(), before[n]), n
+            assert p.dtype == torch.float32 and not torch.equal(p.detach(), before[n]), n
     finally:
         dist.destroy_process_group()

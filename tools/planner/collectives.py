@@ -288,10 +288,12 @@ def predict_collectives(
     loss_size = d.dp_replicate * d.dp_shard * d.cp
     if loss_size > 1:
         rec[("all_reduce", "loss", 4)] += 1
+    # the grad norm's sums of squares are float64 (trainer/grad_clip.py), the loss float32
     if pp:
-        rec[("all_reduce", "pp", 4)] += 2  # grad-norm squares, loss sum over stages
+        rec[("all_reduce", "pp", 8)] += 1  # grad-norm squares over stages
+        rec[("all_reduce", "pp", 4)] += 1  # loss sum over stages
     for mesh in grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
-        rec[("all_reduce", mesh, 4)] += 1
+        rec[("all_reduce", mesh, 8)] += 1
     if has_moe:
         n_moe = sum(1 for layers, _, _ in stages for i in layers if i >= getattr(args, "n_dense_layers", 0))
         if n_moe:
