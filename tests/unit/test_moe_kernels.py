@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.deepseek_v3.args import deepseek_v3_flavors
-from models.deepseek_v3.moe import GroupedExperts, MoE, grouped_mm_by_default
+from models.deepseek_v3.experts import GroupedExperts, grouped_mm_by_default
+from models.deepseek_v3.moe import MoE
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 
