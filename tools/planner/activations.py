@@ -22,8 +22,12 @@ and the MLP; ``a`` bytes per activation element (the FSDP compute dtype); 4 = fl
 * SwiGLU: ``w1`` output, its SiLU, ``w3`` output and their product (``4 a T F``).
 * MoE: router scores (float32 sigmoid/softmax), top-k indices, weights, the sort order and
   token index (int64), the gathered expert input (``a Tk D``), the experts' SwiGLU on the
-  routed rows (``4 a Tk H``, ``Tk = Tn * top_k`` rows, balanced routing over ep assumed) and
-  the float32 weighted combine (``8 Tk D``), and the shared experts' SwiGLU.
+  routed rows (``4 a Tk H``, ``Tk = Tn * top_k`` rows, balanced routing over ep assumed; no
+  padding mask: MoE states ``has_padding=False``), what the combine's batched matmul keeps
+  (``combine_routed``: the un-permuted routed output ``[Tn, top_k, D]``, ``a Tk D``, and the
+  weights cast to the compute dtype, ``a Tk``; the ``index_put_`` un-permute keeps only the
+  sort order), and the shared experts' SwiGLU. Selective AC also saves the combine's
+  ``bmm`` output (``a Tn D``).
 * Full AC keeps only each block's input (``a Tn D``); the backward recomputes one block at a
   time, so the peak adds one block's no-AC activations (reported as ``recompute``).
 * Selective AC (``op``) keeps each block's input and the outputs of every matmul, grouped
@@ -105,10 +109,13 @@ def _moe(args, tn: int, tp: int, etp: int, a: int, ac: str) -> int:
     hs = args.moe_inter_dim * args.n_shared_experts // tp
     tk = tn * k
     shared = _swiglu(tn, hs, a, ac, d) if args.n_shared_experts else 0
-    if ac == "selective":  # gate, grouped GEMMs, shared experts' matmuls
-        return a * tn * e + 2 * a * tk * h + a * tk * d + shared
-    routing = 4 * tn * e + 8 * tk + 4 * tk + 4 * tn + 8 * tk + 8 * tk + tk + 4 * e
-    experts = a * tk * d + 4 * a * tk * h + 8 * tk * d + 4 * tk
+    if ac == "selective":  # gate, grouped GEMMs, the combine's bmm, shared experts' matmuls
+        return a * tn * e + 2 * a * tk * h + a * tk * d + a * tn * d + shared
+    # float32 scores, int64 top-k, float32 gathered weights, their float32 sum (route_norm),
+    # int64 sort order and token index, int32 group offsets
+    routing = 4 * tn * e + 8 * tk + 4 * tk + 4 * tn + 8 * tk + 8 * tk + 4 * e
+    # gathered input, routed SwiGLU, the bmm's un-permuted operand and its compute-dtype weights
+    experts = a * tk * d + 4 * a * tk * h + a * tk * d + a * tk
     return routing + experts + shared
 
 

@@ -18,6 +18,9 @@ with the real shards of :mod:`tools.planner.inventory`:
   of the rank's sequence shard (``tokens / tp``); expert and expert-tensor parallelism move rows
   between ranks without changing the sum, and under balanced routing every rank processes as many
   rows as it routes (the fake backend's all-to-all gives exactly that);
+* the MoE combine (``models/deepseek_v3/moe.py``: ``combine_routed``): one batched matmul per
+  MoE layer, ``[tokens / tp, 1, top_k] @ [tokens / tp, top_k, dim]``, ``2 x tokens / tp x
+  top_k x dim`` forward, in the compute dtype (never float8);
 * attention (scaled dot product, forward ``2 x b x heads x q_len x kv_len x (qk dim + v dim)``,
   the kernel's whole rectangle: causal masking is not discounted, as in the trainer's formula):
   the rank's heads (``n_heads / tp``); under CP its two load-balanced query chunks, each against
@@ -29,7 +32,12 @@ with the real shards of :mod:`tools.planner.inventory`:
   last projection (the feed-forward's, or under MoE the shared experts', row-wise output
   projection): torch's non-reentrant checkpoint stops recomputing once every tensor the
   backward saved is back, and nothing saves that projection's output (it only feeds the
-  residual add); selective AC's per-op policy saves every matmul and attention output
+  residual add; with the MoE's sequence aux loss on, ``aux_loss_coeff > 0``, the aux loss's ops
+  save tensors after the shared experts, so their last projection is recomputed too); the
+  combine's bmm is recomputed only when something after it in the block saves a tensor (the
+  shared experts, the aux loss; without them its saved operands are the block's last ones and
+  the recomputation stops as it packs them, before the kernel runs); selective AC's
+  per-op policy saves every matmul (the combine's bmm included) and attention output
   (``tests/unit/test_activation_checkpoint.py``), so it adds none; its every-N-th-block option
   fully checkpoints every N-th block of each stage chunk, which adds what full AC adds for
   those blocks.
@@ -108,6 +116,9 @@ def _stage_weights(
         converted_experts = converted_expert_weights(model, flavor, key, f8_experts, degrees.etp)
     else:
         converted_experts = frozenset()
+    # the MoE's sequence aux loss saves tensors after the shared experts, so full AC recomputes
+    # their last projection too
+    aux = getattr(args, "aux_loss_coeff", 0) > 0
     whole = router = experts = last = head_numel = whole8 = last8 = experts8 = 0
     for s in rank_shards(params, degrees, cached_layout(degrees), rank, False, layers, embed, head):
         info = s.info
@@ -123,7 +134,9 @@ def _stage_weights(
             head_numel += s.tp_local_numel
         else:
             whole += s.tp_local_numel
-            is_last = info.tp_dim == 1 and (".feed_forward." in info.fqn or ".shared_experts." in info.fqn)
+            is_last = info.tp_dim == 1 and (
+                ".feed_forward." in info.fqn or (".shared_experts." in info.fqn and not aux)
+            )
             if is_last:
                 last += s.tp_local_numel
             if info.fqn in converted:
@@ -145,15 +158,30 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
     blocks = head = recompute = linear8 = expert8 = recompute8 = 0.0
     f8, f8_experts = float8_keys(choice.float8)
 
-    def block_flops(whole, router, experts, n_layers):
+    first_moe = getattr(args, "n_dense_layers", 0) if getattr(args, "has_experts", False) else None
+    # the combine's [T, 1, top_k] @ [T, top_k, dim] bmm per MoE layer, per routed token
+    combine = 2 * getattr(args, "n_activated_experts", 0) * args.dim
+    # full AC recomputes it when a later op of the block saves a tensor (the shared experts',
+    # the sequence aux loss's)
+    combine_redone = bool(getattr(args, "n_shared_experts", 0)) or getattr(args, "aux_loss_coeff", 0) > 0
+
+    def moe_layers(layers) -> int:
+        return 0 if first_moe is None else sum(1 for i in layers if i >= first_moe)
+
+    def block_flops(whole, router, experts, layers):
         # Q K^T and P V: b * heads/tp * (query, key) pairs * (qk + v dims)
-        attention = n_layers * 2 * pairs * (heads // d.tp) * 2 * head_dim
-        return 2 * tokens * whole + 2 * moe_tokens * (router + experts) + attention
+        attention = len(layers) * 2 * pairs * (heads // d.tp) * 2 * head_dim
+        return (
+            2 * tokens * whole
+            + 2 * moe_tokens * (router + experts)
+            + attention
+            + moe_tokens * combine * moe_layers(layers)
+        )
 
     for layers, embed, has_head in stages:
         stage = _stage_weights(model, flavor, key, d, rank, layers, embed, has_head, f8, f8_experts)
         whole, router, experts, last, head_numel, whole8, last8, experts8 = stage
-        blocks += block_flops(whole, router, experts, len(layers))
+        blocks += block_flops(whole, router, experts, layers)
         linear8 += 2 * tokens * whole8
         expert8 += 2 * moe_tokens * experts8
         head += 2 * tokens * head_numel
@@ -165,7 +193,9 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
                 whole, router, experts, last, _, whole8, last8, experts8 = stage
             # a float8 last projection is recomputed: its saved tensors are packed only once its
             # autograd Function's forward, GEMM included, has returned
-            recompute += block_flops(whole, router, experts, len(redo)) - 2 * tokens * (last - last8)
+            recompute += block_flops(whole, router, experts, redo) - 2 * tokens * (last - last8)
+            if not combine_redone:
+                recompute -= moe_tokens * combine * moe_layers(redo)
             recompute8 += 2 * tokens * whole8 + 2 * moe_tokens * experts8
     forward = blocks + head
     backward = 2 * forward
