@@ -217,8 +217,8 @@ def bare_loop(
 ) -> dict:
     """``steps`` steps of :class:`BareStep` in ``recipe``, each ending with one ``loss.item()``,
     timed per step after ``warmup``; then, eager only, one more step under the matmul census.
-    ``case``: a ``benchmarks.gpu.Case``; ``implementation``: ``ours`` or ``torchtitan`` (its
-    model); ``trainer_args``: ``benchmarks.gpu.trainer_args`` (the trainer's config of the case,
+    ``case``: a ``benchmarks.gpu_measure.Case``; ``implementation``: ``ours`` or ``torchtitan`` (its
+    model); ``trainer_args``: ``benchmarks.gpu_measure.trainer_args`` (the trainer's config of the case,
     whose data the block-causal rows read)."""
     import torch
 

@@ -448,10 +448,10 @@ def run() -> dict:
 def gpu_rows(path: str | Path = ROOT / "bench_results" / "gpu.json") -> list[dict]:
     """The planner's step time for every row of a recorded ``make bench-gpu`` run, priced now
     (the current planner, the row's GPU, the same config the row's trainer ran:
-    ``benchmarks.gpu.planner_check``'s path), against the step time measured then; the
+    ``benchmarks.gpu_measure.planner_check``'s path), against the step time measured then; the
     prediction recorded with the row (``recorded_over_measured``) shows what the planner said
     when the row ran. Arithmetic only: no GPU, no model."""
-    from benchmarks.gpu import Case, planner_check
+    from benchmarks.gpu_measure import Case, planner_check
 
     data = json.loads(Path(path).read_text())
     device = data["host"]["device"]

@@ -247,10 +247,10 @@ def gpu_summary(rows: list[dict]) -> list[str]:
 
 
 def gpu_goals(runs: list[tuple[str, dict]]) -> list[str]:
-    """Issue 39's GPU goals (``benchmarks.gpu.GOALS``) on the rows of the bench-gpu runs that had
+    """Issue 39's GPU goals (``benchmarks.gpu_rows.GOALS``) on the rows of the bench-gpu runs that had
     its references (a ``references`` list; later runs replace earlier rows of the same case), each
     met, missed or UNMEASURED, with the command that measures them."""
-    from benchmarks.gpu import GOALS_COMMAND, evaluate_goals
+    from benchmarks.gpu_rows import GOALS_COMMAND, evaluate_goals
 
     used = sorted(
         ((str(d.get("started", "")), name, d) for name, d in runs if "references" in d), key=lambda c: (c[0], c[1])

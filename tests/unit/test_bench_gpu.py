@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu import ROOT, torchtitan_skip
 from benchmarks.gpu_checklist import CHECKLIST, CheckItem, render_markdown, render_text
+from benchmarks.gpu_measure import ROOT
+from benchmarks.gpu_torchtitan import torchtitan_skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path and the no-GPU error")
@@ -131,7 +132,7 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path, capsys, monkeypatch):
     for r in (rows[1], rows[3]):
         assert r["bare_mixed"]["matmul_float8_share"] == pytest.approx(_planned_float8_share(r["case"]), rel=1e-9), r
     assert rows[3]["bare_mixed"]["matmul_float8_share"] > 0.5  # the experts' GEMMs are float8 too
-    from benchmarks.gpu import torchtitan_unavailable
+    from benchmarks.gpu_torchtitan import torchtitan_unavailable
 
     if torchtitan_unavailable() is None:  # make test installs it (the `peer` extra)
         assert rows[0]["torchtitan_model"]["tokens_per_s"] > 0
@@ -149,7 +150,7 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path, capsys, monkeypatch):
 
 
 def replace_case(row: dict):
-    from benchmarks.gpu import Case
+    from benchmarks.gpu_measure import Case
 
     return Case(**row["case"])
 
@@ -163,7 +164,7 @@ def _planned_float8_share(case: dict) -> float:
     from tools.planner.compute import rank_matmul_flops
 
     b, s = case["local_batch_size"], case["seq_len"]
-    experts = ("experts",) if case["model"] == "deepseek_v3" else ()  # as benchmarks/gpu.py converts
+    experts = ("experts",) if case["model"] == "deepseek_v3" else ()  # as benchmarks/gpu_measure.py converts
     choice = LayoutChoice(b, b, s, ac=case["ac_mode"], float8=Float8Options(moe_fqns=experts))
     overrides = dict(n_layers=case["n_layers"], vocab_size=case["vocab_size"], max_seq_len=s)
     f = rank_matmul_flops(case["model"], case["flavor"], validate_degrees(world_size=1), choice, 0, **overrides)
@@ -275,7 +276,7 @@ _VALIDATION = "[titan] 2026-11-26 04:41:09,000 - root - INFO - validate step:  5
 def test_parse_torchtitan_log_reads_recorded_lines():
     """Colored and plain training lines parse to their fields (thousands separators dropped);
     a validation line (no grad_norm) and other log lines are not steps."""
-    from benchmarks.gpu import parse_torchtitan_log
+    from benchmarks.gpu_torchtitan import parse_torchtitan_log
 
     text = "\n".join(["[titan] ... - root - INFO - Training starts at step 1", _RECORDED, _VALIDATION, _RECORDED_PLAIN])
     assert parse_torchtitan_log(text) == [
@@ -302,7 +303,7 @@ def test_parse_torchtitan_log_reads_what_torchtitans_own_code_prints():
     from torchtitan.tools import logging as titan_logging
     from torchtitan.tools.utils import Color, NoColor
 
-    from benchmarks.gpu import parse_torchtitan_log
+    from benchmarks.gpu_torchtitan import parse_torchtitan_log
 
     root = logging.getLogger()
     saved = (root.handlers[:], root.level)
@@ -357,7 +358,7 @@ def test_summarize_torchtitan_times_the_steps_ours_are_timed_on():
     """Ours: the median over steps warmup+1..steps (metrics.jsonl's ``step > warmup``); torchtitan's
     figures come from exactly those steps of its log, and a log missing one is an error, not a
     median of fewer steps."""
-    from benchmarks.gpu import summarize_torchtitan
+    from benchmarks.gpu_torchtitan import summarize_torchtitan
 
     got = summarize_torchtitan(_titan_records(range(1, 16)), steps=15, warmup=5)
     assert got == {"tokens_per_s": 10500.0, "mfu_pct": 1.05, "peak_reserved_gib": 65.0, "steps_timed": 10,
@@ -367,7 +368,7 @@ def test_summarize_torchtitan_times_the_steps_ours_are_timed_on():
 
 
 def _case(**kw):
-    from benchmarks.gpu import Case
+    from benchmarks.gpu_measure import Case
 
     base = {"llama3": dict(flavor="8B", n_layers=8, seq_len=8192, local_batch_size=1),
             "deepseek_v3": dict(flavor="16B", n_layers=6, seq_len=4096, local_batch_size=2)}  # fmt: skip
@@ -387,7 +388,7 @@ def test_torchtitan_trainer_command_is_what_torchtitan_parses(monkeypatch):
     pytest.importorskip("torchtitan")
     from torchtitan.config import ConfigManager
 
-    from benchmarks.gpu import torchtitan_trainer_cmd
+    from benchmarks.gpu_torchtitan import torchtitan_trainer_cmd
 
     monkeypatch.chdir(_SHARED_REF)
     for case, flavor in ((_case(), "8B_l8"), (_case(model="deepseek_v3", compile=True), "16B_l6")):
@@ -411,24 +412,24 @@ def test_torchtitan_rows_say_why_they_did_not_run(tmp_path, monkeypatch):
     """Not importable: both torchtitan rows say so first; float8, block-causal and CPU rows are
     skipped with their reason; the trainer runs only on the shapes of torchtitan_ref's scripts and
     only once .gpu/torchtitan_ref holds its scripts and data."""
-    import benchmarks.gpu as gpu
+    import benchmarks.gpu_torchtitan as titan
 
     reason = "torchtitan not importable (ModuleNotFoundError: No module named 'torchtitan')"
     for kind in ("torchtitan_model", "torchtitan_trainer"):
-        assert gpu.torchtitan_skip(_case(), kind, reason) == reason
-        assert "bf16 only" in gpu.torchtitan_skip(_case(precision="float8"), kind, None)
-        assert "causal sdpa only" in gpu.torchtitan_skip(_case(attn_mask_type="block_causal"), kind, None)
-    assert gpu.torchtitan_skip(_case(device="cpu"), "torchtitan_model", None) is None
-    assert "CUDA only" in gpu.torchtitan_skip(_case(device="cpu"), "torchtitan_trainer", None)
-    assert "8 layers only" in gpu.torchtitan_skip(_case(n_layers=2), "torchtitan_trainer", None)
-    monkeypatch.setattr(gpu, "TORCHTITAN_REF", tmp_path / ".gpu" / "torchtitan_ref")
-    monkeypatch.setattr(gpu, "ROOT", tmp_path)
-    assert "not prepared: run make bench-gpu-prepare" in gpu.torchtitan_skip(_case(), "torchtitan_trainer", None)
+        assert titan.torchtitan_skip(_case(), kind, reason) == reason
+        assert "bf16 only" in titan.torchtitan_skip(_case(precision="float8"), kind, None)
+        assert "causal sdpa only" in titan.torchtitan_skip(_case(attn_mask_type="block_causal"), kind, None)
+    assert titan.torchtitan_skip(_case(device="cpu"), "torchtitan_model", None) is None
+    assert "CUDA only" in titan.torchtitan_skip(_case(device="cpu"), "torchtitan_trainer", None)
+    assert "8 layers only" in titan.torchtitan_skip(_case(n_layers=2), "torchtitan_trainer", None)
+    monkeypatch.setattr(titan, "TORCHTITAN_REF", tmp_path / ".gpu" / "torchtitan_ref")
+    monkeypatch.setattr(titan, "ROOT", tmp_path)
+    assert "not prepared: run make bench-gpu-prepare" in titan.torchtitan_skip(_case(), "torchtitan_trainer", None)
     (tmp_path / ".gpu" / "torchtitan_ref" / "c4_test").mkdir(parents=True)
     (tmp_path / ".gpu" / "torchtitan_ref" / "llama_run.py").write_text("")
     (tmp_path / ".gpu" / "torchtitan_ref" / "c4_test" / "data.json").write_text("")
-    assert gpu.torchtitan_skip(_case(), "torchtitan_trainer", None) is None
-    assert "not prepared" in gpu.torchtitan_skip(_case(model="deepseek_v3"), "torchtitan_trainer", None)
+    assert titan.torchtitan_skip(_case(), "torchtitan_trainer", None) is None
+    assert "not prepared" in titan.torchtitan_skip(_case(model="deepseek_v3"), "torchtitan_trainer", None)
 
 
 def test_prepare_copies_the_reference_and_unzips_the_wheels(tmp_path, monkeypatch, capsys):
@@ -440,6 +441,7 @@ def test_prepare_copies_the_reference_and_unzips_the_wheels(tmp_path, monkeypatc
     import zipfile
 
     import benchmarks.gpu as gpu
+    import benchmarks.gpu_torchtitan as titan
 
     shared = tmp_path / "shared"
     ref = shared / "gpu" / "torchtitan_ref"
@@ -453,10 +455,10 @@ def test_prepare_copies_the_reference_and_unzips_the_wheels(tmp_path, monkeypatc
         p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     repo = tmp_path / "repo"
     repo.mkdir()
-    monkeypatch.setattr(gpu, "ROOT", repo)
-    monkeypatch.setattr(gpu, "GPU_FOLDER", repo / ".gpu")
-    monkeypatch.setattr(gpu, "TORCHTITAN_REF", repo / ".gpu" / "torchtitan_ref")
-    monkeypatch.setattr(gpu, "TORCHTITAN_SITE", repo / ".gpu" / "site")
+    monkeypatch.setattr(titan, "ROOT", repo)
+    monkeypatch.setattr(titan, "GPU_FOLDER", repo / ".gpu")
+    monkeypatch.setattr(titan, "TORCHTITAN_REF", repo / ".gpu" / "torchtitan_ref")
+    monkeypatch.setattr(titan, "TORCHTITAN_SITE", repo / ".gpu" / "site")
     try:
         assert gpu.main(["--prepare-torchtitan", str(shared)]) == 0
     finally:
@@ -479,7 +481,7 @@ def recorded_run() -> dict:
     so each goal has a known outcome), plus a float8 row that the goals ignore."""
     from dataclasses import asdict
 
-    from benchmarks.gpu import add_ratios
+    from benchmarks.gpu_rows import add_ratios
 
     # (model, compiled): trainer, mixed bare, bf16 bare, torchtitan's trainer, torchtitan's model
     tps = {
@@ -524,7 +526,7 @@ def test_ratios_and_goals_of_a_recorded_run():
     failed makes it UNMEASURED; without the DeepSeek rows every goal is UNMEASURED."""
     import copy
 
-    from benchmarks.gpu import evaluate_goals
+    from benchmarks.gpu_rows import evaluate_goals
 
     run = recorded_run()
     r0 = run["rows"][0]
@@ -545,7 +547,7 @@ def test_ratios_and_goals_of_a_recorded_run():
     assert {g["goal"]: g["status"] for g in evaluate_goals(slow)}["trainer_over_bare_mixed"] == "missed"
     failed = copy.deepcopy(run["rows"])
     failed[3]["torchtitan_trainer"] = {"error": "exited 1"}
-    from benchmarks.gpu import add_ratios
+    from benchmarks.gpu_rows import add_ratios
 
     add_ratios(failed[3])
     status = {g["goal"]: g["status"] for g in evaluate_goals(failed)}
@@ -574,7 +576,8 @@ def test_run_torchtitan_trainer_reads_the_log_of_its_torchrun(tmp_path, monkeypa
     run) becomes the row: the median tps of the steps after warmup. A script that fails is an
     error with its log's tail, not an exception; one that runs past --timeout is killed with its
     torchrun (its worker too: checked)."""
-    import benchmarks.gpu as gpu
+    import benchmarks.gpu_measure as gpu_measure
+    import benchmarks.gpu_torchtitan as titan
 
     ref, site = tmp_path / "torchtitan_ref", tmp_path / "site"
     ref.mkdir()
@@ -590,13 +593,13 @@ def test_run_torchtitan_trainer_reads_the_log_of_its_torchrun(tmp_path, monkeypa
         "          f'mfu: 40.00%\\x1b[39m', flush=True)\n"
     )
     (ref / "llama_8b_8layers.toml").write_text("")
-    monkeypatch.setattr(gpu, "TORCHTITAN_REF", ref)
-    monkeypatch.setattr(gpu, "TORCHTITAN_SITE", site)
+    monkeypatch.setattr(titan, "TORCHTITAN_REF", ref)
+    monkeypatch.setattr(titan, "TORCHTITAN_SITE", site)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    got = gpu.run_torchtitan_trainer(_case(compile=True), steps=6, warmup=2)
+    got = titan.run_torchtitan_trainer(_case(compile=True), steps=6, warmup=2)
     assert got == {"tokens_per_s": 4500.0, "mfu_pct": 40.0, "peak_reserved_gib": 60.0, "steps_timed": 4,
                    "last_loss": 8.0}  # fmt: skip
-    got = gpu.run_torchtitan_trainer(_case(compile=False), steps=6, warmup=2)  # its assert fails
+    got = titan.run_torchtitan_trainer(_case(compile=False), steps=6, warmup=2)  # its assert fails
     assert got["error"].startswith("torchtitan's trainer exited 1") and "AssertionError" in got["error"]
 
     # past --timeout the whole session goes: torchrun and its worker (which would hold the GPU)
@@ -605,8 +608,8 @@ def test_run_torchtitan_trainer_reads_the_log_of_its_torchrun(tmp_path, monkeypa
         f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\nprint('started', flush=True)\n"
         "time.sleep(600)\n"
     )
-    monkeypatch.setattr(gpu, "TIMEOUT_S", 6.0)
-    got = gpu.run_torchtitan_trainer(_case(model="deepseek_v3"), steps=6, warmup=2)
+    monkeypatch.setattr(gpu_measure, "TIMEOUT_S", 6.0)
+    got = titan.run_torchtitan_trainer(_case(model="deepseek_v3"), steps=6, warmup=2)
     assert got["error"].startswith("torchtitan's trainer did not finish in 6 s (--timeout), killed"), got
     assert "got signal: 15" in got["error"]  # torchrun's SIGTERM, on which it stops its worker
     status = Path(f"/proc/{pid_file.read_text()}/status")
@@ -617,16 +620,16 @@ def test_torchtitan_comes_from_gpu_site_when_not_importable_otherwise(tmp_path, 
     """No torchtitan on the path: .gpu/site (make bench-gpu-prepare) goes on this process's path
     and on PYTHONPATH for the measurement processes, and counts if torchtitan imports from it;
     without that folder the rows' reason is "torchtitan not importable (<the import error>)"."""
-    import benchmarks.gpu as gpu
+    import benchmarks.gpu_torchtitan as titan
 
     site = tmp_path / "site"
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     missing = "ModuleNotFoundError: No module named 'torchtitan'"
-    monkeypatch.setattr(gpu, "_import_torchtitan", lambda: None if str(site) in sys.path else missing)
-    monkeypatch.setattr(gpu, "TORCHTITAN_SITE", site)
-    assert gpu.torchtitan_unavailable() == f"torchtitan not importable ({missing})"
+    monkeypatch.setattr(titan, "_import_torchtitan", lambda: None if str(site) in sys.path else missing)
+    monkeypatch.setattr(titan, "TORCHTITAN_SITE", site)
+    assert titan.torchtitan_unavailable() == f"torchtitan not importable ({missing})"
     assert str(site) not in sys.path and os.environ["PYTHONPATH"] == "/elsewhere"
     site.mkdir()
-    assert gpu.torchtitan_unavailable() is None
+    assert titan.torchtitan_unavailable() is None
     assert sys.path[0] == str(site) and os.environ["PYTHONPATH"] == os.pathsep.join([str(site), "/elsewhere"])

@@ -132,7 +132,7 @@ def test_gpu_section_summarizes_each_run_and_lists_issue_39s_goals():
     model) and the planner columns, the old run's bare ratio in the bf16 column; the goals table
     reads the new run only. Without such a run every goal is UNMEASURED with the command that
     measures it."""
-    from benchmarks.gpu import GOALS_COMMAND
+    from benchmarks.gpu_rows import GOALS_COMMAND
     from tests.unit.test_bench_gpu import recorded_run
 
     new = recorded_run()
