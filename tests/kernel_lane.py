@@ -46,8 +46,8 @@ LANE_ENV = {
 }
 
 # models, MoE kernels (and their float8 form), optimizer, mixed precision, context parallel,
-# Hugging Face adapters, activation checkpointing, block-causal document masking, and the
-# lane's own check
+# Hugging Face adapters, activation checkpointing, block-causal document masking, the kernels
+# chosen at run time (fused vs op-by-op norm, padded vs unpadded MLA values), and the lane's own check
 NUMERICS_TESTS = [
     "tests/unit/test_kernel_lane.py",
     "tests/unit/test_models.py",
@@ -58,6 +58,7 @@ NUMERICS_TESTS = [
     "tests/unit/test_hf_adapters.py",
     "tests/unit/test_activation_checkpoint.py",
     "tests/unit/test_document_masking.py",
+    "tests/unit/test_kernel_choice.py",
     "tests/distributed/test_mixed_precision.py",
     "tests/distributed/test_context_parallel.py",
 ]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.kernels import kernels_line
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from parallel_dims import default_device_type
 from parallel_dims.process_groups import host_group
@@ -308,6 +309,7 @@ class Trainer:
             f"{batch.local_batch_size} per rank"
         )
         _log(f"dataset: {self.data.description}")  # (the first step's "data:" line describes its batch)
+        _log(kernels_line(self.model_parts, self.device, getattr(torch, self.plan.parallelize.param_dtype)))
         steps_since_log = 0
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False

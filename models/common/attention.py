@@ -25,10 +25,17 @@ Kernels (``attn_type``):
   on CPU, which is how the tests check the masks).
 * ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention over the concatenated
   documents, one causal sequence each); CUDA only, no context parallelism, ``block_causal`` only.
+
+Values narrower than queries and keys (MLA: head dim 128 against 192) go to the kernel as they
+are where a kernel at least as fast as the one padded values would get takes them, and are
+padded with zero columns (sliced off after) where not: :func:`value_head_plan` decides, by
+asking SDPA's own backend selection for the actual shapes and dtype once per configuration.
+FlexAttention always takes them unpadded, varlen (FlashAttention, one head dim) always padded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,15 +44,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.common.documents import ATTN_MASK_TYPES, ATTN_TYPES, Documents
 
 __all__ = [
     "AttentionCore",
+    "ValueHeadPlan",
     "VarlenLayout",
     "block_causal_mask",
     "chunk_block_mask",
     "repeat_kv",
+    "sdpa_value_plan",
+    "value_head_plan",
     "varlen_layout",
 ]
 
@@ -151,6 +162,119 @@ def _check_kinds(mask_type: str, attn_type: str) -> None:
         raise ValueError(f"attn_mask_type must be one of {', '.join(ATTN_MASK_TYPES)}; got {mask_type!r}")
     if attn_type not in ATTN_TYPES:
         raise ValueError(f"attn_type must be one of {', '.join(ATTN_TYPES)}; got {attn_type!r}")
+
+
+# SDPA's backends from slowest to fastest on the GPUs we train on: the unfused math path, the
+# memory-efficient kernel, FlashAttention 2, cuDNN's attention (Hopper, Blackwell). FlashAttention
+# needs one head dim for q, k and v; the other three take a narrower v (cuDNN on torch's checks
+# for the part, e.g. head dims up to 256 on sm90 with cuDNN >= 9.10). On CPU only the flash
+# kernel is fused, and it needs one head dim too.
+_SPEED = {
+    SDPBackend.MATH: 0,
+    SDPBackend.EFFICIENT_ATTENTION: 1,
+    SDPBackend.FLASH_ATTENTION: 2,
+    SDPBackend.CUDNN_ATTENTION: 3,
+}
+_NAMES = {
+    SDPBackend.MATH: "math",
+    SDPBackend.EFFICIENT_ATTENTION: "efficient",
+    SDPBackend.FLASH_ATTENTION: "flash",
+    SDPBackend.CUDNN_ATTENTION: "cudnn",
+}
+# The priority unpadded values run under when cuDNN takes them: torch's default order
+# (flash, efficient, math, cudnn in 2.11-2.15) would give them to the memory-efficient kernel.
+CUDNN_FIRST = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+# The probe's q/k/v: one row of 2 heads and 128 tokens. SDPA's conditions that depend on batch,
+# heads or length (cuDNN: no key length 1, batch and heads <= 65535; before cuDNN 9, lengths of
+# at least 64) do not arise in training, so the plan holds for every micro-batch shape and is
+# computed once per (device, dtype, head dims, mask kind, grad) rather than per shape.
+_PROBE_HEADS, _PROBE_LEN = 2, 128
+
+
+@dataclass(frozen=True)
+class ValueHeadPlan:
+    """How values narrower than q/k reach the kernel: ``pad`` to q/k's head dim (zero columns,
+    sliced off after) or not, the kernel that then runs (``cudnn``, ``flash``, ``efficient``,
+    ``math``: SDPA backends; ``flex``; ``varlen``), and whether SDPA must run with cuDNN first
+    (:meth:`priority`)."""
+
+    pad: bool
+    kernel: str
+    cudnn_first: bool = False
+
+    def priority(self) -> contextlib.AbstractContextManager:
+        """The context the attention call runs in: cuDNN first where it takes the values."""
+        return sdpa_kernel(CUDNN_FIRST, set_priority=True) if self.cudnn_first else contextlib.nullcontext()
+
+    def describe(self, d_qk: int, d_v: int) -> str:
+        if self.pad:
+            return f"V padded {d_v}->{d_qk} ({self.kernel})"
+        return f"V unpadded ({self.kernel})"
+
+
+@functools.cache
+def _probe(device: str, dtype: torch.dtype, d_qk: int, d_v: int, masked: bool, grad: bool) -> ValueHeadPlan:
+    def backend(v_dim: int, first_cudnn: bool) -> SDPBackend:
+        def t(d: int) -> torch.Tensor:
+            x = torch.empty(1, _PROBE_HEADS, _PROBE_LEN, d, device=device, dtype=dtype)
+            return x.requires_grad_(grad)
+
+        mask = torch.ones(_PROBE_LEN, _PROBE_LEN, dtype=torch.bool, device=device).tril() if masked else None
+        ctx = sdpa_kernel(CUDNN_FIRST, set_priority=True) if first_cudnn else contextlib.nullcontext()
+        with ctx:
+            # the choice scaled_dot_product_attention itself makes for these inputs
+            return SDPBackend(torch._fused_sdp_choice(t(d_qk), t(d_qk), t(v_dim), mask, 0.0, not masked))
+
+    narrow = backend(d_v, first_cudnn=True)
+    padded = backend(d_qk, first_cudnn=False)  # as the padded call runs: torch's default priority
+    if _SPEED.get(narrow, -1) >= _SPEED.get(padded, -1):
+        return ValueHeadPlan(
+            pad=False, kernel=_NAMES.get(narrow, str(narrow)), cudnn_first=narrow == SDPBackend.CUDNN_ATTENTION
+        )
+    return ValueHeadPlan(pad=True, kernel=_NAMES.get(padded, str(padded)))
+
+
+@torch.compiler.assume_constant_result
+def _constant_plan(device: str, dtype: torch.dtype, d_qk: int, d_v: int, masked: bool, grad: bool) -> tuple:
+    # under torch.compile this runs once at trace time and its result is baked into the graph
+    # (a tuple: dynamo holds the result as a constant, whose methods it cannot call)
+    plan = _probe(device, dtype, d_qk, d_v, masked, grad)
+    return plan.pad, plan.kernel, plan.cudnn_first
+
+
+def sdpa_value_plan(
+    device: torch.device | str, dtype: torch.dtype, d_qk: int, d_v: int, masked: bool, grad: bool = True
+) -> ValueHeadPlan:
+    """The plan for SDPA on ``device`` in ``dtype`` with q/k head dim ``d_qk`` and v head dim
+    ``d_v < d_qk``, with a boolean mask (``masked``) or the causal flag. Values go unpadded when
+    the backend SDPA picks for them (with cuDNN first) is at least as fast as the one it picks
+    for padded values (torch's default order), padded otherwise: on CUDA in bf16 cuDNN where it
+    takes the shapes, else FlashAttention on padded values; in fp32 on CUDA the memory-efficient
+    kernel either way, so unpadded; on CPU the flash kernel on padded values (the math path,
+    which upcasts bf16, is what unpadded values would get)."""
+    return _probe(str(torch.device(device)), dtype, d_qk, d_v, masked, grad)
+
+
+def value_head_plan(
+    core: nn.Module, device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int, grad: bool = True
+) -> ValueHeadPlan:
+    """How ``core`` (an :class:`AttentionCore`, or the context-parallel core that replaces it)
+    should get values of head dim ``d_v`` next to queries and keys of head dim ``d_qk`` on
+    ``device`` in ``dtype`` (``grad``: the inputs require grad). A constant under
+    ``torch.compile``; the start-up report asks the same question."""
+    if core.attn_type == "flex":
+        return ValueHeadPlan(pad=False, kernel="flex")  # FlexAttention takes v of its own head dim
+    if core.attn_type == "varlen" or d_v >= d_qk:
+        return ValueHeadPlan(pad=d_v < d_qk, kernel=core.attn_type)
+    # SDPA gets a boolean mask for block-causal masking and, under context parallelism (the CP
+    # core's cp_size > 1), for its load-balanced chunks; the causal flag otherwise
+    masked = core.mask_type != "causal" or getattr(core, "cp_size", 1) > 1
+    return ValueHeadPlan(*_constant_plan(str(device), dtype, d_qk, d_v, masked, grad))
 
 
 class AttentionCore(nn.Module):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.attention import AttentionCore
+from models.common.attention import AttentionCore, value_head_plan
 from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
 from models.common.norms import RMSNorm
@@ -97,14 +97,18 @@ class Attention(DecoderAttention):
                 "wq/wq_b and wkv_b must be sharded the same way under tensor parallelism."
             )
         k = torch.cat([k_nope, k_pe.expand(-1, -1, local_heads, -1)], dim=-1)
-        if self.v_head_dim < self.qk_head_dim:
-            # Fused attention kernels (FlashAttention on GPU, the flash kernel on CPU) need one
-            # head dim for q, k and v; with MLA's narrower values SDPA would fall back to the
-            # math path, which on CPU also upcasts bf16 to fp32. Zero columns of v give zero
-            # output columns and leave the others exact; they are sliced off below.
+        # Values are narrower than queries and keys (v_head_dim < qk_head_dim). Kernels that take
+        # that (cuDNN attention, the memory-efficient kernel, FlexAttention) get them as they
+        # are; where the fastest kernel needs one head dim (FlashAttention on CUDA, the flash
+        # kernel on CPU, where unpadded values would fall to the math path), zero columns pad v
+        # to the q/k head dim: they give zero output columns, leave the others exact, and are
+        # sliced off below. value_head_plan decides per device and dtype (a constant under
+        # torch.compile); models/kernels.py reports it at start-up.
+        plan = value_head_plan(self.core, q.device, q.dtype, self.qk_head_dim, self.v_head_dim, q.requires_grad)
+        if plan.pad:
             v = F.pad(v, (0, self.qk_head_dim - self.v_head_dim))
-
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.softmax_scale)
+        with plan.priority():
+            out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.softmax_scale)
         out = out[..., : self.v_head_dim].transpose(1, 2).reshape(bs, s, -1)
         return self.wo(out)
 
