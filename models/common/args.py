@@ -13,6 +13,9 @@ read by the decoder shell (``models/common/decoder.py``), the trainer and the la
   :func:`check_attention_args`;
 * ``validate()``: raise ``ValueError`` naming the bad field. The shell calls it before building.
 
+and may declare ``tie_word_embeddings: bool = False`` (the class attribute below is the default
+for models that do not): the output head uses the embedding's weight, one parameter for both.
+
 and overrides the properties below where the default does not fit. Properties rather than
 fields so the published flavors stay plain dataclasses; give every dataclass field a default
 (a field without one would pick up a property of the same name as its default).
@@ -60,6 +63,20 @@ def check_attention_args(
 class DecoderArgs:
     """Base of every model's args dataclass; see the module docstring for the required
     fields."""
+
+    # Whether the output head reuses tok_embeddings.weight (one Parameter for both uses, as in
+    # Llama 3.2 1B/3B and the small Qwen3 models). A plain class attribute, not a dataclass
+    # field: a subclass that supports tying declares the field ``tie_word_embeddings: bool =
+    # False`` (which then shadows this), one that does not inherits False.
+    tie_word_embeddings: bool = False
+
+    def check_tie_word_embeddings(self) -> None:
+        """Raise ``ValueError`` when ``tie_word_embeddings`` is not a bool (call from
+        ``validate()``)."""
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                f"{type(self).__name__}.tie_word_embeddings must be true or false; got {self.tie_word_embeddings!r}."
+            )
 
     @property
     def needs_documents(self) -> bool:

@@ -6,7 +6,8 @@ a model subclass only says how to build its RoPE table and its blocks (and, if i
 extra init). The parallelism code relies on this structure, so it is the contract:
 
 * ``tok_embeddings``, ``layers`` (``nn.ModuleDict`` keyed ``"0"``, ``"1"``, ...), ``norm``,
-  ``output``: FSDP wraps them, the TP plan matches them, pipeline splitting deletes ``layers``
+  ``output`` (whose weight *is* ``tok_embeddings.weight`` when ``args.tie_word_embeddings``):
+  FSDP wraps them, the TP plan matches them, pipeline splitting deletes ``layers``
   entries and sets ``tok_embeddings`` / ``norm`` + ``output`` to None away from the ends (so
   parameter FQNs, and with them FQN-seeded init and checkpoints, are the full model's);
 * ``cp_rank`` / ``cp_size``: set by the context-parallel applier; :meth:`Decoder.local_positions`
@@ -107,6 +108,10 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.build_block(i, args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            # one Parameter for both uses ([vocab, dim] either way): named_parameters lists it
+            # once, as tok_embeddings.weight, so init, optimizer and checkpoints see one tensor
+            self.output.weight = self.tok_embeddings.weight
         # Set by the context-parallel applier; this rank holds the load-balanced chunks
         # ``cp_rank`` of ``cp_size`` of every sequence.
         self.cp_rank = 0
@@ -118,6 +123,20 @@ class Decoder(nn.Module):
         # pipeline stage boundaries sharded along the sequence into this many parts (tp), so
         # each tp rank sends its own shard to the same tp rank of the next stage.
         self.boundary_seq_shards = 1
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (behind ``to_empty``, ``to``, ``cuda``, ...) converts each
+        module's parameter slots separately, which would leave a tied head with a weight of its
+        own; re-tie after it (the parallel appliers keep the two slots on one object, so this
+        is the one place a tie can come undone)."""
+        out = super()._apply(fn, recurse)
+        self._retie()
+        return out
+
+    def _retie(self) -> None:
+        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+            if self.output.weight is not self.tok_embeddings.weight:
+                self.output.weight = self.tok_embeddings.weight
 
     # ------------------------------------------------------------------ what a model supplies
     def build_rope(self, args: DecoderArgs) -> RotaryEmbedding:
@@ -252,7 +271,9 @@ class Decoder(nn.Module):
             self.args.n_layers,
             self.args.attention_dim,
             seq_len,
-            self.tok_embeddings.weight.numel(),
+            # the lookup costs no FLOPs, the head's matmul does: tied, the one [vocab, dim]
+            # tensor counted in active_params is the head's
+            0 if self.args.tie_word_embeddings else self.tok_embeddings.weight.numel(),
         )
 
 

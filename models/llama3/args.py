@@ -39,6 +39,10 @@ class Llama3Args(DecoderArgs):
     attn_type: str = "sdpa"
     eos_id: int | None = None
     document_positions: bool = False
+    # The output head reuses tok_embeddings.weight (Llama 3.2 1B/3B).
+    tie_word_embeddings: bool = False
+    # Llama 3 RoPE scaling factor: 8 for Llama 3.1, 32 for Llama 3.2 (other values are Meta's).
+    rope_scaling_factor: float = 8.0
 
     @property
     def kv_heads(self) -> int:
@@ -68,6 +72,7 @@ class Llama3Args(DecoderArgs):
 
     def validate(self) -> None:
         self.check_attention()
+        self.check_tie_word_embeddings()
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             _positive_int(name, getattr(self, name))
         if self.n_kv_heads is not None:
@@ -94,6 +99,7 @@ class Llama3Args(DecoderArgs):
         _positive_float("rope_theta", self.rope_theta)
         if not isinstance(self.use_rope_scaling, bool):
             raise ValueError(f"Llama3Args.use_rope_scaling must be a bool, got {self.use_rope_scaling!r}.")
+        _positive_float("rope_scaling_factor", self.rope_scaling_factor)
 
 
 llama3_flavors: dict[str, Llama3Args] = {

@@ -79,7 +79,7 @@ class Llama3(Decoder):
             args.head_dim,
             args.max_seq_len,
             args.rope_theta,
-            Llama3RopeScaling() if args.use_rope_scaling else None,
+            Llama3RopeScaling(scale_factor=args.rope_scaling_factor) if args.use_rope_scaling else None,
         )
 
     def build_block(self, layer_id: int, args: Llama3Args) -> TransformerBlock:
