@@ -26,6 +26,8 @@ from models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from models.llama3 import Llama3, llama3_flavors
 from models.llama3.hf_adapter import Llama3HFAdapter
 from models.parallelize import parallelize_model
+from models.qwen3 import Qwen3, qwen3_flavors
+from models.qwen3.hf_adapter import Qwen3HFAdapter
 from parallel_dims.model_rules import ModelRules
 
 __all__ = [
@@ -205,3 +207,4 @@ def build_model(name: str, flavor: str, device: torch.device | str = "meta", **a
 # One line per model.
 register_model("llama3", Llama3, llama3_flavors, hf_state_dict_adapter=Llama3HFAdapter)
 register_model("deepseek_v3", DeepSeekV3, deepseek_v3_flavors, hf_state_dict_adapter=DeepSeekV3HFAdapter)
+register_model("qwen3", Qwen3, qwen3_flavors, hf_state_dict_adapter=Qwen3HFAdapter)

@@ -1,0 +1,206 @@
+"""Qwen3 configuration (dense and MoE) and the published flavors.
+
+One args class for both: ``n_routed_experts = 0`` is the dense model (every layer a SwiGLU of
+``hidden_dim``), ``n_routed_experts > 0`` the MoE model (every layer routed: softmax router, top
+``n_activated_experts``, renormalised when ``norm_topk_prob``, no shared expert), built from the
+shared MoE (``models/deepseek_v3/moe.MoE``) through the routing properties below.
+
+Flavor values are those of the published ``config.json`` files of the Hugging Face repositories
+``Qwen/Qwen3-8B``, ``Qwen/Qwen3-14B``, ``Qwen/Qwen3-32B``, ``Qwen/Qwen3-30B-A3B`` and
+``Qwen/Qwen3-235B-A22B`` (hidden_size, intermediate_size, moe_intermediate_size,
+num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size 151936,
+rms_norm_eps 1e-6, rope_theta 1e6, num_experts, num_experts_per_tok, norm_topk_prob).
+``Qwen/Qwen3-0.6B``, ``-1.7B`` and ``-4B`` tie their input and output embeddings
+(``tie_word_embeddings: true``), which this model does not support yet, so those flavors are
+not listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.common.args import DecoderArgs
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Qwen3Args.{name} must be a positive int, got {value!r}.")
+
+
+def _positive_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"Qwen3Args.{name} must be a positive number, got {value!r}.")
+
+
+@dataclass
+class Qwen3Args(DecoderArgs):
+    dim: int = 4096
+    n_layers: int = 36
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    # Qwen3 sets the head width independently of dim / n_heads (128 in every published size).
+    head_dim: int = 128
+    # SwiGLU width of a dense layer (config.json intermediate_size).
+    hidden_dim: int = 12288
+    vocab_size: int = 151936
+    norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_seq_len: int = 4096
+    # MoE: 0 routed experts = the dense model.
+    n_routed_experts: int = 0
+    n_activated_experts: int = 8
+    moe_inter_dim: int = 768
+    norm_topk_prob: bool = True
+    # Auxiliary-loss-free balancing (expert-bias update rate, models/deepseek_v3/moe.py); None
+    # (the default, as Qwen3 trains) disables it.
+    load_balance_coeff: float | None = None
+    # Qwen3-MoE's load-balancing loss (transformers' router_aux_loss_coef). Not implemented:
+    # must stay 0 (validate() refuses anything else).
+    router_aux_loss_coef: float = 0.0
+    # Attention masking of packed rows (models/common/attention.py, documents.py).
+    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"
+    eos_id: int | None = None
+    document_positions: bool = False
+
+    # ------------------------------------------------------------------ the shared contract
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def attention_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def tp_kv_heads(self) -> int | None:
+        return self.n_kv_heads
+
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The dense SwiGLU width (the name the planner reads)."""
+        return self.hidden_dim
+
+    # ------------------------------------------------------------------ what the shared MoE reads
+    # (models/deepseek_v3/moe.MoE takes these by name; Qwen3's routing fixes them)
+    @property
+    def n_shared_experts(self) -> int:
+        return 0
+
+    @property
+    def n_dense_layers(self) -> int:
+        return 0 if self.n_routed_experts else self.n_layers
+
+    @property
+    def n_expert_groups(self) -> int:
+        return 1
+
+    @property
+    def n_limited_groups(self) -> int:
+        return 1
+
+    @property
+    def score_func(self) -> str:
+        return "softmax"
+
+    @property
+    def route_norm(self) -> bool:
+        return self.norm_topk_prob
+
+    @property
+    def route_scale(self) -> float:
+        return 1.0
+
+    @property
+    def aux_loss_coeff(self) -> float:
+        return 0.0
+
+    def validate(self) -> None:
+        self.check_attention()
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size", "max_seq_len"):
+            _positive_int(name, getattr(self, name))
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"Qwen3Args.n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                "grouped-query attention needs an equal number of query heads per KV head."
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"Qwen3Args.head_dim={self.head_dim} is odd; RoPE rotates channel pairs, make it even.")
+        _positive_float("norm_eps", self.norm_eps)
+        _positive_float("rope_theta", self.rope_theta)
+        if isinstance(self.n_routed_experts, bool) or not isinstance(self.n_routed_experts, int):
+            raise ValueError(f"Qwen3Args.n_routed_experts must be an int >= 0, got {self.n_routed_experts!r}.")
+        if self.n_routed_experts < 0:
+            raise ValueError(f"Qwen3Args.n_routed_experts must be >= 0 (0 = dense), got {self.n_routed_experts}.")
+        if self.n_routed_experts:
+            _positive_int("n_activated_experts", self.n_activated_experts)
+            _positive_int("moe_inter_dim", self.moe_inter_dim)
+            if self.n_activated_experts > self.n_routed_experts:
+                raise ValueError(
+                    f"Qwen3Args.n_activated_experts={self.n_activated_experts} exceeds n_routed_experts="
+                    f"{self.n_routed_experts}; a token cannot visit more experts than exist."
+                )
+            if not isinstance(self.norm_topk_prob, bool):
+                raise ValueError(f"Qwen3Args.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}.")
+            if self.load_balance_coeff is not None:
+                _positive_float("load_balance_coeff", self.load_balance_coeff)
+        if self.router_aux_loss_coef != 0:
+            raise ValueError(
+                f"Qwen3Args.router_aux_loss_coef={self.router_aux_loss_coef!r}: Qwen3-MoE's global load-balancing "
+                "loss is not implemented; set it to 0 (load_balance_coeff gives auxiliary-loss-free balancing)."
+            )
+
+
+_PUBLISHED = dict(vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0, head_dim=128)
+
+qwen3_flavors: dict[str, Qwen3Args] = {
+    # CPU test sizes: GQA with head_dim (32) != dim / n_heads (256 / 16 = 16).
+    "debugmodel": Qwen3Args(
+        dim=256, n_layers=4, n_heads=16, n_kv_heads=8, head_dim=32, hidden_dim=768, vocab_size=2048, max_seq_len=2048
+    ),
+    # 8 experts top-2, every layer routed.
+    "debugmodel_moe": Qwen3Args(
+        dim=256,
+        n_layers=4,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=32,
+        hidden_dim=768,
+        vocab_size=2048,
+        max_seq_len=2048,
+        n_routed_experts=8,
+        n_activated_experts=2,
+        moe_inter_dim=128,
+    ),
+    # Qwen/Qwen3-8B, -14B, -32B config.json
+    "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288, **_PUBLISHED),
+    "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408, **_PUBLISHED),
+    "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600, **_PUBLISHED),
+    # Qwen/Qwen3-30B-A3B, -235B-A22B config.json (128 experts, top 8, norm_topk_prob true)
+    "30B-A3B": Qwen3Args(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        hidden_dim=6144,
+        n_routed_experts=128,
+        n_activated_experts=8,
+        moe_inter_dim=768,
+        **_PUBLISHED,
+    ),
+    "235B-A22B": Qwen3Args(
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        hidden_dim=12288,
+        n_routed_experts=128,
+        n_activated_experts=8,
+        moe_inter_dim=1536,
+        **_PUBLISHED,
+    ),
+}

@@ -1,0 +1,222 @@
+"""Qwen3 <-> Hugging Face ``Qwen3ForCausalLM`` (dense flavors) and ``Qwen3MoeForCausalLM`` (MoE
+flavors), the layout of the published ``Qwen/Qwen3-*`` folders.
+
+Every tensor maps one to one with no permutation: our attention rotates the half-split pairs
+that ``transformers`` rotates (``models/qwen3/model.py``), so ``q_proj``/``k_proj`` rows and the
+``q_norm``/``k_norm`` gains keep their order. Routed experts are stacked ``w1``/``w3``
+``[E, hidden, dim]`` and ``w2`` ``[E, dim, hidden]`` here and one ``mlp.experts.{e}.gate_proj``/
+``up_proj``/``down_proj`` per expert on disk (same orientation; ``transformers`` >= 5 fuses them in
+memory and converts on load/save). Qwen3 has no expert bias: ours loads as zeros and is refused
+on export unless still zero (train with ``load_balance_coeff`` unset to export).
+
+The config check refuses what this model does not implement, by name: tied embeddings, rope
+scaling, sliding-window attention, attention biases, an activation other than SiLU, dense layers
+in an MoE model (``mlp_only_layers``, ``decoder_sparse_step``) and the router aux loss switched
+on for training (``output_router_logits`` with ``router_aux_loss_coef > 0``; the published
+configs keep it off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from models.common.hf_adapter import (
+    Absent,
+    ConfigField,
+    Entry,
+    HFStateDictAdapter,
+    Plain,
+    Stacked,
+    rope_config,
+    same_value,
+)
+from models.qwen3.args import Qwen3Args
+
+__all__ = ["Qwen3HFAdapter"]
+
+# The context length of the published Qwen3 configs (max_position_embeddings); our max_seq_len
+# is only the training RoPE table length.
+_QWEN3_CONTEXT = 40960
+
+
+class Qwen3HFAdapter(HFStateDictAdapter):
+    model_name = "qwen3"
+
+    args: Qwen3Args
+
+    def __init__(self, args: Qwen3Args) -> None:
+        super().__init__(args)
+        moe = args.n_routed_experts > 0
+        self.hf_architecture = "Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"
+        self.model_type = "qwen3_moe" if moe else "qwen3"
+
+    def _entries(self) -> Iterable[Entry]:
+        a = self.args
+        dim, hd = a.dim, a.head_dim
+        e, hid = a.n_routed_experts, a.moe_inter_dim
+        yield Plain("tok_embeddings.weight", "model.embed_tokens.weight", (a.vocab_size, dim))
+        for i in range(a.n_layers):
+            o, h = f"layers.{i}.", f"model.layers.{i}."
+            yield Plain(o + "attention_norm.weight", h + "input_layernorm.weight", (dim,))
+            yield Plain(o + "attention.wq.weight", h + "self_attn.q_proj.weight", (a.n_heads * hd, dim))
+            yield Plain(o + "attention.wk.weight", h + "self_attn.k_proj.weight", (a.kv_heads * hd, dim))
+            yield Plain(o + "attention.wv.weight", h + "self_attn.v_proj.weight", (a.kv_heads * hd, dim))
+            yield Plain(o + "attention.wo.weight", h + "self_attn.o_proj.weight", (dim, a.n_heads * hd))
+            yield Plain(o + "attention.q_norm.weight", h + "self_attn.q_norm.weight", (hd,))
+            yield Plain(o + "attention.k_norm.weight", h + "self_attn.k_norm.weight", (hd,))
+            yield Plain(o + "ffn_norm.weight", h + "post_attention_layernorm.weight", (dim,))
+            if not e:
+                ffn = a.hidden_dim
+                yield Plain(o + "feed_forward.w1.weight", h + "mlp.gate_proj.weight", (ffn, dim))
+                yield Plain(o + "feed_forward.w2.weight", h + "mlp.down_proj.weight", (dim, ffn))
+                yield Plain(o + "feed_forward.w3.weight", h + "mlp.up_proj.weight", (ffn, dim))
+                continue
+            yield Absent(
+                o + "moe.expert_bias",
+                (e,),
+                torch.float32,
+                0.0,
+                "Qwen3-MoE checkpoints have no expert bias, and this one is non-zero; train with load_balance_coeff "
+                "unset to export to Hugging Face.",
+            )
+            yield Plain(o + "moe.router.gate.weight", h + "mlp.gate.weight", (e, dim))
+            for ours, theirs, shape in (
+                ("w1", "gate_proj", (e, hid, dim)),
+                ("w2", "down_proj", (e, dim, hid)),
+                ("w3", "up_proj", (e, hid, dim)),
+            ):
+                yield Stacked(
+                    o + f"moe.experts.{ours}", tuple(h + f"mlp.experts.{j}.{theirs}.weight" for j in range(e)), shape
+                )
+        yield Plain("norm.weight", "model.norm.weight", (dim,))
+        yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
+
+    def hf_config(self, dtype: str = "bfloat16") -> dict:
+        a = self.args
+        config: dict[str, Any] = {
+            "architectures": [self.hf_architecture],
+            "model_type": self.model_type,
+            "hidden_size": a.dim,
+            "intermediate_size": a.hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": max(a.max_seq_len, _QWEN3_CONTEXT),
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": a.n_layers,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "torch_dtype": dtype,
+        }
+        if a.n_routed_experts:
+            config.update(
+                {
+                    "moe_intermediate_size": a.moe_inter_dim,
+                    "num_experts": a.n_routed_experts,
+                    "num_experts_per_tok": a.n_activated_experts,
+                    "norm_topk_prob": a.norm_topk_prob,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                    "output_router_logits": False,
+                    "router_aux_loss_coef": float(a.router_aux_loss_coef),
+                }
+            )
+        if a.vocab_size == 151936:  # Qwen's tokenizer: <|endoftext|> 151643
+            config["bos_token_id"] = 151643
+            config["eos_token_id"] = 151643
+        return config
+
+    def _config_fields(self, config: Mapping[str, Any]) -> list[ConfigField]:
+        a = self.args
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads")
+        head_dim = config.get("head_dim")
+        if head_dim is None and isinstance(config.get("hidden_size"), int) and isinstance(heads, int) and heads:
+            head_dim = config["hidden_size"] // heads
+        theta, _ = rope_config(config)
+        out = [
+            ConfigField("hidden_size", config.get("hidden_size"), a.dim, "dim"),
+            ConfigField("num_hidden_layers", config.get("num_hidden_layers"), a.n_layers, "n_layers"),
+            ConfigField("num_attention_heads", heads, a.n_heads, "n_heads"),
+            ConfigField("num_key_value_heads", heads if kv is None else kv, a.n_kv_heads, "n_kv_heads"),
+            ConfigField("head_dim", head_dim, a.head_dim, "head_dim"),
+            ConfigField("intermediate_size", config.get("intermediate_size"), a.hidden_dim, "hidden_dim"),
+            ConfigField("vocab_size", config.get("vocab_size"), a.vocab_size, "vocab_size"),
+            ConfigField("rms_norm_eps", config.get("rms_norm_eps"), a.norm_eps, "norm_eps", shape=False),
+            ConfigField("rope_theta", theta, a.rope_theta, "rope_theta", shape=False),
+        ]
+        if a.n_routed_experts:
+            out += [
+                ConfigField(
+                    "num_experts",
+                    # transformers >= 5 writes num_local_experts (num_experts is its alias)
+                    config.get("num_experts", config.get("num_local_experts")),
+                    a.n_routed_experts,
+                    "n_routed_experts",
+                ),
+                ConfigField(
+                    "num_experts_per_tok",
+                    config.get("num_experts_per_tok"),
+                    a.n_activated_experts,
+                    "n_activated_experts",
+                ),
+                ConfigField(
+                    "moe_intermediate_size", config.get("moe_intermediate_size"), a.moe_inter_dim, "moe_inter_dim"
+                ),
+                ConfigField(
+                    "norm_topk_prob",
+                    config.get("norm_topk_prob", False),
+                    a.norm_topk_prob,
+                    "norm_topk_prob",
+                    shape=False,
+                ),
+            ]
+        return out
+
+    def _config_problems(self, config: Mapping[str, Any]) -> list[tuple[str, Any, Any, str]]:
+        out: list[tuple[str, Any, Any, str]] = []
+        _, scaling = rope_config(config)
+        if scaling is not None:
+            out.append(("rope_scaling", scaling, None, "our Qwen3 has plain RoPE (no scaling)"))
+        for field, default, want in (
+            ("hidden_act", "silu", "silu"),
+            ("attention_bias", False, False),
+            ("tie_word_embeddings", False, False),
+            ("use_sliding_window", False, False),
+        ):
+            value = config.get(field, default)
+            if not same_value(value, want):
+                out.append((field, value, want, "not supported by our Qwen3"))
+        if self.args.n_routed_experts:
+            sparse_step = config.get("decoder_sparse_step", 1)
+            if sparse_step != 1:
+                out.append(("decoder_sparse_step", sparse_step, 1, "our Qwen3-MoE routes every layer"))
+            dense_layers = config.get("mlp_only_layers") or []
+            if dense_layers:
+                out.append(("mlp_only_layers", dense_layers, [], "our Qwen3-MoE routes every layer"))
+            coef = config.get("router_aux_loss_coef", 0.0)
+            if config.get("output_router_logits", False) and coef:
+                out.append(
+                    (
+                        "output_router_logits",
+                        True,
+                        False,
+                        f"the router aux loss (router_aux_loss_coef={coef}) is not implemented here",
+                    )
+                )
+        if config.get("quantization_config"):
+            out.append(("quantization_config", "present", None, "dequantize the checkpoint first"))
+        return out
