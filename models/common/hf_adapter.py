@@ -12,7 +12,11 @@ per tensor of our state dict (:meth:`HFStateDictAdapter._entries`):
   ``i + head_dim / 2``: ``transformers``' ``rotate_half``);
 * :class:`Stacked`: our ``[E, a, b]`` expert tensor is ``E`` checkpoint tensors ``[a, b]``;
 * :class:`Absent`: a tensor the checkpoint format has no place for, loaded as a constant
-  (and refused on export unless it still holds that constant).
+  (and refused on export unless it still holds that constant);
+* :class:`Tied`: our key is another of our tensors under a second name (the output head of a
+  model with ``tie_word_embeddings``): exported as nothing (the checkpoint holds the source
+  once), loaded from the source's checkpoint tensor; a checkpoint that also stores the alias
+  (``lm_head.weight``) loads only when it equals the source.
 
 The base class turns those entries into :meth:`~HFStateDictAdapter.to_hf`,
 :meth:`~HFStateDictAdapter.from_hf`, :meth:`~HFStateDictAdapter.hf_keys` and the shard-wise
@@ -42,6 +46,7 @@ __all__ = [
     "Plain",
     "RopeRows",
     "Stacked",
+    "Tied",
     "half_split_to_interleaved",
     "interleaved_to_half_split",
 ]
@@ -126,13 +131,25 @@ class Absent:
     why: str
 
 
-Entry = Plain | RopeRows | Stacked | Absent
+@dataclass(frozen=True)
+class Tied:
+    """``ours`` is our tensor ``source`` under a second name (one Parameter in the model); the
+    checkpoint stores only the source. ``hf`` is the name the untied format would give it
+    (``lm_head.weight``): a checkpoint may still store it, and then it must equal the source."""
+
+    ours: str
+    source: str
+    hf: str
+    shape: tuple[int, ...]
+
+
+Entry = Plain | RopeRows | Stacked | Absent | Tied
 
 
 def _hf_keys_of(entry: Entry) -> tuple[str, ...]:
     if isinstance(entry, Stacked):
         return entry.hf
-    if isinstance(entry, Absent):
+    if isinstance(entry, (Absent, Tied)):
         return ()
     return (entry.hf,)
 
@@ -257,7 +274,7 @@ class HFStateDictAdapter:
             if isinstance(e, Stacked):
                 for k in e.hf:
                     out[k] = tuple(e.shape[1:])
-            elif not isinstance(e, Absent):
+            elif not isinstance(e, (Absent, Tied)):
                 out[e.hf] = tuple(e.shape)
         return out
 
@@ -304,6 +321,14 @@ class HFStateDictAdapter:
             elif isinstance(e, Stacked):
                 for i, k in enumerate(e.hf):
                     out[k] = t[i].clone()
+            elif isinstance(e, Tied):
+                src = state_dict.get(e.source)
+                if src is not None and t is not src and "meta" not in (t.device.type, src.device.type):
+                    if not torch.equal(t, src):
+                        raise ValueError(
+                            f"to_hf: {our_key!r} differs from {e.source!r}, but the model ties them (one tensor "
+                            "in the checkpoint); export a model whose two uses share one parameter"
+                        )
             else:
                 if t.device.type != "meta" and not bool((t == e.fill).all()):
                     raise ValueError(f"to_hf: {our_key!r} cannot be exported: {e.why}")
@@ -312,7 +337,12 @@ class HFStateDictAdapter:
     def from_hf(self, hf_state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """A checkpoint's full state dict -> ours. Raises ValueError naming the key for a
         missing key, a wrong shape or an unexpected key."""
-        unexpected = sorted(k for k in hf_state_dict if k not in self._hf_to_entry and not self.is_ignored_hf_key(k))
+        aliases = {e.hf: e for e in self._by_ours.values() if isinstance(e, Tied)}
+        unexpected = sorted(
+            k
+            for k in hf_state_dict
+            if k not in self._hf_to_entry and k not in aliases and not self.is_ignored_hf_key(k)
+        )
         if unexpected:
             raise ValueError(
                 f"from_hf: unexpected key(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} in the "
@@ -336,9 +366,22 @@ class HFStateDictAdapter:
                 out[our_key] = half_split_to_interleaved(get(e.hf), e.n_heads)
             elif isinstance(e, Stacked):
                 out[our_key] = torch.stack([get(k) for k in e.hf])
-            else:
+            elif isinstance(e, Absent):
                 out[our_key] = torch.full(e.shape, e.fill, dtype=e.dtype)
+        for e in aliases.values():
+            out[e.ours] = out[e.source]
+            if e.hf in hf_state_dict and not torch.equal(hf_state_dict[e.hf], self.to_hf_tensor(e.source, out)):
+                raise ValueError(
+                    f"from_hf: the checkpoint stores {e.hf!r} different from the tensor it is tied to, but these "
+                    "args tie them (tie_word_embeddings); load it with tie_word_embeddings = false"
+                )
         return out
+
+    def to_hf_tensor(self, our_key: str, state_dict: Mapping[str, Tensor]) -> Tensor:
+        """The checkpoint tensor of our single-key entry ``our_key`` (Plain or RopeRows)."""
+        e = self._entry(our_key)
+        t = state_dict[our_key]
+        return interleaved_to_half_split(t, e.n_heads) if isinstance(e, RopeRows) else t
 
     def from_hf_local(self, our_key: str, local_slices: tuple[slice, ...], read: Read) -> Tensor:
         """Our tensor ``our_key`` restricted to ``local_slices`` (one slice per dim of our full
@@ -346,6 +389,8 @@ class HFStateDictAdapter:
         tensor's slice, the heads that a row range of a permuted q/k touches, the experts in
         the slice of a stacked tensor. Equals ``from_hf(full)[our_key][local_slices]``."""
         e = self._entry(our_key)
+        if isinstance(e, Tied):
+            return self.from_hf_local(e.source, local_slices, read)
         sl = _norm_slices(local_slices, tuple(e.shape), our_key)
         if isinstance(e, Plain):
             return read(e.hf, sl)

@@ -102,6 +102,9 @@ class Llama3Args(DecoderArgs):
         _positive_float("rope_scaling_factor", self.rope_scaling_factor)
 
 
+# Llama 3.2's small models (their published config.json): tied embeddings, RoPE scaling factor 32.
+_LLAMA32 = dict(vocab_size=128256, rope_theta=500000.0, rope_scaling_factor=32.0, tie_word_embeddings=True)
+
 llama3_flavors: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(
         dim=256,
@@ -113,6 +116,14 @@ llama3_flavors: dict[str, Llama3Args] = {
         rope_theta=500000.0,
         use_rope_scaling=True,
         max_seq_len=2048,
+    ),
+    # hidden 2048, 16 layers, 32 heads (8 KV), intermediate 8192 = 256 * ceil(1.5 * 5461 / 256)
+    "1B": Llama3Args(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256, **_LLAMA32
+    ),
+    # hidden 3072, 28 layers, 24 heads (8 KV), intermediate 8192 = 2/3 * 4 * 3072
+    "3B": Llama3Args(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256, **_LLAMA32
     ),
     "8B": Llama3Args(
         dim=4096,

@@ -5,9 +5,12 @@ Names map one to one; the only layout change is in ``wq``/``wk``: our attention 
 adjacent channel pairs (Meta's interleaved layout, ``models/common/rope.py``) and
 ``transformers`` rotates the two halves of each head (``rotate_half``), so their rows are
 permuted per head (:class:`~models.common.hf_adapter.RopeRows`), with ``n_heads`` for ``wq``
-and ``n_kv_heads`` for ``wk``. Our Llama 3.1 rope scaling is fixed at Meta's values (factor 8,
-low 1, high 4, original 8192, ``Llama3RopeScaling``'s defaults); ``use_rope_scaling`` turns it
-on or off.
+and ``n_kv_heads`` for ``wk``. Our Llama 3 rope scaling has Meta's low 1, high 4, original 8192
+(``Llama3RopeScaling``'s defaults) and the factor of ``rope_scaling_factor`` (8 for Llama 3.1,
+32 for 3.2); ``use_rope_scaling`` turns it on or off. With ``tie_word_embeddings`` (Llama 3.2
+1B/3B) the checkpoint holds ``model.embed_tokens.weight`` only (``output.weight`` is
+:class:`~models.common.hf_adapter.Tied` to it); a checkpoint that also stores ``lm_head.weight``
+loads when it equals the embedding.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from models.common.hf_adapter import (
     HFStateDictAdapter,
     Plain,
     RopeRows,
+    Tied,
     rope_config,
     same_value,
 )
@@ -34,11 +38,11 @@ _LLAMA31_CONTEXT = 131072
 _META_VOCAB = 128256  # Meta's Llama 3 tokenizer: <|begin_of_text|> 128000, <|end_of_text|> 128001
 
 
-def _llama3_scaling() -> dict[str, Any]:
+def _llama3_scaling(factor: float) -> dict[str, Any]:
     d = {f.name: f.default for f in fields(Llama3RopeScaling)}
     return {
         "rope_type": "llama3",
-        "factor": float(d["scale_factor"]),
+        "factor": float(factor),
         "low_freq_factor": float(d["low_freq_factor"]),
         "high_freq_factor": float(d["high_freq_factor"]),
         "original_max_position_embeddings": int(d["original_max_position_embeddings"]),
@@ -69,7 +73,10 @@ class Llama3HFAdapter(HFStateDictAdapter):
             yield Plain(o + "feed_forward.w2.weight", h + "mlp.down_proj.weight", (dim, ffn))
             yield Plain(o + "feed_forward.w3.weight", h + "mlp.up_proj.weight", (ffn, dim))
         yield Plain("norm.weight", "model.norm.weight", (dim,))
-        yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
+        if a.tie_word_embeddings:
+            yield Tied("output.weight", "tok_embeddings.weight", "lm_head.weight", (a.vocab_size, dim))
+        else:
+            yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
 
     def hf_config(self, dtype: str = "bfloat16") -> dict:
         a = self.args
@@ -85,7 +92,7 @@ class Llama3HFAdapter(HFStateDictAdapter):
             "vocab_size": a.vocab_size,
             "rms_norm_eps": a.norm_eps,
             "rope_theta": a.rope_theta,
-            "rope_scaling": _llama3_scaling() if a.use_rope_scaling else None,
+            "rope_scaling": _llama3_scaling(a.rope_scaling_factor) if a.use_rope_scaling else None,
             # with Llama 3.1's scaling, the context it was made for (transformers warns when the
             # original 8192 is not below it); our max_seq_len is only the training table length
             "max_position_embeddings": max(a.max_seq_len, _LLAMA31_CONTEXT) if a.use_rope_scaling else a.max_seq_len,
@@ -95,7 +102,7 @@ class Llama3HFAdapter(HFStateDictAdapter):
             "mlp_bias": False,
             "initializer_range": 0.02,
             "pretraining_tp": 1,
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": a.tie_word_embeddings,
             "use_cache": True,
             "torch_dtype": dtype,
         }
@@ -133,7 +140,7 @@ class Llama3HFAdapter(HFStateDictAdapter):
         a = self.args
         out: list[tuple[str, Any, Any, str]] = []
         _, scaling = rope_config(config)
-        ours = _llama3_scaling() if a.use_rope_scaling else None
+        ours = _llama3_scaling(a.rope_scaling_factor) if a.use_rope_scaling else None
         if scaling is None or ours is None:
             if (scaling is None) != (ours is None):
                 out.append(("rope_scaling", scaling, ours, "use_rope_scaling; Llama 3.0 has none, 3.1+ has llama3"))
@@ -141,13 +148,20 @@ class Llama3HFAdapter(HFStateDictAdapter):
             theirs = {k: scaling.get(k) for k in ours}
             if any(not same_value(theirs[k], ours[k]) for k in ours):
                 out.append(
-                    ("rope_scaling", theirs, ours, "our llama3 rope scaling is fixed at Meta's Llama 3.1 values")
+                    (
+                        "rope_scaling",
+                        theirs,
+                        ours,
+                        "rope_scaling_factor sets the factor; low 1, high 4, original 8192 are fixed at Meta's values",
+                    )
                 )
+        tied = config.get("tie_word_embeddings", False)
+        if not same_value(tied, a.tie_word_embeddings):
+            out.append(("tie_word_embeddings", tied, a.tie_word_embeddings, "tie_word_embeddings"))
         for field, default, want in (
             ("hidden_act", "silu", "silu"),
             ("attention_bias", False, False),
             ("mlp_bias", False, False),
-            ("tie_word_embeddings", False, False),
         ):
             value = config.get(field, default)
             if not same_value(value, want):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -54,3 +56,195 @@ def test_untied_by_default():
 def test_bad_tie_value_is_refused():
     with pytest.raises(ValueError, match="tie_word_embeddings must be true or false"):
         build_model("llama3", "debugmodel", tie_word_embeddings="yes", **_TINY)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face: a small random Llama-3.2-shaped tied model (RoPE scaling factor 32), fp32
+
+# Llama 3.2 1B's published config.json (meta-llama/Llama-3.2-1B), written here as test data
+LLAMA32_1B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+LLAMA32_1B_PARAMS = 1_235_814_400
+
+# ours as overrides of llama3/debugmodel; head_dim 16 with theta 5e5 puts RoPE frequencies on
+# both sides of the scaling band, so the factor (32 vs 8) changes the logits
+SMALL = dict(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=128,
+    multiple_of=32,
+    max_seq_len=64,
+    tie_word_embeddings=True,
+    rope_scaling_factor=32.0,
+)
+SEQ = 48
+
+
+def _hf_tied_model():
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_models import LLAMA3_ROPE, llama_config, randomize_hf_
+
+    cfg = llama_config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE, "factor": 32.0},
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    randomize_hf_(model, 1)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def _saved(model, path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model.save_pretrained(path, safe_serialization=True)
+    sd = {}
+    for f in sorted(path.glob("*.safetensors")):
+        sd.update(safetensors_torch.load_file(str(f)))
+    return sd, json.loads((path / "config.json").read_text())
+
+
+def _logits(model, tokens, hf: bool = False):
+    with torch.no_grad():
+        out = model(input_ids=tokens, use_cache=False).logits if hf else model(tokens)
+    return out.float()
+
+
+def _close(a, b) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_tied_llama32_import_export_round_trip(tmp_path):
+    """transformers' tied Llama (saved without lm_head) -> ours: logits within rtol/atol 1e-5
+    (SDPA vs eager summation order, RoPE tables in float64 there); ours -> HF folder -> from_pretrained
+    (no missing/unexpected key, tie_word_embeddings true, one tensor for both uses): same logits;
+    HF -> ours -> HF bitwise. Negative controls: RoPE factor 8 instead of 32, and an untied head,
+    each break the logits. Two layers of width 64 and 48 tokens exercise every mapped tensor."""
+    from models.common.hf_adapter import HFConfigMismatch
+    from models.registry import get_hf_adapter
+
+    hf = _hf_tied_model()
+    hf_sd, config = _saved(hf, tmp_path / "hf")
+    assert "lm_head.weight" not in hf_sd and config["tie_word_embeddings"] is True
+    ours = build_model("llama3", "debugmodel", device="cpu", **SMALL)
+    adapter = get_hf_adapter("llama3", ours.args)
+    adapter.check_hf_config(config)
+    assert set(hf_sd) == set(adapter.hf_keys())
+    sd = adapter.from_hf(hf_sd)
+    assert sd["output.weight"] is sd["tok_embeddings.weight"]
+    ours.load_state_dict(sd, strict=True)
+    assert ours.output.weight is ours.tok_embeddings.weight
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    theirs = _logits(hf, tokens, hf=True)
+    assert theirs.abs().max() > 0.1
+    torch.testing.assert_close(_logits(ours, tokens), theirs, rtol=1e-5, atol=1e-5)
+
+    # negative controls: Llama 3.1's factor 8; a head of its own (untied, other values)
+    wrong_rope = build_model("llama3", "debugmodel", device="cpu", **{**SMALL, "rope_scaling_factor": 8.0})
+    wrong_rope.load_state_dict(sd, strict=True)
+    assert not _close(_logits(wrong_rope, tokens), theirs)
+    with pytest.raises(HFConfigMismatch, match="rope_scaling"):
+        get_hf_adapter("llama3", wrong_rope.args).check_hf_config(config)
+    untied = build_model("llama3", "debugmodel", device="cpu", **{**SMALL, "tie_word_embeddings": False})
+    untied.load_state_dict({**sd, "output.weight": sd["output.weight"].roll(1, 0)}, strict=True)
+    assert not _close(_logits(untied, tokens), theirs)
+    with pytest.raises(HFConfigMismatch, match="tie_word_embeddings=True in config.json vs False"):
+        get_hf_adapter("llama3", untied.args).check_hf_config(config)
+
+    # export: one tensor, config says tied, transformers loads it with nothing missing
+    out = adapter.to_hf(ours.state_dict())
+    assert "lm_head.weight" not in out
+    assert set(out) == set(hf_sd) and all(torch.equal(out[k], hf_sd[k]) for k in hf_sd)  # HF -> ours -> HF
+    export = tmp_path / "export"
+    export.mkdir()
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file({k: v.contiguous() for k, v in out.items()}, str(export / "model.safetensors"))
+    hf_config = adapter.hf_config("float32")
+    assert hf_config["tie_word_embeddings"] is True and hf_config["rope_scaling"]["factor"] == 32.0
+    (export / "config.json").write_text(json.dumps(hf_config))
+    from transformers import AutoModelForCausalLM
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    torch.testing.assert_close(_logits(loaded.eval(), tokens, hf=True), _logits(ours, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_hf_tied_checkpoint_with_lm_head():
+    """A tied checkpoint that also stores lm_head.weight loads when it equals the embedding and
+    is refused (naming the key and the fix) when it does not; an untied model refuses to
+    export a head that differs from its embedding as tied. Shapes: the tiny SMALL model."""
+    from models.registry import get_hf_adapter
+
+    ours = build_model("llama3", "debugmodel", device="cpu", **SMALL)
+    ours.init_weights(0)
+    adapter = get_hf_adapter("llama3", ours.args)
+    hf_sd = adapter.to_hf(ours.state_dict())
+    with_head = {**hf_sd, "lm_head.weight": hf_sd["model.embed_tokens.weight"].clone()}
+    back = adapter.from_hf(with_head)
+    assert torch.equal(back["output.weight"], ours.tok_embeddings.weight)
+    with_head["lm_head.weight"] = with_head["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match="'lm_head.weight' different from the tensor it is tied to"):
+        adapter.from_hf(with_head)
+    sd = dict(ours.state_dict())
+    sd["output.weight"] = sd["output.weight"] + 1
+    with pytest.raises(ValueError, match="'output.weight' differs from 'tok_embeddings.weight'"):
+        adapter.to_hf(sd)
+
+
+def test_published_llama32_1b_config_and_parameter_count():
+    """Llama 3.2 1B's published config.json passes the config check against our 1B flavor
+    (which flavor inference also picks), and the flavor built on meta has exactly the published
+    1,235,814,400 parameters (one tensor for embedding and head). The 3B flavor is tied too."""
+    from models.llama3 import llama3_flavors
+    from models.llama3.hf_adapter import Llama3HFAdapter
+
+    assert Llama3HFAdapter.infer_flavor(LLAMA32_1B_CONFIG, llama3_flavors) == "1B"
+    Llama3HFAdapter(llama3_flavors["1B"]).check_hf_config(LLAMA32_1B_CONFIG)
+    model = build_model("llama3", "1B", device="meta")
+    assert sum(p.numel() for p in model.parameters()) == LLAMA32_1B_PARAMS
+    assert model.output.weight is model.tok_embeddings.weight
+    three = llama3_flavors["3B"]
+    assert (three.dim, three.n_layers, three.n_heads, three.kv_heads, three.ffn_hidden_dim) == (3072, 28, 24, 8, 8192)
+    assert three.tie_word_embeddings and three.rope_scaling_factor == 32.0
+    # our own export of the 1B flavor describes the same model
+    Llama3HFAdapter(llama3_flavors["1B"]).check_hf_config(Llama3HFAdapter(llama3_flavors["1B"]).hf_config())
