@@ -58,7 +58,9 @@ def apply_fsdp(
     separate_experts: bool = False,
 ) -> None:
     """Wrap each block (and, when ``separate_experts``, each block's routed experts on
-    ``expert_mesh``), then the embeddings, the norm+output head and the root, in place."""
+    ``expert_mesh``), then the embeddings, the norm+output head and the root, in place. With
+    tied embeddings the embeddings, norm and head stay in the root unit (one unit per
+    parameter)."""
     mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype), reduce_dtype=_dtype(reduce_dtype))
     reshard_policy(reshard_after_forward, pp_enabled, 2)  # a bad policy fails even if nothing is wrapped
     wrapped: list[tuple[FSDPModule, int]] = []  # with the number of ranks of its mesh
@@ -74,7 +76,16 @@ def apply_fsdp(
         if dense_mesh is not None:
             # the last block's params are needed right away in backward: keep them gathered
             wrap(block, dense_mesh, i < len(blocks) - 1)
-    if dense_mesh is not None:
+    # Tied embeddings (one Parameter for tok_embeddings and output): a parameter may belong to
+    # one FSDP unit only, and its gradient is complete only after the embedding's backward, the
+    # last of the step. The root unit is that one: it stays gathered from the first forward to
+    # the end of backward and reduce-scatters in FSDP's final backward callback.
+    tied = (
+        model.tok_embeddings is not None
+        and model.output is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
+    if dense_mesh is not None and not tied:
         if model.tok_embeddings is not None:
             wrap(model.tok_embeddings, dense_mesh, True)
         if model.output is not None:
@@ -82,6 +93,7 @@ def apply_fsdp(
             # norm + output form one FSDP group (one all-gather); the returned handle is the list
             fully_shard(head, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
             wrapped.append((head[0], dense_mesh.size()))
+    if dense_mesh is not None:
         wrap(model, dense_mesh, True)
     for module, ranks in wrapped:
         if ranks == 1:

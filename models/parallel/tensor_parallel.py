@@ -9,7 +9,9 @@ Layout between blocks (sequence parallel): activations are sharded along the seq
 feed-forward input is all-gathered to the full sequence, projected column-wise (heads / hidden
 units split over tp), and the row-wise output projection reduce-scatters back to ``Shard(1)``.
 The output projection keeps the vocabulary sharded (``Shard(-1)``) so cross entropy runs under
-``loss_parallel`` without gathering the logits.
+``loss_parallel`` without gathering the logits. Both the embedding (row-wise) and the head
+(column-wise) hold their ``[vocab, dim]`` weight as ``Shard(0)``, so tied embeddings stay one
+Parameter (the vocabulary must divide tp).
 
 Pipeline stage boundaries keep that layout: a stage hands the next one its last block's
 sequence-sharded output as it is, so each tp rank sends its own ``[b, s / tp, dim]`` shard to
@@ -196,8 +198,27 @@ def apply_tensor_parallel(
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+    tied = (
+        model.tok_embeddings is not None
+        and model.output is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
+    if tied and model.tok_embeddings.weight.shape[0] % tp_mesh.size():
+        raise ValueError(
+            f"tp={tp_mesh.size()} does not divide vocab_size={model.tok_embeddings.weight.shape[0]} of a model with "
+            "tied embeddings (the embedding and the head share one vocabulary-sharded tensor); use a vocab_size "
+            "that is a multiple of tp"
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if tied:
+        # The embedding (row-wise: vocabulary rows split, Shard(0)) and the head (column-wise:
+        # output features = vocabulary rows, Shard(0)) shard [vocab, dim] the same way; each
+        # style distributed the weight into a Parameter of its own: keep the embedding's for both
+        emb, head = model.tok_embeddings.weight, model.output.weight
+        if emb.placements != head.placements:
+            raise RuntimeError(f"tied embeddings: embedding sharded {emb.placements}, head {head.placements}")
+        model.output.weight = emb
     if model.tok_embeddings is not None and sp:
         model.tok_embeddings.register_forward_hook(_own_storage)
     # Pipeline stages exchange the blocks' own layout: this rank's sequence shard under SP
