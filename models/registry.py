@@ -173,6 +173,8 @@ def model_rules(args: DecoderArgs, seq_len: int | None = None, sequence_parallel
         n_layers=args.n_layers,
         seq_len=seq_len,
         sequence_parallel=sequence_parallel,
+        vocab_size=args.vocab_size,
+        tied_embeddings=args.tie_word_embeddings,
     )
 
 

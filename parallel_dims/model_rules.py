@@ -29,6 +29,8 @@ class ModelRules:
     pp_stages: int | None = None  # pipeline stages (default: pp)
     global_batch_size: int | None = None
     local_batch_size: int | None = None
+    vocab_size: int | None = None  # checked against tp when the embeddings are tied
+    tied_embeddings: bool = False  # the output head reuses the embedding's weight
 
 
 def _divisors_of(n: int) -> str:
@@ -65,6 +67,17 @@ def check_model_layout(d: Degrees, rules: ModelRules) -> None:
         raise ValueError(
             f"seq_len={r.seq_len} is not divisible by {divisor} = {formula}: "
             f"{' times '.join(parts)}; use a multiple of {divisor}"
+        )
+    if r.tied_embeddings and r.vocab_size is not None and r.vocab_size % d.tp:
+        raise ValueError(
+            f"tp={d.tp} does not divide vocab_size={r.vocab_size} of a model with tied embeddings (the embedding "
+            f"and the head share one vocabulary-sharded tensor); set model.vocab_size to a multiple of {d.tp} "
+            f"(e.g. {-(-r.vocab_size // d.tp) * d.tp}) or use tp=1"
+        )
+    if r.tied_embeddings and d.pp > 1:
+        raise ValueError(
+            f"pp={d.pp} with tied embeddings is not supported yet (the embedding on the first stage and the head "
+            "on the last would need one shared weight across stages); use pp=1"
         )
     stages = r.pp_stages if r.pp_stages is not None else d.pp
     if r.n_layers is not None and r.n_layers < stages:

@@ -248,3 +248,40 @@ def test_published_llama32_1b_config_and_parameter_count():
     assert three.tie_word_embeddings and three.rope_scaling_factor == 32.0
     # our own export of the 1B flavor describes the same model
     Llama3HFAdapter(llama3_flavors["1B"]).check_hf_config(Llama3HFAdapter(llama3_flavors["1B"]).hf_config())
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts a tied model refuses
+
+
+def test_layout_rules_for_tied_embeddings():
+    """Tied embeddings need a vocabulary tp divides (the embedding and head share one
+    Shard(0) tensor) and refuse pp > 1 (not implemented): one ValueError each, naming the fix;
+    the untied model with the same shapes passes both (control)."""
+    from parallel_dims import ModelRules, check_model_layout, validate_degrees
+
+    tp2, pp2, both = (
+        validate_degrees(world_size=n, **d) for n, d in ((2, {"tp": 2}), (2, {"pp": 2}), (4, {"tp": 2, "pp": 2}))
+    )
+    tied = ModelRules(vocab_size=1001, tied_embeddings=True)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide vocab_size=1001 .* multiple of 2 \(e.g. 1002\)"):
+        check_model_layout(tp2, tied)
+    with pytest.raises(ValueError, match="pp=2 with tied embeddings is not supported yet.*use pp=1"):
+        check_model_layout(pp2, ModelRules(vocab_size=1002, tied_embeddings=True))
+    check_model_layout(tp2, ModelRules(vocab_size=1002, tied_embeddings=True))
+    check_model_layout(both, ModelRules(vocab_size=1001, tied_embeddings=False))
+
+
+def test_tied_vocab_tp_refused_on_the_command_line(tmp_path):
+    """``python -m parallel_dims --config`` (the trainer's job plan) with the tied 1B flavor and a
+    vocabulary of 2049 on tp=2: exit 2 and one line naming the rule and the fix, no traceback."""
+    from tests.distributed.run_json import ROOT, run_module_on_own_process
+
+    text = (ROOT / "train_configs" / "llama3.toml").read_text()
+    assert 'flavor = "debugmodel"' in text
+    config = tmp_path / "tied.toml"
+    config.write_text(text.replace('flavor = "debugmodel"', 'flavor = "1B"\nvocab_size = 2049', 1))
+    res = run_module_on_own_process("parallel_dims", "--config", str(config), "--world-size", "2", "--tp", "2")
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tp=2 does not divide vocab_size=2049" in lines[0] and "Traceback" not in res.stderr

@@ -37,6 +37,11 @@ def _check_pipelinable(model: nn.Module) -> None:
                 f"{type(model).__name__} has no {name!r}; pipeline splitting needs the "
                 "tok_embeddings / layers / norm / output structure of our models"
             )
+    if getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+        raise ValueError(
+            "pipeline parallelism (pp > 1) with tied embeddings is not supported yet (the embedding on the first "
+            "stage and the head on the last would need one shared weight across stages); use pp = 1"
+        )
     if getattr(getattr(model, "args", None), "aux_loss_coeff", 0.0):
         # The sequence-wise aux loss is added to the loss in the trainer; on a pipeline the MoE
         # layers of earlier stages never see the loss function, so it would silently vanish.
