@@ -285,3 +285,25 @@ def test_tied_vocab_tp_refused_on_the_command_line(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "tp=2 does not divide vocab_size=2049" in lines[0] and "Traceback" not in res.stderr
+
+
+def test_tied_folder_to_dcp_and_back(tmp_path):
+    """The converter's two directions (scripts/convert_hf.py to-dcp / to-hf) on a tied folder:
+    HF -> DCP -> HF float32 gives back every tensor bit for bit, still without lm_head.weight,
+    and a config.json that says tied. The tiny SMALL shapes: the path is per tensor."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from models.registry import get_hf_adapter
+    from trainer.checkpoint.convert import convert_hf_to_dcp
+    from trainer.checkpoint.hf_write import export_dcp_to_hf
+
+    hf = _hf_tied_model()
+    hf_sd, _ = _saved(hf, tmp_path / "hf")
+    args = build_model("llama3", "debugmodel", device="meta", **SMALL).args
+    get_hf_adapter("llama3", args)  # registered adapter
+    convert_hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"), "llama3", args)
+    export_dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "back"), "llama3", args, dtype="float32")
+    back = {}
+    for f in sorted((tmp_path / "back").glob("*.safetensors")):
+        back.update(safetensors_torch.load_file(str(f)))
+    assert set(back) == set(hf_sd) and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"] is True
