@@ -307,3 +307,34 @@ def test_tied_folder_to_dcp_and_back(tmp_path):
         back.update(safetensors_torch.load_file(str(f)))
     assert set(back) == set(hf_sd) and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_compute_copies_keep_one_copy_for_tied_weights():
+    """The bf16 compute copies of the one-GPU / pure-TP path (models/parallel/mixed_precision.py)
+    put ONE copy in both slots of the tied weight, and its gradient (both uses, summed by
+    autograd in bf16) reaches the fp32 master once: bitwise the gradient of the same model cast
+    to bf16 as a whole (the same bf16 ops on the same shapes), and it holds the head's share
+    (rows of tokens absent from the batch, which the embedding's use leaves at zero, are not).
+    Tiny shapes: the property is structural."""
+    from models.parallel.mixed_precision import apply_compute_copies
+
+    model = _tiny(True)
+    model.init_weights(0)
+    ref = _tiny(True)
+    ref.load_state_dict(model.state_dict())
+    ref.to(torch.bfloat16)
+    handle = apply_compute_copies(model, "bfloat16")
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    out = model(tokens)
+    assert handle.installed and model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.dtype == torch.bfloat16
+    out.float().square().mean().backward()
+    assert not handle.installed and model.output.weight is model.tok_embeddings.weight
+    ref(tokens).float().square().mean().backward()
+    master_grad = model.tok_embeddings.weight.grad
+    assert master_grad.dtype == torch.float32
+    assert torch.equal(master_grad, ref.tok_embeddings.weight.grad.float())
+    # the head's share is there: rows the lookup never touched have a gradient
+    rows = torch.zeros(64, dtype=torch.bool)
+    rows[tokens.flatten()] = True
+    assert not torch.equal(master_grad[~rows], torch.zeros_like(master_grad[~rows]))
