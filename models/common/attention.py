@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.common.documents import ATTN_MASK_TYPES, ATTN_TYPES, Documents
+from parallel_dims.torch_compat import mark_constant_result
 
 __all__ = [
     "AttentionCore",
@@ -239,7 +240,7 @@ def _probe(device: str, dtype: torch.dtype, d_qk: int, d_v: int, masked: bool, g
     return ValueHeadPlan(pad=True, kernel=_NAMES.get(padded, str(padded)))
 
 
-@torch.compiler.assume_constant_result
+@mark_constant_result  # torch.compiler.assume_constant_result without importing dynamo here
 def _constant_plan(device: str, dtype: torch.dtype, d_qk: int, d_v: int, masked: bool, grad: bool) -> tuple:
     # under torch.compile this runs once at trace time and its result is baked into the graph
     # (a tuple: dynamo holds the result as a constant, whose methods it cannot call)

@@ -104,6 +104,12 @@ def _probe(name: str) -> str:
         from torch.distributed.fsdp._fully_shard import _fsdp_param
 
         return "needed" if ".resize_(" in inspect.getsource(_fsdp_param.free_storage) else "not needed"
+    if name == "constant_result_marker":
+        import torch._dynamo.decorators as decorators
+
+        marks = "fn._dynamo_marked_constant = True" in inspect.getsource(decorators.assume_constant_result)
+        imports = "import torch._dynamo" in inspect.getsource(torch.compiler.assume_constant_result)
+        return "needed" if marks and imports else "not needed"
     raise AssertionError(f"no probe for {name}")
 
 
