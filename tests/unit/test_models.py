@@ -810,14 +810,14 @@ def test_registry_contract_for_every_registered_model():
     from trainer.metrics import training_flops_per_token
 
     assert model_names() == ["deepseek_v3", "llama3"]
-    assert flavor_names("llama3") == ["debugmodel", "8B", "70B", "405B"]
+    assert flavor_names("llama3") == ["debugmodel", "1B", "3B", "8B", "70B", "405B"]
     assert flavor_names("deepseek_v3") == ["debugmodel", "16B", "671B"]
     assert (has_experts("llama3"), has_experts("deepseek_v3")) == (False, True)
     assert has_experts("deepseek_v3", "16B") and not has_experts("llama3", "8B")
     with pytest.raises(ValueError, match="valid models"):
         has_experts("gpt2")
     with pytest.raises(ValueError, match="valid flavors"):
-        has_experts("llama3", "1B")
+        has_experts("llama3", "7B")
     for name in model_names():
         for flavor in flavor_names(name):
             spec = get_model_spec(name, flavor)
