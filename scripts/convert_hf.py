@@ -115,11 +115,20 @@ def to_dcp(ns) -> str:
         flavors = get_model_spec(ns.model, flavor_names(ns.model)[0]).flavors
         flavor = cls.infer_flavor(ckpt.config, flavors)
         if flavor is None:
-            try:  # another architecture altogether says so, naming both
-                cls(flavors[flavor_names(ns.model)[0]]).check_hf_config(ckpt.config)
-            except ValueError as exc:
-                if getattr(exc, "mismatches", None) and exc.mismatches[0][0] == "model_type":
-                    raise UsageError(f"{ns.hf_dir}/config.json: {exc}") from None
+            # another architecture altogether (than every flavor's: one model may load several,
+            # e.g. qwen3's dense and MoE flavors) says so, naming both
+            arch_errors = []
+            for args in flavors.values():
+                try:
+                    cls(args).check_hf_config(ckpt.config)
+                except ValueError as exc:
+                    if getattr(exc, "mismatches", None) and exc.mismatches[0][0] == "model_type":
+                        arch_errors.append(exc)
+                        continue
+                break
+            else:
+                if arch_errors:
+                    raise UsageError(f"{ns.hf_dir}/config.json: {arch_errors[0]}") from None
             raise UsageError(
                 f"cannot infer the {ns.model} flavor of {ns.hf_dir}/config.json (no single flavor matches its "
                 f"shapes: hidden_size={ckpt.config.get('hidden_size')}, num_hidden_layers="

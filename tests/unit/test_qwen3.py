@@ -246,3 +246,58 @@ def test_adapter_maps_every_tensor_plainly():
     adapter = Qwen3HFAdapter(Qwen3Args(**OURS))
     assert all(isinstance(e, Plain) for e in adapter._entries())
     assert Path(__file__).exists()
+
+
+def test_convert_hf_round_trip_and_refusal(tmp_path, capsys):
+    """scripts/convert_hf.py on a Qwen3-MoE folder of debugmodel_moe's shapes (1 layer): to-dcp
+    then to-hf float32 gives back every tensor bit for bit and a config.json
+    transformers reads as Qwen3-MoE; a folder whose config.json differs in one field is refused
+    with one line naming it, exit 2, nothing written."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import convert_hf
+
+    a = qwen3_flavors["debugmodel_moe"]
+    config = Qwen3MoeConfig(
+        hidden_size=a.dim,
+        num_hidden_layers=1,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        intermediate_size=a.hidden_dim,
+        vocab_size=a.vocab_size,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        num_experts=a.n_routed_experts,
+        num_experts_per_tok=a.n_activated_experts,
+        moe_intermediate_size=a.moe_inter_dim,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).float()
+    randomize_hf_(model, 2)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    hf_sd = safetensors_torch.load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
+    flags = ["--model", "qwen3", "--flavor", "debugmodel_moe", "--n-layers", "1"]
+    assert convert_hf.main(["to-dcp", str(tmp_path / "hf"), str(tmp_path / "dcp"), *flags]) == 0
+    assert convert_hf.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), *flags, "--dtype", "float32"]) == 0
+    back = {}
+    for f in sorted((tmp_path / "back").glob("*.safetensors")):
+        back.update(safetensors_torch.load_file(str(f)))
+    assert set(back) == set(hf_sd) and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "back").model_type == "qwen3_moe"
+
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 64}))
+    capsys.readouterr()
+    rc = convert_hf.main(["to-dcp", str(tmp_path / "hf"), str(tmp_path / "bad"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "moe_intermediate_size=64 in config.json vs 128 here" in err[0], err
+    assert not (tmp_path / "bad").exists()
+    # without --flavor: a MoE folder of no flavor's depth is "cannot infer", not a wrong
+    # architecture (qwen3's first flavor is dense)
+    rc = convert_hf.main(["to-dcp", str(tmp_path / "hf"), str(tmp_path / "bad"), "--model", "qwen3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot infer the qwen3 flavor" in err and "Qwen3ForCausalLM" not in err, err
