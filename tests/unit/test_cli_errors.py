@@ -361,7 +361,7 @@ PLAN = ["--model", "llama3", "--flavor", "debugmodel", "--world-size", "8", "--s
 @pytest.mark.parametrize(
     "extra, needles",
     [
-        (["--model", "gpt2"], ["valid models: deepseek_v3, llama3"]),
+        (["--model", "gpt2"], ["valid models: deepseek_v3, llama3, qwen3"]),
         (["--gpu", "v100"], ["valid gpus:"]),
         (["--world-size", "0"], ["--world-size must be >= 1"]),
         (["--profile", "{tmp}/missing.json"], ["missing.json is not a file", "JSON file of hardware keys"]),

@@ -728,7 +728,7 @@ def test_registry():
     assert (spec.name, spec.flavor, spec.args.dim) == ("llama3", "8B", 4096)
     spec.args.dim = 1  # a private copy: the flavor table is untouched
     assert get_model_spec("llama3", "8B").args.dim == 4096
-    with pytest.raises(ValueError, match="valid models: deepseek_v3, llama3"):
+    with pytest.raises(ValueError, match="valid models: deepseek_v3, llama3, qwen3"):
         get_model_spec("gpt2", "debugmodel")
     with pytest.raises(ValueError, match="valid flavors: debugmodel, 16B, 671B"):
         get_model_spec("deepseek_v3", "7B")
@@ -809,9 +809,10 @@ def test_registry_contract_for_every_registered_model():
     from models.registry import flavor_names, has_experts, model_names
     from trainer.metrics import training_flops_per_token
 
-    assert model_names() == ["deepseek_v3", "llama3"]
+    assert model_names() == ["deepseek_v3", "llama3", "qwen3"]
     assert flavor_names("llama3") == ["debugmodel", "1B", "3B", "8B", "70B", "405B"]
     assert flavor_names("deepseek_v3") == ["debugmodel", "16B", "671B"]
+    assert flavor_names("qwen3") == ["debugmodel", "debugmodel_moe", "8B", "14B", "32B", "30B-A3B", "235B-A22B"]
     assert (has_experts("llama3"), has_experts("deepseek_v3")) == (False, True)
     assert has_experts("deepseek_v3", "16B") and not has_experts("llama3", "8B")
     with pytest.raises(ValueError, match="valid models"):

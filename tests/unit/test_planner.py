@@ -544,7 +544,7 @@ def test_nothing_fits_names_the_smallest_world_size():
 @pytest.mark.parametrize(
     "flag, value, expected",
     [
-        ("--model", "gpt2", "valid models: deepseek_v3, llama3"),
+        ("--model", "gpt2", "valid models: deepseek_v3, llama3, qwen3"),
         ("--gpu", "v100", "valid gpus: a100, a100-pcie, b200, h100, h100-nvl, h100-pcie, h200, h200-nvl"),
     ],
 )
