@@ -81,6 +81,11 @@ class Qwen3Args(DecoderArgs):
         return self.n_routed_experts
 
     @property
+    def qk_norm(self) -> bool:
+        """RMSNorm on every query and key head (what the planner's activation model reads)."""
+        return True
+
+    @property
     def ffn_hidden_dim(self) -> int:
         """The dense SwiGLU width (the name the planner reads)."""
         return self.hidden_dim

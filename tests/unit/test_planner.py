@@ -157,7 +157,7 @@ def test_training_state_memory_equals_the_real_sharded_model():
 
 
 # --------------------------------------------------------------------------- activations
-@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+@pytest.mark.parametrize("model", ["llama3", "deepseek_v3", "qwen3"])
 @pytest.mark.parametrize("ac", ["none", "selective", "full", "selective:2"])
 def test_activation_estimate_matches_saved_tensors(model, ac):
     """Bytes held for the backward at the end of forward + loss (measured: storages created in

@@ -67,7 +67,11 @@ def _gqa(args, t: int, b: int, s: int, tp: int, cp: int, a: int, ac: str) -> int
         return a * t * (qw + 2 * kvw) + a * t * qw + 4 * b * nh * s + a * t * args.dim
     rep_w = qw if nh != nkv else kvw
     kv = 2 * a * t * rep_w * cp  # CP: K/V gathered over the whole sequence
-    return a * t * args.dim + a * t * qw + kv + a * t * qw + 4 * b * nh * s
+    held = a * t * args.dim + a * t * qw + kv + a * t * qw + 4 * b * nh * s
+    if getattr(args, "qk_norm", False):  # Qwen3: RMSNorm per q and k head before RoPE
+        # its float32 input, rsqrt per head and normalized output (input dtype), for q and k
+        held += 4 * t * (qw + kvw) + 4 * t * (nh + nkv) + a * t * (qw + kvw)
+    return held
 
 
 def _mla(args, t: int, b: int, s: int, tp: int, cp: int, a: int, ac: str) -> int:

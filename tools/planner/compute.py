@@ -73,7 +73,8 @@ def _attention_dims(args) -> tuple[int, int]:
     """(heads, q/k head dim) of the model's attention (v padded to the q/k dim for MLA)."""
     if hasattr(args, "qk_nope_head_dim"):
         return args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
-    return args.n_heads, args.dim // args.n_heads
+    # the args' own attention width (Qwen3's head_dim is not dim / n_heads)
+    return args.n_heads, args.attention_dim // args.n_heads
 
 
 def _pairs(choice: LayoutChoice, d) -> int:
