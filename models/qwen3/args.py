@@ -6,13 +6,11 @@ One args class for both: ``n_routed_experts = 0`` is the dense model (every laye
 shared MoE (``models/deepseek_v3/moe.MoE``) through the routing properties below.
 
 Flavor values are those of the published ``config.json`` files of the Hugging Face repositories
-``Qwen/Qwen3-8B``, ``Qwen/Qwen3-14B``, ``Qwen/Qwen3-32B``, ``Qwen/Qwen3-30B-A3B`` and
-``Qwen/Qwen3-235B-A22B`` (hidden_size, intermediate_size, moe_intermediate_size,
+``Qwen/Qwen3-0.6B``, ``-1.7B``, ``-4B``, ``-8B``, ``-14B``, ``-32B``, ``-30B-A3B`` and ``-235B-A22B``
+(hidden_size, intermediate_size, moe_intermediate_size,
 num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size 151936,
-rms_norm_eps 1e-6, rope_theta 1e6, num_experts, num_experts_per_tok, norm_topk_prob).
-``Qwen/Qwen3-0.6B``, ``-1.7B`` and ``-4B`` tie their input and output embeddings
-(``tie_word_embeddings: true``), which this model does not support yet, so those flavors are
-not listed.
+rms_norm_eps 1e-6, rope_theta 1e6, num_experts, num_experts_per_tok, norm_topk_prob,
+tie_word_embeddings: true for 0.6B, 1.7B and 4B, whose output head is the embedding).
 """
 
 from __future__ import annotations
@@ -57,6 +55,8 @@ class Qwen3Args(DecoderArgs):
     # Qwen3-MoE's load-balancing loss (transformers' router_aux_loss_coef). Not implemented:
     # must stay 0 (validate() refuses anything else).
     router_aux_loss_coef: float = 0.0
+    # The output head reuses tok_embeddings.weight (Qwen3 0.6B, 1.7B, 4B).
+    tie_word_embeddings: bool = False
     # Attention masking of packed rows (models/common/attention.py, documents.py).
     attn_mask_type: str = "causal"
     attn_type: str = "sdpa"
@@ -126,6 +126,7 @@ class Qwen3Args(DecoderArgs):
 
     def validate(self) -> None:
         self.check_attention()
+        self.check_tie_word_embeddings()
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size", "max_seq_len"):
             _positive_int(name, getattr(self, name))
         if self.n_heads % self.n_kv_heads != 0:
@@ -180,6 +181,16 @@ qwen3_flavors: dict[str, Qwen3Args] = {
         n_routed_experts=8,
         n_activated_experts=2,
         moe_inter_dim=128,
+    ),
+    # Qwen/Qwen3-0.6B, -1.7B, -4B config.json (tied embeddings)
+    "0.6B": Qwen3Args(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_word_embeddings=True, **_PUBLISHED
+    ),
+    "1.7B": Qwen3Args(
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_word_embeddings=True, **_PUBLISHED
+    ),
+    "4B": Qwen3Args(
+        dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, tie_word_embeddings=True, **_PUBLISHED
     ),
     # Qwen/Qwen3-8B, -14B, -32B config.json
     "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288, **_PUBLISHED),

@@ -7,10 +7,12 @@ that ``transformers`` rotates (``models/qwen3/model.py``), so ``q_proj``/``k_pro
 ``[E, hidden, dim]`` and ``w2`` ``[E, dim, hidden]`` here and one ``mlp.experts.{e}.gate_proj``/
 ``up_proj``/``down_proj`` per expert on disk (same orientation; ``transformers`` >= 5 fuses them in
 memory and converts on load/save). Qwen3 has no expert bias: ours loads as zeros and is refused
-on export unless still zero (train with ``load_balance_coeff`` unset to export).
+on export unless still zero (train with ``load_balance_coeff`` unset to export). With
+``tie_word_embeddings`` (0.6B, 1.7B, 4B) the checkpoint holds ``model.embed_tokens.weight`` only
+(``output.weight`` is :class:`~models.common.hf_adapter.Tied` to it).
 
-The config check refuses what this model does not implement, by name: tied embeddings, rope
-scaling, sliding-window attention, attention biases, an activation other than SiLU, dense layers
+The config check refuses what this model does not implement, by name: rope scaling,
+sliding-window attention, attention biases, an activation other than SiLU, dense layers
 in an MoE model (``mlp_only_layers``, ``decoder_sparse_step``) and the router aux loss switched
 on for training (``output_router_logits`` with ``router_aux_loss_coef > 0``; the published
 configs keep it off).
@@ -30,6 +32,7 @@ from models.common.hf_adapter import (
     HFStateDictAdapter,
     Plain,
     Stacked,
+    Tied,
     rope_config,
     same_value,
 )
@@ -92,7 +95,10 @@ class Qwen3HFAdapter(HFStateDictAdapter):
                     o + f"moe.experts.{ours}", tuple(h + f"mlp.experts.{j}.{theirs}.weight" for j in range(e)), shape
                 )
         yield Plain("norm.weight", "model.norm.weight", (dim,))
-        yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
+        if a.tie_word_embeddings:
+            yield Tied("output.weight", "tok_embeddings.weight", "lm_head.weight", (a.vocab_size, dim))
+        else:
+            yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
 
     def hf_config(self, dtype: str = "bfloat16") -> dict:
         a = self.args
@@ -117,7 +123,7 @@ class Qwen3HFAdapter(HFStateDictAdapter):
             "sliding_window": None,
             "max_window_layers": a.n_layers,
             "initializer_range": 0.02,
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": a.tie_word_embeddings,
             "use_cache": True,
             "torch_dtype": dtype,
         }
@@ -194,12 +200,14 @@ class Qwen3HFAdapter(HFStateDictAdapter):
         for field, default, want in (
             ("hidden_act", "silu", "silu"),
             ("attention_bias", False, False),
-            ("tie_word_embeddings", False, False),
             ("use_sliding_window", False, False),
         ):
             value = config.get(field, default)
             if not same_value(value, want):
                 out.append((field, value, want, "not supported by our Qwen3"))
+        tied = config.get("tie_word_embeddings", False)
+        if not same_value(tied, self.args.tie_word_embeddings):
+            out.append(("tie_word_embeddings", tied, self.args.tie_word_embeddings, "tie_word_embeddings"))
         if self.args.n_routed_experts:
             sparse_step = config.get("decoder_sparse_step", 1)
             if sparse_step != 1:

@@ -812,7 +812,18 @@ def test_registry_contract_for_every_registered_model():
     assert model_names() == ["deepseek_v3", "llama3", "qwen3"]
     assert flavor_names("llama3") == ["debugmodel", "1B", "3B", "8B", "70B", "405B"]
     assert flavor_names("deepseek_v3") == ["debugmodel", "16B", "671B"]
-    assert flavor_names("qwen3") == ["debugmodel", "debugmodel_moe", "8B", "14B", "32B", "30B-A3B", "235B-A22B"]
+    assert flavor_names("qwen3") == [
+        "debugmodel",
+        "debugmodel_moe",
+        "0.6B",
+        "1.7B",
+        "4B",
+        "8B",
+        "14B",
+        "32B",
+        "30B-A3B",
+        "235B-A22B",
+    ]
     assert (has_experts("llama3"), has_experts("deepseek_v3")) == (False, True)
     assert has_experts("deepseek_v3", "16B") and not has_experts("llama3", "8B")
     with pytest.raises(ValueError, match="valid models"):

@@ -1,6 +1,6 @@
-"""Qwen3 (``models/qwen3``: dense and MoE) against ``transformers``' Qwen3 / Qwen3-MoE, fp32,
-on small random configs written here (no downloads), and against the published config.json of
-Qwen3-8B and Qwen3-30B-A3B.
+"""Qwen3 (``models/qwen3``: dense, MoE, tied embeddings) against ``transformers``' Qwen3 /
+Qwen3-MoE, fp32, on small random configs written here (no downloads), and against the published
+config.json of Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B.
 
 * import: ``save_pretrained`` (the on-disk format, per-expert tensors) -> ``from_hf`` -> our
   logits equal transformers' within rtol/atol 1e-5 (the two differ in summation order: SDPA vs
@@ -9,7 +9,7 @@ Qwen3-8B and Qwen3-30B-A3B.
 * export: ours -> ``to_hf`` + ``hf_config()`` -> ``from_pretrained`` loads with no missing or
   unexpected key and gives our logits; HF -> ours -> HF bitwise on every tensor;
 * the published configs pass the config check, infer their flavor and build on the meta device
-  with exactly transformers' parameter count (8,190,735,360 and 30,532,122,624);
+  with exactly transformers' parameter count (596,049,920, 8,190,735,360 and 30,532,122,624);
 * bad input: mismatching or unsupported config fields are named, and the aux loss is refused.
 
 Shapes: dim 64, 2 layers, 4 query heads of width 32 (so head_dim != dim / n_heads) over 2 KV
@@ -63,7 +63,15 @@ HF = dict(
 HF_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
 # Published config.json files (the fields that matter), typed in from the released folders
-# Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B.
+# Qwen/Qwen3-0.6B (tied embeddings), Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B.
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+    "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
@@ -85,8 +93,9 @@ QWEN3_30B_A3B = {
 }  # fmt: skip
 
 
-def _ours(moe: bool, seed: int = 0):
-    model = build_model("qwen3", "debugmodel", device="cpu", **OURS, **(MOE if moe else {}))
+def _ours(kind: str, seed: int = 0):
+    extra = MOE if kind == "moe" else {"tie_word_embeddings": True} if kind == "tied" else {}
+    model = build_model("qwen3", "debugmodel", device="cpu", **OURS, **extra)
     model.init_weights(seed)
     return model
 
@@ -100,10 +109,11 @@ def _logits(model, tokens, hf: bool) -> torch.Tensor:
         return (model(input_ids=tokens, use_cache=False).logits if hf else model(tokens)).float()
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "tied"])
 def qwen_hf(request, tmp_path_factory):
-    moe = request.param == "moe"
-    config = Qwen3MoeConfig(**HF, **HF_MOE) if moe else Qwen3Config(**HF)
+    kind = request.param
+    moe = kind == "moe"
+    config = Qwen3MoeConfig(**HF, **HF_MOE) if moe else Qwen3Config(**{**HF, "tie_word_embeddings": kind == "tied"})
     torch.manual_seed(0)
     model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config).float().eval()
     randomize_hf_(model, 1)
@@ -112,16 +122,17 @@ def qwen_hf(request, tmp_path_factory):
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
         sd.update(safetensors_torch.load_file(str(f)))
-    return moe, model, sd, json.loads((folder / "config.json").read_text())
+    return kind, model, sd, json.loads((folder / "config.json").read_text())
 
 
 def test_import_matches_transformers(qwen_hf):
     """Logits of our model loaded from transformers' saved folder equal transformers' (1e-5);
     swapping the q and k norm gains (a plausible mapping slip) breaks the match."""
-    moe, hf_model, hf_sd, config = qwen_hf
-    if moe:
+    kind, hf_model, hf_sd, config = qwen_hf
+    if kind == "moe":
         assert any(".mlp.experts.0.gate_proj.weight" in k for k in hf_sd)  # per-expert on disk
-    ours = _ours(moe)
+    assert ("lm_head.weight" in hf_sd) == (kind != "tied")  # a tied folder stores the embedding only
+    ours = _ours(kind)
     adapter = get_hf_adapter("qwen3", ours.args)
     assert adapter.hf_architecture == type(hf_model).__name__
     adapter.check_hf_config(config)  # the folder's own config.json (transformers 5 format)
@@ -143,8 +154,8 @@ def test_import_matches_transformers(qwen_hf):
 def test_export_loads_in_transformers_and_round_trips(qwen_hf, tmp_path):
     """ours -> HF folder -> from_pretrained: every key loads and logits match ours; HF -> ours
     -> HF and ours -> HF -> ours are bitwise on every tensor."""
-    moe, _, hf_sd, _ = qwen_hf
-    ours = _ours(moe, seed=3)
+    kind, _, hf_sd, _ = qwen_hf
+    ours = _ours(kind, seed=3)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():  # norms off 1 so a mapping slip between them cannot hide
         for name, t in ours.state_dict(keep_vars=True).items():
@@ -170,7 +181,9 @@ def test_export_loads_in_transformers_and_round_trips(qwen_hf, tmp_path):
     sd = ours.state_dict()
     again = adapter.from_hf(adapter.to_hf(sd))
     assert set(again) == set(sd) and all(torch.equal(again[k], sd[k]) for k in sd)
-    if moe:  # a non-zero expert bias has no place in a Qwen3-MoE checkpoint
+    if kind == "tied":
+        assert ours.output.weight is ours.tok_embeddings.weight and theirs.config.tie_word_embeddings
+    if kind == "moe":  # a non-zero expert bias has no place in a Qwen3-MoE checkpoint
         sd["layers.0.moe.expert_bias"] = torch.full_like(sd["layers.0.moe.expert_bias"], 0.5)
         with pytest.raises(ValueError, match="no expert bias"):
             adapter.to_hf(sd)
@@ -178,12 +191,16 @@ def test_export_loads_in_transformers_and_round_trips(qwen_hf, tmp_path):
 
 @pytest.mark.parametrize(
     ("config", "flavor", "total", "active"),
-    [(QWEN3_8B, "8B", 8_190_735_360, 8_190_735_360), (QWEN3_30B_A3B, "30B-A3B", 30_532_122_624, 3_353_032_704)],
+    [
+        (QWEN3_0_6B, "0.6B", 596_049_920, 596_049_920),
+        (QWEN3_8B, "8B", 8_190_735_360, 8_190_735_360),
+        (QWEN3_30B_A3B, "30B-A3B", 30_532_122_624, 3_353_032_704),
+    ],
 )
 def test_published_configs(config, flavor, total, active):
     """The published config.json passes the check against its flavor, infers that flavor, and
-    the flavor built on the meta device has transformers' exact parameter count (8.2B; 30.5B
-    total, 3.3B active: the model cards' figures)."""
+    the flavor built on the meta device has transformers' exact parameter count (0.6B, tied;
+    8.2B; 30.5B total, 3.3B active: the model cards' figures)."""
     adapter = get_hf_adapter("qwen3", qwen3_flavors[flavor])
     adapter.check_hf_config(config)
     assert Qwen3HFAdapter.infer_flavor(config, qwen3_flavors) == flavor
@@ -196,9 +213,10 @@ def test_published_configs(config, flavor, total, active):
         theirs = cls(cfg_cls(**hf_config))
     assert sum(p.numel() for p in theirs.parameters()) == total
     # every tensor of the checkpoint has its name and shape in the adapter
-    assert {k: tuple(v.shape) for k, v in theirs.state_dict().items() if "experts" not in k} == {
-        k: v for k, v in adapter.hf_keys().items() if "experts" not in k
-    }
+    stored = {k: tuple(v.shape) for k, v in theirs.state_dict().items() if "experts" not in k}
+    if config["tie_word_embeddings"]:  # transformers does not write the tied head
+        del stored["lm_head.weight"]
+    assert stored == {k: v for k, v in adapter.hf_keys().items() if "experts" not in k}
 
 
 def test_config_check_names_each_mismatch():
@@ -215,7 +233,7 @@ def test_config_check_names_each_mismatch():
     ):
         assert text in str(err.value), str(err.value)
     for field, value in (
-        ("tie_word_embeddings", True),
+        ("tie_word_embeddings", True),  # 30B-A3B is untied
         ("use_sliding_window", True),
         ("attention_bias", True),
         ("mlp_only_layers", [0]),
