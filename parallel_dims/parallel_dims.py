@@ -296,6 +296,19 @@ class ParallelDims(TorchtitanCompat):
         axes = tuple(a for n in names for a in (COMPOSITE_MESHES.get(n, (n,))))
         return self._mesh_nd(axes)
 
+    def embedding_mesh(self) -> DeviceMesh | None:
+        """Megatron's embedding group: the ranks holding the first and the last pipeline stage
+        at the same other coordinates, over which the two copies of a tied embedding/head weight
+        sum their gradients (models/parallel/pipeline/tied.py). None without pipelining. With
+        pp=2 it is the pp mesh; tied embeddings with pp > 2 are refused by the layout rules."""
+        if self.pp < 2:
+            return None
+        if self.pp > 2:
+            raise ValueError(
+                f"the embedding group is built for pp=2 only (pp={self.pp}); use pp=2 with tied embeddings"
+            )
+        return self.get_mesh("pp")
+
     def get_mesh(self, dims: str | list[str] | tuple[str, ...]) -> DeviceMesh:
         """Like :meth:`get_optional_mesh`, but a disabled axis is an error."""
         mesh = self.get_optional_mesh(dims)

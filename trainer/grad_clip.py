@@ -107,14 +107,21 @@ def grad_norm(params: Iterable[torch.Tensor], pp_mesh: DeviceMesh | None = None)
     return total.sqrt().float()
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+    norm_excludes: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
     """Scale grads so their global norm is at most ``max_norm`` (<= 0 disables clipping);
-    return the norm before clipping.
+    return the norm before clipping. ``norm_excludes``: parameters scaled but left out of the
+    norm (a second copy of a tied weight on another pipeline stage, counted once by its twin).
 
     No host sync: the scale is computed on the device, and a non-finite norm leaves the grads
     unscaled (the trainer stops on it before the optimizer step)."""
     params = [p for p in params if p.grad is not None]
-    norm = grad_norm(params, pp_mesh)
+    skip = {id(p) for p in norm_excludes}
+    norm = grad_norm([p for p in params if id(p) not in skip], pp_mesh)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         scale = torch.where(torch.isfinite(norm), scale, torch.ones_like(scale))

@@ -221,10 +221,16 @@ class Trainer:
             if part is not None:
                 loss_sum += part
         params = [p for part in self.model_parts for p in part.parameters()]
+        if self.pipeline is not None:
+            # tied embeddings: the first and last stages' copies sum their gradients
+            from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
+
+            sync_tied_embedding_grads(self.model_parts, self.pd)
         finalize_grads(params)
         self.on_grads_ready(params)
         pp_mesh = self.pd.get_optional_mesh("pp")
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
+        excludes = tied_copies(self.model_parts) if self.pipeline is not None else ()
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh, excludes)
         if self.pipeline is not None:
             from models.parallel.pipeline import sum_loss_over_pp
 

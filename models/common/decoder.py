@@ -44,7 +44,7 @@ from torch import nn
 from models.common.args import DecoderArgs
 from models.common.documents import Documents, document_ids, positions_in_document
 from models.common.flops import model_flops_per_token
-from models.common.init import InitRule, init_parameters, standard_rule
+from models.common.init import InitRule, full_init_tensor, init_parameters, standard_rule, write_full_into
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding, local_positions
 from parallel_dims.torch_compat import per_rank
@@ -238,6 +238,13 @@ class Decoder(nn.Module):
         RoPE table, which ``to_empty`` leaves as garbage. Subclasses with buffers to reset call
         this first."""
         init_parameters(self, seed, self.init_rule())
+        if self.args.tie_word_embeddings and self.tok_embeddings is None and self.output is not None:
+            # a last pipeline stage's copy of the tied weight: drawn as the embedding it mirrors
+            # (models/parallel/pipeline/tied.py keeps the two copies equal)
+            fqn = "tok_embeddings.weight"
+            rule = self.init_rule()(fqn, self.output, "weight")
+            with torch.no_grad():
+                write_full_into(self.output.weight, full_init_tensor(rule, self.output.weight.shape, seed, fqn))
         self.rope.reset_table()
 
     def moe_layers(self) -> list[nn.Module]:

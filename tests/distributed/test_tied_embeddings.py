@@ -55,3 +55,135 @@ def test_tied_embeddings_fsdp_and_tp_match_one_process():
         assert "output.weight" not in results[0]["grad_rel_err"]  # one tensor, as on one process
         failures += [f"{name}: {msg}" for msg in ph.fp32_failures(results)]
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------------------------
+# pp=2: a copy on each end stage, gradients summed over ParallelDims.embedding_mesh()
+
+PP_STEPS = 3
+
+
+def _tied_plan(degrees: dict, config: tuple[str, ...] = ()):
+    plan = ph.harness_plan("llama3", degrees, GLOBAL_BS, SEQ_LEN, config=config)
+    spec = dataclasses.replace(plan.model, args=dataclasses.replace(plan.model.args, tie_word_embeddings=True))
+    return dataclasses.replace(plan, model=spec)
+
+
+def _ce_sum(logits, labels):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+
+def _reference_steps() -> list[dict]:
+    """The tied model on one process: loss, grad norm and the tied weight's gradient per step."""
+    import torch
+
+    torch.manual_seed(0)
+    plan = _tied_plan({})
+    model = plan.model.model_cls(plan.model_args)
+    model.init_weights(ph.SEED)
+    inputs, labels = ph.make_batch(GLOBAL_BS, SEQ_LEN, model.args.vocab_size)
+    out = []
+    for _ in range(PP_STEPS):
+        model.zero_grad()
+        loss = _ce_sum(model(inputs), labels) / labels.numel()
+        loss.backward()
+        grad = model.tok_embeddings.weight.grad.clone()
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+        scale = min(1.0, MAX_NORM / (norm.item() + 1e-6))
+        for p in model.parameters():
+            p.grad.mul_(scale)
+        ph.adamw_step(model.parameters())
+        out.append({"loss": loss.item(), "norm": norm.item(), "grad": grad})
+    return out
+
+
+def _pp_steps(rank, world_size, sync: bool, degrees: dict | None = None):
+    """PP_STEPS steps of the tied model on pp=2 (1F1B, 2 micro-batches) as the trainer runs them
+    (trainer/train.py: sync the copies' gradients, clip with the copy left out of the norm,
+    AdamW). ``sync=False`` is the negative control. Returns per step: loss, norm, the first
+    stage's gradient of the tied weight, and whether the two copies are bitwise equal."""
+    import torch
+    import torch.distributed as dist
+
+    from models.parallel.pipeline import build_pipeline_schedule, pipeline_step, sum_loss_over_pp
+    from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
+    from trainer.grad_clip import clip_grad_norm_, finalize_grads
+
+    torch.manual_seed(0)
+    plan = _tied_plan(
+        degrees or {"pp": 2},
+        ("--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_microbatches", "2"),
+    )
+    pd = plan.parallel_dims
+    pd.build_mesh("cpu")
+    split = ph.build_layout_stages(plan)
+    (stage,) = split.modules
+    local_bs = GLOBAL_BS // pd.size("batch")
+    pipe = build_pipeline_schedule(
+        split.modules,
+        split.stage_indices,
+        pd,
+        plan.stages,
+        _ce_sum,
+        local_batch_size=local_bs,
+        seq_len=SEQ_LEN,
+        loss_parallel=pd.tp > 1,
+    )
+    inputs, labels = ph.make_batch(GLOBAL_BS, SEQ_LEN, plan.model_args.vocab_size)
+    rows = slice(pd.coordinate("batch") * local_bs, (pd.coordinate("batch") + 1) * local_bs)
+    inputs, labels = inputs[rows], labels[rows]
+    tied = stage.tok_embeddings.weight if stage.tok_embeddings is not None else stage.output.weight
+    params = list(stage.parameters())
+    out = []
+    copies = [None] * world_size
+    dist.all_gather_object(copies, ph._full(tied))
+    initial_equal = all(torch.equal(copies[0], c) for c in copies)
+    for _ in range(PP_STEPS):
+        for p in params:
+            p.grad = None
+        loss = sum_loss_over_pp(pipeline_step(pipe, inputs, labels, GLOBAL_BS * SEQ_LEN), pd.get_mesh("pp"))
+        loss_mesh = pd.get_optional_mesh("loss")
+        if loss_mesh is not None:
+            dist.all_reduce(loss, group=loss_mesh.get_group())
+        if sync:
+            sync_tied_embedding_grads(split.modules, pd)
+        finalize_grads(params)
+        grad = ph._full(tied.grad).numpy()  # by value: a tensor would travel as shared memory
+        norm = clip_grad_norm_(params, MAX_NORM, pd.get_mesh("pp"), tied_copies(split.modules))
+        ph.adamw_step(params)
+        dist.all_gather_object(copies, ph._full(tied))
+        equal = all(torch.equal(copies[0], c) for c in copies)
+        out.append({"loss": loss.item(), "norm": norm.item(), "grad": grad, "equal": equal})
+    return {"initial_equal": initial_equal, "steps": out, "first": stage.tok_embeddings is not None}
+
+
+def _pp_cases(rank, world_size):
+    return [_pp_steps(rank, world_size, True), _pp_steps(rank, world_size, False)]
+
+
+def test_tied_embeddings_pp2_copies_stay_equal_and_match_one_process():
+    """pp=2 (one layer per stage): the first stage's embedding and the last stage's head start
+    equal and stay bitwise equal after each of 3 steps; each step's loss and grad norm are within
+    the harness's 1e-6 of one process, and the tied weight's gradient within its 5e-6 (the
+    first stage holds the sum of both uses). Negative control, same launch: without the
+    gradient sum the copies differ after the first step and the gradient misses the head's share."""
+    import torch
+
+    synced, unsynced = zip(*run_distributed(_pp_cases, 2, timeout=240))
+    ref = _reference_steps()
+    for runs in (synced, unsynced):
+        assert all(r["initial_equal"] for r in runs)
+    first = next(r for r in synced if r["first"])
+    for i, (got, want) in enumerate(zip(first["steps"], ref)):
+        assert all(r["steps"][i]["equal"] for r in synced), f"copies differ after step {i + 1}"
+        assert abs(got["loss"] - want["loss"]) <= ph.LOSS_RTOL * abs(want["loss"]), (i, got["loss"], want["loss"])
+        assert abs(got["norm"] - want["norm"]) <= ph.NORM_RTOL * want["norm"], (i, got["norm"], want["norm"])
+        err = (torch.from_numpy(got["grad"]) - want["grad"]).abs().max() / want["grad"].abs().max()
+        assert err <= ph.GRAD_RTOL, (i, err.item())
+    control = next(r for r in unsynced if r["first"])
+    assert not control["steps"][0]["equal"]
+    err = (torch.from_numpy(control["steps"][0]["grad"]) - ref[0]["grad"]).abs().max() / ref[0]["grad"].abs().max()
+    assert err > 1e-2, err.item()
+    assert torch.isfinite(torch.tensor(control["steps"][-1]["loss"]))

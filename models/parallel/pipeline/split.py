@@ -37,11 +37,6 @@ def _check_pipelinable(model: nn.Module) -> None:
                 f"{type(model).__name__} has no {name!r}; pipeline splitting needs the "
                 "tok_embeddings / layers / norm / output structure of our models"
             )
-    if getattr(getattr(model, "args", None), "tie_word_embeddings", False):
-        raise ValueError(
-            "pipeline parallelism (pp > 1) with tied embeddings is not supported yet (the embedding on the first "
-            "stage and the head on the last would need one shared weight across stages); use pp = 1"
-        )
     if getattr(getattr(model, "args", None), "aux_loss_coeff", 0.0):
         # The sequence-wise aux loss is added to the loss in the trainer; on a pipeline the MoE
         # layers of earlier stages never see the loss function, so it would silently vanish.
@@ -81,6 +76,11 @@ def split_model(model: nn.Module | Callable[[], nn.Module], stages: StagePlan, p
     if stages.pp != pd.pp:
         raise ValueError(
             f"the stage plan is for pp={stages.pp}, the layout has pp={pd.pp}; plan the stages for this layout"
+        )
+    if getattr(getattr(model, "args", None), "tie_word_embeddings", False) and pd.pp > 2:
+        raise ValueError(
+            f"pp={pd.pp} with tied embeddings is not supported yet (the two copies of the tied weight sum their "
+            "gradients over a group built for pp=2 only); use pp=2 or pp=1"
         )
     num_stages, n_layers = stages.num_stages, stages.n_layers
     ranges = list(stages.layer_ranges)
