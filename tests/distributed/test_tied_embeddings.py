@@ -119,7 +119,6 @@ def _pp_steps(rank, world_size, sync: bool, degrees: dict | None = None):
     pd = plan.parallel_dims
     pd.build_mesh("cpu")
     split = ph.build_layout_stages(plan)
-    (stage,) = split.modules
     local_bs = GLOBAL_BS // pd.size("batch")
     pipe = build_pipeline_schedule(
         split.modules,
@@ -134,12 +133,19 @@ def _pp_steps(rank, world_size, sync: bool, degrees: dict | None = None):
     inputs, labels = ph.make_batch(GLOBAL_BS, SEQ_LEN, plan.model_args.vocab_size)
     rows = slice(pd.coordinate("batch") * local_bs, (pd.coordinate("batch") + 1) * local_bs)
     inputs, labels = inputs[rows], labels[rows]
-    tied = stage.tok_embeddings.weight if stage.tok_embeddings is not None else stage.output.weight
-    params = list(stage.parameters())
+    # this rank's ends: the embedding and/or the head's copy (both under a V schedule, or none)
+    emb = [m.tok_embeddings.weight for m in split.modules if m.tok_embeddings is not None]
+    ends = emb + [m.output.weight for m in split.modules if m.output is not None]
+    params = [p for m in split.modules for p in m.parameters()]
     out = []
-    copies = [None] * world_size
-    dist.all_gather_object(copies, ph._full(tied))
-    initial_equal = all(torch.equal(copies[0], c) for c in copies)
+
+    def all_equal() -> bool:
+        copies = [None] * world_size
+        dist.all_gather_object(copies, [ph._full(t) for t in ends])
+        flat = [t for c in copies for t in c]
+        return all(torch.equal(flat[0], t) for t in flat)
+
+    initial_equal = all_equal()
     for _ in range(PP_STEPS):
         for p in params:
             p.grad = None
@@ -150,13 +156,12 @@ def _pp_steps(rank, world_size, sync: bool, degrees: dict | None = None):
         if sync:
             sync_tied_embedding_grads(split.modules, pd)
         finalize_grads(params)
-        grad = ph._full(tied.grad).numpy()  # by value: a tensor would travel as shared memory
+        # by value: a tensor would travel as shared memory
+        grad = ph._full(emb[0].grad).numpy() if emb else None
         norm = clip_grad_norm_(params, MAX_NORM, pd.get_mesh("pp"), tied_copies(split.modules))
         ph.adamw_step(params)
-        dist.all_gather_object(copies, ph._full(tied))
-        equal = all(torch.equal(copies[0], c) for c in copies)
-        out.append({"loss": loss.item(), "norm": norm.item(), "grad": grad, "equal": equal})
-    return {"initial_equal": initial_equal, "steps": out, "first": stage.tok_embeddings is not None}
+        out.append({"loss": loss.item(), "norm": norm.item(), "grad": grad, "equal": all_equal()})
+    return {"initial_equal": initial_equal, "steps": out, "first": bool(emb)}
 
 
 def _pp_cases(rank, world_size):
