@@ -339,3 +339,27 @@ def test_compute_copies_keep_one_copy_for_tied_weights():
     rows = torch.zeros(64, dtype=torch.bool)
     rows[tokens.flatten()] = True
     assert not torch.equal(master_grad[~rows], torch.zeros_like(master_grad[~rows]))
+
+
+def test_hf_folder_loads_into_both_pipeline_ends(tmp_path):
+    """A tied Hugging Face folder (no lm_head.weight) loads into pipeline stages (the trainer's
+    checkpoint.initial_load_in_hf path, trainer/checkpoint/hf_load.py): the first stage's
+    embedding and the last stage's copy of it (output.weight) both equal
+    model.embed_tokens.weight, bit for bit. Both stages on one process: the loader works per
+    part; the SMALL shapes suffice (per tensor)."""
+    import copy
+
+    from models.parallel.pipeline.split import _carve_stage
+    from trainer.checkpoint.hf_load import load_hf_into_model
+
+    hf_sd, _ = _saved(_hf_tied_model(), tmp_path / "hf")
+    full = build_model("llama3", "debugmodel", device="meta", **SMALL)
+    first = _carve_stage(copy.deepcopy(full), (0, 1), True, False)
+    last = _carve_stage(copy.deepcopy(full), (1, 2), False, True)
+    for stage in (first, last):
+        stage.to_empty(device="cpu")
+        stage.init_weights(0)
+    assert torch.equal(first.tok_embeddings.weight, last.output.weight)  # the copy is drawn as the embedding
+    load_hf_into_model([first, last], str(tmp_path / "hf"), "llama3", full.args)
+    emb = hf_sd["model.embed_tokens.weight"]
+    assert torch.equal(first.tok_embeddings.weight, emb) and torch.equal(last.output.weight, emb)
