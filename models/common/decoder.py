@@ -124,12 +124,12 @@ class Decoder(nn.Module):
         # each tp rank sends its own shard to the same tp rank of the next stage.
         self.boundary_seq_shards = 1
 
-    def _apply(self, fn, recurse: bool = True):
-        """``nn.Module._apply`` (behind ``to_empty``, ``to``, ``cuda``, ...) converts each
-        module's parameter slots separately, which would leave a tied head with a weight of its
-        own; re-tie after it (the parallel appliers keep the two slots on one object, so this
-        is the one place a tie can come undone)."""
-        out = super()._apply(fn, recurse)
+    def to_empty(self, *, device, recurse: bool = True):
+        """``nn.Module.to_empty``, which materialises a meta model by giving each module's
+        parameter slots new Parameters one by one, so a tied head would get a weight of its own;
+        re-tied after it. (``to`` / ``cuda`` between real devices keep the Parameter objects, and
+        with them the tie; the parallel appliers keep the two slots on one object.)"""
+        out = super().to_empty(device=device, recurse=recurse)
         self._retie()
         return out
 
