@@ -41,6 +41,8 @@ from models.common.hf_adapter import HFConfigMismatch, Plain  # noqa: E402
 from models.qwen3 import Qwen3Args, qwen3_flavors  # noqa: E402
 from models.qwen3.hf_adapter import Qwen3HFAdapter  # noqa: E402
 from models.registry import build_model, get_hf_adapter, model_rules  # noqa: E402
+from parallel_dims import check_model_layout  # noqa: E402
+from parallel_dims.layout import validate_degrees  # noqa: E402
 from tests.hf_models import randomize_hf_  # noqa: E402
 
 RTOL = ATOL = 1e-5
@@ -256,6 +258,9 @@ def test_args_refusals_and_layout_rules():
     rules = model_rules(qwen3_flavors["30B-A3B"], seq_len=4096)
     assert (rules.n_heads, rules.n_kv_heads, rules.n_experts, rules.n_layers) == (32, 4, 128, 48)
     assert model_rules(qwen3_flavors["8B"]).n_experts == 0
+    check_model_layout(validate_degrees(world_size=64, dp_shard=16, tp=4, ep=64), rules)
+    with pytest.raises(ValueError, match=r"tp=8 does not divide n_kv_heads=4: .*legal tp values: 1, 2, 4"):
+        check_model_layout(validate_degrees(world_size=64, dp_shard=8, tp=8), rules)
 
 
 def test_adapter_maps_every_tensor_plainly():
