@@ -60,6 +60,24 @@ def check_attention_args(
         )
 
 
+def positive_int(owner: str, name: str, value: object) -> None:
+    """Refuse ``owner.name = value`` unless it is a positive int (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}.")
+
+
+def non_negative_int(owner: str, name: str, value: object) -> None:
+    """Refuse ``owner.name = value`` unless it is an int >= 0 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}.{name} must be an int >= 0, got {value!r}.")
+
+
+def positive_number(owner: str, name: str, value: object) -> None:
+    """Refuse ``owner.name = value`` unless it is a positive int or float (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{owner}.{name} must be a positive number, got {value!r}.")
+
+
 class DecoderArgs:
     """Base of every model's args dataclass; see the module docstring for the required
     fields."""

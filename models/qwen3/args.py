@@ -15,19 +15,15 @@ tie_word_embeddings: true for 0.6B, 1.7B and 4B, whose output head is the embedd
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from models.common.args import DecoderArgs
+from models.common.args import DecoderArgs, positive_int, positive_number
+
+_positive_int = functools.partial(positive_int, "Qwen3Args")
 
 
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"Qwen3Args.{name} must be a positive int, got {value!r}.")
-
-
-def _positive_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"Qwen3Args.{name} must be a positive number, got {value!r}.")
+_positive_float = functools.partial(positive_number, "Qwen3Args")
 
 
 @dataclass
