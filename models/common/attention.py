@@ -322,6 +322,18 @@ class AttentionCore(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def kv_repeats(q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many local query heads share each local key/value head (``[bs, s, heads, d]``
+    tensors of this rank); a clear error when tensor parallelism split them unevenly."""
+    local_q_heads, local_kv_heads = q.shape[2], k.shape[2]
+    if local_q_heads % local_kv_heads != 0:
+        raise ValueError(
+            f"Local query heads ({local_q_heads}) are not a multiple of local KV heads "
+            f"({local_kv_heads}); the tensor-parallel degree must divide n_kv_heads."
+        )
+    return local_q_heads // local_kv_heads
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Expand ``[bs, s, kv_heads, d]`` to ``[bs, s, kv_heads * n_rep, d]`` so that query head
     ``h`` reads key/value head ``h // n_rep`` (the grouping Llama checkpoints use)."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.common.attention import AttentionCore, repeat_kv
+from models.common.attention import AttentionCore, kv_repeats, repeat_kv
 from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
 from models.common.norms import RMSNorm
@@ -45,13 +45,7 @@ class Attention(DecoderAttention):
         v = self.wv(x).view(bs, s, -1, self.head_dim)
         q = apply_rotary_emb(q, rope)
         k = apply_rotary_emb(k, rope)
-        local_q_heads, local_kv_heads = q.shape[2], k.shape[2]
-        if local_q_heads % local_kv_heads != 0:
-            raise ValueError(
-                f"Local query heads ({local_q_heads}) are not a multiple of local KV heads "
-                f"({local_kv_heads}); the tensor-parallel degree must divide n_kv_heads."
-            )
-        n_rep = local_q_heads // local_kv_heads
+        n_rep = kv_repeats(q, k)
         k = repeat_kv(k, n_rep)
         v = repeat_kv(v, n_rep)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
