@@ -2,7 +2,11 @@
 
 * Mixed precision by compute copies (models/parallel/mixed_precision.py) trains bit for bit like
   FSDP2's policy on the size-1 mesh (what ran there before): the same casts of the same
-  parameters, fp32 gradient accumulation over micro-batches in the same order. Both models (two
+  parameters, fp32 gradient accumulation over micro-batches in the same order. Bitwise is the
+  right check although the two paths differ: a dtype conversion is exactly defined (fp32 -> bf16
+  rounds to nearest even, bf16 -> fp32 is exact), so which kernel casts (one foreach copy, or
+  FSDP2's per-tensor copies) cannot change a bit, and every other op runs the same kernels on the
+  same shapes on both sides. Both models (two
   layers: DeepSeek's dense layer and one MoE layer), bf16, two micro-batches per step (the
   accumulation), selective activation checkpointing (the recomputation reads the copies), two
   steps (the second starts from weights the first updated). Negative control: compute copies
