@@ -1,4 +1,5 @@
-"""Per-step training metrics: console line, TensorBoard scalars and ``metrics.jsonl``.
+"""Per-step training metrics: console line, TensorBoard scalars, ``metrics.jsonl`` and, with
+``metrics.enable_wandb``, a Weights & Biases run (trainer/wandb_log.py).
 
 Validation results are records of their own in the same file (``validation_loss``,
 ``validation_perplexity``, no ``loss`` key), written after the training record of their step.
@@ -190,7 +191,10 @@ class MetricsLogger:
         peak_flops_per_device: float | None = None,
         total_steps: int | None = None,
         param_dtype: str = "bfloat16",
+        resumed: bool = False,
     ):
+        """``resumed``: the trainer continues from a checkpoint (W&B then continues the run
+        whose id the checkpoint folder holds)."""
         mcfg = cfg.metrics if isinstance(cfg, JobConfig) else cfg
         self.cfg, self.rank, self.world_size = mcfg, rank, world_size
         self.total_steps = total_steps
@@ -213,11 +217,16 @@ class MetricsLogger:
         self.peak_flops = peak_flops_per_device if self.device.type == "cuda" else None
         self._tb = None
         self._jsonl = None
+        self._wandb = None
         self._last_time = time.perf_counter()
         self._excluded = 0.0  # seconds to leave out of the interval being timed (checkpoint saves)
         if rank != 0:
             return
         os.makedirs(run_folder, exist_ok=True)
+        if mcfg.enable_wandb:  # first: a run W&B refuses to start opens nothing else
+            from trainer.wandb_log import start_wandb_run
+
+            self._wandb = start_wandb_run(mcfg, run_folder, cfg if isinstance(cfg, JobConfig) else None, resumed)
         if mcfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -379,8 +388,15 @@ class MetricsLogger:
                 if k not in ("step", "time") and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, record)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Close every writer; W&B's run ends with ``exit_code`` (non-zero: failed) and its
+        service process is shut down."""
+        if self._wandb is not None:
+            self._wandb.finish(exit_code)
+            self._wandb = None
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
@@ -391,5 +407,5 @@ class MetricsLogger:
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(exit_code=0 if exc_type is None else 1)

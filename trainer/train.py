@@ -304,6 +304,7 @@ class Trainer:
             device=self.device,
             total_steps=cfg.training.steps,
             param_dtype=self.plan.parallelize.param_dtype,
+            resumed=resumed is not None,  # W&B continues the run of the checkpoint folder's id
         )
         if metrics.peak_note:  # on CUDA: the part and precision MFU is priced at
             _log(metrics.peak_note)

@@ -329,6 +329,10 @@ class Metrics:
     enable_tensorboard: bool = _opt(False, "Write TensorBoard scalars (rank 0).")
     save_tb_folder: str = _opt("tb", "TensorBoard folder, relative to job.dump_folder.")
     enable_jsonl: bool = _opt(True, "Append one JSON object per logged step to metrics.jsonl.")
+    enable_wandb: bool = _opt(False, "Log the same rows to Weights & Biases (rank 0; needs the wandb extra).")
+    wandb_project: str = _opt("", "W&B project; empty: $WANDB_PROJECT, else 'meshtrain'.")
+    wandb_entity: str = _opt("", "W&B entity (team or user); empty: $WANDB_ENTITY, else your default.")
+    wandb_run_name: str = _opt("", "W&B run name; empty: $WANDB_NAME, else job.dump_folder's name.")
 
 
 @dataclass

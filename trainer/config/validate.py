@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 from typing import Any
 
@@ -179,6 +180,11 @@ def _validate_values(cfg: JobConfig) -> None:
             raise ConfigError(_choice_message("checkpoint.exclude_from_loading entry", part, excludable))
 
     need(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
+    need(
+        not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None,
+        "metrics.enable_wandb needs the wandb package, which is not installed: pip install 'meshtrain[wandb]' "
+        "(or pip install wandb), or set metrics.enable_wandb = false",
+    )
     prof = cfg.profiling
     need(
         prof.profiler_warmup >= 0 and prof.profiler_active >= 1,
