@@ -68,6 +68,7 @@ from trainer.step import (
 )
 from trainer.stop import StopSignals
 from trainer.validation import Validator
+from trainer.wandb_log import agree_on_start
 
 __all__ = ["StepResult", "Trainer", "TrainingDiverged"]
 
@@ -294,18 +295,26 @@ class Trainer:
             with open(os.path.join(run_folder, "config.toml"), "w") as f:
                 f.write(cfg.to_toml())
         _log(f"config: {os.path.join(run_folder, 'config.toml')} (the resolved config; --job.print_config prints it)")
-        metrics = MetricsLogger(
-            run_folder,
-            self.mode.metrics_rank(self.rank),
-            cfg,
-            world_size=self.world_size,
-            # TFLOPs/MFU only mean something on accelerators
-            flops_per_token=self.flops_per_token if self.device.type == "cuda" else None,
-            device=self.device,
-            total_steps=cfg.training.steps,
-            param_dtype=self.plan.parallelize.param_dtype,
-            resumed=resumed is not None,  # W&B continues the run of the checkpoint folder's id
-        )
+        started: ValueError | None = None
+        try:
+            metrics = MetricsLogger(
+                run_folder,
+                self.mode.metrics_rank(self.rank),
+                cfg,
+                world_size=self.world_size,
+                # TFLOPs/MFU only mean something on accelerators
+                flops_per_token=self.flops_per_token if self.device.type == "cuda" else None,
+                device=self.device,
+                total_steps=cfg.training.steps,
+                param_dtype=self.plan.parallelize.param_dtype,
+                resumed=resumed is not None,  # W&B continues the run of the checkpoint folder's id
+            )
+        except ValueError as exc:  # rank 0's W&B run refused to start
+            started = exc
+        if cfg.metrics.enable_wandb:  # ... then every rank stops with it (one int, max over the ranks)
+            agree_on_start(started, self.device, self.mode.has_peers(self.world_size))
+        elif started is not None:
+            raise started
         if metrics.peak_note:  # on CUDA: the part and precision MFU is priced at
             _log(metrics.peak_note)
         batch = self.plan.batch

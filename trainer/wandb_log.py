@@ -39,7 +39,7 @@ from typing import Any
 
 from trainer.config.errors import ConfigError
 
-__all__ = ["RUN_ID_FILE", "WandbRun", "choose_run_id", "new_run_id", "start_wandb_run"]
+__all__ = ["RUN_ID_FILE", "WandbRun", "agree_on_start", "choose_run_id", "new_run_id", "start_wandb_run"]
 
 RUN_ID_FILE = "wandb_run_id"
 DEFAULT_PROJECT = "meshtrain"
@@ -91,6 +91,25 @@ def start_wandb_run(mcfg: Any, run_folder: str, job: Any | None, resumed: bool) 
             f"WANDB_API_KEY), or run offline with WANDB_MODE=offline (wandb sync uploads it later), or set "
             f"metrics.enable_wandb = false"
         ) from None
+
+
+def agree_on_start(error: BaseException | None, device: Any, peers: bool) -> None:
+    """Every rank's answer to "did rank 0's W&B run start?" (a collective when ``peers``: one
+    int, max over the default group, on ``device``): ``error`` is re-raised where it happened,
+    and the other ranks stop with a ConfigError too, so a refusal ends the job as bad input
+    (rank 0's line, exit 2) instead of leaving the others waiting in the first step."""
+    failed = error is not None
+    if peers:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise ConfigError("metrics.enable_wandb: rank 0 could not start the W&B run (rank 0 says why)")
 
 
 def _teardown_quietly() -> None:

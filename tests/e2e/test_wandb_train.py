@@ -25,7 +25,7 @@ from tests.wandb_records import offline_runs, rows_by_step
 from trainer.config import load_config
 from trainer.wandb_log import RUN_ID_FILE
 
-from .helpers import FAST, ForkedJob, _env, _stat, all_records
+from .helpers import FAST, ForkedJob, _env, _stat, all_records, run_forked
 
 pytest.importorskip("wandb")
 
@@ -120,3 +120,14 @@ def test_the_runs_hold_the_metrics_rows_and_the_resolved_config(stopped_and_resu
     config = {k: v for k, v in second.config.items() if k != "_wandb"}
     assert config["metrics"]["enable_wandb"] is True and config["parallelism"]["data_parallel_shard_degree"] == 2
     assert config == resolved
+
+
+def test_wandb_refusing_to_start_stops_every_rank_with_one_line(tmp_path):
+    """Online mode without an API key (wandb refuses before any network): rank 0's one line,
+    exit code 2, and rank 1 (which has no W&B run) does not wait in the first step."""
+    env = dict(_wandb_env(tmp_path / "home"), WANDB_MODE="online")
+    res = run_forked(2, *JOB, "--job.dump_folder", str(tmp_path / "run"), env=env, timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] and "W&B could not start the run (No API key configured" in errors[0], res.stderr
+    assert "Traceback" not in res.stderr and "step 1/" not in res.stdout, res.stderr[-3000:]
