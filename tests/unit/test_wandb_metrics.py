@@ -59,12 +59,13 @@ def job(dump, *args):
 
 
 def wandb_children() -> list[int]:
-    """Live (not zombie) wandb-core / wandb-symon processes started by this process."""
-    out = subprocess.run(["ps", "-o", "pid=,stat=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True)
+    """Live (not zombie) wandb-core / wandb-symon processes started by this process (by their
+    executable's name: pytest's own children carry "wandb" in their arguments, this file's name)."""
+    out = subprocess.run(["ps", "-o", "pid=,stat=,comm=", "--ppid", str(os.getpid())], capture_output=True, text=True)
     pids = []
     for line in out.stdout.splitlines():
-        pid, stat, cmd = line.split(None, 2)
-        if "wandb" in cmd and not stat.startswith("Z"):
+        pid, stat, comm = line.split(None, 2)
+        if comm.startswith("wandb") and not stat.startswith("Z"):
             pids.append(int(pid))
     return pids
 
