@@ -74,7 +74,7 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
         apply_context_parallel(model, pd.get_mesh("cp"))
     apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option)
     if opts.compile:
-        for block in model.layers.values():
+        for block in model.blocks():
             block.compile()
     # Experts get their own FSDP wrapping whenever their rank sets differ from the dense
     # params': as DTensors over ep/etp, or replicated over tp ranks that see different tokens.

@@ -16,9 +16,10 @@ config.json, sharded safetensors (``--max-shard-size``) with an index. The flavo
 from the stored shapes when ``--flavor`` is omitted. It holds one layer (ours and Hugging Face's)
 plus one shard file's tensors in memory at a time.
 
-``--n-layers``, ``--vocab-size`` and ``--max-seq-len`` are the overrides a run may have used
+``--n-layers``, ``--vocab-size``, ``--mtp-layers`` and ``--max-seq-len`` are the overrides a run may have used
 (``model.n_layers``, ``model.vocab_size``, ``training.seq_len`` longer than the flavor's
-``max_seq_len``, which decides DeepSeek's YaRN in config.json).
+``max_seq_len``, which decides DeepSeek's YaRN in config.json; ``model.mtp_layers``, by default
+DeepSeek-V3's ``num_nextn_predict_layers`` so its MTP layer comes along, ``--mtp-layers 0`` drops it).
 
 Progress goes to stderr. Bad input is one ``error:`` line on stderr, exit code 2, and nothing is
 written (OUT_DIR is created only when the conversion completes: the work happens in
@@ -73,6 +74,10 @@ def _args(model: str, flavor: str, ns: argparse.Namespace, **extra):
         overrides["n_layers"] = ns.n_layers
     if ns.vocab_size is not None:
         overrides["vocab_size"] = ns.vocab_size
+    if getattr(ns, "mtp_layers", None) is not None:
+        if not any(f.name == "mtp_layers" for f in dataclasses.fields(spec.args)):
+            raise UsageError(f"--mtp-layers: multi-token prediction is a DeepSeek-V3 feature; {model} has none")
+        overrides["mtp_layers"] = ns.mtp_layers
     if ns.max_seq_len is not None:
         overrides["max_seq_len"] = max(spec.args.max_seq_len, ns.max_seq_len)
     args = dataclasses.replace(spec.args, **overrides)
@@ -135,6 +140,9 @@ def to_dcp(ns) -> str:
                 f"{ckpt.config.get('num_hidden_layers')}); pass --flavor (one of {', '.join(flavors)}) and the "
                 f"overrides it needs (--n-layers, --vocab-size)"
             )
+    nextn = ckpt.config.get("num_nextn_predict_layers")
+    if ns.mtp_layers is None and nextn and ns.model == "deepseek_v3":
+        ns.mtp_layers = int(nextn)  # DeepSeek-V3's MTP layers come along (--mtp-layers 0 drops them)
     args = _args(ns.model, flavor, ns)
     if ns.vocab_size is None and ns.flavor is None and ckpt.config.get("vocab_size") != args.vocab_size:
         # infer_flavor matched every shape but the vocabulary, which runs override anyway
@@ -161,6 +169,9 @@ def _infer_flavor_from_dcp(ns, meta) -> tuple[str, dict]:
     layers = [int(m.group(1)) for k in meta if (m := re.match(r"^layers\.(\d+)\.", k))]
     if layers and ns.n_layers is None:
         extra["n_layers"] = max(layers) + 1
+    depths = {int(m.group(1)) for k in meta if (m := re.match(r"^mtp\.(\d+)\.", k))}
+    if depths and ns.mtp_layers is None:
+        ns.mtp_layers = max(depths) + 1  # DeepSeek-V3's MTP depths
     cls = _adapter_cls(ns.model)
     candidates = [ns.flavor] if ns.flavor else flavor_names(ns.model)
     matches = []
@@ -214,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--flavor", default=None, help="model flavor; inferred when omitted")
         p.add_argument("--n-layers", type=int, default=None, help="model.n_layers override of the run")
         p.add_argument("--vocab-size", type=int, default=None, help="model.vocab_size override of the run")
+        p.add_argument(
+            "--mtp-layers",
+            type=int,
+            default=None,
+            help="deepseek_v3 model.mtp_layers; default: config.json's num_nextn_predict_layers (to-dcp), "
+            "the checkpoint's MTP depths (to-hf)",
+        )
         p.add_argument(
             "--max-seq-len", type=int, default=None, help="training.seq_len of the run, if above the flavor's"
         )

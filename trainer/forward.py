@@ -61,6 +61,12 @@ class ModelForward:
     ) -> None:
         self.pd, self.model_parts, self.loss_fn, self.device = pd, list(model_parts), loss_fn, device
         self.loss_parallel, self.pipeline = loss_parallel, pipeline
+        # DeepSeek-V3 multi-token prediction (trainer/mtp.py): the depths' inputs and targets are
+        # built on the whole rows, before the cp shard; block-causal attention keeps each
+        # target inside its position's document
+        args = self.model_parts[0].args
+        self.mtp_depth = getattr(args, "mtp_layers", 0)
+        self.mtp_eos = args.eos_id if args.attn_mask_type == "block_causal" else None
 
     def shard_for_cp(self, t: torch.Tensor) -> torch.Tensor:
         """This cp rank's load-balanced part of a ``[batch, seq]`` tensor."""
@@ -87,6 +93,12 @@ class ModelForward:
         divided by this many sequences (the step's global batch): the layers get the divisor
         before the forward and give their aux loss its gradient in the backward themselves
         (``models/deepseek_v3/moe.py``, ``_AuxLossGrad``); the returned loss includes it."""
+        extra = {}
+        if self.mtp_depth:
+            from trainer.mtp import mtp_batch
+
+            mtp_tokens, labels = mtp_batch(inputs, labels, self.mtp_depth, self.mtp_eos)
+            extra["mtp_tokens"] = self.shard_for_cp(mtp_tokens).to(self.device, non_blocking=True)
         inputs = self.shard_for_cp(inputs).to(self.device, non_blocking=True)
         labels = self.shard_for_cp(labels).to(self.device, non_blocking=True)
         if self.pipeline is not None:
@@ -94,14 +106,14 @@ class ModelForward:
             # backward, syncs FSDP gradients on its last backward
             from models.parallel.pipeline import pipeline_step
 
-            part = pipeline_step(self.pipeline, inputs, labels, global_tokens, forward_only=not backward)
+            part = pipeline_step(self.pipeline, inputs, labels, global_tokens, forward_only=not backward, **extra)
             return None if part is None else full_tensor(part.detach()).float()
         aux_moes = [m for m in moes if m.aux_loss_coeff > 0] if aux_loss_sequences is not None else []
         for moe in aux_moes:
             moe.aux_loss_sequences = aux_loss_sequences
             moe.aux_loss_total.zero_()
         with loss_parallel_context(self.loss_parallel):
-            logits = self.model_parts[0](inputs)
+            logits = self.model_parts[0](inputs, **extra)
             loss = self.loss_fn(logits, labels) / global_tokens
             if backward:
                 loss.backward()

@@ -318,6 +318,8 @@ class MetricsLogger:
             f"{where}  loss {record['loss']:8.4f}  grad_norm {record['grad_norm']:8.4f}  "
             f"lr {record['lr']:.3e}  tps {tps:10,.0f}  {mem_name} {mem:6.2f}GiB"
         )
+        if "mtp_loss" in record:
+            line += f"  mtp_loss {record['mtp_loss']:8.4f}"
         if "data_wait_s" in record:
             line += f"  data {1e3 * record['data_wait_s']:7.1f}ms"
         if "tflops" in record:

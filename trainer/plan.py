@@ -109,6 +109,13 @@ def model_overrides(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | N
     if cfg.model.n_layers is not None:
         overrides["n_layers"] = cfg.model.n_layers
     m = cfg.model
+    if m.mtp_layers is not None:
+        if not any(f.name == "mtp_layers" for f in dataclasses.fields(spec.args)):
+            raise ConfigError(
+                f"model.mtp_layers={m.mtp_layers}: multi-token prediction is a DeepSeek-V3 feature, and "
+                f"model.name={m.name!r} has none; remove model.mtp_layers or use model.name = 'deepseek_v3'"
+            )
+        overrides["mtp_layers"] = m.mtp_layers
     if m.document_positions and m.attn_mask_type != "block_causal":
         raise ConfigError(
             "model.document_positions = true restarts RoPE positions at each document start, which only "
@@ -262,6 +269,7 @@ def plan_job(
         )
         if opts.float8 is not None and opts.float8.moe_fqns:
             attempt(lambda: _check_float8_experts(spec, cfg.model.name, opts.float8, pd.etp))
+        attempt(lambda: _check_mtp_layout(spec.args, pd))
     batch = None
     if pd is not None:
         batch = attempt(lambda: _batch_plan(cfg, pd))
@@ -326,6 +334,22 @@ def _check_float8_experts(spec: ModelSpec, name: str, opts: Float8Options, etp: 
     with torch.device("meta"):
         model = spec.model_cls(spec.args)
     check_float8_experts(model, name, opts, etp)
+
+
+def _check_mtp_layout(args, pd: ParallelDims) -> None:
+    """DeepSeek-V3 MTP depths: no tensor parallelism yet (their eh_proj / norms / embedding copy
+    have no TP plan), pipelines of two ranks (the embedding group, as for tied embeddings)."""
+    depth = getattr(args, "mtp_layers", 0)
+    if depth and pd.tp > 1:
+        raise ConfigError(
+            f"model.mtp_layers={depth} with tp={pd.tp} is not supported yet (the MTP modules have no tensor-parallel "
+            "plan); use tp = 1 (fsdp, ep, cp and pp = 2 work with MTP) or model.mtp_layers = 0"
+        )
+    if depth and pd.pp > 2:
+        raise ConfigError(
+            f"model.mtp_layers={depth} with pp={pd.pp} is not supported yet (the MTP depths' embedding copies on the "
+            "last stage sum their gradients with the first stage's over a group built for pp = 2); use pp <= 2"
+        )
 
 
 def _model_spec(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:

@@ -24,6 +24,11 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    mtp_loss: float | None = None  # DeepSeek-V3 MTP: the depths' mean cross-entropy (trainer/mtp.py)
+
+    def extra(self) -> dict[str, float]:
+        """The optional per-step metrics of this result, for the metrics record."""
+        return {} if self.mtp_loss is None else {"mtp_loss": self.mtp_loss}
 
 
 def read_step_scalars(scalars: torch.Tensor) -> list[float]:

@@ -29,6 +29,7 @@ from torch import nn
 
 from models.kernels import kernels_line
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
+from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
 from parallel_dims import default_device_type
 from parallel_dims.process_groups import host_group
 from parallel_dims.torch_compat import host_side
@@ -54,6 +55,7 @@ from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.instruments import Instruments, build_instruments
 from trainer.local_tensor import PerRankLoader, check_all_local, load_full_weights, rank0_view
 from trainer.metrics import MetricsLogger, training_flops_per_token
+from trainer.mtp import MTPLoss
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.precision import apply_precision_policy
@@ -136,6 +138,15 @@ class Trainer:
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
+        # DeepSeek-V3 multi-token prediction (trainer/mtp.py): the depths' loss is added with
+        # training.mtp_loss_weight; validation reports the main next-token loss (weight 0)
+        self.mtp_loss: MTPLoss | None = None
+        val_loss_fn = self.loss_fn
+        depth = getattr(plan.model.args, "mtp_layers", 0)
+        if depth:
+            self.mtp_loss = MTPLoss(self.loss_fn, depth, cfg.training.mtp_loss_weight)
+            val_loss_fn = MTPLoss(self.loss_fn, depth, 0.0)
+            self.loss_fn = self.mtp_loss
         self.model_parts = build_model_parts(plan, model, self.device, cfg.training.seed)
         self.float8_precompute = False
         self._float8_scales_due = False  # precomputed float8 scales are missing or stale
@@ -169,7 +180,7 @@ class Trainer:
         self.validator = None
         if cfg.validation.enable:
             self.validator = Validator(
-                cfg, self.tokenizer, plan, self.model_parts, self.loss_fn, self.device, loss_parallel=self.loss_parallel
+                cfg, self.tokenizer, plan, self.model_parts, val_loss_fn, self.device, loss_parallel=self.loss_parallel
             )
         self.optimizer = build_optimizer(self.model_parts, cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -222,22 +233,24 @@ class Trainer:
             if part is not None:
                 loss_sum += part
         params = [p for part in self.model_parts for p in part.parameters()]
-        if self.pipeline is not None:
-            # tied embeddings: the first and last stages' copies sum their gradients
-            from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
-
-            sync_tied_embedding_grads(self.model_parts, self.pd)
+        # copies of the embedding (a tied head on the last pipeline stage, the MTP depths'
+        # copies) sum their gradients with it, so they stay one parameter
+        sync_tied_embedding_grads(self.model_parts, self.pd)
         finalize_grads(params)
         self.on_grads_ready(params)
         pp_mesh = self.pd.get_optional_mesh("pp")
-        excludes = tied_copies(self.model_parts) if self.pipeline is not None else ()
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh, excludes)
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh, tied_copies(self.model_parts))
+        if self.mtp_loss is not None:  # the MTP depths' loss rides along with the loss
+            loss_sum = torch.stack([loss_sum, self.mtp_loss.take(self.device) / (global_tokens * self.mtp_loss.depth)])
         if self.pipeline is not None:
             from models.parallel.pipeline import sum_loss_over_pp
 
             loss_sum = sum_loss_over_pp(loss_sum, pp_mesh, self.device)  # only last stage has it
         loss_total = reduce_loss(loss_sum, self.pd)
-        scalars = torch.stack([loss_total, grad_norm.to(loss_total)])
+        mtp_total = None
+        if self.mtp_loss is not None:
+            loss_total, mtp_total = loss_total[0], loss_total[1]
+        scalars = torch.stack([loss_total, grad_norm.to(loss_total)] + ([mtp_total] if mtp_total is not None else []))
         # The step's one host sync reads the loss and the norm (to log them and to stop a
         # diverged run). Where the optimizer can skip a non-finite step on the device (fused
         # AdamW's found_inf), it comes after the optimizer and the rest of the step are queued,
@@ -245,7 +258,7 @@ class Trainer:
         # must not apply a non-finite update.
         skip_on_device = self.mode.checks_divergence and self.optimizer.skips_on_device and not self.mode.local
         if not skip_on_device:
-            loss_value, norm_value = read_step_scalars(scalars)
+            loss_value, norm_value, *mtp_value = read_step_scalars(scalars)
             if self.mode.checks_divergence:
                 check_finite(loss_value, norm_value, self.step + 1)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
@@ -262,9 +275,9 @@ class Trainer:
         if skip_on_device:
             # a non-finite step left the weights and the optimizer state as they were (the
             # schedule and the experts' bias moved on, but the run stops here, unsaved)
-            loss_value, norm_value = read_step_scalars(scalars)
+            loss_value, norm_value, *mtp_value = read_step_scalars(scalars)
             check_finite(loss_value, norm_value, self.step + 1)
-        return StepResult(loss_value, norm_value, lr_used)
+        return StepResult(loss_value, norm_value, lr_used, mtp_value[0] if mtp_value else None)
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
@@ -366,7 +379,7 @@ class Trainer:
                         lr=result.lr,
                         num_tokens=steps_since_log * self.data.tokens_per_step,
                         data_wait_s=data_wait / steps_since_log,
-                        extra={**(step_extra or {}), **ckpt} or None,
+                        extra={**(step_extra or {}), **ckpt, **result.extra()} or None,
                     )
                     steps_since_log, data_wait = 0, 0.0
                 if stopping is not None:

@@ -172,16 +172,32 @@ class Decoder(nn.Module):
         without ``output`` the hidden states after the last local layer (normed if ``norm`` is
         kept) are returned, in the layout of the blocks' output (sequence-sharded under
         sequence parallelism)."""
-        h = self._embed(tokens)
-        ids = tokens if self.tok_embeddings is not None else doc_tokens
-        rope, mask = self.attention_inputs(ids, self.local_seq_len(tokens), h.size(0), tokens.device)
-        for layer in self.layers.values():
-            h = layer(h, rope, mask)
+        h, _, _ = self.trunk(tokens, doc_tokens)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
             return h
         return self.output(h)
+
+    def trunk(
+        self, tokens: torch.Tensor, doc_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The embedding (or received hidden states) through this model's layers: the last
+        layer's output before the final norm, with the RoPE rows and attention mask the layers
+        used (a model with blocks after the trunk, such as DeepSeek-V3's MTP depths, reuses them)."""
+        h = self._embed(tokens)
+        ids = tokens if self.tok_embeddings is not None else doc_tokens
+        rope, mask = self.attention_inputs(ids, self.local_seq_len(tokens), h.size(0), tokens.device)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask)
+        return h, rope, mask
+
+    def blocks(self) -> list[nn.Module]:
+        """Every decoder block this model (or pipeline stage) holds: its ``layers``, then any
+        block a model runs after them (DeepSeek-V3's MTP depths). The appliers that wrap blocks
+        (FSDP, activation checkpointing, compile, compute copies) and :meth:`moe_layers` read
+        this list."""
+        return list(self.layers.values())
 
     def documents(self, ids: torch.Tensor | None, positions: torch.Tensor) -> Documents:
         """The document structure of this rank's micro-batch: ``ids`` [bs, s_local] token ids of
@@ -250,7 +266,7 @@ class Decoder(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         """The MoE modules of the layers this model (or pipeline stage) holds, in layer order;
         empty for a dense model."""
-        return [block.moe for block in self.layers.values() if block.moe_enabled]
+        return [block.moe for block in self.blocks() if block.moe_enabled]
 
     def active_params(self) -> int:
         """Parameters one token uses: all of them, less the routed experts a token does not

@@ -13,6 +13,9 @@ per tensor of our state dict (:meth:`HFStateDictAdapter._entries`):
 * :class:`Stacked`: our ``[E, a, b]`` expert tensor is ``E`` checkpoint tensors ``[a, b]``;
 * :class:`Absent`: a tensor the checkpoint format has no place for, loaded as a constant
   (and refused on export unless it still holds that constant);
+* :class:`Copies`: one of our tensors that the checkpoint stores several times (DeepSeek-V3's
+  MTP layers repeat the embedding and the head): exported under every name, loaded from the
+  first (the others must equal it);
 * :class:`Tied`: our key is another of our tensors under a second name (the output head of a
   model with ``tie_word_embeddings``): exported as nothing (the checkpoint holds the source
   once), loaded from the source's checkpoint tensor; a checkpoint that also stores the alias
@@ -28,7 +31,6 @@ Tensors are full (unsharded) and keep their dtype; dtype conversion is the calle
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,10 +39,12 @@ import torch
 from torch import Tensor
 
 from models.common.args import DecoderArgs
+from models.common.hf_config import ConfigField, HFConfigMismatch, rope_config, same_value
 
 __all__ = [
     "Absent",
     "ConfigField",
+    "Copies",
     "HFConfigMismatch",
     "HFStateDictAdapter",
     "Plain",
@@ -49,19 +53,11 @@ __all__ = [
     "Tied",
     "half_split_to_interleaved",
     "interleaved_to_half_split",
+    "rope_config",
+    "same_value",
 ]
 
 Read = Callable[[str, "tuple[slice, ...] | None"], Tensor]
-
-
-class HFConfigMismatch(ValueError):
-    """A ``config.json`` that does not describe the chosen model/flavor. ``mismatches`` holds
-    ``(field, config.json value, our value)`` for every field that differs; the message names
-    them all on one line, with the fix."""
-
-    def __init__(self, message: str, mismatches: list[tuple[str, Any, Any]] | None = None) -> None:
-        super().__init__(message)
-        self.mismatches = list(mismatches or [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,11 +139,23 @@ class Tied:
     shape: tuple[int, ...]
 
 
-Entry = Plain | RopeRows | Stacked | Absent | Tied
+@dataclass(frozen=True)
+class Copies:
+    """``ours`` is stored several times in the checkpoint: under ``hf[0]`` and as copies under
+    ``hf[1:]`` (DeepSeek-V3's MTP layers store the embedding and the output head again). Export
+    writes every copy; import reads ``hf[0]`` and, reading whole tensors, requires the copies to
+    equal it."""
+
+    ours: str
+    hf: tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+Entry = Plain | RopeRows | Stacked | Absent | Tied | Copies
 
 
 def _hf_keys_of(entry: Entry) -> tuple[str, ...]:
-    if isinstance(entry, Stacked):
+    if isinstance(entry, (Stacked, Copies)):
         return entry.hf
     if isinstance(entry, (Absent, Tied)):
         return ()
@@ -159,54 +167,6 @@ def _norm_slices(slices: tuple[slice, ...], shape: tuple[int, ...], key: str) ->
     if len(slices) > len(shape) or not all(isinstance(s, slice) for s in slices):
         raise ValueError(f"{key}: local_slices must be at most {len(shape)} slice objects, got {slices!r}.")
     return slices + (slice(None),) * (len(shape) - len(slices))
-
-
-# ---------------------------------------------------------------------------------------------
-# config.json helpers shared by the model adapters
-
-
-@dataclass(frozen=True)
-class ConfigField:
-    """One compared ``config.json`` field: its name there, its value there, ours, the name of
-    our field (for the message) and whether it is a shape (what :meth:`infer_flavor` uses)."""
-
-    field: str
-    theirs: Any
-    ours: Any
-    our_name: str
-    shape: bool = True
-
-
-def rope_config(config: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
-    """``(rope_theta, scaling)`` from a ``config.json`` in either format: transformers < 5
-    (``rope_theta`` + ``rope_scaling``) or >= 5 (``rope_parameters`` with ``rope_theta`` and
-    ``rope_type`` inside). ``scaling`` is None for plain RoPE, else a dict with ``rope_type``."""
-    params = config.get("rope_parameters")
-    theta = config.get("rope_theta")
-    scaling = config.get("rope_scaling")
-    if isinstance(params, Mapping):
-        theta = params.get("rope_theta", theta)
-        scaling = dict(params)
-    if not isinstance(scaling, Mapping):
-        return theta, None
-    scaling = dict(scaling)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    scaling["rope_type"] = rope_type
-    scaling.pop("type", None)
-    scaling.pop("rope_theta", None)
-    return theta, scaling
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """Equality for config values: floats compare with a relative 1e-9 (JSON round trips of
-    decimal literals are exact, but a value may come in as int or float)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b or a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
-    return a == b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +234,8 @@ class HFStateDictAdapter:
             if isinstance(e, Stacked):
                 for k in e.hf:
                     out[k] = tuple(e.shape[1:])
+            elif isinstance(e, Copies):
+                out.update(dict.fromkeys(e.hf, tuple(e.shape)))
             elif not isinstance(e, (Absent, Tied)):
                 out[e.hf] = tuple(e.shape)
         return out
@@ -321,6 +283,10 @@ class HFStateDictAdapter:
             elif isinstance(e, Stacked):
                 for i, k in enumerate(e.hf):
                     out[k] = t[i].clone()
+            elif isinstance(e, Copies):
+                out[e.hf[0]] = t
+                for k in e.hf[1:]:
+                    out[k] = t.clone()  # its own storage: safetensors refuses shared memory
             elif isinstance(e, Tied):
                 src = state_dict.get(e.source)
                 if src is not None and t is not src and "meta" not in (t.device.type, src.device.type):
@@ -366,6 +332,14 @@ class HFStateDictAdapter:
                 out[our_key] = half_split_to_interleaved(get(e.hf), e.n_heads)
             elif isinstance(e, Stacked):
                 out[our_key] = torch.stack([get(k) for k in e.hf])
+            elif isinstance(e, Copies):
+                out[our_key] = get(e.hf[0])
+                for k in e.hf[1:]:
+                    if not torch.equal(get(k), out[our_key]):
+                        raise ValueError(
+                            f"from_hf: the checkpoint's {k!r} differs from {e.hf[0]!r}; this model shares one "
+                            "tensor for both, so they must be equal"
+                        )
             elif isinstance(e, Absent):
                 out[our_key] = torch.full(e.shape, e.fill, dtype=e.dtype)
         for e in aliases.values():
@@ -394,6 +368,8 @@ class HFStateDictAdapter:
         sl = _norm_slices(local_slices, tuple(e.shape), our_key)
         if isinstance(e, Plain):
             return read(e.hf, sl)
+        if isinstance(e, Copies):
+            return read(e.hf[0], sl)
         if isinstance(e, Absent):
             return torch.full(e.shape, e.fill, dtype=e.dtype)[sl]
         if isinstance(e, Stacked):

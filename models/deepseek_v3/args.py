@@ -60,6 +60,9 @@ class DeepSeekV3Args(DecoderArgs):
     attn_type: str = "sdpa"
     eos_id: int | None = None
     document_positions: bool = False
+    # Multi-token prediction depths (models/deepseek_v3/mtp.py): 0 = off; the published
+    # DeepSeek-V3 has 1 (num_nextn_predict_layers).
+    mtp_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -86,7 +89,7 @@ class DeepSeekV3Args(DecoderArgs):
             "original_seq_len", "max_seq_len",
         ):  # fmt: skip
             _positive_int(name, getattr(self, name))
-        for name in ("n_dense_layers", "n_shared_experts", "q_lora_rank"):
+        for name in ("n_dense_layers", "n_shared_experts", "q_lora_rank", "mtp_layers"):
             _non_negative_int(name, getattr(self, name))
         if self.n_dense_layers > self.n_layers:
             raise ValueError(

@@ -39,11 +39,13 @@ import torch
 from models.common.hf_adapter import (
     Absent,
     ConfigField,
+    Copies,
     Entry,
     HFConfigMismatch,
     HFStateDictAdapter,
     Plain,
     Stacked,
+    Tied,
     rope_config,
     same_value,
 )
@@ -83,76 +85,101 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
     # ------------------------------------------------------------------ state dict
     def _entries(self) -> Iterable[Entry]:
         a = self.args
+        dim = a.dim
+        emb, head = (a.vocab_size, dim), (a.vocab_size, dim)
+        mtp = [f"model.layers.{a.n_layers + k}." for k in range(a.mtp_layers)]
+        if mtp:  # the MTP layers store the embedding and the head again (the copies must be equal)
+            yield Copies(
+                "tok_embeddings.weight", ("model.embed_tokens.weight", *(h + "embed_tokens.weight" for h in mtp)), emb
+            )
+        else:
+            yield Plain("tok_embeddings.weight", "model.embed_tokens.weight", emb)
+        for i in range(a.n_layers):
+            yield from self._layer_entries(f"layers.{i}.", f"model.layers.{i}.", i)
+        yield Plain("norm.weight", "model.norm.weight", (dim,))
+        if mtp:
+            yield Copies("output.weight", ("lm_head.weight", *(h + "shared_head.head.weight" for h in mtp)), head)
+        else:
+            yield Plain("output.weight", "lm_head.weight", head)
+        for k, h in enumerate(mtp):
+            o = f"mtp.{k}."
+            # our copy of the embedding is the checkpoint's model.embed_tokens (and its copy)
+            yield Tied(o + "embed_tokens.weight", "tok_embeddings.weight", h + "embed_tokens.weight", emb)
+            yield Plain(o + "enorm.weight", h + "enorm.weight", (dim,))
+            yield Plain(o + "hnorm.weight", h + "hnorm.weight", (dim,))
+            yield Plain(o + "eh_proj.weight", h + "eh_proj.weight", (dim, 2 * dim))
+            yield Plain(o + "shared_head.norm.weight", h + "shared_head.norm.weight", (dim,))
+            yield from self._layer_entries(o, h, a.n_layers + k)
+
+    def _layer_entries(self, o: str, h: str, i: int) -> Iterable[Entry]:
+        """The decoder-layer tensors of our block ``o`` (layer id ``i``) and checkpoint layer ``h``."""
+        a = self.args
         dim, heads, qk = a.dim, a.n_heads, a.qk_head_dim
         e, hid = a.n_routed_experts, a.moe_inter_dim
-        yield Plain("tok_embeddings.weight", "model.embed_tokens.weight", (a.vocab_size, dim))
-        for i in range(a.n_layers):
-            o, h = f"layers.{i}.", f"model.layers.{i}."
-            yield Plain(o + "attention_norm.weight", h + "input_layernorm.weight", (dim,))
-            if a.q_lora_rank == 0:
-                yield Plain(o + "attention.wq.weight", h + "self_attn.q_proj.weight", (heads * qk, dim))
-            else:
-                r = a.q_lora_rank
-                yield Plain(o + "attention.wq_a.weight", h + "self_attn.q_a_proj.weight", (r, dim))
-                yield Plain(o + "attention.q_norm.weight", h + "self_attn.q_a_layernorm.weight", (r,))
-                yield Plain(o + "attention.wq_b.weight", h + "self_attn.q_b_proj.weight", (heads * qk, r))
-            kv = a.kv_lora_rank
-            yield Plain(
-                o + "attention.wkv_a.weight", h + "self_attn.kv_a_proj_with_mqa.weight", (kv + a.qk_rope_head_dim, dim)
+        yield Plain(o + "attention_norm.weight", h + "input_layernorm.weight", (dim,))
+        if a.q_lora_rank == 0:
+            yield Plain(o + "attention.wq.weight", h + "self_attn.q_proj.weight", (heads * qk, dim))
+        else:
+            r = a.q_lora_rank
+            yield Plain(o + "attention.wq_a.weight", h + "self_attn.q_a_proj.weight", (r, dim))
+            yield Plain(o + "attention.q_norm.weight", h + "self_attn.q_a_layernorm.weight", (r,))
+            yield Plain(o + "attention.wq_b.weight", h + "self_attn.q_b_proj.weight", (heads * qk, r))
+        kv = a.kv_lora_rank
+        yield Plain(
+            o + "attention.wkv_a.weight", h + "self_attn.kv_a_proj_with_mqa.weight", (kv + a.qk_rope_head_dim, dim)
+        )
+        yield Plain(o + "attention.kv_norm.weight", h + "self_attn.kv_a_layernorm.weight", (kv,))
+        yield Plain(
+            o + "attention.wkv_b.weight",
+            h + "self_attn.kv_b_proj.weight",
+            (heads * (a.qk_nope_head_dim + a.v_head_dim), kv),
+        )
+        yield Plain(o + "attention.wo.weight", h + "self_attn.o_proj.weight", (dim, heads * a.v_head_dim))
+        yield Plain(o + "ffn_norm.weight", h + "post_attention_layernorm.weight", (dim,))
+        if i < a.n_dense_layers:
+            yield Plain(o + "feed_forward.w1.weight", h + "mlp.gate_proj.weight", (a.inter_dim, dim))
+            yield Plain(o + "feed_forward.w2.weight", h + "mlp.down_proj.weight", (dim, a.inter_dim))
+            yield Plain(o + "feed_forward.w3.weight", h + "mlp.up_proj.weight", (a.inter_dim, dim))
+            return
+        if self.v2:
+            yield Absent(
+                o + "moe.expert_bias",
+                (e,),
+                torch.float32,
+                0.0,
+                "DeepSeek-V2 checkpoints (softmax routing) have no expert bias, and this one is non-zero; train "
+                "with load_balance_coeff unset to export this flavor to Hugging Face.",
             )
-            yield Plain(o + "attention.kv_norm.weight", h + "self_attn.kv_a_layernorm.weight", (kv,))
-            yield Plain(
-                o + "attention.wkv_b.weight",
-                h + "self_attn.kv_b_proj.weight",
-                (heads * (a.qk_nope_head_dim + a.v_head_dim), kv),
+        else:
+            yield Plain(o + "moe.expert_bias", h + "mlp.gate.e_score_correction_bias", (e,))
+        yield Plain(o + "moe.router.gate.weight", h + "mlp.gate.weight", (e, dim))
+        for ours, theirs, shape in (
+            ("w1", "gate_proj", (e, hid, dim)),
+            ("w2", "down_proj", (e, dim, hid)),
+            ("w3", "up_proj", (e, hid, dim)),
+        ):
+            yield Stacked(
+                o + f"moe.experts.{ours}",
+                tuple(h + f"mlp.experts.{j}.{theirs}.weight" for j in range(e)),
+                shape,
             )
-            yield Plain(o + "attention.wo.weight", h + "self_attn.o_proj.weight", (dim, heads * a.v_head_dim))
-            yield Plain(o + "ffn_norm.weight", h + "post_attention_layernorm.weight", (dim,))
-            if i < a.n_dense_layers:
-                yield Plain(o + "feed_forward.w1.weight", h + "mlp.gate_proj.weight", (a.inter_dim, dim))
-                yield Plain(o + "feed_forward.w2.weight", h + "mlp.down_proj.weight", (dim, a.inter_dim))
-                yield Plain(o + "feed_forward.w3.weight", h + "mlp.up_proj.weight", (a.inter_dim, dim))
-                continue
-            if self.v2:
-                yield Absent(
-                    o + "moe.expert_bias",
-                    (e,),
-                    torch.float32,
-                    0.0,
-                    "DeepSeek-V2 checkpoints (softmax routing) have no expert bias, and this one is non-zero; train "
-                    "with load_balance_coeff unset to export this flavor to Hugging Face.",
-                )
-            else:
-                yield Plain(o + "moe.expert_bias", h + "mlp.gate.e_score_correction_bias", (e,))
-            yield Plain(o + "moe.router.gate.weight", h + "mlp.gate.weight", (e, dim))
-            for ours, theirs, shape in (
-                ("w1", "gate_proj", (e, hid, dim)),
-                ("w2", "down_proj", (e, dim, hid)),
-                ("w3", "up_proj", (e, hid, dim)),
-            ):
-                yield Stacked(
-                    o + f"moe.experts.{ours}",
-                    tuple(h + f"mlp.experts.{j}.{theirs}.weight" for j in range(e)),
-                    shape,
-                )
-            if a.n_shared_experts > 0:
-                sh = hid * a.n_shared_experts
-                yield Plain(o + "moe.shared_experts.w1.weight", h + "mlp.shared_experts.gate_proj.weight", (sh, dim))
-                yield Plain(o + "moe.shared_experts.w2.weight", h + "mlp.shared_experts.down_proj.weight", (dim, sh))
-                yield Plain(o + "moe.shared_experts.w3.weight", h + "mlp.shared_experts.up_proj.weight", (sh, dim))
-        yield Plain("norm.weight", "model.norm.weight", (dim,))
-        yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
+        if a.n_shared_experts > 0:
+            sh = hid * a.n_shared_experts
+            yield Plain(o + "moe.shared_experts.w1.weight", h + "mlp.shared_experts.gate_proj.weight", (sh, dim))
+            yield Plain(o + "moe.shared_experts.w2.weight", h + "mlp.shared_experts.down_proj.weight", (dim, sh))
+            yield Plain(o + "moe.shared_experts.w3.weight", h + "mlp.shared_experts.up_proj.weight", (sh, dim))
 
     def keep_in_fp32(self, hf_key: str) -> bool:
         return hf_key.endswith("e_score_correction_bias")
 
     def is_ignored_hf_key(self, hf_key: str) -> bool:
-        """Besides rotary buffers: the multi-token-prediction modules DeepSeek-V3 folders
-        carry as extra layers (``model.layers.{n_layers + k}.*``), which transformers skips too."""
+        """Besides rotary buffers: the multi-token-prediction layers (``model.layers.{n_layers +
+        k}.*``) beyond the ``mtp_layers`` these args keep (with ``mtp_layers = 0`` a DeepSeek-V3
+        folder loads without its MTP layer, as transformers loads it)."""
         if super().is_ignored_hf_key(hf_key):
             return True
         m = _LAYER.match(hf_key)
-        return m is not None and int(m.group(1)) >= self.args.n_layers
+        return m is not None and int(m.group(1)) >= self.args.n_layers + self.args.mtp_layers
 
     def from_hf(self, hf_state_dict):
         scales = sorted(k for k in hf_state_dict if k.endswith("_scale_inv"))
@@ -255,7 +282,7 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
         }
         if not self.v2:
             config["rope_interleave"] = True
-            config["num_nextn_predict_layers"] = 0
+            config["num_nextn_predict_layers"] = a.mtp_layers
         return config
 
     def _config_fields(self, config: Mapping[str, Any]) -> list[ConfigField]:
@@ -382,6 +409,16 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
             value = config.get(field, default)
             if not same_value(value, want):
                 out.append((field, value, want, "not supported by our DeepSeek-V3"))
+        nextn = config.get("num_nextn_predict_layers") or 0
+        if a.mtp_layers > nextn:
+            out.append(
+                (
+                    "num_nextn_predict_layers",
+                    nextn,
+                    a.mtp_layers,
+                    "mtp_layers: the checkpoint has fewer MTP layers than asked for",
+                )
+            )
         if config.get("quantization_config"):
             out.append(("quantization_config", "present", None, "dequantize the checkpoint (FP8) first"))
         return out

@@ -1,146 +1,101 @@
-"""DeepSeek-V3 decoder: multi-head latent attention (MLA) and fine-grained MoE FFNs.
+"""DeepSeek-V3 decoder: multi-head latent attention (MLA) and fine-grained MoE FFNs
+(``block.py``), optionally followed by multi-token-prediction depths (``mtp.py``).
 
 The embeddings, layer loop, norm, output, pipeline-stage and context-parallel handling and the
 seeded init are the shared shell (``models/common/decoder.py``); this file builds the YaRN
-RoPE table and the blocks, and resets the MoE balancing buffers at init.
+RoPE table, the blocks and the MTP depths, and resets the MoE balancing buffers at init.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.common.attention import AttentionCore, value_head_plan
-from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
-from models.common.feed_forward import FeedForward
-from models.common.norms import RMSNorm
-from models.common.rope import (
-    RotaryEmbedding,
-    YarnRopeScaling,
-    apply_rotary_emb,
-    yarn_softmax_scale,
-)
+from models.common.decoder import Decoder
+from models.common.flops import model_flops_per_token
+from models.common.init import full_init_tensor, write_full_into
+from models.common.rope import RotaryEmbedding
 from models.deepseek_v3.args import DeepSeekV3Args
-from models.deepseek_v3.moe import MoE
+from models.deepseek_v3.block import Attention, TransformerBlock, yarn_scaling
+from models.deepseek_v3.mtp import MTPBlock
 
-
-def _yarn(args: DeepSeekV3Args) -> YarnRopeScaling:
-    return YarnRopeScaling(
-        factor=args.rope_factor,
-        original_seq_len=args.original_seq_len,
-        beta_fast=args.beta_fast,
-        beta_slow=args.beta_slow,
-    )
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-class Attention(DecoderAttention):
-    """Multi-head latent attention.
-
-    Keys/values are produced from a ``kv_lora_rank``-wide latent (``wkv_a`` -> ``kv_norm`` ->
-    ``wkv_b``), and position information travels in a separate ``qk_rope_head_dim`` slice:
-    queries get a per-head rotated slice, keys share one rotated slice across heads (decoupled
-    RoPE), so the latent itself stays position-free. Head counts are read from tensor shapes
-    because TP shards ``wq``/``wq_b``/``wkv_b`` column-wise and ``wo`` row-wise; the low-rank
-    parts (``wq_a``, ``wkv_a`` and the norms) stay replicated."""
-
-    tp_grad_syncs = ("k_pe_grad_sync",)
-
-    def __init__(self, args: DeepSeekV3Args) -> None:
-        super().__init__()
-        self.q_lora_rank = args.q_lora_rank
-        self.kv_lora_rank = args.kv_lora_rank
-        self.qk_nope_head_dim = args.qk_nope_head_dim
-        self.qk_rope_head_dim = args.qk_rope_head_dim
-        self.qk_head_dim = args.qk_head_dim
-        self.v_head_dim = args.v_head_dim
-        if self.q_lora_rank == 0:
-            self.wq = nn.Linear(args.dim, args.n_heads * self.qk_head_dim, bias=False)
-        else:
-            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(self.q_lora_rank, eps=args.norm_eps)
-            self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
-        self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
-        self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
-        self.softmax_scale = yarn_softmax_scale(self.qk_head_dim, _yarn(args), args.mscale, args.max_seq_len)
-        self.core = AttentionCore(args.attn_mask_type, args.attn_type)
-        # Heads come out of wkv_b and of wq (or wq_b after the query latent).
-        self.tp_colwise = ("wkv_b", "wq" if self.q_lora_rank == 0 else "wq_b")
-        # The decoupled rope key is computed by replicated weights but read by this rank's
-        # heads only; tensor parallelism sets this to an all-reduce of its gradient.
-        self.k_pe_grad_sync: Callable[[torch.Tensor], torch.Tensor] = _identity
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
-        bs, s, _ = x.shape
-        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(bs, s, -1, self.qk_head_dim)
-        q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rotary_emb(q_pe, rope)], dim=-1)
-
-        kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_pe = self.k_pe_grad_sync(apply_rotary_emb(k_pe.unsqueeze(2), rope))  # [bs, s, 1, rope]
-        kv = self.wkv_b(self.kv_norm(kv)).view(bs, s, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        local_heads = k_nope.shape[2]
-        if q.shape[2] != local_heads:
-            raise ValueError(
-                f"MLA query heads ({q.shape[2]}) and key/value heads ({local_heads}) differ; "
-                "wq/wq_b and wkv_b must be sharded the same way under tensor parallelism."
-            )
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, local_heads, -1)], dim=-1)
-        # Values are narrower than queries and keys (v_head_dim < qk_head_dim). Kernels that take
-        # that (cuDNN attention, the memory-efficient kernel, FlexAttention) get them as they
-        # are; where the fastest kernel needs one head dim (FlashAttention on CUDA, the flash
-        # kernel on CPU, where unpadded values would fall to the math path), zero columns pad v
-        # to the q/k head dim: they give zero output columns, leave the others exact, and are
-        # sliced off below. value_head_plan decides per device and dtype (a constant under
-        # torch.compile); models/kernels.py reports it at start-up.
-        plan = value_head_plan(self.core, q.device, q.dtype, self.qk_head_dim, self.v_head_dim, q.requires_grad)
-        if plan.pad:
-            v = F.pad(v, (0, self.qk_head_dim - self.v_head_dim))
-        with plan.priority():
-            out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.softmax_scale)
-        out = out[..., : self.v_head_dim].transpose(1, 2).reshape(bs, s, -1)
-        return self.wo(out)
-
-
-class TransformerBlock(DecoderBlock):
-    """Pre-norm residual block whose FFN is dense (``feed_forward``) for the first
-    ``n_dense_layers`` layers and MoE (``moe``) after; only the one in use is registered, and
-    ``moe_enabled`` says which (the forward is :class:`DecoderBlock`'s)."""
-
-    def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
-        super().__init__(layer_id)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe_enabled = layer_id >= args.n_dense_layers
-        if self.moe_enabled:
-            self.moe = MoE(args)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+__all__ = ["Attention", "DeepSeekV3", "TransformerBlock"]
 
 
 class DeepSeekV3(Decoder):
+    """``mtp``: with ``args.mtp_layers = D > 0`` an ``nn.ModuleDict`` of the D MTP depths
+    (``"0"`` .. ``"D-1"``; a pipeline keeps it on the last stage only), else None.
+
+    ``forward(tokens, doc_tokens=None, mtp_tokens=None)``: with MTP depths and ``mtp_tokens``
+    ``[bs, s, D]`` (column ``k-1``: the token ids ``t_{i+k}`` depth ``k`` embeds, built before the
+    cp shard by ``trainer/mtp.py``) the last stage returns the logits of the main model and of
+    every depth concatenated along the sequence: ``[bs, (1 + D) * s, vocab]`` (one call of the
+    output head); without ``mtp_tokens`` the main logits only (inference, parity checks)."""
+
     args: DeepSeekV3Args
 
+    def __init__(self, args: DeepSeekV3Args) -> None:
+        super().__init__(args)
+        self.mtp: nn.ModuleDict | None = None
+        if args.mtp_layers > 0:
+            self.mtp = nn.ModuleDict({str(k): MTPBlock(args.n_layers + k, args) for k in range(args.mtp_layers)})
+
     def build_rope(self, args: DeepSeekV3Args) -> RotaryEmbedding:
-        return RotaryEmbedding(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, _yarn(args))
+        return RotaryEmbedding(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, yarn_scaling(args))
 
     def build_block(self, layer_id: int, args: DeepSeekV3Args) -> TransformerBlock:
         return TransformerBlock(layer_id, args)
 
+    def blocks(self) -> list[nn.Module]:
+        return [*self.layers.values(), *(self.mtp.values() if self.mtp is not None else ())]
+
+    def forward(
+        self, tokens: torch.Tensor, doc_tokens: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.mtp is None or self.output is None or mtp_tokens is None:
+            return super().forward(tokens, doc_tokens)
+        h, rope, mask = self.trunk(tokens, doc_tokens)
+        depth = len(self.mtp)
+        if mtp_tokens.dim() != 3 or mtp_tokens.shape[-1] != depth or mtp_tokens.shape[:2] != h.shape[:2]:
+            raise ValueError(
+                f"mtp_tokens must be [bs, s, mtp_layers] = {[*h.shape[:2], depth]} token ids, got "
+                f"{tuple(mtp_tokens.shape)}"
+            )
+        outs = [self.norm(h)]
+        for k, block in enumerate(self.mtp.values()):
+            h, normed = block(h, mtp_tokens[..., k], rope, mask)
+            outs.append(normed)
+        return self.output(torch.cat(outs, dim=1))
+
+    def embedding_copies(self) -> list[nn.Parameter]:
+        """The MTP depths' copies of ``tok_embeddings.weight`` this model (or stage) holds."""
+        return [block.embed_tokens.weight for block in self.mtp.values()] if self.mtp is not None else []
+
     def init_weights(self, seed: int) -> None:
-        """The shell's seeded init, then the MoE balancing buffers back to zero."""
+        """The shell's seeded init, the MTP embedding copies drawn as ``tok_embeddings.weight``
+        (so every copy starts equal to it, on every layout), then the MoE balancing buffers
+        back to zero."""
         super().init_weights(seed)
+        fqn = "tok_embeddings.weight"
+        for block in self.mtp.values() if self.mtp is not None else ():
+            weight = block.embed_tokens.weight
+            rule = self.init_rule()(fqn, block.embed_tokens, "weight")
+            with torch.no_grad():
+                write_full_into(weight, full_init_tensor(rule, weight.shape, seed, fqn))
         for moe in self.moe_layers():
             moe.reset_buffers()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """The shell's count, plus per MTP depth its block's attention and one more use of the
+        output head (the embedding copies are lookups: no FLOPs)."""
+        if self.mtp is None:
+            return super().flops_per_token(seq_len)
+        depth = len(self.mtp)
+        emb = self.tok_embeddings.weight.numel()
+        return model_flops_per_token(
+            self.active_params() + depth * emb,  # the head, once more per depth
+            self.args.n_layers + depth,
+            self.args.attention_dim,
+            seq_len,
+            (1 + depth) * emb,  # the embedding and its copies
+        )

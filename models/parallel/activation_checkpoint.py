@@ -91,7 +91,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option
     attention outputs, recompute the rest) or an integer N (fully checkpoint every N-th block)."""
     if mode == "none":
         return
-    blocks = list(model.layers.values())
+    blocks = model.blocks()
     if mode == "full":
         for block in blocks:
             _checkpoint_block(block)

@@ -69,7 +69,7 @@ def apply_fsdp(
         reshard_flag = reshard_flag and reshard_policy(reshard_after_forward, pp_enabled, mesh.size())
         wrapped.append((fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_flag), mesh.size()))
 
-    blocks = list(model.layers.values())
+    blocks = model.blocks()
     for i, block in enumerate(blocks):
         if block.moe_enabled and separate_experts and expert_mesh is not None:
             wrap(block.moe.experts, expert_mesh, True)

@@ -66,7 +66,7 @@ class ComputeCopies:
         # FSDP2's policy also casts the floating-point inputs of every module it wraps (its
         # ``cast_forward_inputs``): the blocks' RoPE tables reach attention in the compute
         # dtype on every data-parallel layout, and so they do here
-        units = [*getattr(model, "layers", {}).values()]
+        units = model.blocks() if hasattr(model, "blocks") else [*getattr(model, "layers", {}).values()]
         units += [getattr(model, name, None) for name in ("tok_embeddings", "norm", "output")]
         for unit in [model, *units]:
             if unit is not None:

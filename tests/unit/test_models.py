@@ -781,7 +781,9 @@ def test_both_models_are_the_shared_decoder_shell():
     for cls in (Llama3, DeepSeekV3):
         assert issubclass(cls, Decoder)
         # the forward, positions, embedding checks and layer loop are the shell's, not copies
-        for method in ("forward", "local_positions", "_embed", "moe_layers", "flops_per_token"):
+        for method in ("forward", "local_positions", "_embed", "moe_layers", "flops_per_token", "trunk"):
+            if cls is DeepSeekV3 and method in ("forward", "flops_per_token"):
+                continue  # extended for the MTP depths (models/deepseek_v3/model.py): the shell's without them
             assert getattr(cls, method) is getattr(Decoder, method), (cls.__name__, method)
     assert Llama3.init_weights is Decoder.init_weights  # DeepSeek extends it (MoE buffers)
     for name in MODELS:

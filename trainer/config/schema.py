@@ -90,6 +90,12 @@ class Model:
         False,
         "Restart RoPE positions at each document start (needs attn_mask_type = block_causal).",
     )
+    mtp_layers: int | None = _opt(
+        None,
+        "DeepSeek-V3 multi-token prediction depths (the MTP modules of the DeepSeek-V3 report, "
+        "num_nextn_predict_layers in config.json; the published model has 1); none = the flavor's (0: off). "
+        "Their loss is added with training.mtp_loss_weight. Other models refuse it.",
+    )
     converters: list[str] = _opt(
         [],
         "Model converters applied before parallelization: 'float8' (alias 'quantize.linear.float8', "
@@ -110,6 +116,11 @@ class Training:
     seq_len: int = _opt(2048, "Tokens per sample.")
     steps: int = _opt(10000, "Optimizer steps to train for.")
     max_norm: float = _opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping.")
+    mtp_loss_weight: float = _opt(
+        0.3,
+        "lambda of DeepSeek-V3 multi-token prediction (model.mtp_layers > 0): the loss is main + lambda / D * "
+        "sum of the D depths' losses. 0.3 is the report's value for the first 10T of its 14.8T tokens (0.1 after).",
+    )
     seed: int = _opt(0, "Seed for parameter init and the synthetic corpus.")
     deterministic: bool = _opt(
         False,

@@ -98,6 +98,7 @@ def _validate_values(cfg: JobConfig) -> None:
     need(t.seq_len > 0, f"training.seq_len must be > 0, got {t.seq_len}")
     need(t.steps > 0, f"training.steps must be > 0, got {t.steps}")
     need(t.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {t.max_norm}")
+    need(t.mtp_loss_weight >= 0, f"training.mtp_loss_weight must be >= 0, got {t.mtp_loss_weight}")
     need(
         t.dataset == "synthetic" or t.dataset_path != "",
         f"training.dataset = '{t.dataset}' needs training.dataset_path (a file or folder)",

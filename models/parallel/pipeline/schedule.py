@@ -276,8 +276,11 @@ def build_pipeline_schedule(
         # The last stage's output goes only to the loss, never over the wire; torch 2.13 reads
         # no metadata from it, torch 2.11 checks its dtype: the logits come out in the compute
         # dtype.
+        # with MTP depths the last stage's logits are the main ones and each depth's, concatenated
+        # along the sequence (models/deepseek_v3/model.py)
+        logit_rows = seq_local * (1 + getattr(module.args, "mtp_layers", 0))
         outputs = (
-            torch.empty(mb, seq_local, module.args.vocab_size, dtype=activation_dtype, device="meta")
+            torch.empty(mb, logit_rows, module.args.vocab_size, dtype=activation_dtype, device="meta")
             if last
             else hidden
         )
@@ -330,6 +333,7 @@ def pipeline_step(
     global_token_count: int | float | torch.Tensor,
     *,
     forward_only: bool = False,
+    mtp_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Forward and backward of one local batch through the pipeline; gradients accumulate into
     the stage parameters (call once per gradient-accumulation step, then clip and step).
@@ -340,7 +344,10 @@ def pipeline_step(
     targets (the same slice every pp rank of a pipeline would read; only the ranks holding the
     first / last stage use them, others may pass None, except that with document masking or
     positions every stage reads the token ids: they go to each stage as ``doc_tokens``). ``global_token_count``: the number of
-    tokens the whole optimizer step's loss is normalized by.
+    tokens the whole optimizer step's loss is normalized by. ``mtp_tokens``: with DeepSeek-V3
+    multi-token prediction, the ``[local_batch_size, seq_len / cp, D]`` token ids of the MTP
+    depths (every stage gets them as a keyword, the last one uses them) and ``labels`` the
+    ``[..., 1 + D]`` targets (``trainer/mtp.py``).
 
     Returns the sum of this rank's micro-batch losses (already divided by the global token
     count; a float32 scalar) on ranks holding the last stage, None elsewhere. Pass it to
@@ -362,7 +369,7 @@ def pipeline_step(
                 f"holds the {end} pipeline stage" if end == "last" or pipe.has_first_stage else "runs document masking"
             )
             raise ValueError(f"this rank {why}; pass {name}")
-        if tuple(t.shape) != want:
+        if tuple(t.shape[:2]) != want:
             raise ValueError(
                 f"pipeline {name} have shape {tuple(t.shape)}, but the pipeline was built for "
                 f"[local_batch_size, seq_len / cp] = {list(want)}"
@@ -377,6 +384,8 @@ def pipeline_step(
             # the stage modules take the token ids as doc_tokens; torch splits keyword arguments
             # into micro-batches like the positional ones and hands them to every stage
             doc_kwargs = {"doc_tokens": inputs} if pipe.needs_documents else {}
+            if mtp_tokens is not None:
+                doc_kwargs["mtp_tokens"] = mtp_tokens
             run(*args, target=target, losses=losses, return_outputs=False, **doc_kwargs)
     except RuntimeError as exc:
         # torch wraps errors raised in a stage's forward in a RuntimeError; surface ours as the

@@ -57,6 +57,8 @@ def _carve_stage(model: nn.Module, layer_range: tuple[int, int], is_first: bool,
     if not is_last:
         model.norm = None
         model.output = None
+        if getattr(model, "mtp", None) is not None:
+            model.mtp = None  # DeepSeek-V3's MTP depths run after the head's norm: last stage only
     return model
 
 
@@ -77,11 +79,13 @@ def split_model(model: nn.Module | Callable[[], nn.Module], stages: StagePlan, p
         raise ValueError(
             f"the stage plan is for pp={stages.pp}, the layout has pp={pd.pp}; plan the stages for this layout"
         )
-    if getattr(getattr(model, "args", None), "tie_word_embeddings", False) and pd.pp > 2:
-        raise ValueError(
-            f"pp={pd.pp} with tied embeddings is not supported yet (the two copies of the tied weight sum their "
-            "gradients over a group built for pp=2 only); use pp=2 or pp=1"
-        )
+    args = getattr(model, "args", None)
+    for flag, what in (("tie_word_embeddings", "tied embeddings"), ("mtp_layers", "MTP (mtp_layers > 0)")):
+        if getattr(args, flag, False) and pd.pp > 2:
+            raise ValueError(
+                f"pp={pd.pp} with {what} is not supported yet (the copies of the embedding on the first and "
+                "last stages sum their gradients over a group built for pp=2 only); use pp=2 or pp=1"
+            )
     num_stages, n_layers = stages.num_stages, stages.n_layers
     ranges = list(stages.layer_ranges)
     indices = stages.stages_for_rank(pd.coordinate("pp"))

@@ -1,14 +1,23 @@
-"""Tied input/output embeddings across pipeline stages (Megatron's embedding group).
+"""Copies of the token embedding that must stay one parameter (Megatron's embedding group).
 
-Without pipelining a tied model holds one Parameter for ``tok_embeddings.weight`` and
-``output.weight`` (models/common/decoder.py). A pipeline puts the embedding on the first stage
-and the head on the last, so each of the two stages keeps a copy: the last stage's
-``output.weight`` is drawn as the embedding is (``Decoder.init_weights``), and after each step's
-backward (all micro-batches and gradient-accumulation steps) the two copies' gradients are summed
-over :meth:`ParallelDims.embedding_mesh`, so both hold the gradient of the one tied parameter and
-the same optimizer update keeps them bitwise equal. The gradient norm counts the weight once
-(:func:`tied_copies` lists the copies to leave out of it). Where one rank holds both ends (the
-V-shaped schedule) the two copies are summed locally.
+Two features keep a copy of ``tok_embeddings.weight`` away from the embedding:
+
+* tied input/output embeddings under pipeline parallelism: without pipelining a tied model holds
+  one Parameter for ``tok_embeddings.weight`` and ``output.weight`` (models/common/decoder.py); a
+  pipeline puts the embedding on the first stage and the head on the last, so the last stage's
+  ``output.weight`` is a copy, drawn as the embedding is (``Decoder.init_weights``);
+* DeepSeek-V3's multi-token prediction: every MTP depth embeds tokens with the model's embedding,
+  and holds a copy of it (``mtp.{k}.embed_tokens.weight``, the published checkpoint's layout) on
+  every layout, drawn as the embedding is (models/deepseek_v3/model.py); under a pipeline the
+  copies sit on the last stage.
+
+After each step's backward (all micro-batches and gradient-accumulation steps) the gradients of
+the embedding and of all its copies are summed, so every copy holds the gradient of the one
+shared parameter and the same optimizer update keeps them bitwise equal: locally where one rank
+holds the embedding and its copies (a whole model, the V-shaped schedule's rank 0), else over
+:meth:`ParallelDims.embedding_mesh` between the rank holding the first stage and the one holding
+the copies (pp = 2). The gradient norm counts the weight once (:func:`tied_copies` lists the
+copies to leave out of it).
 """
 
 from __future__ import annotations
@@ -27,27 +36,25 @@ def _tied(part: nn.Module) -> bool:
     return bool(getattr(getattr(part, "args", None), "tie_word_embeddings", False))
 
 
-def _ends(model_parts: Sequence[nn.Module]) -> tuple[nn.Parameter | None, nn.Parameter | None]:
-    """This rank's embedding weight and its last-stage copy (None where it holds neither end,
-    and for a whole model, whose one Parameter needs nothing)."""
-    emb = head = None
+def _ends(model_parts: Sequence[nn.Module]) -> tuple[nn.Parameter | None, list[nn.Parameter]]:
+    """This rank's embedding weight (None where it holds no first stage) and the copies of it
+    this rank holds (the tied head copy of a last stage, the MTP depths' copies)."""
+    emb, copies = None, []
     for part in model_parts:
-        if not _tied(part):
-            continue
-        if part.tok_embeddings is not None and part.output is not None:
-            return None, None  # a whole model: one Parameter for both uses
         if part.tok_embeddings is not None:
             emb = part.tok_embeddings.weight
-        if part.output is not None:
-            head = part.output.weight
-    return emb, head
+        if _tied(part) and part.tok_embeddings is None and part.output is not None:
+            copies.append(part.output.weight)
+        embedding_copies = getattr(part, "embedding_copies", None)
+        if embedding_copies is not None:
+            copies.extend(embedding_copies())
+    return emb, copies
 
 
 def tied_copies(model_parts: Sequence[nn.Module]) -> list[nn.Parameter]:
-    """The last stage's copies of a tied weight on this rank: clipped with the rest, left out of
-    the gradient norm (their twin on the first stage counts)."""
-    _, head = _ends(model_parts)
-    return [head] if head is not None else []
+    """The copies of the embedding on this rank: clipped with the rest, left out of the gradient
+    norm (the embedding itself, on the first stage, counts)."""
+    return _ends(model_parts)[1]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -56,27 +63,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sync_tied_embedding_grads(model_parts: Sequence[nn.Module], pd) -> None:
-    """Sum the gradients of the two copies of a tied weight (once per optimizer step, after the
-    last backward, before clipping). Collective over the embedding group on the ranks holding
-    one end each; a no-op without pipelining or without tied embeddings."""
-    emb, head = _ends(model_parts)
-    if emb is None and head is None:
+    """Sum the gradients of the embedding and its copies (once per optimizer step, after the last
+    backward, before clipping). Collective over the embedding group on the ranks holding only the
+    embedding or only copies (pp = 2); local where one rank holds both; a no-op without copies."""
+    emb, copies = _ends(model_parts)
+    if emb is not None and not copies:
+        # the first stage's embedding: its copies may be on the other end of the pipeline
+        if pd.pp < 2 or not any(_tied(p) or getattr(p.args, "mtp_layers", 0) for p in model_parts):
+            return
+    if emb is None and not copies:
         return
-    for p in (emb, head):
-        if p is None:
-            continue
+    params = ([emb] if emb is not None else []) + copies
+    for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         elif isinstance(p, DTensor) and p.grad.placements != p.placements:
             # the TP embedding's gradient comes back replicated: take this rank's rows (a local
             # slice), so both ends hold the same shard of the same rows
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    if emb is not None and head is not None:
-        total = emb.grad + head.grad
-        emb.grad, head.grad = total, total.clone()
-        return
-    mesh = pd.embedding_mesh()
-    grad = (emb if emb is not None else head).grad
-    # both ends are sharded alike (the same FSDP/TP layout at the same other coordinates), so
-    # the local shards are the same rows of the full gradient
-    dist.all_reduce(_local(grad), group=mesh.get_group())
+    total = params[0].grad
+    for p in params[1:]:
+        total = total + p.grad
+    if not (emb is not None and copies):
+        # one end of the pipeline: both ends are sharded alike (the same FSDP/TP layout at the
+        # same other coordinates), so the local shards are the same rows of the full gradient
+        dist.all_reduce(_local(total), group=pd.embedding_mesh().get_group())
+    for i, p in enumerate(params):
+        p.grad = total if i == 0 else total.clone()
