@@ -244,3 +244,58 @@ def test_convert_bad_input_is_one_line(tmp_path, capsys, edit, argv, needles):
     _one_line(capsys, rc, *needles)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     shutil.rmtree(src)
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer's view: model.flavor = "hf" reaches the job plan, its layout rules and the planner
+
+
+def _config_folder(tmp_path, name: str, config: dict):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_job_plan_and_planner_see_the_derived_args(tmp_path):
+    """A config sized by Qwen3-30B-A3B's config.json: the job plan's args are the derived ones
+    (vocab overridden as for a flavor), the layout rules read its 4 KV heads (tp=8 refused, the
+    legal values named), and the planner's estimate equals the one of the preset of the same
+    sizes (control: a different preset's differs)."""
+    from tests.hf_published import QWEN3_0_6B, QWEN3_30B_A3B
+    from tools.planner.estimate import estimate_from_config
+    from tools.planner.hardware import load_hardware
+    from trainer.config import load_config
+    from trainer.plan import plan_job
+
+    folder = _config_folder(tmp_path, "30B-A3B", QWEN3_30B_A3B)
+    argv = ["--config", "qwen3_moe.toml", "--training.local_batch_size", "1", "--model.flavor", "hf",
+            "--model.hf_config", str(folder)]  # fmt: skip
+    plan = plan_job(load_config([*argv, "--parallelism.dp_shard", "8"]), 8, tokenizer_vocab=2048)
+    assert (plan.model_args.n_routed_experts, plan.model_args.n_kv_heads, plan.model_args.head_dim) == (128, 4, 128)
+    with pytest.raises(ValueError, match="tp=8 does not divide n_kv_heads=4.*legal tp values: 1, 2, 4"):
+        plan_job(load_config([*argv, "--parallelism.tp", "8"]), 8, tokenizer_vocab=2048)
+
+    h100 = load_hardware("h100")
+    small = _config_folder(tmp_path, "0.6B", QWEN3_0_6B)
+    base = ["--config", "qwen3.toml", "--training.seq_len", "2048", "--training.local_batch_size", "1",
+            "--parallelism.dp_shard", "8"]  # fmt: skip
+
+    def estimate(*extra):
+        return estimate_from_config(load_config([*base, *extra]), 8, h100, tokenizer_vocab=2048)
+
+    derived = estimate("--model.flavor", "hf", "--model.hf_config", str(small))
+    assert derived.memory == estimate("--model.flavor", "0.6B").memory
+    assert derived.time == estimate("--model.flavor", "0.6B").time
+    assert derived.memory != estimate("--model.flavor", "1.7B").memory
+
+
+def test_hf_flavor_config_errors():
+    """model.flavor = 'hf' needs a folder to size it; model.hf_config needs flavor 'hf'."""
+    from trainer.config import ConfigError, load_config
+    from trainer.model_spec import config_model_spec
+
+    with pytest.raises(ConfigError, match="model.flavor = 'hf' takes every size from a Hugging Face config.json"):
+        config_model_spec(load_config(["--config", "llama3.toml", "--model.flavor", "hf"]))
+    with pytest.raises(ConfigError, match="model.hf_config sizes the model only with model.flavor = 'hf'"):
+        load_config(["--config", "llama3.toml", "--model.hf_config", "/x"])
