@@ -21,7 +21,7 @@ from torch import nn
 from models.common.args import DecoderArgs
 from models.common.decoder import Decoder
 from models.common.hf_adapter import HFStateDictAdapter
-from models.common.hf_config import register_architectures
+from models.common.hf_config import architecture_refusal, register_architectures, supported_architectures
 from models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
 from models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from models.llama3 import Llama3, llama3_flavors
@@ -40,6 +40,7 @@ __all__ = [
     "get_hf_adapter",
     "get_model_spec",
     "has_experts",
+    "model_for_hf_config",
     "model_names",
     "model_rules",
     "register_model",
@@ -184,6 +185,21 @@ def get_model_spec(name: str, flavor: str, hf_config: Mapping[str, Any] | None =
         entry.parallelize_fn,
         entry.hf_state_dict_adapter,
     )
+
+
+def model_for_hf_config(config: Mapping[str, Any]) -> str:
+    """The registered model that loads the architecture of ``config`` (a parsed config.json);
+    ValueError naming every supported architecture when none does."""
+    archs = supported_architectures()
+    for arch in config.get("architectures") or []:
+        if arch in archs:
+            return archs[arch]
+    if not config.get("architectures"):
+        for name in model_names():
+            cls = _MODELS[name].hf_state_dict_adapter
+            if cls is not None and config.get("model_type") in cls.hf_model_types:
+                return name
+    raise ValueError(architecture_refusal(config, "", ()))
 
 
 def model_rules(args: DecoderArgs, seq_len: int | None = None, sequence_parallel: bool = True) -> ModelRules:
