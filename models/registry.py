@@ -21,6 +21,7 @@ from torch import nn
 from models.common.args import DecoderArgs
 from models.common.decoder import Decoder
 from models.common.hf_adapter import HFStateDictAdapter
+from models.common.hf_config import architecture_refusal, register_architectures, supported_architectures
 from models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
 from models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from models.llama3 import Llama3, llama3_flavors
@@ -31,6 +32,7 @@ from models.qwen3.hf_adapter import Qwen3HFAdapter
 from parallel_dims.model_rules import ModelRules
 
 __all__ = [
+    "HF_FLAVOR",
     "ModelEntry",
     "ModelSpec",
     "build_model",
@@ -38,6 +40,7 @@ __all__ = [
     "get_hf_adapter",
     "get_model_spec",
     "has_experts",
+    "model_for_hf_config",
     "model_names",
     "model_rules",
     "register_model",
@@ -94,6 +97,10 @@ class ModelSpec:
 
 _MODELS: dict[str, ModelEntry] = {}
 
+# The flavor name meaning "every size from a Hugging Face config.json" (get_model_spec's
+# hf_config): any size of a supported architecture, not a preset.
+HF_FLAVOR = "hf"
+
 
 def register_model(
     name: str,
@@ -118,8 +125,12 @@ def register_model(
                 f"Model {name!r} flavor {flavor!r}: args must be a dataclass subclassing "
                 f"models.common.args.DecoderArgs, got {type(args).__name__}."
             )
+    if HF_FLAVOR in flavors:
+        raise ValueError(f"Model {name!r}: the flavor name {HF_FLAVOR!r} is reserved (sizes from a config.json).")
     entry = ModelEntry(name, model_cls, MappingProxyType(dict(flavors)), parallelize_fn, hf_state_dict_adapter)
     _MODELS[name] = entry
+    if hf_state_dict_adapter is not None:
+        register_architectures(name, hf_state_dict_adapter.hf_architectures, hf_state_dict_adapter.hf_model_types)
     return entry
 
 
@@ -146,20 +157,49 @@ def _lookup_model(name: str) -> ModelEntry:
     return _MODELS[name]
 
 
-def get_model_spec(name: str, flavor: str) -> ModelSpec:
-    """Spec with a private copy of the flavor's args (callers may mutate it freely)."""
+def get_model_spec(name: str, flavor: str, hf_config: Mapping[str, Any] | None = None) -> ModelSpec:
+    """Spec with a private copy of the flavor's args (callers may mutate it freely). Flavor
+    :data:`HF_FLAVOR` takes every size from ``hf_config`` (a parsed ``config.json``) through
+    the model's Hugging Face adapter (``args_from_hf_config``: HFConfigMismatch, a ValueError
+    naming the field, when the config is not one this model implements)."""
     entry = _lookup_model(name)
-    if flavor not in entry.flavors:
+    if flavor == HF_FLAVOR:
+        if hf_config is None:
+            raise ValueError(
+                f"flavor {HF_FLAVOR!r} of model {name!r} takes its sizes from a Hugging Face config.json, and none "
+                "was given."
+            )
+        if entry.hf_state_dict_adapter is None:
+            raise ValueError(f"Model {name!r} has no Hugging Face adapter, so flavor {HF_FLAVOR!r} is not available.")
+        args = entry.hf_state_dict_adapter.args_from_hf_config(hf_config)
+    elif flavor not in entry.flavors:
         raise ValueError(f"Unknown flavor {flavor!r} for model {name!r}; valid flavors: {', '.join(entry.flavors)}.")
+    else:
+        args = dataclasses.replace(entry.flavors[flavor])
     return ModelSpec(
         name,
         flavor,
-        dataclasses.replace(entry.flavors[flavor]),
+        args,
         entry.model_cls,
         entry.flavors,
         entry.parallelize_fn,
         entry.hf_state_dict_adapter,
     )
+
+
+def model_for_hf_config(config: Mapping[str, Any]) -> str:
+    """The registered model that loads the architecture of ``config`` (a parsed config.json);
+    ValueError naming every supported architecture when none does."""
+    archs = supported_architectures()
+    for arch in config.get("architectures") or []:
+        if arch in archs:
+            return archs[arch]
+    if not config.get("architectures"):
+        for name in model_names():
+            cls = _MODELS[name].hf_state_dict_adapter
+            if cls is not None and config.get("model_type") in cls.hf_model_types:
+                return name
+    raise ValueError(architecture_refusal(config, "", ()))
 
 
 def model_rules(args: DecoderArgs, seq_len: int | None = None, sequence_parallel: bool = True) -> ModelRules:
@@ -191,11 +231,19 @@ def get_hf_adapter(model_name: str, args: DecoderArgs) -> HFStateDictAdapter:
     return cls(args)
 
 
-def build_model(name: str, flavor: str, device: torch.device | str = "meta", **arg_overrides: Any) -> Decoder:
+def build_model(
+    name: str,
+    flavor: str,
+    device: torch.device | str = "meta",
+    *,
+    hf_config: Mapping[str, Any] | None = None,
+    **arg_overrides: Any,
+) -> Decoder:
     """Construct ``name``/``flavor`` with ``arg_overrides`` applied (e.g. ``vocab_size`` to
     match a tokenizer, ``max_seq_len`` to match the training sequence length) on ``device``.
-    The default meta device allocates nothing; follow with ``to_empty`` + ``init_weights``."""
-    spec = get_model_spec(name, flavor)
+    The default meta device allocates nothing; follow with ``to_empty`` + ``init_weights``.
+    ``hf_config``: the config.json of flavor :data:`HF_FLAVOR`."""
+    spec = get_model_spec(name, flavor, hf_config)
     valid = [f.name for f in dataclasses.fields(spec.args)]
     unknown = sorted(set(arg_overrides) - set(valid))
     if unknown:

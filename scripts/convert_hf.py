@@ -1,25 +1,29 @@
 """Convert weights between Hugging Face folders and our DCP checkpoints, offline, one process.
 
-    python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR --model llama3 [--flavor 8B]
-    python scripts/convert_hf.py to-hf DCP_STEP_DIR OUT_DIR --model llama3 [--flavor 8B] [--dtype bfloat16]
+    python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR [--model llama3] [--flavor 8B]
+    python scripts/convert_hf.py to-hf DCP_STEP_DIR OUT_DIR --model llama3 [--flavor 8B | --hf-config HF_DIR]
 
 ``to-dcp`` reads a Hugging Face folder (config.json + model.safetensors, or
 model.safetensors.index.json + shards) and writes a DCP folder that
 ``--checkpoint.initial_load_path OUT_DIR`` accepts (model weights only, float32 like our master
-weights). The flavor is inferred from config.json when ``--flavor`` is omitted; config.json is
-checked against the flavor before any weight is read. Tensors are converted one at a time as
-DCP writes them (about one tensor in memory; the safetensors files are memory-mapped).
+weights). Without ``--flavor`` every size comes from config.json, whatever it is (each field the
+model reads is checked, each field it does not model refused by name); without ``--model`` the
+model is the one that loads config.json's architecture. With ``--flavor`` config.json is checked
+against the flavor. All before any weight is read. Tensors are converted one at a time as DCP
+writes them (about one tensor in memory; the safetensors files are memory-mapped).
 
 ``to-hf`` reads the model weights of a DCP folder (a run's ``checkpoint/step-N`` or a to-dcp
 output) and writes a folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads:
-config.json, sharded safetensors (``--max-shard-size``) with an index. The flavor is inferred
-from the stored shapes when ``--flavor`` is omitted. It holds one layer (ours and Hugging Face's)
-plus one shard file's tensors in memory at a time.
+config.json, sharded safetensors (``--max-shard-size``) with an index. The sizes come from
+``--hf-config`` (a Hugging Face folder or config.json: a model trained with ``model.flavor =
+'hf'``), else the flavor, inferred from the stored shapes when ``--flavor`` is omitted. It holds
+one layer (ours and Hugging Face's) plus one shard file's tensors in memory at a time.
 
 ``--n-layers``, ``--vocab-size``, ``--mtp-layers`` and ``--max-seq-len`` are the overrides a run may have used
 (``model.n_layers``, ``model.vocab_size``, ``training.seq_len`` longer than the flavor's
 ``max_seq_len``, which decides DeepSeek's YaRN in config.json; ``model.mtp_layers``, by default
-DeepSeek-V3's ``num_nextn_predict_layers`` so its MTP layer comes along, ``--mtp-layers 0`` drops it).
+the DeepSeek-V3 MTP layers the folder stores (of config.json's ``num_nextn_predict_layers``), so
+they come along; ``--mtp-layers 0`` drops them).
 
 Progress goes to stderr. Bad input is one ``error:`` line on stderr, exit code 2, and nothing is
 written (OUT_DIR is created only when the conversion completes: the work happens in
@@ -37,9 +41,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.registry import flavor_names, get_model_spec, model_names
+from models.registry import HF_FLAVOR, flavor_names, get_model_spec, model_for_hf_config, model_names
 from trainer.checkpoint.convert import convert_hf_to_dcp
-from trainer.checkpoint.hf_format import DEFAULT_MAX_SHARD_BYTES, parse_size
+from trainer.checkpoint.hf_format import DEFAULT_MAX_SHARD_BYTES, parse_size, read_hf_config
 from trainer.checkpoint.hf_reader import open_hf_checkpoint
 from trainer.checkpoint.hf_write import dcp_model_meta, export_dcp_to_hf
 from trainer.cli_errors import run_command
@@ -88,7 +92,17 @@ def _args(model: str, flavor: str, ns: argparse.Namespace, **extra):
     return args
 
 
+def _derived_spec(model: str, config: dict, where: str):
+    """Model ``model`` with every size from ``config`` (flavor 'hf'), or one UsageError line."""
+    try:
+        return get_model_spec(model, HF_FLAVOR, config)
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+
+
 def _check_model_and_flavor(ns) -> None:
+    if ns.flavor == HF_FLAVOR:
+        ns.flavor = None  # the same as no flavor: sizes from config.json
     if ns.model not in model_names():
         raise UsageError(f"unknown --model {ns.model!r}; choose one of {', '.join(model_names())}")
     if ns.flavor is not None and ns.flavor not in flavor_names(ns.model):
@@ -111,53 +125,70 @@ def _check_out_dir(out_dir: str) -> None:
 
 
 def to_dcp(ns) -> str:
-    _check_model_and_flavor(ns)
-    cls = _adapter_cls(ns.model)
+    if ns.model is not None:
+        _check_model_and_flavor(ns)
+        _adapter_cls(ns.model)
     _check_out_dir(ns.out_dir)
     ckpt = open_hf_checkpoint(ns.hf_dir)  # structure and headers; no weights
-    flavor = ns.flavor
-    if flavor is None:
-        flavors = get_model_spec(ns.model, flavor_names(ns.model)[0]).flavors
-        flavor = cls.infer_flavor(ckpt.config, flavors)
-        if flavor is None:
-            # another architecture altogether (than every flavor's: one model may load several,
-            # e.g. qwen3's dense and MoE flavors) says so, naming both
-            arch_errors = []
-            for args in flavors.values():
-                try:
-                    cls(args).check_hf_config(ckpt.config)
-                except ValueError as exc:
-                    if getattr(exc, "mismatches", None) and exc.mismatches[0][0] == "model_type":
-                        arch_errors.append(exc)
-                        continue
-                break
-            else:
-                if arch_errors:
-                    raise UsageError(f"{ns.hf_dir}/config.json: {arch_errors[0]}") from None
-            raise UsageError(
-                f"cannot infer the {ns.model} flavor of {ns.hf_dir}/config.json (no single flavor matches its "
-                f"shapes: hidden_size={ckpt.config.get('hidden_size')}, num_hidden_layers="
-                f"{ckpt.config.get('num_hidden_layers')}); pass --flavor (one of {', '.join(flavors)}) and the "
-                f"overrides it needs (--n-layers, --vocab-size)"
-            )
-    nextn = ckpt.config.get("num_nextn_predict_layers")
-    if ns.mtp_layers is None and nextn and ns.model == "deepseek_v3":
-        ns.mtp_layers = int(nextn)  # DeepSeek-V3's MTP layers come along (--mtp-layers 0 drops them)
-    args = _args(ns.model, flavor, ns)
-    if ns.vocab_size is None and ns.flavor is None and ckpt.config.get("vocab_size") != args.vocab_size:
-        # infer_flavor matched every shape but the vocabulary, which runs override anyway
-        args = dataclasses.replace(args, vocab_size=int(ckpt.config["vocab_size"]))
-        print(
-            f"note: vocab_size {args.vocab_size} from config.json (flavor {flavor} has "
-            f"{get_model_spec(ns.model, flavor).args.vocab_size}); train with --model.vocab_size {args.vocab_size}",
-            file=sys.stderr,
-        )
+    where = f"{ns.hf_dir}/config.json"
+    if ns.model is None:
+        try:
+            ns.model = model_for_hf_config(ckpt.config)
+        except ValueError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+        _check_model_and_flavor(ns)
+    cls = _adapter_cls(ns.model)
+    if ns.mtp_layers is None and ns.model == "deepseek_v3":
+        # DeepSeek-V3's MTP layers come along when the folder stores them (--mtp-layers 0 drops
+        # them): config.json's num_nextn_predict_layers alone is not enough, since transformers
+        # writes it (default 1) into folders whose model has no MTP layer
+        ns.mtp_layers = _stored_mtp_layers(ckpt)
+    if ns.flavor is None:
+        args = _derived_spec(ns.model, ckpt.config, where).args
+        args = _overridden(args, ns, f"{ns.model} sized by {where}")
+        preset = cls.infer_flavor(ckpt.config, get_model_spec(ns.model, flavor_names(ns.model)[0]).flavors)
+        label = f"{HF_FLAVOR} (sizes from config.json{f'; those of flavor {preset}' if preset else ''})"
+    else:
+        args = _args(ns.model, ns.flavor, ns)
+        label = ns.flavor
     say = _progress(time.monotonic())
-    out = convert_hf_to_dcp(
-        ns.hf_dir, ns.out_dir, ns.model, args, context=f"{ns.model}/{flavor} (--flavor)", progress=say
+    context = f"{ns.model}/{ns.flavor} (--flavor)" if ns.flavor else f"{ns.model} sized by config.json"
+    out = convert_hf_to_dcp(ns.hf_dir, ns.out_dir, ns.model, args, context=context, progress=say)
+    train = (
+        f"model.flavor = '{HF_FLAVOR}' with model.hf_config = {ns.hf_dir}" if ns.flavor is None else f"flavor {label}"
     )
-    say(f"done: {out} (use it as --checkpoint.initial_load_path; model {ns.model}, flavor {flavor})")
+    say(f"done: {out} (use it as --checkpoint.initial_load_path; model {ns.model}, flavor {label}; train with {train})")
     return out
+
+
+def _stored_mtp_layers(ckpt) -> int:
+    """How many of config.json's ``num_nextn_predict_layers`` MTP layers the folder stores
+    (layer ``num_hidden_layers + k`` with its ``eh_proj``)."""
+    n, nextn = ckpt.config.get("num_hidden_layers"), int(ckpt.config.get("num_nextn_predict_layers") or 0)
+    if not isinstance(n, int):
+        return 0
+    return sum(1 for k in range(nextn) if f"model.layers.{n + k}.eh_proj.weight" in ckpt.tensors)
+
+
+def _overridden(args, ns: argparse.Namespace, what: str):
+    """``args`` with the run overrides --n-layers / --vocab-size / --max-seq-len."""
+    overrides: dict = {}
+    if ns.n_layers is not None:
+        overrides["n_layers"] = ns.n_layers
+    if ns.vocab_size is not None:
+        overrides["vocab_size"] = ns.vocab_size
+    if getattr(ns, "mtp_layers", None) is not None:
+        if not any(f.name == "mtp_layers" for f in dataclasses.fields(args)):
+            raise UsageError(f"--mtp-layers: multi-token prediction is a DeepSeek-V3 feature; {what} has none")
+        overrides["mtp_layers"] = ns.mtp_layers
+    if ns.max_seq_len is not None:
+        overrides["max_seq_len"] = max(args.max_seq_len, ns.max_seq_len)
+    args = dataclasses.replace(args, **overrides)
+    try:
+        args.validate()
+    except ValueError as exc:
+        raise UsageError(f"{what} with overrides {overrides}: {exc}") from None
+    return args
 
 
 def _infer_flavor_from_dcp(ns, meta) -> tuple[str, dict]:
@@ -195,6 +226,14 @@ def _infer_flavor_from_dcp(ns, meta) -> tuple[str, dict]:
 
 
 def to_hf(ns) -> str:
+    if ns.model is None:
+        if ns.hf_config is None:
+            raise UsageError("to-hf needs --model (or --hf-config, whose architecture names the model)")
+        where = ns.hf_config
+        try:
+            ns.model = model_for_hf_config(read_hf_config(ns.hf_config))
+        except ValueError as exc:
+            raise UsageError(f"{where}: {exc}") from None
     _check_model_and_flavor(ns)
     _adapter_cls(ns.model)
     _check_out_dir(ns.out_dir)
@@ -203,8 +242,18 @@ def to_hf(ns) -> str:
     except ValueError as exc:
         raise UsageError(f"--max-shard-size: {exc}") from None
     meta = dcp_model_meta(ns.dcp_dir)
-    flavor, extra = _infer_flavor_from_dcp(ns, meta)
-    args = _args(ns.model, flavor, ns, **extra)
+    if ns.hf_config is not None:
+        if ns.flavor is not None:
+            raise UsageError("pass --flavor or --hf-config, not both: --hf-config gives every size")
+        flavor = HF_FLAVOR
+        args = _overridden(
+            _derived_spec(ns.model, read_hf_config(ns.hf_config), ns.hf_config).args,
+            ns,
+            f"{ns.model} sized by {ns.hf_config}",
+        )
+    else:
+        flavor, extra = _infer_flavor_from_dcp(ns, meta)
+        args = _args(ns.model, flavor, ns, **extra)
     say = _progress(time.monotonic())
     say(f"{ns.dcp_dir} -> {ns.out_dir}: {ns.model}/{flavor}, {len(meta)} tensors, {ns.dtype}")
     out = export_dcp_to_hf(
@@ -221,15 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", required=True, help=f"registered model: {', '.join(model_names())}")
-        p.add_argument("--flavor", default=None, help="model flavor; inferred when omitted")
+        p.add_argument(
+            "--model",
+            default=None,
+            help=f"registered model: {', '.join(model_names())} (to-dcp: the one loading config.json's architecture)",
+        )
+        p.add_argument(
+            "--flavor", default=None, help="model flavor; omitted: to-dcp sizes from config.json, to-hf infers it"
+        )
         p.add_argument("--n-layers", type=int, default=None, help="model.n_layers override of the run")
         p.add_argument("--vocab-size", type=int, default=None, help="model.vocab_size override of the run")
         p.add_argument(
             "--mtp-layers",
             type=int,
             default=None,
-            help="deepseek_v3 model.mtp_layers; default: config.json's num_nextn_predict_layers (to-dcp), "
+            help="deepseek_v3 model.mtp_layers; default: the MTP layers the folder stores (to-dcp), "
             "the checkpoint's MTP depths (to-hf)",
         )
         p.add_argument(
@@ -246,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dcp_dir", metavar="DCP_STEP_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     common(p)
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        help="Hugging Face folder (or its config.json) giving every size: for a model trained with model.flavor = 'hf'",
+    )
     p.add_argument(
         "--dtype",
         default="bfloat16",

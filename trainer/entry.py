@@ -9,6 +9,7 @@ the watchdog's line), with no traceback from deep inside torch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -16,7 +17,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from models.registry import build_model
 from parallel_dims.torch_compat import host_side
 from trainer.checkpoint.async_save import CheckpointWriteFailed
 from trainer.checkpoint.dcp import save_seed_checkpoint
@@ -32,6 +32,7 @@ from trainer.distributed_init import (
 )
 from trainer.distributed_init import log as _log
 from trainer.fake_backend import is_fake_backend
+from trainer.model_spec import config_model_spec
 from trainer.plan import model_overrides
 from trainer.step import TrainingDiverged
 from trainer.stop import exit_code
@@ -50,9 +51,11 @@ def create_seed_checkpoint(cfg: JobConfig) -> str:
         )
     require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model = build_model(
-        cfg.model.name, cfg.model.flavor, device="cpu", **model_overrides(cfg, tokenizer.vocab_size, tokenizer.eos_id)
-    )
+    spec = config_model_spec(cfg)
+    args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer.vocab_size, tokenizer.eos_id))
+    args.validate()
+    with torch.device("cpu"):
+        model = spec.model_cls(args)
     with torch.no_grad():
         model.init_weights(cfg.training.seed)
     folder = cfg.resolve_path(cfg.checkpoint.folder)

@@ -28,7 +28,7 @@ from models.parallel.float8 import (
 from models.parallel.pipeline import StagePlan, plan_stages
 from models.parallel.pipeline.plan import schedule_facts
 from models.parallelize import ParallelizeOptions
-from models.registry import ModelSpec, get_model_spec, model_rules
+from models.registry import ModelSpec, model_rules
 from parallel_dims import ModelRules, ParallelDims, check_model_layout
 from parallel_dims.axes import AXES
 from trainer.config import (
@@ -37,6 +37,7 @@ from trainer.config import (
     gradient_accumulation_steps,
     resolve_global_batch_size,
 )
+from trainer.model_spec import config_model_spec
 
 __all__ = [
     "BatchPlan",
@@ -93,7 +94,7 @@ def model_overrides(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | N
     ``model.n_layers`` the depth, and the attention settings (``model.attn_mask_type``,
     ``attn_type``, ``document_positions``; ``eos_id`` is the tokenizer's EOS, which ends each
     packed document)."""
-    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
+    spec = config_model_spec(cfg)
     vocab = cfg.model.vocab_size or spec.args.vocab_size
     if vocab < tokenizer_vocab:
         raise ConfigError(
@@ -353,7 +354,7 @@ def _check_mtp_layout(args, pd: ParallelDims) -> None:
 
 
 def _model_spec(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:
-    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
+    spec = config_model_spec(cfg)
     args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer_vocab, tokenizer_eos))
     args.validate()
     return dataclasses.replace(spec, args=args)

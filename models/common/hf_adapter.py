@@ -33,13 +33,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from models.common.args import DecoderArgs
-from models.common.hf_config import ConfigField, HFConfigMismatch, rope_config, same_value
+from models.common.hf_config import ConfigField, HFConfigCheck, HFConfigMismatch, rope_config, same_value
 
 __all__ = [
     "Absent",
@@ -173,7 +172,7 @@ def _norm_slices(slices: tuple[slice, ...], shape: tuple[int, ...], key: str) ->
 # the adapter
 
 
-class HFStateDictAdapter:
+class HFStateDictAdapter(HFConfigCheck):
     """Base of the per-model adapters; see the module docstring. Subclasses set
     ``hf_architecture`` and ``model_type`` (per instance where the flavor decides them) and
     implement :meth:`_entries`, :meth:`hf_config`, :meth:`_config_fields` (and, for extra
@@ -205,17 +204,6 @@ class HFStateDictAdapter:
     # ------------------------------------------------------------------ what a model supplies
     def _entries(self) -> Iterable[Entry]:
         raise NotImplementedError
-
-    def hf_config(self, dtype: str = "bfloat16") -> dict:
-        raise NotImplementedError
-
-    def _config_fields(self, config: Mapping[str, Any]) -> list[ConfigField]:
-        """Fields compared one to one (shapes and the rest)."""
-        raise NotImplementedError
-
-    def _config_problems(self, config: Mapping[str, Any]) -> list[tuple[str, Any, Any, str]]:
-        """Extra non-shape problems: ``(field, config.json value, ours, explanation)``."""
-        return []
 
     def is_ignored_hf_key(self, hf_key: str) -> bool:
         """Checkpoint keys that carry nothing we load (e.g. old ``rotary_emb.inv_freq``
@@ -393,77 +381,3 @@ class HFStateDictAdapter:
         if rows.step == 1:
             return block[rows.start - base : rows.stop - base]
         return block[torch.tensor([r - base for r in rows], dtype=torch.long, device=block.device)]
-
-    # ------------------------------------------------------------------ config.json
-    def _unsupported(self) -> str | None:
-        """Why these args have no Hugging Face equivalent (None if they have one)."""
-        return None
-
-    def _architecture_problem(self, config: Mapping[str, Any]) -> str | None:
-        archs = config.get("architectures") or []
-        model_type = config.get("model_type")
-        if model_type == self.model_type and (not archs or self.hf_architecture in archs):
-            return None
-        return (
-            f"config.json is a {'/'.join(archs) or '?'} checkpoint (model_type {model_type!r}); model "
-            f"{self.model_name!r} with these args loads {self.hf_architecture} (model_type {self.model_type!r}). "
-            "Pick the model that matches the checkpoint."
-        )
-
-    def _mismatches(self, config: Mapping[str, Any], shapes_only: bool = False) -> list[tuple[str, Any, Any, str]]:
-        out = []
-        for f in self._config_fields(config):
-            if shapes_only and not f.shape:
-                continue
-            if not same_value(f.theirs, f.ours):
-                out.append((f.field, f.theirs, f.ours, f.our_name))
-        if not shapes_only:
-            out.extend(self._config_problems(config))
-        return out
-
-    def check_hf_config(self, config: Mapping[str, Any]) -> None:
-        """Raise :class:`HFConfigMismatch` naming every field of ``config`` (a parsed
-        ``config.json``) that differs from these args, with both values and the fix."""
-        problem = self._unsupported()
-        if problem:
-            raise HFConfigMismatch(problem)
-        problem = self._architecture_problem(config)
-        if problem:
-            raise HFConfigMismatch(
-                problem,
-                [("model_type", config.get("model_type"), self.model_type)],
-            )
-        mismatches = self._mismatches(config)
-        if mismatches:
-            parts = [
-                f"{field}={theirs!r} in config.json vs {ours!r} here ({why})" for field, theirs, ours, why in mismatches
-            ]
-            raise HFConfigMismatch(
-                f"config.json does not match this {self.model_name} flavor: {'; '.join(parts)}. Pick the flavor "
-                "(and overrides) matching the checkpoint, or omit the flavor to infer it from config.json.",
-                [(f, t, o) for f, t, o, _ in mismatches],
-            )
-
-    @classmethod
-    def infer_flavor(cls, config: Mapping[str, Any], flavors: Mapping[str, DecoderArgs]) -> str | None:
-        """The flavor whose shapes match ``config`` (vocab_size ignored when no flavor matches
-        it, since callers override it from the tokenizer); None if none or several match.
-        Only shapes are compared: rope, eps and routing details are check_hf_config's."""
-        matches: list[tuple[str, bool]] = []
-        for name, args in flavors.items():
-            try:
-                adapter = cls(args)
-            except ValueError:
-                continue
-            if adapter._architecture_problem(config) is not None:
-                continue
-            mism = adapter._mismatches(config, shapes_only=True)
-            rest = [m for m in mism if m[0] != "vocab_size"]
-            if not rest:
-                matches.append((name, not mism))
-        exact = [n for n, vocab_ok in matches if vocab_ok]
-        if len(exact) == 1:
-            return exact[0]
-        if not exact and len(matches) == 1:
-            return matches[0][0]
-        return None

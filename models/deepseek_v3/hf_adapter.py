@@ -49,6 +49,7 @@ from models.common.hf_adapter import (
     rope_config,
     same_value,
 )
+from models.common.hf_config import need
 from models.deepseek_v3.args import DeepSeekV3Args
 
 __all__ = ["DeepSeekV3HFAdapter"]
@@ -67,6 +68,29 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
     hf_architecture = "DeepseekV3ForCausalLM"
     model_type = "deepseek_v3"
     model_name = "deepseek_v3"
+    hf_architectures = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+    hf_model_types = ("deepseek_v3", "deepseek_v2")
+    config_fields_read = frozenset(
+        {
+            "hidden_size", "num_hidden_layers", "first_k_dense_replace", "intermediate_size", "moe_intermediate_size",
+            "num_attention_heads", "num_key_value_heads", "n_routed_experts", "num_local_experts", "n_shared_experts",
+            "num_experts_per_tok", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "vocab_size", "routed_scaling_factor", "rms_norm_eps", "rope_theta", "rope_scaling",
+            "rope_parameters", "n_group", "topk_group", "topk_method", "scoring_func", "norm_topk_prob",
+            "rope_interleave", "moe_layer_freq", "max_position_embeddings", "tie_word_embeddings",
+            # what transformers >= 5 derives: qk_rope_head_dim and qk_nope + qk_rope (checked)
+            "head_dim", "qk_head_dim",
+            # the multi-token-prediction layers (skipped on import, as transformers does), the
+            # training-only balance loss (our aux_loss_coeff) and the reference code's EP degree
+            "num_nextn_predict_layers", "aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
+        }
+    )  # fmt: skip
+    required_values = (
+        ("hidden_act", "silu", "silu"),
+        ("attention_bias", False, False),
+        ("mlp_bias", False, False),
+        ("attention_dropout", 0.0, 0.0),
+    )
 
     args: DeepSeekV3Args
 
@@ -401,14 +425,11 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
                 out.append(("rope_scaling.attention_factor", attention_factor, 1.0, "mscale must equal mscale_all_dim"))
             if scaling.get("truncate", True) is not True:
                 out.append(("rope_scaling.truncate", scaling.get("truncate"), True, "YaRN"))
-        for field, default, want in (
-            ("hidden_act", "silu", "silu"),
-            ("attention_bias", False, False),
-            ("tie_word_embeddings", False, False),
-        ):
-            value = config.get(field, default)
-            if not same_value(value, want):
-                out.append((field, value, want, "not supported by our DeepSeek-V3"))
+        if config.get("tie_word_embeddings", False):
+            out.append(("tie_word_embeddings", True, False, "not supported by our DeepSeek-V3"))
+        for field, ours in (("head_dim", a.qk_rope_head_dim), ("qk_head_dim", a.qk_head_dim)):
+            if field in config and not same_value(config[field], ours):
+                out.append((field, config[field], ours, "transformers derives it from qk_rope/qk_nope_head_dim"))
         nextn = config.get("num_nextn_predict_layers") or 0
         if a.mtp_layers > nextn:
             out.append(
@@ -419,6 +440,58 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
                     "mtp_layers: the checkpoint has fewer MTP layers than asked for",
                 )
             )
-        if config.get("quantization_config"):
-            out.append(("quantization_config", "present", None, "dequantize the checkpoint (FP8) first"))
         return out
+
+    @classmethod
+    def _derive_args(cls, config: Mapping[str, Any]) -> DeepSeekV3Args:
+        v2 = "DeepseekV2ForCausalLM" in (config.get("architectures") or []) or config.get("model_type") == "deepseek_v2"
+        theta, scaling = rope_config(config)
+        grouped = config.get("topk_method") == "group_limited_greedy"
+        groups = int(config.get("n_group") or 1) if (grouped or not v2) else 1
+        kept = int(config.get("topk_group") or 1) if (grouped or not v2) else 1
+        experts = config.get("n_routed_experts", config.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("it has no 'n_routed_experts', which sets the model's shape")
+        base = DeepSeekV3Args()
+        rope: dict[str, Any] = {}
+        if scaling is not None and scaling.get("rope_type") == "yarn":
+            orig = need(scaling, "original_max_position_embeddings")
+            rope = dict(
+                rope_factor=float(need(scaling, "factor")),
+                original_seq_len=int(orig),
+                beta_fast=float(scaling.get("beta_fast") or 32),
+                beta_slow=float(scaling.get("beta_slow") or 1),
+                mscale=float(scaling.get("mscale_all_dim") or scaling.get("mscale") or 1.0),
+                # YaRN is on only while max_seq_len > original_seq_len (the DeepSeek reference)
+                max_seq_len=max(base.max_seq_len, int(orig) * 2),
+            )
+        elif scaling is None:
+            # no YaRN: the context the checkpoint was made for; training longer turns YaRN on,
+            # which the config check then refuses
+            context = int(config.get("max_position_embeddings") or base.original_seq_len)
+            rope = dict(original_seq_len=context, max_seq_len=min(base.max_seq_len, context))
+        return DeepSeekV3Args(
+            vocab_size=need(config, "vocab_size"),
+            dim=need(config, "hidden_size"),
+            inter_dim=need(config, "intermediate_size"),
+            moe_inter_dim=need(config, "moe_intermediate_size"),
+            n_layers=need(config, "num_hidden_layers"),
+            n_dense_layers=int(config.get("first_k_dense_replace") or 0),
+            n_heads=need(config, "num_attention_heads"),
+            n_routed_experts=experts,
+            n_shared_experts=int(config.get("n_shared_experts") or 0),
+            n_activated_experts=need(config, "num_experts_per_tok"),
+            n_expert_groups=groups,
+            n_limited_groups=kept,
+            score_func="softmax" if v2 else config.get("scoring_func", "sigmoid"),
+            route_norm=False if v2 else bool(config.get("norm_topk_prob", True)),
+            route_scale=float(config.get("routed_scaling_factor", 1.0)),
+            q_lora_rank=int(config.get("q_lora_rank") or 0),
+            kv_lora_rank=need(config, "kv_lora_rank"),
+            qk_nope_head_dim=need(config, "qk_nope_head_dim"),
+            qk_rope_head_dim=need(config, "qk_rope_head_dim"),
+            v_head_dim=need(config, "v_head_dim"),
+            rope_theta=float(10000.0 if theta is None else theta),
+            norm_eps=float(need(config, "rms_norm_eps")),
+            **rope,
+        )

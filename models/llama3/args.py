@@ -23,6 +23,10 @@ class Llama3Args(DecoderArgs):
     vocab_size: int = 128256
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
+    # The SwiGLU width itself (config.json intermediate_size), for shapes Llama's sizing rule
+    # does not produce (TinyLlama, transformers' LlamaConfig()); None = from dim, multiple_of and
+    # ffn_dim_multiplier, as in every published Llama 3 flavor.
+    hidden_dim: int | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     # Llama 3.1 long-context frequency rescaling (factor 8, low 1, high 4, original 8192).
@@ -60,7 +64,9 @@ class Llama3Args(DecoderArgs):
     def ffn_hidden_dim(self) -> int:
         """Llama sizing: 2/3 of 4*dim (keeps SwiGLU's three matrices at the cost of a 4*dim
         MLP), times the optional multiplier, rounded up to ``multiple_of`` for matmul-friendly
-        shapes."""
+        shapes; ``hidden_dim`` when set."""
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -73,6 +79,8 @@ class Llama3Args(DecoderArgs):
             _positive_int(name, getattr(self, name))
         if self.n_kv_heads is not None:
             _positive_int("n_kv_heads", self.n_kv_heads)
+        if self.hidden_dim is not None:
+            _positive_int("hidden_dim", self.hidden_dim)
         if self.dim % self.n_heads != 0:
             raise ValueError(
                 f"Llama3Args.dim={self.dim} is not divisible by n_heads={self.n_heads}; pick "

@@ -29,13 +29,15 @@ from models.common.hf_adapter import (
     rope_config,
     same_value,
 )
+from models.common.hf_config import need
 from models.common.rope import Llama3RopeScaling
 from models.llama3.args import Llama3Args
 
 __all__ = ["Llama3HFAdapter"]
 
 _LLAMA31_CONTEXT = 131072
-_META_VOCAB = 128256  # Meta's Llama 3 tokenizer: <|begin_of_text|> 128000, <|end_of_text|> 128001
+_META_VOCAB = 128256
+_DEFAULT_THETA = 10000.0  # transformers' LlamaConfig when config.json has no rope_theta  # Meta's Llama 3 tokenizer: <|begin_of_text|> 128000, <|end_of_text|> 128001
 
 
 def _llama3_scaling(factor: float) -> dict[str, Any]:
@@ -53,6 +55,21 @@ class Llama3HFAdapter(HFStateDictAdapter):
     hf_architecture = "LlamaForCausalLM"
     model_type = "llama"
     model_name = "llama3"
+    hf_architectures = ("LlamaForCausalLM",)
+    hf_model_types = ("llama",)
+    config_fields_read = frozenset(
+        {
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+            "tie_word_embeddings",
+        }
+    )  # fmt: skip
+    required_values = (
+        ("hidden_act", "silu", "silu"),
+        ("attention_bias", False, False),
+        ("mlp_bias", False, False),
+        ("attention_dropout", 0.0, 0.0),
+    )
 
     args: Llama3Args
 
@@ -119,6 +136,7 @@ class Llama3HFAdapter(HFStateDictAdapter):
         if head_dim is None and isinstance(config.get("hidden_size"), int) and isinstance(heads, int) and heads:
             head_dim = config["hidden_size"] // heads
         theta, _ = rope_config(config)
+        theta = _DEFAULT_THETA if theta is None else theta
         return [
             ConfigField("hidden_size", config.get("hidden_size"), a.dim, "dim"),
             ConfigField("num_hidden_layers", config.get("num_hidden_layers"), a.n_layers, "n_layers"),
@@ -158,14 +176,28 @@ class Llama3HFAdapter(HFStateDictAdapter):
         tied = config.get("tie_word_embeddings", False)
         if not same_value(tied, a.tie_word_embeddings):
             out.append(("tie_word_embeddings", tied, a.tie_word_embeddings, "tie_word_embeddings"))
-        for field, default, want in (
-            ("hidden_act", "silu", "silu"),
-            ("attention_bias", False, False),
-            ("mlp_bias", False, False),
-        ):
-            value = config.get(field, default)
-            if not same_value(value, want):
-                out.append((field, value, want, "not supported by our Llama"))
-        if config.get("quantization_config"):
-            out.append(("quantization_config", "present", None, "dequantize the checkpoint first"))
         return out
+
+    @classmethod
+    def _derive_args(cls, config: Mapping[str, Any]) -> Llama3Args:
+        theta, scaling = rope_config(config)
+        if scaling is not None and scaling.get("rope_type") != "llama3":
+            raise ValueError(
+                f"rope_scaling of rope_type {scaling.get('rope_type')!r} is not implemented by our llama3 (Meta's "
+                "'llama3' scaling or none)"
+            )
+        heads = need(config, "num_attention_heads")
+        kv = config.get("num_key_value_heads")
+        return Llama3Args(
+            dim=need(config, "hidden_size"),
+            n_layers=need(config, "num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=heads if kv is None else kv,
+            vocab_size=need(config, "vocab_size"),
+            hidden_dim=need(config, "intermediate_size"),
+            norm_eps=float(need(config, "rms_norm_eps")),
+            rope_theta=float(_DEFAULT_THETA if theta is None else theta),
+            use_rope_scaling=scaling is not None,
+            rope_scaling_factor=float(scaling["factor"]) if scaling is not None else Llama3Args.rope_scaling_factor,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )

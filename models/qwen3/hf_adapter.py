@@ -20,6 +20,7 @@ configs keep it off).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ from models.common.hf_adapter import (
     rope_config,
     same_value,
 )
+from models.common.hf_config import need
 from models.qwen3.args import Qwen3Args
 
 __all__ = ["Qwen3HFAdapter"]
@@ -43,10 +45,44 @@ __all__ = ["Qwen3HFAdapter"]
 # The context length of the published Qwen3 configs (max_position_embeddings); our max_seq_len
 # is only the training RoPE table length.
 _QWEN3_CONTEXT = 40960
+_DEFAULT_THETA = 10000.0  # transformers' Qwen3Config when config.json has no rope_theta
+_MOE = ("Qwen3MoeForCausalLM", "qwen3_moe")
+
+
+def _is_moe(config: Mapping[str, Any]) -> bool:
+    return _MOE[0] in (config.get("architectures") or []) or config.get("model_type") == _MOE[1]
+
+
+def _head_dim(config: Mapping[str, Any]) -> Any:
+    """config.json's head_dim or, when it has none, transformers' default: 128 for Qwen3,
+    hidden_size / num_attention_heads for Qwen3-MoE."""
+    if config.get("head_dim") is not None or not _is_moe(config):
+        return config.get("head_dim", 128)
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
 class Qwen3HFAdapter(HFStateDictAdapter):
     model_name = "qwen3"
+    hf_architectures = ("Qwen3ForCausalLM", _MOE[0])
+    hf_model_types = ("qwen3", _MOE[1])
+    config_fields_read = frozenset(
+        {
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+            "tie_word_embeddings", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
+            "router_aux_loss_coef", "layer_types",
+            # sliding-window settings, which act only with use_sliding_window (refused when true)
+            "sliding_window", "max_window_layers",
+        }
+    )  # fmt: skip
+    required_values = (
+        ("hidden_act", "silu", "silu"),
+        ("attention_bias", False, False),
+        ("use_sliding_window", False, False),
+        ("attention_dropout", 0.0, 0.0),
+    )
 
     args: Qwen3Args
 
@@ -149,10 +185,9 @@ class Qwen3HFAdapter(HFStateDictAdapter):
         a = self.args
         heads = config.get("num_attention_heads")
         kv = config.get("num_key_value_heads")
-        head_dim = config.get("head_dim")
-        if head_dim is None and isinstance(config.get("hidden_size"), int) and isinstance(heads, int) and heads:
-            head_dim = config["hidden_size"] // heads
+        head_dim = _head_dim(config)
         theta, _ = rope_config(config)
+        theta = _DEFAULT_THETA if theta is None else theta
         out = [
             ConfigField("hidden_size", config.get("hidden_size"), a.dim, "dim"),
             ConfigField("num_hidden_layers", config.get("num_hidden_layers"), a.n_layers, "n_layers"),
@@ -197,14 +232,11 @@ class Qwen3HFAdapter(HFStateDictAdapter):
         _, scaling = rope_config(config)
         if scaling is not None:
             out.append(("rope_scaling", scaling, None, "our Qwen3 has plain RoPE (no scaling)"))
-        for field, default, want in (
-            ("hidden_act", "silu", "silu"),
-            ("attention_bias", False, False),
-            ("use_sliding_window", False, False),
-        ):
-            value = config.get(field, default)
-            if not same_value(value, want):
-                out.append((field, value, want, "not supported by our Qwen3"))
+        kinds = set(config.get("layer_types") or ["full_attention"])
+        if kinds != {"full_attention"}:
+            out.append(
+                ("layer_types", sorted(kinds), ["full_attention"], "our Qwen3 has full attention in every layer")
+            )
         tied = config.get("tie_word_embeddings", False)
         if not same_value(tied, self.args.tie_word_embeddings):
             out.append(("tie_word_embeddings", tied, self.args.tie_word_embeddings, "tie_word_embeddings"))
@@ -225,6 +257,35 @@ class Qwen3HFAdapter(HFStateDictAdapter):
                         f"the router aux loss (router_aux_loss_coef={coef}) is not implemented here",
                     )
                 )
-        if config.get("quantization_config"):
-            out.append(("quantization_config", "present", None, "dequantize the checkpoint first"))
         return out
+
+    @classmethod
+    def _derive_args(cls, config: Mapping[str, Any]) -> Qwen3Args:
+        theta, _ = rope_config(config)  # scaling: refused by the check that follows
+        heads = need(config, "num_attention_heads")
+        kv = config.get("num_key_value_heads")
+        moe = _is_moe(config)
+        args = Qwen3Args(
+            dim=need(config, "hidden_size"),
+            n_layers=need(config, "num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=heads if kv is None else kv,
+            head_dim=_head_dim(config),
+            hidden_dim=need(config, "intermediate_size"),
+            vocab_size=need(config, "vocab_size"),
+            norm_eps=float(need(config, "rms_norm_eps")),
+            rope_theta=float(_DEFAULT_THETA if theta is None else theta),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+        if not moe:
+            return args
+        experts = config.get("num_experts", config.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("it has no 'num_experts', which sets the model's shape")
+        return dataclasses.replace(
+            args,
+            n_routed_experts=experts,
+            n_activated_experts=need(config, "num_experts_per_tok"),
+            moe_inter_dim=need(config, "moe_intermediate_size"),
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        )

@@ -319,8 +319,8 @@ def test_convert_hf_round_trip_and_refusal(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "moe_intermediate_size=64 in config.json vs 128 here" in err[0], err
     assert not (tmp_path / "bad").exists()
-    # without --flavor: a MoE folder of no flavor's depth is "cannot infer", not a wrong
-    # architecture (qwen3's first flavor is dense)
+    # without --flavor every size comes from config.json (moe_intermediate_size 64 now), so the
+    # stored experts' width is what disagrees, named with both shapes
     rc = convert_hf.main(["to-dcp", str(tmp_path / "hf"), str(tmp_path / "bad"), "--model", "qwen3"])
     err = capsys.readouterr().err
-    assert rc == 2 and "cannot infer the qwen3 flavor" in err and "Qwen3ForCausalLM" not in err, err
+    assert rc == 2 and "has shape [128, 256], expected [64, 256]" in err and "Qwen3ForCausalLM" not in err, err

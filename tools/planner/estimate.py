@@ -435,14 +435,21 @@ def estimate_from_config(
     them (which raises for a config the trainer would refuse), float8 included (``model.converters``,
     ``[float8]``). ``tokenizer_vocab`` as for
     ``plan_job`` (None loads the config's tokenizer)."""
+    import dataclasses
+
+    from models.registry import HF_FLAVOR, flavor_names
     from trainer.plan import plan_job
 
     plan = plan_job(cfg, world_size, tokenizer_vocab=tokenizer_vocab)
     choice = choice_from_plan(plan)
     args = plan.model_args  # the flavor's with the config's overrides (trainer.plan.model_overrides)
     overrides = {"vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len, "n_layers": args.n_layers}
+    flavor = cfg.model.flavor
+    if flavor == HF_FLAVOR:  # sizes from a config.json: the first preset with every arg overridden
+        flavor = flavor_names(cfg.model.name)[0]
+        overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     job = Job(
-        cfg.model.name, cfg.model.flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
+        cfg.model.name, flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
         efficiency, choice.param_dtype, choice.reduce_dtype, tf32=bool(cfg.training.enable_tf32),
         model_overrides=tuple(sorted(overrides.items())), float8=choice.float8,
     )  # fmt: skip

@@ -97,6 +97,19 @@ def read_json(path: str, what: str, fix: str) -> Any:
         ) from None
 
 
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The parsed config.json of a Hugging Face folder (``path`` is the folder or the file)."""
+    file = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise CheckpointError(
+            f"{file} does not exist: point it at a Hugging Face model folder holding config.json (or at the file)"
+        )
+    config = read_json(file, "config.json", "copy the model's config.json there")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file} is not a JSON object: restore it from the model's files")
+    return config
+
+
 def read_header(path: str) -> dict[str, Any]:
     """The JSON header of a safetensors file, checked against the file size (a truncated
     download fails here, before anything is read). Reads 8 + header bytes, no tensor data."""

@@ -61,7 +61,16 @@ class Job:
 @dataclass
 class Model:
     name: str = _opt("llama3", "Model family (models/registry.py).", choices=tuple(model_names()))
-    flavor: str = _opt("debugmodel", "Size preset of the model family.")
+    flavor: str = _opt(
+        "debugmodel",
+        "Size preset of the model family, or 'hf': every size from a Hugging Face config.json (model.hf_config, "
+        "else the folder of checkpoint.initial_load_path with initial_load_in_hf = true).",
+    )
+    hf_config: str = _opt(
+        "",
+        "With model.flavor = 'hf': the Hugging Face folder (or its config.json) whose sizes the model takes; "
+        "'' = checkpoint.initial_load_path (initial_load_in_hf = true).",
+    )
     tokenizer_path: str = _opt(
         "",
         "'' = the tokenizer shipped in assets/tokenizer, 'bytes' = byte-level tokenizer, "

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from models.parallel.float8 import FLOAT8_CONVERTERS, FLOAT8_EXPERT_CONVERTERS
-from models.registry import flavor_names, has_experts
+from models.registry import HF_FLAVOR, flavor_names, has_experts
 from trainer.config.errors import ConfigError
 from trainer.config.schema import (
     SECTIONS,
@@ -71,7 +71,13 @@ def _validate_values(cfg: JobConfig) -> None:
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
 
     flavors = tuple(flavor_names(cfg.model.name))
-    if cfg.model.flavor not in flavors:
+    hf_sized = cfg.model.flavor == HF_FLAVOR  # sizes from a config.json: checked by the job plan
+    need(
+        not cfg.model.hf_config or hf_sized,
+        f"model.hf_config sizes the model only with model.flavor = '{HF_FLAVOR}' (a flavor has its own sizes): set "
+        f"model.flavor = '{HF_FLAVOR}' or unset model.hf_config",
+    )
+    if not hf_sized and cfg.model.flavor not in flavors:
         raise ConfigError(_choice_message("model.flavor", cfg.model.flavor, flavors, f" for model '{cfg.model.name}'"))
     need(
         cfg.model.vocab_size is None or cfg.model.vocab_size > 0,
@@ -117,7 +123,7 @@ def _validate_values(cfg: JobConfig) -> None:
 
     # the degrees themselves are validated (with the fix) by the job plan, which knows the
     # world size: trainer/plan.py -> parallel_dims.validate_degrees
-    if not has_experts(cfg.model.name, cfg.model.flavor):
+    if not hf_sized and not has_experts(cfg.model.name, cfg.model.flavor):
         need(
             p.expert_parallel_degree == 1 and p.expert_tensor_parallel_degree == 1,
             f"expert parallelism (parallelism.ep/etp) needs an MoE model; model.name = "
