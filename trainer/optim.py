@@ -17,10 +17,8 @@ placements) so the multi-tensor kernels apply to every layout: ``optimizer.imple
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,14 +29,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.optim.lr_scheduler import LambdaLR
 
 from models.parallel.float8 import plain_state_dict
 from trainer.config import JobConfig
-from trainer.config import LRScheduler as LRSchedulerConfig
 from trainer.config import Optimizer as OptimizerConfig
+from trainer.lr_schedule import LRSchedulers, build_lr_scheduler, lr_multiplier
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["LRSchedulers", "Optimizers", "build_lr_scheduler", "build_optimizer", "lr_multiplier", "param_groups"]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -149,94 +148,3 @@ def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig | OptimizerConf
     if isinstance(model_parts, nn.Module):
         raise TypeError("build_optimizer expects a list of model parts, e.g. [model]")
     return Optimizers(model_parts, cfg.optimizer if isinstance(cfg, JobConfig) else cfg)
-
-
-# ---------------------------------------------------------------------- LR schedule
-
-
-def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, decay_style: str, min_lr_ratio: float) -> float:
-    """Factor on the peak lr for the optimizer step that follows ``step`` completed steps.
-
-    Warmup: steps 1..W (step index 0..W-1) ramp linearly to the peak, reached at the last
-    warmup step. Decay: from the peak at index max(W-1, 0) to min_lr_ratio at the final
-    step (index total_steps-1), so the schedule ends exactly at the floor.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if decay_style == "constant":
-        return 1.0
-    start = max(warmup_steps - 1, 0)
-    span = total_steps - 1 - start
-    progress = min(max((step - start) / span, 0.0), 1.0) if span > 0 else 0.0
-    if decay_style == "linear":
-        shape = 1.0 - progress
-    elif decay_style == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        raise ValueError(f"lr_scheduler.decay_style must be cosine, linear or constant, got {decay_style!r}")
-    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
-
-
-class LRSchedulers:
-    """One LambdaLR per optimizer, stepped together; they always hold the same position, so
-    the checkpoint stores one position and restores it into all (also when the number of
-    model parts differs after a layout change)."""
-
-    def __init__(self, optimizers: Optimizers, fn: Callable[[int], float]):
-        self.fn = fn
-        self.schedulers = [LambdaLR(opt, fn) for opt in optimizers.optimizers]
-
-    def step(self) -> None:
-        for s in self.schedulers:
-            s.step()
-
-    @property
-    def last_step(self) -> int:
-        return self.schedulers[0].last_epoch
-
-    def get_last_lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
-
-    def state_dict(self) -> dict[str, Any]:
-        # base lrs and the schedule shape come from the current config on resume, so a
-        # run can be resumed with a changed lr/schedule; only the position is state.
-        return {"last_epoch": self.schedulers[0].last_epoch, "_step_count": self.schedulers[0]._step_count}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for s in self.schedulers:
-            s.last_epoch = int(state["last_epoch"])
-            s._step_count = int(state["_step_count"])
-            lrs = [base * self.fn(s.last_epoch) for base in s.base_lrs]
-            for group, lr in zip(s.optimizer.param_groups, lrs):
-                group["lr"] = lr
-            s._last_lr = lrs
-
-
-def build_lr_scheduler(
-    optimizer: Optimizers, cfg: JobConfig | LRSchedulerConfig, total_steps: int | None = None
-) -> LRSchedulers:
-    """``total_steps`` defaults to training.steps when a JobConfig is given."""
-    sched = cfg.lr_scheduler if isinstance(cfg, JobConfig) else cfg
-    if total_steps is None:
-        if not isinstance(cfg, JobConfig):
-            raise TypeError("build_lr_scheduler needs total_steps when given an LRScheduler section")
-        total_steps = cfg.training.steps
-    if total_steps <= 0:
-        raise ValueError(f"total_steps must be > 0, got {total_steps}")
-    warmup = sched.warmup_steps
-    if warmup > total_steps:
-        logger.warning(
-            "lr_scheduler.warmup_steps (%d) > training steps (%d); warming up over all %d steps",
-            warmup,
-            total_steps,
-            total_steps,
-        )
-        warmup = total_steps
-    fn = functools.partial(
-        lr_multiplier,
-        warmup_steps=warmup,
-        total_steps=total_steps,
-        decay_style=sched.decay_style,
-        min_lr_ratio=sched.min_lr_ratio,
-    )
-    return LRSchedulers(optimizer, fn)

@@ -176,8 +176,23 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = _opt(200, "Steps of linear warmup to the peak lr.")
-    decay_style: str = _opt("cosine", "Shape of the decay after warmup.", choices=("cosine", "linear", "constant"))
+    decay_style: str = _opt(
+        "cosine",
+        "Shape of the decay after warmup: cosine/linear over all remaining steps, constant, or wsd "
+        "(warmup-stable-decay: the peak until the last decay_ratio of the steps, then decay_shape).",
+        choices=("cosine", "linear", "constant", "wsd"),
+    )
     min_lr_ratio: float = _opt(0.1, "Final lr as a fraction of the peak (ignored by 'constant').")
+    decay_ratio: float = _opt(
+        0.1,
+        "wsd: fraction of training.steps in the final decay (round(ratio x steps) steps); resuming with "
+        "more steps moves the decay to the new end and lengthens the stable phase.",
+    )
+    decay_shape: str = _opt(
+        "1-sqrt",
+        "wsd: shape of the final decay (1-sqrt: Hagele et al. 2024, arXiv:2405.18392).",
+        choices=("linear", "cosine", "1-sqrt"),
+    )
 
 
 # One field per parallel axis, derived from parallel_dims/axes.py (key, default, help, alias).

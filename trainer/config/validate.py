@@ -112,6 +112,7 @@ def _validate_values(cfg: JobConfig) -> None:
 
     need(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
     need(0.0 <= s.min_lr_ratio <= 1.0, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
+    need(0.0 <= s.decay_ratio <= 1.0, f"lr_scheduler.decay_ratio must be in [0, 1], got {s.decay_ratio}")
 
     # the degrees themselves are validated (with the fix) by the job plan, which knows the
     # world size: trainer/plan.py -> parallel_dims.validate_degrees
