@@ -90,6 +90,7 @@ class LRSchedulers:
 
     def __init__(self, optimizers: Any, fn: Callable[[int], float]):
         self.fn = fn
+        self.peak_lr: float = optimizers.peak_lr  # optimizer.lr: the rate of a group without lr_mult
         self.schedulers = [LambdaLR(opt, fn) for opt in optimizers.optimizers]
 
     def step(self) -> None:
@@ -102,8 +103,7 @@ class LRSchedulers:
 
     def get_last_lr(self) -> float:
         """The rate of a group without an lr multiplier: optimizer.lr x the schedule."""
-        s = self.schedulers[0]
-        return s.base_lrs[0] / s.optimizer.param_groups[0].get("lr_mult", 1.0) * self.fn(s.last_epoch)
+        return self.peak_lr * self.fn(self.schedulers[0].last_epoch)
 
     def state_dict(self) -> dict[str, Any]:
         # base lrs and the schedule shape come from the current config on resume, so a
