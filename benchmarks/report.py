@@ -122,6 +122,15 @@ SECTIONS: list[tuple[str, str, str]] = [
         "of the 4 processes' peaks), and its last-step loss (bitwise the same for this layout)",
     ),
     (
+        "optimizer",
+        "Optimizer step: Muon against AdamW",
+        "`make bench` section `optimizer` (also `python -m benchmarks.run --only optimizer --out "
+        "bench_results/optimizer.json`): the optimizer step of the llama3 debug model (6 blocks) on 2 gloo "
+        "ranks (one thread each) under fsdp=2 and tp=2, Muon (trainer/muon.py) against AdamW (foreach) in "
+        "the same processes, median of 5 steps; under fsdp=2 also Newton-Schulz by all-gather (the "
+        "trainer's scheme) against round-robin owners with gather/scatter",
+    ),
+    (
         "planner_search",
         "Layout planner search time",
         "`python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "

@@ -1,26 +1,26 @@
-"""AdamW over (possibly several, pipeline-stage) model parts, and the LR schedule.
+"""The optimizer over (possibly several, pipeline-stage) model parts: AdamW, or Muon for the
+hidden matrices beside AdamW for the rest, with parameter groups (trainer/optim_groups.py).
+The LR schedule is trainer/lr_schedule.py (re-exported here).
 
-One ``torch.optim.AdamW`` per model part rather than one over all parts: the DCP
-state-dict helpers (``get/set_optimizer_state_dict``) map parameters to FQNs through a
-single module, and each pipeline stage is its own module with the original model's FQNs.
-``Optimizers`` and ``LRSchedulers`` make the list behave like one optimizer/scheduler.
+One optimizer per model part and kind rather than one over all parts: the DCP state-dict
+helpers (``get/set_optimizer_state_dict``) map parameters to FQNs through a single module, and
+each pipeline stage is its own module with the original model's FQNs. ``Optimizers`` and
+``LRSchedulers`` make the list behave like one optimizer/scheduler.
 
-Weight decay applies to parameters with >= 2 dims (linear weights, embeddings, the
-output projection, expert weights); 1-D parameters (norm scales, biases) are not decayed,
-because shrinking a norm scale towards 0 fights the normalisation it implements. Embeddings
-are decayed like other matrices, as in the Llama recipes.
+Weight decay (default groups) applies to parameters with >= 2 dims (linear weights,
+embeddings, the output projection, expert weights); 1-D parameters (norm scales, biases) are
+not decayed, because shrinking a norm scale towards 0 fights the normalisation it implements.
+Embeddings are decayed like other matrices, as in the Llama recipes.
 
-Parameter groups are further split by tensor layout (plain tensors; DTensors per mesh and
-placements) so the multi-tensor kernels apply to every layout: ``optimizer.implementation``
+AdamW's parameter groups are further split by tensor layout (plain tensors; DTensors per mesh
+and placements) so the multi-tensor kernels apply to every layout: ``optimizer.implementation``
 ``auto`` runs the fused AdamW kernel on GPUs and the foreach kernels on CPU.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,14 +31,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.optim.lr_scheduler import LambdaLR
 
+from models.common.init import canonical_fqn
 from models.parallel.float8 import plain_state_dict
 from trainer.config import JobConfig
-from trainer.config import LRScheduler as LRSchedulerConfig
 from trainer.config import Optimizer as OptimizerConfig
+from trainer.lr_schedule import LRSchedulers, build_lr_scheduler, lr_multiplier
+from trainer.muon import Muon
+from trainer.optim_groups import GROUPING_KEY, check_grouping, check_patterns, choose, grouping_signature, summary_lines
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["LRSchedulers", "Optimizers", "build_lr_scheduler", "build_optimizer", "lr_multiplier", "param_groups"]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -52,6 +56,27 @@ def _layout_key(p: torch.Tensor) -> Any:
     if isinstance(p, DTensor):
         return ("dtensor", p.device_mesh, p.placements, p.dtype)  # mesh equality is what DTensor checks
     return ("tensor", p.device, p.dtype)
+
+
+def optimizer_groups(model: nn.Module, cfg: OptimizerConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The (AdamW, Muon) torch parameter groups of one model part: one per (table, weight decay,
+    tensor layout), tables in config order first, then the default groups, decayed first;
+    module order inside each (see trainer/optim_groups.py for who gets what)."""
+    groups: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            c = choose(canonical_fqn(name), p.ndim, cfg)
+            key = (c.index < 0, c.index, c.weight_decay == 0.0, c.optimizer, c.weight_decay, _layout_key(p))
+            groups.setdefault(key, (c, []))[1].append(p)
+    adamw, muon = [], []
+    for key in sorted(groups, key=lambda k: k[:3]):  # stable: layouts keep module order
+        c, params = groups[key]
+        group = {"params": params, "lr": cfg.lr * c.lr_mult, "weight_decay": c.weight_decay}
+        if c.optimizer == "Muon":
+            muon.append(group)
+        else:
+            adamw.append({**group, "betas": c.betas, "eps": c.eps})
+    return adamw, muon
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -75,43 +100,88 @@ def resolve_implementation(implementation: str, params: Iterable[torch.Tensor]) 
 
 
 class Optimizers:
-    """One AdamW per model part, driven as one optimizer."""
+    """One AdamW (and with ``optimizer.name = "Muon"`` one Muon) per model part, driven as one
+    optimizer. ``all_params``: (FQN, shape) of every parameter of the whole model (every
+    pipeline stage), for the check that each parameter group gets a parameter and for the
+    start-up summary (:attr:`summary`); defaults to the given parts."""
 
-    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig):
-        if cfg.name != "AdamW":
-            raise ValueError(f"optimizer.name '{cfg.name}' is not supported; use 'AdamW'")
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        cfg: OptimizerConfig,
+        all_params: list[tuple[str, tuple[int, ...]]] | None = None,
+    ):
+        if cfg.name not in ("AdamW", "Muon"):
+            raise ValueError(f"optimizer.name '{cfg.name}' is not supported; use 'AdamW' or 'Muon'")
         self.model_parts = list(model_parts)
+        self.peak_lr = cfg.lr
         self.optimizers: list[torch.optim.Optimizer] = []
+        self._parts: list[nn.Module] = []  # the model part of each optimizer
         for part in self.model_parts:
             if not any(p.requires_grad for p in part.parameters()):
                 raise ValueError(f"model part {type(part).__name__} has no trainable parameters")
+        if all_params is None:
+            all_params = [
+                (canonical_fqn(n), tuple(p.shape)) for part in self.model_parts for n, p in part.named_parameters()
+            ]
+        check_patterns([n for n, _ in all_params], cfg)
+        self.summary = summary_lines(all_params, cfg)
+        self.signature = grouping_signature(cfg)
         impl = resolve_implementation(cfg.implementation, [p for part in self.model_parts for p in part.parameters()])
         self.implementation = impl
+        self.has_muon = False
         for part in self.model_parts:
-            self.optimizers.append(
-                torch.optim.AdamW(
-                    param_groups(part, cfg.weight_decay),
-                    lr=cfg.lr,
-                    betas=tuple(cfg.betas),
-                    eps=cfg.eps,
-                    weight_decay=cfg.weight_decay,
-                    foreach=impl == "foreach",
-                    fused=impl == "fused",
+            adamw_groups, muon_groups = optimizer_groups(part, cfg)
+            if adamw_groups:
+                self._add(
+                    part,
+                    torch.optim.AdamW(
+                        adamw_groups,
+                        lr=cfg.lr,
+                        betas=tuple(cfg.betas),
+                        eps=cfg.eps,
+                        weight_decay=cfg.weight_decay,
+                        foreach=impl == "foreach",
+                        fused=impl == "fused",
+                    ),
                 )
-            )
+            if muon_groups:
+                self.has_muon = True
+                self._add(
+                    part,
+                    Muon(
+                        muon_groups,
+                        lr=cfg.lr,
+                        weight_decay=cfg.weight_decay,
+                        momentum=cfg.muon_momentum,
+                        nesterov=cfg.muon_nesterov,
+                        ns_steps=cfg.muon_ns_steps,
+                        ns_coefficients=cfg.muon_ns_coefficients,
+                        update_rms=cfg.muon_update_rms,
+                    ),
+                )
+        # the config's hyperparameters of every group, re-applied after a checkpoint load (as
+        # the lr is: the schedule recomputes it from the config)
+        self._configured = [
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in self.optimizers
+        ]
+
+    def _add(self, part: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self._parts.append(part)
+        self.optimizers.append(opt)
 
     @property
     def skips_on_device(self) -> bool:
         """Whether :meth:`step` can skip a step on the device (``found_inf``): the fused AdamW
         kernel takes it (it leaves parameters, moments and step counts as they were); the
-        foreach and for-loop implementations refuse it."""
-        return self.implementation == "fused"
+        foreach and for-loop implementations, and Muon, refuse it."""
+        return self.implementation == "fused" and not self.has_muon
 
     def step(self, found_inf: torch.Tensor | None = None) -> None:
-        """One AdamW step of every part. ``found_inf``: a float32 device scalar, 1.0 to skip the
+        """One step of every optimizer. ``found_inf``: a float32 device scalar, 1.0 to skip the
         step on the device without a host sync (only where :attr:`skips_on_device`)."""
         if found_inf is not None and not self.skips_on_device:
-            raise ValueError(f"found_inf needs the fused AdamW kernel, not {self.implementation!r}")
+            raise ValueError(f"found_inf needs the fused AdamW kernel (and no Muon), not {self.implementation!r}")
         for opt in self.optimizers:
             if found_inf is None:
                 opt.step()
@@ -134,109 +204,29 @@ class Optimizers:
 
     def state_dict(self) -> dict[str, Any]:
         """Flat FQN-keyed state (``state.<fqn>.exp_avg``...), mergeable across parts and
-        reshardable by DCP to a different layout."""
+        reshardable by DCP to a different layout, and the grouping (:data:`GROUPING_KEY`)."""
         merged: dict[str, Any] = {}
-        for part, opt in zip(self.model_parts, self.optimizers):
+        for part, opt in zip(self._parts, self.optimizers):
             merged.update(plain_state_dict(get_optimizer_state_dict(part, opt, options=_FLAT)))
+        merged[GROUPING_KEY] = self.signature
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part, opt in zip(self.model_parts, self.optimizers):
+        """Restore every group's state; a checkpoint saved under another grouping is refused
+        (one line; ``checkpoint.exclude_from_loading = ["optimizer"]`` starts fresh instead)."""
+        state_dict = dict(state_dict)
+        check_grouping(state_dict.pop(GROUPING_KEY, None), self.signature)
+        for part, opt, configured in zip(self._parts, self.optimizers, self._configured):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
+            for group, values in zip(opt.param_groups, configured):
+                group.update(values)
 
 
-def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig | OptimizerConfig) -> Optimizers:
+def build_optimizer(
+    model_parts: list[nn.Module],
+    cfg: JobConfig | OptimizerConfig,
+    all_params: list[tuple[str, tuple[int, ...]]] | None = None,
+) -> Optimizers:
     if isinstance(model_parts, nn.Module):
         raise TypeError("build_optimizer expects a list of model parts, e.g. [model]")
-    return Optimizers(model_parts, cfg.optimizer if isinstance(cfg, JobConfig) else cfg)
-
-
-# ---------------------------------------------------------------------- LR schedule
-
-
-def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, decay_style: str, min_lr_ratio: float) -> float:
-    """Factor on the peak lr for the optimizer step that follows ``step`` completed steps.
-
-    Warmup: steps 1..W (step index 0..W-1) ramp linearly to the peak, reached at the last
-    warmup step. Decay: from the peak at index max(W-1, 0) to min_lr_ratio at the final
-    step (index total_steps-1), so the schedule ends exactly at the floor.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if decay_style == "constant":
-        return 1.0
-    start = max(warmup_steps - 1, 0)
-    span = total_steps - 1 - start
-    progress = min(max((step - start) / span, 0.0), 1.0) if span > 0 else 0.0
-    if decay_style == "linear":
-        shape = 1.0 - progress
-    elif decay_style == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        raise ValueError(f"lr_scheduler.decay_style must be cosine, linear or constant, got {decay_style!r}")
-    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
-
-
-class LRSchedulers:
-    """One LambdaLR per optimizer, stepped together; they always hold the same position, so
-    the checkpoint stores one position and restores it into all (also when the number of
-    model parts differs after a layout change)."""
-
-    def __init__(self, optimizers: Optimizers, fn: Callable[[int], float]):
-        self.fn = fn
-        self.schedulers = [LambdaLR(opt, fn) for opt in optimizers.optimizers]
-
-    def step(self) -> None:
-        for s in self.schedulers:
-            s.step()
-
-    @property
-    def last_step(self) -> int:
-        return self.schedulers[0].last_epoch
-
-    def get_last_lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
-
-    def state_dict(self) -> dict[str, Any]:
-        # base lrs and the schedule shape come from the current config on resume, so a
-        # run can be resumed with a changed lr/schedule; only the position is state.
-        return {"last_epoch": self.schedulers[0].last_epoch, "_step_count": self.schedulers[0]._step_count}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for s in self.schedulers:
-            s.last_epoch = int(state["last_epoch"])
-            s._step_count = int(state["_step_count"])
-            lrs = [base * self.fn(s.last_epoch) for base in s.base_lrs]
-            for group, lr in zip(s.optimizer.param_groups, lrs):
-                group["lr"] = lr
-            s._last_lr = lrs
-
-
-def build_lr_scheduler(
-    optimizer: Optimizers, cfg: JobConfig | LRSchedulerConfig, total_steps: int | None = None
-) -> LRSchedulers:
-    """``total_steps`` defaults to training.steps when a JobConfig is given."""
-    sched = cfg.lr_scheduler if isinstance(cfg, JobConfig) else cfg
-    if total_steps is None:
-        if not isinstance(cfg, JobConfig):
-            raise TypeError("build_lr_scheduler needs total_steps when given an LRScheduler section")
-        total_steps = cfg.training.steps
-    if total_steps <= 0:
-        raise ValueError(f"total_steps must be > 0, got {total_steps}")
-    warmup = sched.warmup_steps
-    if warmup > total_steps:
-        logger.warning(
-            "lr_scheduler.warmup_steps (%d) > training steps (%d); warming up over all %d steps",
-            warmup,
-            total_steps,
-            total_steps,
-        )
-        warmup = total_steps
-    fn = functools.partial(
-        lr_multiplier,
-        warmup_steps=warmup,
-        total_steps=total_steps,
-        decay_style=sched.decay_style,
-        min_lr_ratio=sched.min_lr_ratio,
-    )
-    return LRSchedulers(optimizer, fn)
+    return Optimizers(model_parts, cfg.optimizer if isinstance(cfg, JobConfig) else cfg, all_params)

@@ -120,6 +120,9 @@ class Trainer:
         with torch.device("meta"):
             model = plan.model.model_cls(plan.model.args)
         self.num_params = sum(p.numel() for p in model.parameters())
+        # every parameter of the whole model (all stages): the optimizer's groups are checked and
+        # summarised against it (trainer/optim_groups.py)
+        all_params = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
         self.flops_per_token = training_flops_per_token(model, plan.batch.seq_len)
 
         with host_side():  # the meshes are the same for every simulated rank (built as rank 0's)
@@ -182,7 +185,9 @@ class Trainer:
             self.validator = Validator(
                 cfg, self.tokenizer, plan, self.model_parts, val_loss_fn, self.device, loss_parallel=self.loss_parallel
             )
-        self.optimizer = build_optimizer(self.model_parts, cfg)
+        self.optimizer = build_optimizer(self.model_parts, cfg, all_params=all_params)
+        for line in self.optimizer.summary:
+            _log(line)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.ckpt = CheckpointManager(
             cfg,

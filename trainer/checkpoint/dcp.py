@@ -55,6 +55,7 @@ from trainer.checkpoint.state import (
     rng_state,
     run_dcp,
     set_rng_state,
+    stored_optimizer_keys,
     to_blob,
 )
 
@@ -107,7 +108,7 @@ def load_checkpoint(
     has_optimizer = any(k.startswith("optimizer.") for k in stored)
     load_optimizer = optimizer is not None and has_optimizer and "optimizer" not in exclude
     if load_optimizer:
-        state["optimizer"] = optimizer.state_dict()  # also materialises empty Adam state
+        state["optimizer"] = stored_optimizer_keys(optimizer.state_dict(), stored)  # also materialises empty state
     if "train_state" in stored:
         state["train_state"] = b""
     try:

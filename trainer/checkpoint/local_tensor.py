@@ -37,6 +37,7 @@ from trainer.checkpoint.state import (
     is_complete,
     model_state_dict,
     set_rng_state,
+    stored_optimizer_keys,
 )
 
 __all__ = ["LocalTensorFolder", "full_value"]
@@ -137,7 +138,7 @@ def load_full_checkpoint(
     load_optimizer = (
         optimizer is not None and "optimizer" not in exclude and any(k.startswith("optimizer.") for k in stored)
     )
-    optim_sd = optimizer.state_dict() if load_optimizer else {}  # also materialises empty Adam state
+    optim_sd = stored_optimizer_keys(optimizer.state_dict(), stored) if load_optimizer else {}  # materialises state
     with host_side():
         state: dict[str, Any] = {"model": {k: _template(v) for k, v in model_sd.items()}}
         if load_optimizer:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.parallel.float8 import plain_state_dict
+from trainer.optim_groups import GROUPING_KEY
 
 __all__ = [
     "EXPORT_DTYPES",
@@ -30,6 +31,7 @@ __all__ = [
     "is_complete",
     "load_model_parts",
     "model_state_dict",
+    "stored_optimizer_keys",
 ]
 
 # the dtypes a weights export (consolidated file or Hugging Face folder) may be written in
@@ -126,3 +128,10 @@ def checkpoint_keys(path: str) -> set[str]:
 def is_complete(path: str) -> bool:
     """A DCP folder is complete once its ``.metadata`` exists (DCP writes it last)."""
     return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def stored_optimizer_keys(optim_state: dict[str, Any], stored: set[str]) -> dict[str, Any]:
+    """The optimizer state to load from a checkpoint holding ``stored`` keys: all of it, except
+    the parameter grouping (trainer/optim_groups.py ``GROUPING_KEY``) when a checkpoint written
+    before groups existed lacks it (the optimizer then compares against plain AdamW's)."""
+    return {k: v for k, v in optim_state.items() if k != GROUPING_KEY or f"optimizer.{k}" in stored}

@@ -17,6 +17,7 @@ import typing
 from typing import Any
 
 from trainer.config.errors import ConfigError
+from trainer.config.optim_schema import TABLE_KEYS
 from trainer.config.schema import (
     ALIASES,
     CONFIG_DIR,
@@ -50,6 +51,8 @@ def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is list:
         (inner,) = typing.get_args(tp)
+        if inner is dict:
+            return "an array of tables (on the command line: [{key = value, ...}, ...])"
         return f"a comma-separated list of {_LIST_NAMES[inner]}"
     if origin in _UNION_ORIGINS:
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
@@ -72,6 +75,8 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             return _coerce(key, inner, value, from_cli)
         except ConfigError:
             raise bad() from None
+    if origin is list and typing.get_args(tp) == (dict,):
+        return _coerce_tables(key, value, from_cli, bad)
     if origin is list:
         (inner,) = typing.get_args(tp)
         if isinstance(value, str):
@@ -119,6 +124,31 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             return str(value)
         raise bad()
     raise TypeError(f"unsupported config field type {tp!r} for {key}")  # programming error
+
+
+def _coerce_tables(key: str, value: Any, from_cli: bool, bad: Any) -> list[dict[str, Any]]:
+    """An array of tables (``[[optimizer.param_groups]]``): each table's keys checked against
+    :data:`TABLE_KEYS` (a misspelled key fails with a suggestion) and its values converted. On
+    the command line the value is a TOML array of inline tables."""
+    if isinstance(value, str) and from_cli:
+        try:
+            value = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{key} expects a TOML array of inline tables, e.g. [{{pattern = 'x'}}]: {e}") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, dict) for t in value):
+        raise bad()
+    spec = TABLE_KEYS[key]
+    out = []
+    for i, table in enumerate(value):
+        item = {}
+        for k, v in table.items():
+            if k not in spec:
+                close = difflib.get_close_matches(k, list(spec), n=1, cutoff=0.6)
+                hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(spec)}"
+                raise ConfigError(f"unknown key '{k}' in {key}[{i}]; {hint}")
+            item[k] = _coerce(f"{key}[{i}].{k}", spec[k], v, from_cli=False)
+        out.append(item)
+    return out
 
 
 # --------------------------------------------------------------------- key lookup

@@ -19,6 +19,8 @@ from models.parallel.float8 import FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
+from trainer.config.fields import opt as _opt
+from trainer.config.optim_schema import LRScheduler, Optimizer
 from trainer.config.toml_writer import dump_toml
 
 # what one document of a .txt file is (trainer/data/sources.py FileSource)
@@ -30,17 +32,6 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "train_configs")
 
 PARALLELISM_ALIASES: dict[str, str] = {a.name: a.config_key for a in AXES}
 ALIASES: dict[str, dict[str, str]] = {"parallelism": PARALLELISM_ALIASES}
-
-
-def _opt(default: Any, help: str, *, choices: tuple | None = None) -> Any:
-    """Field with help text and, for enums, the legal values.
-
-    Mutable defaults are copied per instance so two configs never share a list.
-    """
-    metadata = {"help": help, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 # --------------------------------------------------------------------------- sections
@@ -175,29 +166,6 @@ class Training:
     def gradient_accumulation_steps(self, batch_degree: int) -> int:
         """Derived, not a key: it depends on the batch degree, known only at launch."""
         return gradient_accumulation_steps(self.global_batch_size, self.local_batch_size, batch_degree)
-
-
-@dataclass
-class Optimizer:
-    name: str = _opt("AdamW", "Optimizer class.", choices=("AdamW",))
-    lr: float = _opt(8e-4, "Peak learning rate.")
-    betas: list[float] = _opt([0.9, 0.95], "Adam (beta1, beta2).")
-    eps: float = _opt(1e-8, "Adam epsilon.")
-    weight_decay: float = _opt(0.1, "Decoupled weight decay for matrices (>= 2-D parameters).")
-    implementation: str = _opt(
-        "auto",
-        "AdamW kernels: 'fused' (one kernel per parameter group; CUDA and CPU), 'foreach' "
-        "(multi-tensor), 'for-loop' (one parameter at a time), 'auto' = fused on GPU, "
-        "foreach on CPU.",
-        choices=("auto", "fused", "foreach", "for-loop"),
-    )
-
-
-@dataclass
-class LRScheduler:
-    warmup_steps: int = _opt(200, "Steps of linear warmup to the peak lr.")
-    decay_style: str = _opt("cosine", "Shape of the decay after warmup.", choices=("cosine", "linear", "constant"))
-    min_lr_ratio: float = _opt(0.1, "Final lr as a fraction of the peak (ignored by 'constant').")
 
 
 # One field per parallel axis, derived from parallel_dims/axes.py (key, default, help, alias).
@@ -504,4 +472,4 @@ class JobConfig:
 
 
 def _copy_value(v: Any) -> Any:
-    return list(v) if isinstance(v, list) else v
+    return [dict(x) if isinstance(x, dict) else x for x in v] if isinstance(v, list) else v

@@ -11,6 +11,8 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,9 +119,11 @@ def _validate_values(cfg: JobConfig) -> None:
     )
     need(o.eps > 0, f"optimizer.eps must be > 0, got {o.eps}")
     need(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+    _validate_optimizer_extras(o, need)
 
     need(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
     need(0.0 <= s.min_lr_ratio <= 1.0, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
+    need(0.0 <= s.decay_ratio <= 1.0, f"lr_scheduler.decay_ratio must be in [0, 1], got {s.decay_ratio}")
 
     # the degrees themselves are validated (with the fix) by the job plan, which knows the
     # world size: trainer/plan.py -> parallel_dims.validate_degrees
@@ -384,6 +388,42 @@ def _fake_backend_torch(version: str) -> tuple[bool, str]:
         "group leaves a reduce-scatter's output unwritten, so FSDP's reduced gradients would be "
         f'uninitialized memory; pip install "torch>={need},<{below}", or run with real collectives'
     )
+
+
+def _validate_optimizer_extras(o: Any, need: Callable[[bool, str], None]) -> None:
+    """Muon's keys and each [[optimizer.param_groups]] table (whose keys and types the loader
+    checked): a valid regex, values in range, optimizer routing only under Muon."""
+    need(0.0 <= o.muon_momentum < 1.0, f"optimizer.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    need(o.muon_ns_steps >= 1, f"optimizer.muon_ns_steps must be >= 1, got {o.muon_ns_steps}")
+    need(
+        len(o.muon_ns_coefficients) == 3,
+        f"optimizer.muon_ns_coefficients must be three numbers (a, b, c), got {o.muon_ns_coefficients}",
+    )
+    need(o.muon_update_rms > 0, f"optimizer.muon_update_rms must be > 0, got {o.muon_update_rms}")
+    for i, g in enumerate(o.param_groups):
+        key = f"optimizer.param_groups[{i}]"
+        need("pattern" in g, f"{key} needs a pattern (a regex over parameter names, e.g. 'tok_embeddings')")
+        try:
+            re.compile(g["pattern"])
+        except re.error as e:
+            raise ConfigError(f"{key}.pattern {g['pattern']!r} is not a valid regex ({e})") from None
+        need(g.get("lr_mult", 1.0) >= 0, f"{key}.lr_mult must be >= 0, got {g.get('lr_mult')}")
+        need(g.get("weight_decay", 0.0) >= 0, f"{key}.weight_decay must be >= 0, got {g.get('weight_decay')}")
+        need(g.get("eps", 1.0) > 0, f"{key}.eps must be > 0, got {g.get('eps')}")
+        betas = g.get("betas", [0.0, 0.0])
+        need(
+            len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas),
+            f"{key}.betas must be two numbers in [0, 1), got {betas}",
+        )
+        if "optimizer" in g:
+            need(
+                g["optimizer"] in ("AdamW", "Muon"),
+                f"{key}.optimizer must be 'AdamW' or 'Muon', got {g['optimizer']!r}",
+            )
+            need(
+                o.name == "Muon" or g["optimizer"] == "AdamW",
+                f"{key}.optimizer = 'Muon' needs optimizer.name = 'Muon' (got {o.name!r}); set it, or drop the key",
+            )
 
 
 def _choice_message(key: str, value: Any, choices: tuple, context: str = "") -> str:
