@@ -153,7 +153,10 @@ def test_parallelism_aliases():
         (["--optimizer.lr", "fast"], "optimizer.lr expects a float, got 'fast'"),
         (["--checkpoint.enable", "maybe"], "checkpoint.enable expects a bool (true/false), got 'maybe'"),
         (["--training.steps"], "--training.steps needs a value (an int)"),
-        (["--optimizer.name", "adamw"], "optimizer.name must be one of 'AdamW', 'Muon', got 'adamw'; did you mean 'AdamW'?"),
+        (
+            ["--optimizer.name", "adamw"],
+            "optimizer.name must be one of 'AdamW', 'Muon', got 'adamw'; did you mean 'AdamW'?",
+        ),
         (["--lr_scheduler.decay_style", "cosin"], "did you mean 'cosine'?"),
         (
             ["--model.flavor", "8b"],
