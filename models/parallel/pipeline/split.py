@@ -37,14 +37,6 @@ def _check_pipelinable(model: nn.Module) -> None:
                 f"{type(model).__name__} has no {name!r}; pipeline splitting needs the "
                 "tok_embeddings / layers / norm / output structure of our models"
             )
-    if getattr(getattr(model, "args", None), "aux_loss_coeff", 0.0):
-        # The sequence-wise aux loss is added to the loss in the trainer; on a pipeline the MoE
-        # layers of earlier stages never see the loss function, so it would silently vanish.
-        raise ValueError(
-            f"aux_loss_coeff={model.args.aux_loss_coeff} is not supported with pipeline "
-            "parallelism (pp > 1) yet; set aux_loss_coeff = 0 (auxiliary-loss-free balancing "
-            "via load_balance_coeff works) or pp = 1"
-        )
 
 
 def _carve_stage(model: nn.Module, layer_range: tuple[int, int], is_first: bool, is_last: bool) -> nn.Module:
