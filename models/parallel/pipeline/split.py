@@ -69,11 +69,6 @@ def split_model(model: nn.Module | Callable[[], nn.Module], stages: StagePlan, p
         raise ValueError(
             f"the stage plan is for pp={stages.pp}, the layout has pp={pd.pp}; plan the stages for this layout"
         )
-    if getattr(getattr(model, "args", None), "tie_word_embeddings", False) and pd.pp > 2:
-        raise ValueError(
-            f"pp={pd.pp} with tied embeddings is not supported yet (the two copies of the tied weight sum their "
-            "gradients over a group built for pp=2 only); use pp=2 or pp=1"
-        )
     num_stages, n_layers = stages.num_stages, stages.n_layers
     ranges = list(stages.layer_ranges)
     indices = stages.stages_for_rank(pd.coordinate("pp"))
