@@ -125,16 +125,13 @@ def write_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def standard_rule(n_layers: int, dim: int, tied: bool = False) -> InitRule:
+def standard_rule(n_layers: int, dim: int) -> InitRule:
     """Init policy shared by both models:
 
     * norms: 1;
     * ``tok_embeddings``: std 1 (the residual stream starts at unit scale, which RMSNorm then
       sees without any dependence on ``dim``);
     * ``output``: std ``dim**-0.5`` so initial logits are O(1) and the first loss is ~ln(vocab);
-      with ``tied`` (one tensor for both, ``tie_word_embeddings``) the embedding is drawn so too:
-      at std 1 the tied head's initial logits would be ~sqrt(dim) and the first loss in the
-      hundreds (what torchtitan's tied init ends with: the head's init overwrites the embedding's);
     * residual-writing projections (``wo``, ``w2``, including expert ``w2``):
       ``0.02 / sqrt(2 * n_layers)``, using the *global* layer count so a pipeline stage draws
       the same values as the full model;
@@ -148,7 +145,7 @@ def standard_rule(n_layers: int, dim: int, tied: bool = False) -> InitRule:
         if isinstance(module, RMSNorm):
             return ParamInit.constant(1.0)
         if fqn == "tok_embeddings.weight":
-            return ParamInit.normal(dim**-0.5 if tied else 1.0)
+            return ParamInit.normal(1.0)
         if fqn == "output.weight":
             return ParamInit.normal(dim**-0.5)
         parts = fqn.split(".")

@@ -114,10 +114,11 @@ llama3_flavors: dict[str, Llama3Args] = {
         max_seq_len=2048,
     ),
     # debugmodel in Llama 3.2's shape: tied embeddings, RoPE scaling factor 32 (CPU tests of the
-    # tied head on every layout)
+    # tied head on every layout); 8 layers, so pp=4 gets two stages per rank (and the shapes
+    # tell it from debugmodel)
     "debugmodel_tied": Llama3Args(
         dim=256,
-        n_layers=6,
+        n_layers=8,
         n_heads=16,
         n_kv_heads=8,
         vocab_size=2048,

@@ -23,7 +23,7 @@ no ``output.weight`` key). F is also the V schedule's resume check: before the o
 head's copy a clone of the embedding's loaded moments, both copies shared one moment tensor on
 pp rank 0, it was updated twice per step and the copies differed after step 5 (seen here).
 
-Shapes: 8 blocks (the fewest that give pp=4 two stages per rank), seq_len 64, global batch 8,
+Shapes: the flavor's 8 blocks (the fewest that give pp=4 two stages per rank), seq_len 64, global batch 8,
 local batch 4 (pp=4's 4 micro-batches), a constant learning rate after 2 warm-up steps, so a run
 of 3 steps and one of 5 share steps 1-3 (the schedule does not depend on training.steps).
 Negative controls of the gradient sum and of the tie under fsdp/tp: tests/distributed/
@@ -34,7 +34,6 @@ cores): max rel loss diff 6e-8 (fsdp=2, tp=2, pp=2, pp=4); about 35 s wall in al
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -50,8 +49,6 @@ LAYOUTS = ["single", "fsdp=2", "tp=2", "pp=2", "pp=4"]
 OVERRIDES = [
     "--model.flavor",
     "debugmodel_tied",
-    "--model.n_layers",
-    "8",
     "--training.seq_len",
     "64",
     "--training.global_batch_size",
@@ -127,11 +124,7 @@ def test_layouts_match_one_process(runs):
     for run in summary["runs"]:
         assert run["status"] in ("ok", "baseline") and run["first_step_beyond"] is None, run
         print(f"{run['layout']:<8} max rel loss diff {run['max_rel_diff']:.2e}")
-    # the tied init (std dim**-0.5, models/common/init.py): the first loss is 13.5 (the residual
-    # stream starts as the input token's embedding, which the tied head scores highest), not
-    # the ~245 of the embedding's std-1 draw used as the head
-    first = runs["single"][1]["loss"]
-    assert first < 2 * math.log(2048), first
+
 
 
 @pytest.mark.parametrize(("name", "steps", "copies"), [("a", [1, 2, 3], 2), ("c", [4], 1), ("f", [5], 2)])
