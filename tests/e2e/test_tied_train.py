@@ -126,7 +126,6 @@ def test_layouts_match_one_process(runs):
         print(f"{run['layout']:<8} max rel loss diff {run['max_rel_diff']:.2e}")
 
 
-
 @pytest.mark.parametrize(("name", "steps", "copies"), [("a", [1, 2, 3], 2), ("c", [4], 1), ("f", [5], 2)])
 def test_copies_equal_after_every_step_and_losses_continue(runs, name, steps, copies):
     """Every copy of the tied weight bitwise equal after each step (2 copies on a pipeline: the
