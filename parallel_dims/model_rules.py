@@ -74,11 +74,6 @@ def check_model_layout(d: Degrees, rules: ModelRules) -> None:
             f"and the head share one vocabulary-sharded tensor); set model.vocab_size to a multiple of {d.tp} "
             f"(e.g. {-(-r.vocab_size // d.tp) * d.tp}) or use tp=1"
         )
-    if r.tied_embeddings and d.pp > 2:
-        raise ValueError(
-            f"pp={d.pp} with tied embeddings is not supported yet (the embedding's first-stage copy and the "
-            "head's last-stage copy sum their gradients over a group built for pp=2 only); use pp=2 or pp=1"
-        )
     stages = r.pp_stages if r.pp_stages is not None else d.pp
     if r.n_layers is not None and r.n_layers < stages:
         raise ValueError(

@@ -91,6 +91,7 @@ class ParallelDims(TorchtitanCompat):
         self._flat_names: dict[str, tuple[str, ...]] = {}
         self.groups_created = 0  # real communicators this object created on this rank
         self._group_timeout: datetime.timedelta | None = None  # set by build_mesh
+        self._embedding_mesh: DeviceMesh | None = None  # pp > 2 with tied embeddings, on first use
         self.placeholder_groups_created = 0  # size-1 axes: fake-backend groups, no communicator
 
     def __repr__(self) -> str:
@@ -299,15 +300,33 @@ class ParallelDims(TorchtitanCompat):
     def embedding_mesh(self) -> DeviceMesh | None:
         """Megatron's embedding group: the ranks holding the first and the last pipeline stage
         at the same other coordinates, over which the two copies of a tied embedding/head weight
-        sum their gradients (models/parallel/pipeline/tied.py). None without pipelining. With
-        pp=2 it is the pp mesh; tied embeddings with pp > 2 are refused by the layout rules."""
+        sum their gradients (models/parallel/pipeline/tied.py). None without pipelining, and on
+        a pp rank that is neither end. Every schedule puts stage 0 on pp rank 0 and the last
+        stage on pp rank pp-1 (looped schedules: stage s on rank s % pp) or on rank 0 (V
+        schedules, where rank 0 holds both ends and needs no group): the group is pp ranks
+        {0, pp-1}. With pp=2 it is the pp mesh; with pp > 2 a 2-rank group made on first use by
+        its two members only (collective over them)."""
         if self.pp < 2:
             return None
-        if self.pp > 2:
-            raise ValueError(
-                f"the embedding group is built for pp=2 only (pp={self.pp}); use pp=2 with tied embeddings"
+        if self.pp == 2:
+            return self.get_mesh("pp")
+        self._require_built()
+        coordinate = self.coordinate("pp")
+        if coordinate not in (0, self.pp - 1):
+            return None
+        if self._embedding_mesh is None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            pp_ranks = self.layout.group("pp", dist.get_rank())
+            ends = (pp_ranks[0], pp_ranks[-1])
+            group_name = self._group_for(ends, None, "embedding")
+            self._embedding_mesh = DeviceMesh.from_group(
+                _resolve_process_group(group_name),
+                self._world_mesh.device_type,
+                mesh=list(ends),
+                mesh_dim_names=("embedding",),
             )
-        return self.get_mesh("pp")
+        return self._embedding_mesh
 
     def get_mesh(self, dims: str | list[str] | tuple[str, ...]) -> DeviceMesh:
         """Like :meth:`get_optional_mesh`, but a disabled axis is an error."""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -85,14 +86,16 @@ class ModelForward:
         moes: Sequence[nn.Module] = (),
     ) -> torch.Tensor | None:
         """This batch's share of the step loss (token losses / ``global_tokens``), detached, as
-        a float32 scalar; None on a pp rank without the last stage.
+        a float32 scalar; None on a pp rank without the last stage (unless its stages' MoE
+        layers added an aux loss: then that part).
 
         ``backward``: also run the backward pass (gradients accumulate into the parameters);
         without it, evaluation (call under ``torch.no_grad()``; the pipeline runs forward-only).
         ``aux_loss_sequences``: with ``moes``, each MoE layer's sequence auxiliary loss counts
         divided by this many sequences (the step's global batch): the layers get the divisor
         before the forward and give their aux loss its gradient in the backward themselves
-        (``models/deepseek_v3/moe.py``, ``_AuxLossGrad``); the returned loss includes it."""
+        (``models/deepseek_v3/moe.py``, ``_AuxLossGrad``); the returned loss includes it, under pp
+        the part of this rank's stages."""
         extra = {}
         if self.mtp_depth:
             from trainer.mtp import mtp_batch
@@ -101,23 +104,32 @@ class ModelForward:
             extra["mtp_tokens"] = self.shard_for_cp(mtp_tokens).to(self.device, non_blocking=True)
         inputs = self.shard_for_cp(inputs).to(self.device, non_blocking=True)
         labels = self.shard_for_cp(labels).to(self.device, non_blocking=True)
+        aux_moes = [m for m in moes if m.aux_loss_coeff > 0] if aux_loss_sequences is not None else []
+        for moe in aux_moes:
+            moe.aux_loss_sequences = aux_loss_sequences
+            moe.aux_loss_total.zero_()
         if self.pipeline is not None:
             # the schedule splits the local batch into pipeline micro-batches and, with
             # backward, syncs FSDP gradients on its last backward
             from models.parallel.pipeline import pipeline_step
 
             part = pipeline_step(self.pipeline, inputs, labels, global_tokens, forward_only=not backward, **extra)
-            return None if part is None else full_tensor(part.detach()).float()
-        aux_moes = [m for m in moes if m.aux_loss_coeff > 0] if aux_loss_sequences is not None else []
-        for moe in aux_moes:
-            moe.aux_loss_sequences = aux_loss_sequences
-            moe.aux_loss_total.zero_()
-        with loss_parallel_context(self.loss_parallel):
-            logits = self.model_parts[0](inputs, **extra)
-            loss = self.loss_fn(logits, labels) / global_tokens
-            if backward:
-                loss.backward()
-        reported = full_tensor(loss.detach()).float()
-        for moe in aux_moes:  # what the layers' aux losses added to the loss
-            reported = reported + moe.aux_loss_total / aux_loss_sequences
+            reported = None if part is None else full_tensor(part.detach()).float()
+        else:
+            with loss_parallel_context(self.loss_parallel):
+                logits = self.model_parts[0](inputs, **extra)
+                loss = self.loss_fn(logits, labels) / global_tokens
+                if backward:
+                    loss.backward()
+            reported = full_tensor(loss.detach()).float()
+        if aux_moes:
+            # what the layers' aux losses added to the loss: on every pipeline stage that holds
+            # MoE layers (the trainer sums the step loss over pp and over the loss mesh)
+            aux = sum(moe.aux_loss_total for moe in aux_moes) / aux_loss_sequences
+            tp_mesh = self.pd.get_optional_mesh("tp")
+            if tp_mesh is not None:
+                # each tp rank routed its own slice of every sequence (sequence parallelism)
+                # and holds that slice's share of the loss
+                dist.all_reduce(aux, group=tp_mesh.get_group())
+            reported = aux if reported is None else reported + aux
         return reported

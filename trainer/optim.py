@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from models.common.init import canonical_fqn
 from models.parallel.float8 import plain_state_dict
+from models.parallel.pipeline.tied import checkpoint_optim_key, head_only
 from trainer.config import JobConfig
 from trainer.config import Optimizer as OptimizerConfig
 from trainer.lr_schedule import LRSchedulers, build_lr_scheduler, lr_multiplier
@@ -207,7 +208,11 @@ class Optimizers:
         reshardable by DCP to a different layout, and the grouping (:data:`GROUPING_KEY`)."""
         merged: dict[str, Any] = {}
         for part, opt in zip(self._parts, self.optimizers):
-            merged.update(plain_state_dict(get_optimizer_state_dict(part, opt, options=_FLAT)))
+            # a tied head's copy (last pipeline stage) under the embedding's name: one entry in
+            # a checkpoint, equal on both stages (models/parallel/pipeline/tied.py)
+            state = plain_state_dict(get_optimizer_state_dict(part, opt, options=_FLAT))
+            for k, v in state.items():
+                merged.setdefault(checkpoint_optim_key(part, k), v)
         merged[GROUPING_KEY] = self.signature
         return merged
 
@@ -217,7 +222,17 @@ class Optimizers:
         state_dict = dict(state_dict)
         check_grouping(state_dict.pop(GROUPING_KEY, None), self.signature)
         for part, opt, configured in zip(self._parts, self.optimizers, self._configured):
-            set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
+            sd = state_dict
+            if head_only(part):  # its copy of the tied weight reads the embedding's state
+                sd = dict(state_dict)
+                for k in get_optimizer_state_dict(part, opt, options=_FLAT):
+                    if k not in sd:
+                        # a copy: where this rank also holds the embedding (a V schedule), the
+                        # optimizer would otherwise keep ONE moment tensor for both copies and
+                        # update it twice per step
+                        v = state_dict[checkpoint_optim_key(part, k)]
+                        sd[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            set_optimizer_state_dict(part, opt, optim_state_dict=sd, options=_FLAT)
             for group, values in zip(opt.param_groups, configured):
                 group.update(values)
 

@@ -21,6 +21,19 @@ def _identity(counts: torch.Tensor) -> torch.Tensor:
     return counts
 
 
+class _Chained:
+    """Two count reductions applied one after the other (sums over two groups of ranks)."""
+
+    def __init__(self, first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor]):
+        self.first, self.second = first, second
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(counts))
+
+    def __repr__(self) -> str:
+        return f"{self.first!r} then {self.second!r}"
+
+
 # Routing counts and recomputation. ``MoE.forward`` adds each call's routing counts to its
 # ``tokens_per_expert`` buffer, and activation checkpointing (which wraps the whole block) re-runs
 # that forward during backward:
@@ -224,13 +237,20 @@ class MoE(nn.Module):
             persistent=False,
         )
         # Applied to the per-sequence selection counts [bs, E] before the aux loss uses them;
-        # context parallelism replaces it with an all-reduce over the CP group so f_i is
-        # computed over whole sequences.
+        # every applier that splits a sequence's tokens over ranks adds its all-reduce
+        # (add_aux_count_reduction: context parallelism over cp, sequence-parallel TP over tp,
+        # where each tp rank routes its own tokens), so f_i is computed over whole sequences.
         self.reduce_aux_counts: Callable[[torch.Tensor], torch.Tensor] = _identity
         # The divisor of the aux loss (the step's global sequence count), set by the trainer
         # before a forward; read as a constant (torch.compile guards on it).
         self.aux_loss_sequences: int = 1
         self.register_buffer("aux_loss_total", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    def add_aux_count_reduction(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum the aux loss's per-sequence counts over one more group of ranks that hold parts
+        of the same sequences (after any reduction added before)."""
+        prev = self.reduce_aux_counts
+        self.reduce_aux_counts = reduce if prev is _identity else _Chained(prev, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, s, dim = x.shape
@@ -278,7 +298,8 @@ class MoE(nn.Module):
         ``T`` is taken from the (possibly CP-reduced) counts, ``sum_i count_i = k T``, and
         ``P_i`` is this rank's share ``sum_{local t} / T``. So with ``reduce_aux_counts``
         all-reducing over the CP group, summing the per-rank losses over that group gives
-        exactly the whole-sequence loss."""
+        exactly the whole-sequence loss (the same over the tp group under sequence parallelism,
+        where each tp rank routes a slice of every sequence)."""
         e, k = self.num_experts, self.top_k
         picks = selected.reshape(bs, s * k)
         counts = torch.zeros(bs, e, dtype=torch.float32, device=scores.device)

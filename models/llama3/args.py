@@ -121,6 +121,22 @@ llama3_flavors: dict[str, Llama3Args] = {
         use_rope_scaling=True,
         max_seq_len=2048,
     ),
+    # debugmodel in Llama 3.2's shape: tied embeddings, RoPE scaling factor 32 (CPU tests of the
+    # tied head on every layout); 8 layers, so pp=4 gets two stages per rank (and the shapes
+    # tell it from debugmodel)
+    "debugmodel_tied": Llama3Args(
+        dim=256,
+        n_layers=8,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=2048,
+        multiple_of=256,
+        rope_theta=500000.0,
+        use_rope_scaling=True,
+        rope_scaling_factor=32.0,
+        tie_word_embeddings=True,
+        max_seq_len=2048,
+    ),
     # hidden 2048, 16 layers, 32 heads (8 KV), intermediate 8192 = 256 * ceil(1.5 * 5461 / 256)
     "1B": Llama3Args(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256, **_LLAMA32

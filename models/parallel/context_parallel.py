@@ -311,13 +311,14 @@ class SequenceGather:
         return f"{type(self).__name__}(cp_size={self.cp_size})"
 
 
-class _AllReduceCounts:
-    """Sums per-sequence MoE expert-selection counts over the cp group, so the sequence-wise
-    auxiliary loss is computed on whole sequences rather than on each rank's slice. The counts
+class AllReduceCounts:
+    """Sums per-sequence MoE expert-selection counts over a group holding slices of the same
+    sequences (cp; tp under sequence parallelism), so the sequence-wise auxiliary loss is
+    computed on whole sequences rather than on each rank's slice. The counts
     are statistics of discrete routing decisions, so no gradient flows through them."""
 
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
-        self._group = cp_mesh.get_group()
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self._group = mesh.get_group()
 
     def __call__(self, counts: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -331,8 +332,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Make ``model`` context-parallel over ``cp_mesh`` (in place; returns it).
 
     Every module with an ``nn.Module`` attribute ``core`` (the attention kernel) gets a
-    :class:`ContextParallelAttentionCore`; every module with ``reduce_aux_counts`` (MoE) gets a
-    cp all-reduce; ``model.cp_rank`` / ``model.cp_size`` are set so the model computes RoPE
+    :class:`ContextParallelAttentionCore`; every module with ``add_aux_count_reduction`` (MoE) gets a
+    cp all-reduce of its aux-loss counts; ``model.cp_rank`` / ``model.cp_size`` are set so the model computes RoPE
     positions for its load-balanced tokens, and ``model.sequence_gather`` so it computes document
     ids on the whole row. The replaced core must be a parameter-free
     :class:`~models.common.attention.AttentionCore`; its mask type (causal or block-causal) and
@@ -363,10 +364,10 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     for _, m in attention:
         m.core = ContextParallelAttentionCore(cp_mesh, m.core.mask_type, m.core.attn_type)
     if cp_mesh.size() > 1:
-        reduce_counts: Callable[[torch.Tensor], torch.Tensor] = _AllReduceCounts(cp_mesh)
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] = AllReduceCounts(cp_mesh)
         for _, m in modules:
-            if hasattr(m, "reduce_aux_counts"):
-                m.reduce_aux_counts = reduce_counts
+            if hasattr(m, "add_aux_count_reduction"):
+                m.add_aux_count_reduction(reduce_counts)
     model.cp_rank = cp_mesh.get_local_rank()
     model.cp_size = cp_mesh.size()
     if cp_mesh.size() > 1:

@@ -52,6 +52,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from models.parallel.context_parallel import AllReduceCounts
+
 __all__ = ["AllReduceBackward", "apply_tensor_parallel", "loss_parallel_context"]
 
 
@@ -248,6 +250,9 @@ def apply_tensor_parallel(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
             )
             plan["moe.router.gate"] = _ReplicatedOnTokenShards()
+            # the sequence aux loss counts each sequence's picks over all its tokens: sum the
+            # per-sequence counts of the tp ranks' slices
+            moe.add_aux_count_reduction(AllReduceCounts(tp_mesh))
             if moe.shared_experts is not None:
                 # MoE flattens tokens to [bs * s_local, dim] before the shared experts.
                 plan.update(_prefixed("moe.shared_experts", _feed_forward_plan(moe.shared_experts, 0, sp)))

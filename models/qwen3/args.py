@@ -10,7 +10,8 @@ Flavor values are those of the published ``config.json`` files of the Hugging Fa
 (hidden_size, intermediate_size, moe_intermediate_size,
 num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size 151936,
 rms_norm_eps 1e-6, rope_theta 1e6, num_experts, num_experts_per_tok, norm_topk_prob,
-tie_word_embeddings: true for 0.6B, 1.7B and 4B, whose output head is the embedding).
+tie_word_embeddings: true for 0.6B, 1.7B and 4B, whose output head is the embedding,
+router_aux_loss_coef 0.001 for the MoE models).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ class Qwen3Args(DecoderArgs):
     # Auxiliary-loss-free balancing (expert-bias update rate, models/deepseek_v3/moe.py); None
     # (the default, as Qwen3 trains) disables it.
     load_balance_coeff: float | None = None
-    # Qwen3-MoE's load-balancing loss (transformers' router_aux_loss_coef). Not implemented:
-    # must stay 0 (validate() refuses anything else).
+    # Qwen3-MoE's load-balancing loss (transformers' router_aux_loss_coef; 0.001 in the published
+    # MoE configs, 0 disables it): the Switch loss E * sum_e f_e * P_e per sequence, averaged over
+    # the step's sequences and the MoE layers (see aux_loss_coeff and docs/models.md).
     router_aux_loss_coef: float = 0.0
     # The output head reuses tok_embeddings.weight (Qwen3 0.6B, 1.7B, 4B).
     tie_word_embeddings: bool = False
@@ -118,7 +120,15 @@ class Qwen3Args(DecoderArgs):
 
     @property
     def aux_loss_coeff(self) -> float:
-        return 0.0
+        """The shared MoE's per-layer weight of DeepSeek's sequence-wise form ``sum_i f_i P_i``
+        with ``f_i = E / (k T) * count_i``. Qwen3's (Switch) per-sequence loss of one layer is
+        ``E * sum_i (count_i / T) * P_i = k * sum_i f_i P_i``, and the model averages it over its
+        MoE layers (every layer is routed), so the coefficient is ``router_aux_loss_coef * k /
+        n_layers``: one layer's value on one sequence is exactly transformers'
+        ``load_balancing_loss_func`` on that layer's router logits of that sequence."""
+        if not self.n_routed_experts:
+            return 0.0
+        return float(self.router_aux_loss_coef) * self.n_activated_experts / self.n_layers
 
     def validate(self) -> None:
         self.check_attention()
@@ -150,10 +160,16 @@ class Qwen3Args(DecoderArgs):
                 raise ValueError(f"Qwen3Args.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}.")
             if self.load_balance_coeff is not None:
                 _positive_float("load_balance_coeff", self.load_balance_coeff)
-        if self.router_aux_loss_coef != 0:
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
             raise ValueError(
-                f"Qwen3Args.router_aux_loss_coef={self.router_aux_loss_coef!r}: Qwen3-MoE's global load-balancing "
-                "loss is not implemented; set it to 0 (load_balance_coeff gives auxiliary-loss-free balancing)."
+                f"Qwen3Args.router_aux_loss_coef must be a number >= 0 (0 disables the load-balancing loss), "
+                f"got {coef!r}."
+            )
+        if coef and not self.n_routed_experts:
+            raise ValueError(
+                f"Qwen3Args.router_aux_loss_coef={coef!r} needs routed experts (n_routed_experts > 0); "
+                "a dense Qwen3 has no router: set it to 0."
             )
 
 
@@ -177,6 +193,7 @@ qwen3_flavors: dict[str, Qwen3Args] = {
         n_routed_experts=8,
         n_activated_experts=2,
         moe_inter_dim=128,
+        router_aux_loss_coef=0.001,
     ),
     # Qwen/Qwen3-0.6B, -1.7B, -4B config.json (tied embeddings)
     "0.6B": Qwen3Args(
@@ -202,6 +219,7 @@ qwen3_flavors: dict[str, Qwen3Args] = {
         n_routed_experts=128,
         n_activated_experts=8,
         moe_inter_dim=768,
+        router_aux_loss_coef=0.001,
         **_PUBLISHED,
     ),
     "235B-A22B": Qwen3Args(
@@ -213,6 +231,7 @@ qwen3_flavors: dict[str, Qwen3Args] = {
         n_routed_experts=128,
         n_activated_experts=8,
         moe_inter_dim=1536,
+        router_aux_loss_coef=0.001,
         **_PUBLISHED,
     ),
 }

@@ -13,9 +13,9 @@ on export unless still zero (train with ``load_balance_coeff`` unset to export).
 
 The config check refuses what this model does not implement, by name: rope scaling,
 sliding-window attention, attention biases, an activation other than SiLU, dense layers
-in an MoE model (``mlp_only_layers``, ``decoder_sparse_step``) and the router aux loss switched
-on for training (``output_router_logits`` with ``router_aux_loss_coef > 0``; the published
-configs keep it off).
+in an MoE model (``mlp_only_layers``, ``decoder_sparse_step``). ``router_aux_loss_coef`` (and
+``output_router_logits``, which switches it on in transformers' training) is a training choice,
+not a shape: it is not checked; the export writes ours (``Qwen3Args.router_aux_loss_coef``).
 """
 
 from __future__ import annotations
@@ -247,16 +247,6 @@ class Qwen3HFAdapter(HFStateDictAdapter):
             dense_layers = config.get("mlp_only_layers") or []
             if dense_layers:
                 out.append(("mlp_only_layers", dense_layers, [], "our Qwen3-MoE routes every layer"))
-            coef = config.get("router_aux_loss_coef", 0.0)
-            if config.get("output_router_logits", False) and coef:
-                out.append(
-                    (
-                        "output_router_logits",
-                        True,
-                        False,
-                        f"the router aux loss (router_aux_loss_coef={coef}) is not implemented here",
-                    )
-                )
         return out
 
     @classmethod
@@ -288,4 +278,6 @@ class Qwen3HFAdapter(HFStateDictAdapter):
             n_activated_experts=need(config, "num_experts_per_tok"),
             moe_inter_dim=need(config, "moe_intermediate_size"),
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            # the load-balancing loss's weight (transformers' default when absent)
+            router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
         )

@@ -1,13 +1,22 @@
 """Qwen3 through ``train.py`` (``train_configs/qwen3.toml``, ``qwen3_moe.toml``): both debug
-flavors train in one process, and Qwen3-MoE gives the one-process loss curve over fsdp=2, tp=2
-and fsdp=2 x ep=2 (``tools.compare_loss``, its DEFAULT tolerance, block-causal attention).
+flavors train in one process, and Qwen3-MoE, with its load-balancing aux loss on (the debug
+flavor's published coefficient 0.001), gives the one-process loss curve over fsdp=2, tp=2, cp=2,
+fsdp=2 x ep=2, fsdp=2 x tp=2 x ep=2 x etp=2 and pp=2 x fsdp=2 x ep=2 (``tools.compare_loss``, its
+DEFAULT tolerance, block-causal attention, one launch).
 
 Shapes as tests/e2e/test_compare_loss.py's matrices (its docstring says why they suffice): 2
 blocks (with Qwen3-MoE every block is routed, so both carry the router and the experts that
 tp and ep shard), seq_len 64, global batch 8 with local batch 2, 3 steps (step 3 is the first
 that depends on optimizer state carried over), forked ranks. Measured (CPU, 2 cores): max rel
-loss diff 6.0e-8 (fsdp=2, fsdp=2 x ep=2) and 7.8e-7 (tp=2) against the tolerance's 1e-5; about
-14 s wall for the comparison, a few seconds per one-process run.
+loss diff 1.2e-7 (cp=2, pp=2 x fsdp=2 x ep=2), 7.2e-7 (fsdp=2 x tp=2 x ep=2 x etp=2) and 7.8e-7
+(tp=2) against the tolerance's 1e-5; about 20 s wall for the comparison, a few seconds per
+one-process run.
+
+The aux loss is about 2.5e-3 of a loss of 7.9 here, yet a layout that gets it wrong fails: with
+the tp ranks' per-sequence counts not summed (each tp rank balancing its own half of every
+sequence; ``models/parallel/tensor_parallel.py`` before this loss was layout invariant) tp=2
+was off by 2.9e-4 relative at step 1 (measured by hand); a pipeline stage whose aux loss were
+left out of the reported loss would be off by about 1.6e-4.
 """
 
 from __future__ import annotations
@@ -19,7 +28,15 @@ import pytest
 from .helpers import FAST, read_metrics, run_forked
 from .test_compare_loss import MATRIX, STEPS, _assert_all_agree, compare_loss
 
-QWEN3_MOE_LAYOUTS = ["single", "fsdp=2", "tp=2", "fsdp=2,ep=2"]
+QWEN3_MOE_LAYOUTS = [
+    "single",
+    "fsdp=2",
+    "tp=2",
+    "cp=2",
+    "fsdp=2,ep=2",
+    "fsdp=2,tp=2,ep=2,etp=2",
+    "pp=2,fsdp=2,ep=2",
+]
 
 
 @pytest.mark.parametrize("config", ["qwen3.toml", "qwen3_moe.toml"])
@@ -51,8 +68,11 @@ def test_debug_flavor_trains_in_one_process(tmp_path, config):
 
 
 def test_qwen3_moe_layouts_match_one_process(tmp_path):
-    """fsdp=2, tp=2 and fsdp=2 x ep=2 give the one-process loss and grad norm within
-    compare_loss's default tolerance on every step."""
+    """fsdp, tp, cp, ep, ep x etp and pp (with fsdp x ep) give the one-process loss (cross
+    entropy + aux loss) and grad norm within compare_loss's default tolerance on every step."""
+    from models.qwen3 import qwen3_flavors
+
+    assert qwen3_flavors["debugmodel_moe"].aux_loss_coeff > 0  # the runs train with the aux loss
     out = tmp_path / "cmp"
     proc = compare_loss(
         "--config",

@@ -812,7 +812,7 @@ def test_registry_contract_for_every_registered_model():
     from trainer.metrics import training_flops_per_token
 
     assert model_names() == ["deepseek_v3", "llama3", "qwen3"]
-    assert flavor_names("llama3") == ["debugmodel", "1B", "3B", "8B", "70B", "405B"]
+    assert flavor_names("llama3") == ["debugmodel", "debugmodel_tied", "1B", "3B", "8B", "70B", "405B"]
     assert flavor_names("deepseek_v3") == ["debugmodel", "16B", "671B"]
     assert flavor_names("qwen3") == [
         "debugmodel",

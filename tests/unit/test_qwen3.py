@@ -10,7 +10,7 @@ config.json of Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B.
   unexpected key and gives our logits; HF -> ours -> HF bitwise on every tensor;
 * the published configs pass the config check, infer their flavor and build on the meta device
   with exactly transformers' parameter count (596,049,920, 8,190,735,360 and 30,532,122,624);
-* bad input: mismatching or unsupported config fields are named, and the aux loss is refused.
+* bad input: mismatching or unsupported config fields are named; a bad aux-loss coefficient is refused.
 
 Shapes: dim 64, 2 layers, 4 query heads of width 32 (so head_dim != dim / n_heads) over 2 KV
 heads, 8 experts top 2: the smallest that exercise GQA, the free head width, the per-head norms
@@ -240,7 +240,6 @@ def test_config_check_names_each_mismatch():
         ("attention_bias", True),
         ("mlp_only_layers", [0]),
         ("decoder_sparse_step", 2),
-        ("output_router_logits", True),
     ):
         with pytest.raises(HFConfigMismatch, match=field):
             moe.check_hf_config({**QWEN3_30B_A3B, field: value})
@@ -249,10 +248,15 @@ def test_config_check_names_each_mismatch():
 
 
 def test_args_refusals_and_layout_rules():
-    """One-line errors for the aux loss (not implemented) and bad shapes; the layout rules see
-    the KV heads (tp must divide 4 for 30B-A3B) and the 128 experts."""
-    with pytest.raises(ValueError, match="router_aux_loss_coef=0.001.*not implemented"):
-        dataclasses.replace(qwen3_flavors["30B-A3B"], router_aux_loss_coef=0.001).validate()
+    """One-line errors for a bad aux-loss coefficient and bad shapes; the layout rules see
+    the KV heads (tp must divide 4 for 30B-A3B) and the 128 experts. A config.json that switches
+    the router aux loss on (output_router_logits) passes the check: it is a training choice."""
+    qwen3_flavors["30B-A3B"].validate()  # the published 0.001
+    Qwen3HFAdapter(qwen3_flavors["30B-A3B"]).check_hf_config({**QWEN3_30B_A3B, "output_router_logits": True})
+    with pytest.raises(ValueError, match="router_aux_loss_coef must be a number >= 0"):
+        dataclasses.replace(qwen3_flavors["30B-A3B"], router_aux_loss_coef=-0.1).validate()
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.001 needs routed experts"):
+        dataclasses.replace(qwen3_flavors["8B"], router_aux_loss_coef=0.001).validate()
     with pytest.raises(ValueError, match="n_activated_experts=16 exceeds"):
         Qwen3Args(n_routed_experts=8, n_activated_experts=16).validate()
     rules = model_rules(qwen3_flavors["30B-A3B"], seq_len=4096)

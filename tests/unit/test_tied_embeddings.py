@@ -256,8 +256,8 @@ def test_published_llama32_1b_config_and_parameter_count():
 
 def test_layout_rules_for_tied_embeddings():
     """Tied embeddings need a vocabulary tp divides (the embedding and head share one
-    Shard(0) tensor) and pp <= 2 (the embedding group is built for pp=2): one ValueError each,
-    naming the fix; tp=2 x pp=2 with a vocabulary tp divides passes, and the untied model passes
+    Shard(0) tensor): one ValueError naming the fix; tp=2 x pp=2 with a vocabulary tp divides
+    passes, pp=4 passes (the embedding group is pp ranks 0 and 3), and the untied model passes
     what the tied one refuses (control)."""
     from parallel_dims import ModelRules, check_model_layout, validate_degrees
 
@@ -266,8 +266,7 @@ def test_layout_rules_for_tied_embeddings():
     )
     with pytest.raises(ValueError, match=r"tp=2 does not divide vocab_size=1001 .* multiple of 2 \(e.g. 1002\)"):
         check_model_layout(tp2, ModelRules(vocab_size=1001, tied_embeddings=True))
-    with pytest.raises(ValueError, match="pp=4 with tied embeddings is not supported yet.*use pp=2 or pp=1"):
-        check_model_layout(pp4, ModelRules(vocab_size=1002, tied_embeddings=True))
+    check_model_layout(pp4, ModelRules(vocab_size=1002, tied_embeddings=True))
     check_model_layout(both, ModelRules(vocab_size=1002, tied_embeddings=True))
     check_model_layout(both, ModelRules(vocab_size=1001, tied_embeddings=False))
     check_model_layout(pp4, ModelRules(vocab_size=1001, tied_embeddings=False))

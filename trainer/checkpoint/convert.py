@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from models import registry
+from models.parallel.pipeline.tied import HEAD_KEY
 from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.hf_reader import validate_hf_checkpoint
 from trainer.checkpoint.hf_write import layer_groups
@@ -49,6 +50,8 @@ def convert_hf_to_dcp(
     with torch.device("meta"):
         model = get_model_spec(model_name, _first_flavor(model_name)).model_cls(args)
     state = model.state_dict()
+    if getattr(args, "tie_word_embeddings", False):
+        state.pop(HEAD_KEY)  # a step checkpoint holds the tied weight once (pipeline/tied.py)
     covered = adapter.our_keys()
     uncovered = [k for k in state if k not in covered]
     if uncovered:

@@ -46,11 +46,11 @@ from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.state import (
     barrier,
     checkpoint_keys,
+    checkpoint_state_dict,
     distributed,
     from_blob,
     is_complete,
     load_model_parts,
-    model_state_dict,
     rank,
     rng_state,
     run_dcp,
@@ -96,7 +96,7 @@ def load_checkpoint(
             raise
         raise CheckpointError(f"checkpoint {path} is unreadable ({reason})") from exc
 
-    model_sd = model_state_dict(model_parts)
+    model_sd = checkpoint_state_dict(model_parts)
     missing = [k for k in model_sd if f"model.{k}" not in stored]
     if missing:
         raise CheckpointError(
@@ -195,7 +195,7 @@ class CheckpointFolder:
     ) -> dict[str, Any]:
         """What a resumable step-N checkpoint holds (the live, sharded objects: a synchronous
         save writes them, an asynchronous one copies them first)."""
-        state: dict[str, Any] = {"model": model_state_dict(model_parts)}
+        state: dict[str, Any] = {"model": checkpoint_state_dict(model_parts)}
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
         if rank(self.process_group) == 0:  # identical on all ranks, or rank 0's by definition
@@ -311,4 +311,4 @@ def save_seed_checkpoint(model: nn.Module, folder: str) -> str:
             "create the seed checkpoint with one process (e.g. torchrun --nproc_per_node=1 ... "
             "--checkpoint.create_seed_checkpoint --parallelism.dp_shard 1)"
         )
-    return CheckpointFolder(folder).save_state(0, {"model": model_state_dict([model])})
+    return CheckpointFolder(folder).save_state(0, {"model": checkpoint_state_dict([model])})

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from models import registry
+from models.parallel.pipeline.tied import EMBEDDING_KEY, HEAD_KEY
 from trainer.checkpoint.errors import CheckpointError, read_failure
 from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.hf_format import (
@@ -334,6 +335,9 @@ def export_dcp_to_hf(
     export_dtype(dtype)  # a bad dtype fails before the checkpoint is read
     adapter = registry.get_hf_adapter(model_name, args)
     meta = dcp_model_meta(dcp_dir)
+    stored = set(meta)
+    if getattr(args, "tie_word_embeddings", False) and HEAD_KEY not in meta and EMBEDDING_KEY in meta:
+        meta[HEAD_KEY] = meta[EMBEDDING_KEY]  # the tied head is the embedding, stored once
     ours = adapter.our_keys()
     missing = [k for k in ours if k not in meta]
     if missing:
@@ -363,7 +367,8 @@ def export_dcp_to_hf(
                     del cache[g]
             for g in needed:
                 if g not in cache:
-                    cache[g] = plan.to_hf(_dcp_read(dcp_dir, plan.group_keys[g], meta))
+                    keys = [k for k in plan.group_keys[g] if k in stored]
+                    cache[g] = plan.to_hf(_dcp_read(dcp_dir, keys, meta))
             writer.write_file(names[i], plan.file_tensors(i, cache))
             say(f"wrote {names[i]} ({len(plan.files[i])} tensors) [{i + 1}/{len(plan.files)}]")
         cache.clear()

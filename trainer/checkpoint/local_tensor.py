@@ -33,9 +33,9 @@ from trainer.checkpoint.dcp import EXCLUDABLE, CheckpointFolder, train_state_blo
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.state import (
     checkpoint_keys,
+    checkpoint_state_dict,
     from_blob,
     is_complete,
-    model_state_dict,
     set_rng_state,
     stored_optimizer_keys,
 )
@@ -87,7 +87,7 @@ class LocalTensorFolder(CheckpointFolder):
     with the simulation off (one process: its barriers are no-ops on the fake group)."""
 
     def state(self, step, model_parts, optimizer=None, lr_scheduler=None, dataloader=None, extra=None):
-        state: dict[str, Any] = {"model": {k: full_value(v) for k, v in model_state_dict(model_parts).items()}}
+        state: dict[str, Any] = {"model": {k: full_value(v) for k, v in checkpoint_state_dict(model_parts).items()}}
         if optimizer is not None:
             state["optimizer"] = {k: full_value(v) for k, v in optimizer.state_dict().items()}
         with host_side():  # host objects: the same for every simulated rank, rank 0's by definition
@@ -131,7 +131,7 @@ def load_full_checkpoint(
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
     stored = checkpoint_keys(path)
-    model_sd = model_state_dict(model_parts)
+    model_sd = checkpoint_state_dict(model_parts)
     missing = [k for k in model_sd if f"model.{k}" not in stored]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} model weights, e.g. {missing[:3]}")

@@ -22,11 +22,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.parallel.float8 import plain_state_dict
+from models.parallel.pipeline.tied import EMBEDDING_KEY, checkpoint_key
 from trainer.optim_groups import GROUPING_KEY
 
 __all__ = [
     "EXPORT_DTYPES",
     "checkpoint_keys",
+    "checkpoint_state_dict",
     "export_dtype",
     "is_complete",
     "load_model_parts",
@@ -88,10 +90,33 @@ def model_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
     return merged
 
 
+def checkpoint_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
+    """:func:`model_state_dict` as a step checkpoint stores it: a tied embedding/head weight
+    once, as ``tok_embeddings.weight`` (models/parallel/pipeline/tied.py). On a pipeline's last
+    stage that entry is the head's copy (equal to the first stage's, which DCP writes once), so
+    every layout saves and loads the same keys."""
+    merged: dict[str, Any] = {}
+    for part in model_parts:
+        own: dict[str, Any] = {}
+        for k, v in plain_state_dict(get_model_state_dict(part)).items():
+            key = checkpoint_key(part, k)
+            if key == EMBEDDING_KEY and key != k and (key in own or key in merged):
+                continue  # the other name (or copy) of a tied weight this rank already holds
+            own[key] = v
+        dup = merged.keys() & own.keys()
+        if dup and dup != {EMBEDDING_KEY}:
+            raise ValueError(f"model parts share parameter names {sorted(dup)[:5]}; each FQN must live in one part")
+        for k, v in own.items():
+            merged.setdefault(k, v)  # a V schedule's last stage: its copy equals the embedding
+    return merged
+
+
 def load_model_parts(model_parts: Sequence[nn.Module], state: dict[str, Any]) -> None:
+    """Restore each part from ``state`` (checkpoint names: a tied head reads the embedding)."""
     for part in model_parts:
         keys = get_model_state_dict(part).keys()
-        set_model_state_dict(part, {k: state[k] for k in keys}, options=StateDictOptions(strict=True))
+        values = {k: state[checkpoint_key(part, k)] for k in keys}
+        set_model_state_dict(part, values, options=StateDictOptions(strict=True))
 
 
 def rng_state() -> dict[str, Any]:

@@ -401,8 +401,9 @@ def pipeline_step(
 def sum_loss_over_pp(
     local_loss: torch.Tensor | None, pp_mesh: DeviceMesh | None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """The loss every pp rank should log: the last stage's value (0 from the others, so a sum
-    over pp is a broadcast), as a float32 scalar on ``device``. Collective over pp."""
+    """The loss every pp rank should log: the sum over pp of each rank's part (the last stage's
+    loss; the MoE aux loss of each stage's layers; 0 from a rank with neither), as a float32
+    scalar on ``device``. Collective over pp."""
     total = (
         local_loss.detach().float().clone().to(device)
         if local_loss is not None

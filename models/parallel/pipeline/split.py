@@ -37,14 +37,6 @@ def _check_pipelinable(model: nn.Module) -> None:
                 f"{type(model).__name__} has no {name!r}; pipeline splitting needs the "
                 "tok_embeddings / layers / norm / output structure of our models"
             )
-    if getattr(getattr(model, "args", None), "aux_loss_coeff", 0.0):
-        # The sequence-wise aux loss is added to the loss in the trainer; on a pipeline the MoE
-        # layers of earlier stages never see the loss function, so it would silently vanish.
-        raise ValueError(
-            f"aux_loss_coeff={model.args.aux_loss_coeff} is not supported with pipeline "
-            "parallelism (pp > 1) yet; set aux_loss_coeff = 0 (auxiliary-loss-free balancing "
-            "via load_balance_coeff works) or pp = 1"
-        )
 
 
 def _carve_stage(model: nn.Module, layer_range: tuple[int, int], is_first: bool, is_last: bool) -> nn.Module:
@@ -79,13 +71,11 @@ def split_model(model: nn.Module | Callable[[], nn.Module], stages: StagePlan, p
         raise ValueError(
             f"the stage plan is for pp={stages.pp}, the layout has pp={pd.pp}; plan the stages for this layout"
         )
-    args = getattr(model, "args", None)
-    for flag, what in (("tie_word_embeddings", "tied embeddings"), ("mtp_layers", "MTP (mtp_layers > 0)")):
-        if getattr(args, flag, False) and pd.pp > 2:
-            raise ValueError(
-                f"pp={pd.pp} with {what} is not supported yet (the copies of the embedding on the first and "
-                "last stages sum their gradients over a group built for pp=2 only); use pp=2 or pp=1"
-            )
+    if getattr(getattr(model, "args", None), "mtp_layers", 0) and pd.pp > 2:
+        raise ValueError(
+            f"pp={pd.pp} with MTP (mtp_layers > 0) is not supported yet (proven on pp=2 only: the MTP "
+            "depths and their embedding copies on the last stage); use pp=2 or pp=1"
+        )
     num_stages, n_layers = stages.num_stages, stages.n_layers
     ranges = list(stages.layer_ranges)
     indices = stages.stages_for_rank(pd.coordinate("pp"))

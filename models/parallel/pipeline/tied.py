@@ -18,6 +18,12 @@ holds the embedding and its copies (a whole model, the V-shaped schedule's rank 
 :meth:`ParallelDims.embedding_mesh` between the rank holding the first stage and the one holding
 the copies (pp = 2). The gradient norm counts the weight once (:func:`tied_copies` lists the
 copies to leave out of it).
+
+Checkpoints hold the tied weight ONCE, under ``tok_embeddings.weight`` (model and optimizer
+state): :func:`checkpoint_key` / :func:`checkpoint_optim_key` name the head's copy (or, on a whole
+model, its alias) by the embedding's name, so a step checkpoint of any layout (pp or not) has
+the same keys and resumes onto any other; the copy on the last stage is loaded from it. (The MTP
+depths' copies keep their own names, the published checkpoint's layout.)
 """
 
 from __future__ import annotations
@@ -29,11 +35,43 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["sync_tied_embedding_grads", "tied_copies"]
+__all__ = [
+    "EMBEDDING_KEY",
+    "HEAD_KEY",
+    "checkpoint_key",
+    "checkpoint_optim_key",
+    "head_only",
+    "sync_tied_embedding_grads",
+    "tied_copies",
+]
+
+EMBEDDING_KEY, HEAD_KEY = "tok_embeddings.weight", "output.weight"
+_OPTIM_PREFIXES = ("state.", "param_groups.")
 
 
 def _tied(part: nn.Module) -> bool:
     return bool(getattr(getattr(part, "args", None), "tie_word_embeddings", False))
+
+
+def head_only(part: nn.Module) -> bool:
+    """A tied model's last pipeline stage: it holds the head's copy, not the embedding."""
+    return _tied(part) and getattr(part, "output", None) is not None and getattr(part, "tok_embeddings", None) is None
+
+
+def checkpoint_key(part: nn.Module, fqn: str) -> str:
+    """The checkpoint name of ``part``'s state-dict entry ``fqn``: a tied model's head is stored
+    as the embedding it equals (one tensor in the checkpoint)."""
+    return EMBEDDING_KEY if fqn == HEAD_KEY and _tied(part) else fqn
+
+
+def checkpoint_optim_key(part: nn.Module, key: str) -> str:
+    """:func:`checkpoint_key` for a flat optimizer state key (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``)."""
+    if _tied(part):
+        for prefix in _OPTIM_PREFIXES:
+            if key.startswith(prefix + HEAD_KEY + "."):
+                return prefix + EMBEDDING_KEY + key[len(prefix + HEAD_KEY) :]
+    return key
 
 
 def _ends(model_parts: Sequence[nn.Module]) -> tuple[nn.Parameter | None, list[nn.Parameter]]:
