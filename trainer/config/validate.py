@@ -101,6 +101,12 @@ def _validate_values(cfg: JobConfig) -> None:
         t.dataset == "synthetic" or t.dataset_path != "",
         f"training.dataset = '{t.dataset}' needs training.dataset_path (a file or folder)",
     )
+    need(
+        t.dataset != "chat" or t.chat_packing == "padded" or cfg.model.attn_mask_type == "block_causal",
+        "training.chat_packing = 'packed' puts several conversations in one window, where causal attention "
+        "lets each see the ones before it; set model.attn_mask_type = 'block_causal' (one document per "
+        "conversation) or training.chat_packing = 'padded'",
+    )
 
     need(o.lr >= 0 and math.isfinite(o.lr), f"optimizer.lr must be a finite number >= 0, got {o.lr}")
     need(
