@@ -45,8 +45,19 @@ def chat_separator(template: ChatTemplate) -> int:
     """The token that ends each conversation (the model's document separator): the tokenizer's
     EOS, unless the template writes it inside conversations (an end-of-turn EOS, as Qwen3's
     ``<|im_end|>`` or Llama 3 Instruct's ``<|eot_id|>``); then its PAD token."""
+    import jinja2
+
     tok = template.tokenizer
-    ids, _ = template.tokenizer.encode_chat(template.render(_PROBE))
+    try:
+        rendered = template.render(_PROBE)
+    except jinja2.TemplateError:  # a template without system turns
+        try:
+            rendered = template.render(_PROBE[1:])
+        except jinja2.TemplateError as exc:
+            raise ConfigError(
+                f"the chat template ({template.where}) fails on a user/assistant conversation: {exc}; fix the template"
+            ) from None
+    ids, _ = tok.encode_chat(rendered)
     for candidate in (tok.eos_id, getattr(tok, "pad_id", None)):
         if candidate is not None and candidate not in ids:
             return candidate
