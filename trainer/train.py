@@ -360,7 +360,9 @@ class Trainer:
                         lr=result.lr,
                         num_tokens=steps_since_log * self.data.tokens_per_step,
                         data_wait_s=data_wait / steps_since_log,
-                        extra={**(step_extra or {}), **ckpt} or None,
+                        # a mixture's tokens per source so far (the position after this step)
+                        extra={**(step_extra or {}), **ckpt, **self.data.source_metrics(self.data.state_dict())}
+                        or None,
                     )
                     steps_since_log, data_wait = 0, 0.0
                 if stopping is not None:

@@ -1,6 +1,8 @@
 """Chat fine-tuning through train.py (``training.dataset = "chat"``): the loss over assistant
-tokens only is the same on every layout, kill-and-resume continues bitwise, bad rows end the run
-with one line and exit 2.
+tokens only is the same on every layout; kill-and-resume of a mixture of chat and text parquet
+rows continues bitwise (one launch pair proves chat, parquet and mixture state); bad rows end the
+run with one line and exit 2. (Resume on another batch degree continuing the same samples, for
+chat and mixtures: tests/unit/test_chat_data.py, tests/unit/test_mixture.py at loader level.)
 
 Layout invariance: one ``tools.compare_loss`` launch (forked ranks) over single, fsdp=2, tp=2,
 cp=2, pp=2 and dp_replicate=2 x fsdp=2, validation on chat data included, with the MATRIX shapes
@@ -43,9 +45,11 @@ def _data(n: int) -> list[list[dict]]:
 def chat_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat")
     rows = _data(120)
+    texts = [" ".join(m["content"] for m in conv) for conv in conversations(80, seed=12)]
     return {
         "jsonl": write_jsonl(folder / "train.jsonl", rows),
         "parquet": write_parquet(folder / "train.parquet", {"messages": rows}),
+        "web": write_parquet(folder / "web.parquet", {"text": texts}, row_group_size=16),
     }
 
 
@@ -152,16 +156,22 @@ RESUME = [
 
 
 def test_kill_after_a_save_and_resume_is_bitwise(tmp_path, chat_files):
-    """A 2-rank run on chat parquet rows saves at steps 2 and 4; the step-4 checkpoint and the
-    later metrics removed leave what a kill between the two saves leaves; the same command
-    resumes at step 2 and logs steps 3-4 bitwise as the uninterrupted run (weights, optimizer
-    and the chat rows' position restored)."""
+    """A 2-rank run on a mixture of chat rows (parquet) and text rows (parquet, 'hf') saves at
+    steps 2 and 4; the step-4 checkpoint and the later metrics removed leave what a kill
+    between the two saves leaves; the same command resumes at step 2 and logs steps 3-4
+    bitwise as the uninterrupted run (weights, optimizer, the schedule and both sources'
+    positions restored). Every row's per-source token counts add up to the tokens trained."""
     run = tmp_path / "run"
-    args = [*RESUME, *_chat_args(chat_files["parquet"]), "--job.dump_folder", str(run)]
+    mix = f"chat:1:{chat_files['parquet']},hf:1:{chat_files['web']}"
+    args = [*RESUME, "--training.sources", mix, "--job.dump_folder", str(run)]
     res = run_forked(2, *args)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    full = [(r["step"], r["loss"], r["grad_norm"]) for r in metric_records(run)]
+    assert "dataset: mixture of chat (chat, " in res.stdout and "mixture: chat " in res.stdout, res.stdout[-3000:]
+    rows = metric_records(run)
+    full = [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
     assert [s for s, *_ in full] == [1, 2, 3, 4]
+    for r in rows:  # global batch 8 x seq_len 64 per step
+        assert r["tokens_chat"] + r["tokens_hf"] == r["step"] * 8 * 64 and r["tokens_chat"] > 0 < r["tokens_hf"]
     shutil.rmtree(run / "checkpoint" / "step-4")
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= 2))

@@ -17,6 +17,7 @@ import typing
 from typing import Any
 
 from trainer.config.errors import ConfigError
+from trainer.config.fields import source_entries
 from trainer.config.schema import (
     ALIASES,
     CONFIG_DIR,
@@ -39,7 +40,7 @@ _UNION_ORIGINS = (typing.Union, types.UnionType)
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 _TYPE_NAMES = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}
-_LIST_NAMES = {int: "ints", float: "floats", bool: "bools", str: "strings"}
+_LIST_NAMES = {int: "ints", float: "floats", bool: "bools", str: "strings", dict: "kind:weight:path items"}
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -74,6 +75,8 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             raise bad() from None
     if origin is list:
         (inner,) = typing.get_args(tp)
+        if inner is dict:  # [[training.sources]]
+            return source_entries(key, value)
         if isinstance(value, str):
             items = [v.strip() for v in value.split(",")] if value.strip() else []
             return [_coerce(key, inner, v, True) for v in items]

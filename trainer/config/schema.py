@@ -19,11 +19,8 @@ from models.parallel.float8 import FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
+from trainer.config.fields import DATASETS, TEXT_DOCUMENTS, _opt
 from trainer.config.toml_writer import dump_toml
-
-# what one document of a .txt file is (trainer/data/sources.py FileSource)
-TEXT_DOCUMENTS = ("file", "blank_line", "line")
-DATASETS = ("synthetic", "text", "jsonl", "tokens", "hf", "chat")
 
 # trainer/config/schema.py -> the repository root, three levels up
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,17 +28,6 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "train_configs")
 
 PARALLELISM_ALIASES: dict[str, str] = {a.name: a.config_key for a in AXES}
 ALIASES: dict[str, dict[str, str]] = {"parallelism": PARALLELISM_ALIASES}
-
-
-def _opt(default: Any, help: str, *, choices: tuple | None = None) -> Any:
-    """Field with help text and, for enums, the legal values.
-
-    Mutable defaults are copied per instance so two configs never share a list.
-    """
-    metadata = {"help": help, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 # --------------------------------------------------------------------------- sections
@@ -150,6 +136,12 @@ class Training:
         "truncate",
         "'chat' data: a conversation longer than seq_len + 1 tokens is cut to fit ('truncate') or skipped ('drop').",
         choices=("truncate", "drop"),
+    )
+    sources: list[dict] = _opt(
+        [],
+        "A mixture instead of dataset/dataset_path: [[training.sources]] tables (path, kind = a dataset "
+        "kind, weight > 0, optional name), each global sample drawn from one by a seeded schedule "
+        "(CLI: kind:weight:path,...; docs/fine_tuning.md).",
     )
     text_documents: str = _opt(
         "file",
@@ -496,4 +488,4 @@ class JobConfig:
 
 
 def _copy_value(v: Any) -> Any:
-    return list(v) if isinstance(v, list) else v
+    return [dict(x) if isinstance(x, dict) else x for x in v] if isinstance(v, list) else v

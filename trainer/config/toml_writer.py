@@ -39,6 +39,8 @@ def _toml_scalar(v: Any) -> str:
         return '"' + "".join(out) + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_scalar(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (a [[training.sources]] entry)
+        return "{" + ", ".join(f"{k} = {_toml_scalar(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {type(v).__name__} value {v!r} as TOML")
 
 

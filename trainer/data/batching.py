@@ -106,6 +106,12 @@ class PackedDataLoader:
         notes = getattr(self._stream, "notes", None)
         return "; " + notes() if notes is not None else ""
 
+    def source_metrics(self, state: dict[str, Any]) -> dict[str, int]:
+        """A mixture's tokens per source up to the position ``state`` (a :meth:`state_dict`),
+        for the metrics rows; {} for one source."""
+        metrics = getattr(self._stream, "source_metrics", None)
+        return metrics(int(state["sample_index"])) if metrics is not None else {}
+
     def state_dict(self) -> dict[str, Any]:
         """Position of the first step not fully consumed (a half-consumed step is replayed
         on resume, matching a model that has not taken that optimizer step)."""

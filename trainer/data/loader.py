@@ -9,6 +9,8 @@ import torch
 from trainer.config import JobConfig
 from trainer.data.batching import PackedDataLoader
 from trainer.data.chat import ChatSource, ChatStream
+from trainer.data.mixture import MixtureStream
+from trainer.data.packing import PackedStream
 from trainer.data.prefetch import BackgroundLoader, SyncLoader
 from trainer.data.sources import DocumentSource, FileSource, RowTextSource, SyntheticSource
 from trainer.data.token_shards import TokenDataset
@@ -37,12 +39,52 @@ def chat_stream(
     return source, ChatStream(source, seq_len, packing=t.chat_packing, too_long=t.chat_too_long)
 
 
+def _source_stream(cfg: JobConfig, entry: dict, tokenizer, seq_len: int, log_epochs: bool):
+    """One ``[[training.sources]]`` entry's stream of windows, as that kind would be alone."""
+    kind, path, option = entry["kind"], entry["path"], f"training.sources '{entry['name']}' path"
+    if kind == "chat":
+        return chat_stream(cfg, path, tokenizer, seq_len, option, log_epochs)[1]
+    if kind == "tokens":
+        tokens = TokenDataset(path, option=option)
+        tokens.check_tokenizer(tokenizer)
+        return tokens.stream(seq_len)
+    if kind == "synthetic":
+        source: DocumentSource = SyntheticSource(cfg.training.seed)
+    elif kind == "hf":
+        source = RowTextSource(path, option=option, log_epochs=log_epochs)
+    else:
+        source = FileSource(path, kind, option=option, documents=cfg.training.text_documents, log_epochs=log_epochs)
+    return PackedStream(source, tokenizer, seq_len)
+
+
+def mixture_stream(cfg: JobConfig, tokenizer, seq_len: int, log_epochs: bool = True) -> MixtureStream:
+    """``training.sources``: the sources' streams under the seeded schedule (trainer/data/mixture.py)."""
+    entries = cfg.training.sources
+    streams = [_source_stream(cfg, e, tokenizer, seq_len, log_epochs) for e in entries]
+    mix = MixtureStream(
+        streams,
+        [e["name"] for e in entries],
+        [e["weight"] for e in entries],
+        cfg.training.seed,
+        masked=any(e["kind"] == "chat" for e in entries),
+    )
+    mix.name = "mixture"
+    mix.description = "mixture of " + "; ".join(
+        f"{e['name']} ({e['kind']}{', ' + e['path'] if e['path'] else ''}): weight {e['weight']:g}, "
+        f"{p:.1%} of the samples and tokens expected"
+        for e, p in zip(entries, mix.shares)
+    )
+    return mix
+
+
 def document_separator(cfg: JobConfig, tokenizer) -> int | None:
     """The token that ends each packed document (the model's ``eos_id`` for block-causal
     masking): the tokenizer's EOS, or for chat data the conversations' separator
     (:func:`trainer.data.chat.chat_separator`)."""
-    if cfg.training.dataset == "chat":
-        return ChatSource(cfg.training.dataset_path, tokenizer, DEFAULT_TOKENIZER_PATH).separator
+    t = cfg.training
+    chat = [t.dataset_path] if t.dataset == "chat" else [e["path"] for e in t.sources if e["kind"] == "chat"]
+    if chat:
+        return ChatSource(chat[0], tokenizer, DEFAULT_TOKENIZER_PATH).separator
     return tokenizer.eos_id
 
 
@@ -100,7 +142,9 @@ def build_dataloader(
     else:
         global_batch_size, local_batch_size, seq_len = t.global_batch_size, t.local_batch_size, t.seq_len
     stream = None
-    if t.dataset == "chat":
+    if t.sources:
+        source = stream = mixture_stream(cfg, tokenizer, seq_len, log_epochs)
+    elif t.dataset == "chat":
         source, stream = chat_stream(cfg, t.dataset_path, tokenizer, seq_len, "training.dataset_path", log_epochs)
     else:
         source = build_source(cfg, log_epochs=log_epochs)
