@@ -267,3 +267,25 @@ def test_missing_column_and_missing_template_are_config_errors(tmp_path, folders
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
     with pytest.raises(ConfigError, match="has no chat template"):
         ChatSource(write_jsonl(tmp_path / "c.jsonl", conversations(2)), load_tokenizer(str(folder)), "")
+
+
+def test_target_count_and_pretraining_keeps_its_constant_denominator():
+    """``global_target_count`` (one process: no batch mesh) counts the labels that are targets
+    over every micro-batch, at least 1; pre-training loaders are not masked, so the trainer
+    keeps dividing by the constant tokens_per_step (the pre-training step is unchanged)."""
+    from trainer.config import load_config
+    from trainer.data.loader import build_dataloader
+    from trainer.step import global_target_count
+
+    class OneProcess:
+        def get_optional_mesh(self, name):
+            return None
+
+    labels = [torch.tensor([[1, IGNORE_INDEX, 3], [IGNORE_INDEX] * 3]), torch.tensor([[5, 6, IGNORE_INDEX]])]
+    count = global_target_count(labels, OneProcess(), torch.device("cpu"))
+    assert count.dtype == torch.int64 and int(count) == 4
+    assert int(global_target_count([torch.full((2, 3), IGNORE_INDEX)], OneProcess(), torch.device("cpu"))) == 1
+    cfg = load_config(["--config", "llama3.toml", "--training.seq_len", "32"])
+    loader = build_dataloader(cfg, load_tokenizer(""), batch_rank=0, batch_degree=1)
+    assert not loader.masked and loader.notes() == ""
+    assert all((y != IGNORE_INDEX).all() for _x, y in loader.next_step())

@@ -143,7 +143,9 @@ def test_bad_mixture_entries_are_one_line_config_errors(tmp_path):
     assert "training.sources[0].kind must be one of" in err("parquet:1:a")
     assert "must be kind:weight:path" in err("chat:a.jsonl")
     toml = tmp_path / "mix.toml"
-    toml.write_text('[training]\ndataset = "hf"\ndataset_path = "b"\n[[training.sources]]\npath = "a"\nkind = "hf"\nweight = 1\n')
+    toml.write_text(
+        '[training]\ndataset = "hf"\ndataset_path = "b"\n[[training.sources]]\npath = "a"\nkind = "hf"\nweight = 1\n'
+    )
     with pytest.raises(ConfigError, match="training.sources .a mixture. replaces training.dataset"):
         load_config(["--config", str(toml)])
     toml.write_text('[[training.sources]]\npath = "a"\nkind = "hf"\nweight = 1\nwieght = 2\n')
