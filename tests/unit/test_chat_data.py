@@ -150,6 +150,10 @@ def test_too_long_conversations_are_truncated_or_dropped(tmp_path, folders):
     assert (drop.truncated, drop.dropped, drop.conversations) == (0, 1, 2)
     assert torch.equal(toks2[0], toks[0]) and torch.equal(toks2[1], toks[2])
     assert "1 truncated and 0 dropped" in cut.notes()
+    _, none_fit = _stream(write_parquet(tmp_path / "long.parquet", {"messages": [long] * 3}), folders["llama3"], 48)
+    none_fit.too_long = "drop"
+    with pytest.raises(ConfigError, match="no conversation of .*long.parquet fits in seq_len"):
+        none_fit.take(1)
 
 
 def _bigram_loss(tokens, labels, vocab):

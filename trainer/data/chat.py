@@ -124,12 +124,20 @@ class ChatStream:
         self.target_tokens = 0
 
     def _peek(self) -> tuple[np.ndarray, np.ndarray]:
+        skipped = 0
         while self._held is None or self._held[0] != self._cursor:
             ids, tgt, nxt = self.source.read(self._cursor)
             cut = len(ids) > self.window
             if cut:
                 if self.too_long == "drop":
                     self.dropped += 1
+                    skipped += 1
+                    if skipped > (self.source.rows.n_rows or 100_000):  # a whole epoch, or very many
+                        raise ConfigError(
+                            f"no conversation of {self.source.rows.path} fits in seq_len + 1 = {self.window} tokens "
+                            f"(training.chat_too_long = drop skipped {skipped} in a row); raise seq_len or set "
+                            "training.chat_too_long = truncate"
+                        )
                     self._cursor = nxt
                     continue
                 ids = np.append(ids[: self.window - 1], self.source.separator)
