@@ -293,3 +293,35 @@ def test_target_count_and_pretraining_keeps_its_constant_denominator():
     loader = build_dataloader(cfg, load_tokenizer(""), batch_rank=0, batch_degree=1)
     assert not loader.masked and loader.notes() == ""
     assert all((y != IGNORE_INDEX).all() for _x, y in loader.next_step())
+
+
+def test_padded_parquet_ranks_read_only_their_rows(tmp_path, folders):
+    """Padded windows with truncation are one row each, so on parquet a rank moves its cursor
+    past the other ranks' rows by arithmetic: each of 4 ranks reads exactly its own rows (6
+    steps x 2 samples, across files and epochs), and together they give the windows of one
+    rank reading everything from a .jsonl file of the same rows; a resumed rank continues."""
+    convs = conversations(19, seed=6)
+    (tmp_path / "pq").mkdir()
+    write_parquet(tmp_path / "pq" / "a.parquet", {"messages": convs[:7]}, row_group_size=3)
+    write_parquet(tmp_path / "pq" / "b.parquet", {"messages": convs[7:]}, row_group_size=5)
+    jsonl = write_jsonl(tmp_path / "c.jsonl", convs)
+
+    def loader(path, rank, degree):
+        source, stream = _stream(path, folders["llama3"], seq_len=64, packing="padded")
+        kw = dict(seq_len=64, global_batch_size=8, local_batch_size=8 // degree, batch_rank=rank, batch_degree=degree)
+        return PackedDataLoader(source, None, stream=stream, **kw)
+
+    ref = loader(jsonl, 0, 1)
+    assert not ref._stream.addressable
+    expected = [ref.next_step()[0] for _ in range(6)]  # 48 windows: the 19 rows 2.5 times
+    ranks = [loader(str(tmp_path / "pq"), r, 4) for r in range(4)]
+    assert ranks[0]._stream.addressable
+    for step in expected:
+        got = [p.next_step()[0] for p in ranks]
+        assert torch.equal(torch.cat([x for x, _ in got]), step[0]) and torch.equal(
+            torch.cat([y for _, y in got]), step[1]
+        )
+    assert [p._stream.source.rows.rows_read for p in ranks] == [12, 12, 12, 12]  # 6 steps x its 2 samples
+    resumed = loader(str(tmp_path / "pq"), 1, 4)
+    resumed.load_state_dict(json.loads(json.dumps(ranks[1].state_dict())))
+    assert torch.equal(resumed.next_step()[0][0], ranks[1].next_step()[0][0])

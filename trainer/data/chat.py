@@ -170,9 +170,18 @@ class ChatStream:
         tgt = np.stack([p[1] for p in pairs])
         return torch.from_numpy(toks), torch.from_numpy(tgt)
 
+    @property
+    def addressable(self) -> bool:
+        """Window k is row k (``padded`` + ``truncate``) in a file read by row number: other
+        ranks' windows are skipped without reading them."""
+        return self.packing == "padded" and self.too_long == "truncate" and self.source.rows.addressable
+
     def skip(self, n_samples: int) -> None:
-        for _ in range(n_samples):
-            self._one()
+        if self.addressable:
+            self._cursor = self.source.rows.advance(self._cursor, n_samples)
+        else:
+            for _ in range(n_samples):
+                self._one()
         self.sample_index += n_samples
 
     def state(self) -> dict[str, Any]:
@@ -189,9 +198,11 @@ class ChatStream:
         self._held = None
 
     def notes(self) -> str:
-        """The start-up data line's words: conversations read so far, truncated or dropped."""
+        """The start-up data line's words: conversations read so far, truncated or dropped (where
+        each rank reads only its own rows: this rank's)."""
+        whose = "this rank's " if self.addressable else ""
         return (
-            f"chat: {self.conversations} conversations in {self.sample_index} windows ({self.packing}), "
+            f"chat: {whose}{self.conversations} conversations in {self.sample_index} windows ({self.packing}), "
             f"{self.truncated} truncated and {self.dropped} dropped as longer than {self.window} tokens "
             f"(training.chat_too_long = {self.too_long})"
         )

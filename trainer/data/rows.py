@@ -51,6 +51,7 @@ class RowFiles:
         self.format = row_format(path)
         self._epoch_said = -1
         self._cache: tuple[int, int, list[Any]] | None = None  # (file, first row, values)
+        self.rows_read = 0  # instrumentation: rows read by read()
         if self.format == "arrow":
             self._open_arrow()
             return
@@ -148,6 +149,24 @@ class RowFiles:
             self._cache = cached = (index, first, values)
         return cached[2][row - cached[1]]
 
+    @property
+    def addressable(self) -> bool:
+        """Whether :meth:`advance` can move a cursor without reading (parquet, save_to_disk)."""
+        return self.format != "jsonl"
+
+    def advance(self, cursor: list[int], n: int) -> list[int]:
+        """The cursor ``n`` rows after ``cursor``, computed from the row counts (nothing read);
+        the rows wrap into the next epoch as :meth:`read` does."""
+        epoch, index, pos = cursor
+        total = sum(self.rows)
+        flat = sum(self.rows[:index]) + pos + n
+        epoch, flat = epoch + flat // total, flat % total
+        index = 0
+        while flat >= self.rows[index]:
+            flat -= self.rows[index]
+            index += 1
+        return [epoch, index, flat]
+
     def read(self, cursor: list[int]) -> tuple[Any, str, list[int]]:
         epoch, index, pos = cursor
         while True:
@@ -174,4 +193,5 @@ class RowFiles:
                 epoch, index, pos = self._next_file(epoch, index)
                 continue
             where = f"{self.files[index]} (row {pos})"
+            self.rows_read += 1
             return self._value(index, pos), where, [epoch, index, pos + 1]
