@@ -1,8 +1,8 @@
 """Chat fine-tuning through train.py (``training.dataset = "chat"``): the loss over assistant
 tokens only is the same on every layout; kill-and-resume of a mixture of chat and text parquet
 rows continues bitwise (one launch pair proves chat, parquet and mixture state); bad rows end the
-run with one line and exit 2. (Resume on another batch degree continuing the same samples, for
-chat and mixtures: tests/unit/test_chat_data.py, tests/unit/test_mixture.py at loader level.)
+run with one line and exit 2; resumed on another layout, the mixture continues the same samples
+(lr = 0, bitwise; at loader level also tests/unit/test_chat_data.py, test_mixture.py).
 
 Layout invariance: one ``tools.compare_loss`` launch (forked ranks) over single, fsdp=2, tp=2,
 cp=2, pp=2 and dp_replicate=2 x fsdp=2, validation on chat data included, with the MATRIX shapes
@@ -196,3 +196,27 @@ def test_bad_chat_row_is_one_line_exit_2(tmp_path):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, res.stderr[-3000:]
     assert "bad.jsonl (byte " in errors[0] and "unknown role 'robot'" in errors[0], errors
+
+
+def test_mixture_resumed_on_another_layout_continues_the_same_samples(tmp_path, chat_files):
+    """Steps 1-2 on fsdp=2 (batch degree 2), checkpoint, steps 3-4 on tp=2 (batch degree 1),
+    against tp=2 all the way, on the chat + text mixture. With lr = 0 the weights stay the
+    initial ones bitwise under both layouts (tests/e2e/test_tokens_train.py's argument), so the
+    losses after the resume depend only on the samples: equal bitwise iff the resumed run reads
+    exactly the uninterrupted run's samples, from both sources, in the same order."""
+    mix = f"chat:1:{chat_files['parquet']},hf:1:{chat_files['web']}"
+    args = [*RESUME, "--training.sources", mix, "--optimizer.lr", "0", "--checkpoint.interval", "2"]
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    for folder, extra in ((ref, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]), (resumed, [])):
+        res = run_forked(
+            2, *args, *extra, "--training.steps", "4" if folder == ref else "2", "--job.dump_folder", str(folder)
+        )
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    res = run_forked(
+        2, *args, "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--job.dump_folder", str(resumed)
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert f"resumed from {resumed / 'checkpoint'} at step 2" in res.stdout, res.stdout[-2000:]
+    expected = [(r["step"], r["loss"]) for r in metric_records(ref)]
+    assert len({loss for _s, loss in expected}) == 4  # lr = 0: the losses differ only by their samples
+    assert [(r["step"], r["loss"]) for r in metric_records(resumed) if r["step"] > 2] == expected[2:]
