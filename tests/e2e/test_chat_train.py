@@ -172,6 +172,8 @@ def test_kill_after_a_save_and_resume_is_bitwise(tmp_path, chat_files):
     assert [s for s, *_ in full] == [1, 2, 3, 4]
     for r in rows:  # global batch 8 x seq_len 64 per step
         assert r["tokens_chat"] + r["tokens_hf"] == r["step"] * 8 * 64 and r["tokens_chat"] > 0 < r["tokens_hf"]
+    # 32 samples at p = 1/2 each: the chat count within 5 sigma (sqrt(32 / 4)) of 16
+    assert abs(rows[-1]["tokens_chat"] / 64 - 16) <= 5 * 8**0.5
     shutil.rmtree(run / "checkpoint" / "step-4")
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= 2))
