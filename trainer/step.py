@@ -12,7 +12,15 @@ from torch import nn
 
 from parallel_dims import ParallelDims
 
-__all__ = ["StepResult", "TrainingDiverged", "check_finite", "read_step_scalars", "reduce_loss", "update_expert_bias"]
+__all__ = [
+    "StepResult",
+    "TrainingDiverged",
+    "check_finite",
+    "global_target_count",
+    "read_step_scalars",
+    "reduce_loss",
+    "update_expert_bias",
+]
 
 
 class TrainingDiverged(RuntimeError):
@@ -55,6 +63,24 @@ def reduce_loss(loss_sum: torch.Tensor, pd: ParallelDims) -> torch.Tensor:
     if loss_mesh is not None:
         dist.all_reduce(total, group=loss_mesh.get_group())
     return total
+
+
+def global_target_count(
+    labels: list[torch.Tensor], pd: ParallelDims, device: torch.device, ignore_index: int = -100
+) -> torch.Tensor:
+    """The step's loss denominator for masked data: the number of target tokens (labels !=
+    ``ignore_index``) in the whole global batch, as an int64 device scalar, the same on every
+    rank; at least 1 (a step without any target has loss 0 and no gradient, not 0/0).
+
+    Counted before the forward from the labels every rank holds: each rank's micro-batches are
+    its batch slice's full rows (cp, tp and pp ranks of one batch coordinate hold the same rows,
+    so pp stages without the labels' loss still know the count), summed on the device and
+    all-reduced once over the ``batch`` mesh (dp_replicate x dp_shard)."""
+    count = torch.stack([(y.to(device, non_blocking=True) != ignore_index).sum() for y in labels]).sum()
+    batch_mesh = pd.get_optional_mesh("batch")
+    if batch_mesh is not None:
+        dist.all_reduce(count, group=batch_mesh.get_group())
+    return count.clamp_min(1)
 
 
 def update_expert_bias(moes: list[nn.Module], pd: ParallelDims) -> None:

@@ -40,7 +40,7 @@ from trainer.checkpoint.manager import CheckpointManager, check_initial_load
 from trainer.config import JobConfig
 from trainer.console import configure_console
 from trainer.data.doc_stats import document_stats_line
-from trainer.data.loader import build_dataloader, wrap_loader
+from trainer.data.loader import build_dataloader, document_separator, wrap_loader
 from trainer.data.tokenizer import load_tokenizer
 from trainer.distributed_init import (
     apply_train_timeout,
@@ -64,6 +64,7 @@ from trainer.step import (
     StepResult,
     TrainingDiverged,
     check_finite,
+    global_target_count,
     read_step_scalars,
     reduce_loss,
     update_expert_bias,
@@ -104,13 +105,14 @@ class Trainer:
         require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+        self.doc_separator = document_separator(cfg, self.tokenizer)  # ends each packed document
         # every check that needs no process group, in one place (trainer/plan.py); from here on
         # the layout and the batch come from the plan, never from cfg.parallelism
         self.plan = plan = plan_job(
             cfg,
             self.world_size,
             self.tokenizer.vocab_size,
-            tokenizer_eos=self.tokenizer.eos_id,
+            tokenizer_eos=self.doc_separator,
             device_type=self.device.type,
         )
         self.pd = plan.parallel_dims
@@ -222,7 +224,9 @@ class Trainer:
             # scales a previous step's precompute would have left
             precompute_float8_scales(self.model_parts)
             self._float8_scales_due = False
-        global_tokens = self.data.tokens_per_step
+        global_tokens = self.data.tokens_per_step  # every label a target: a constant
+        if self.data.masked:  # chat data: the global count of target tokens, one reduction
+            global_tokens = global_target_count([y for _x, y in microbatches], self.pd, self.device)
         global_sequences = self.data.global_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         moes = _moe_layers(self.model_parts)
@@ -359,7 +363,7 @@ class Trainer:
                 data_wait += self.data.wait_s
                 if not timeout_applied:  # the first step of this run (also after a resume)
                     first = [(rank0_view(x), rank0_view(y)) for x, y in microbatches]  # rank 0's, as printed
-                    _log(document_stats_line(first, self.tokenizer.eos_id, cfg.model.attn_mask_type))
+                    _log(document_stats_line(first, self.doc_separator, cfg.model.attn_mask_type) + self.data.notes())
                 result, step_extra = instruments.run_step(self.step + 1, self.train_step, microbatches)
                 self.step += 1
                 if not timeout_applied:
@@ -384,7 +388,15 @@ class Trainer:
                         lr=result.lr,
                         num_tokens=steps_since_log * self.data.tokens_per_step,
                         data_wait_s=data_wait / steps_since_log,
-                        extra={**(step_extra or {}), **ckpt, **result.extra()} or None,
+                        # result.extra(): the MTP loss; then a mixture's tokens per source so
+                        # far (the position after this step)
+                        extra={
+                            **(step_extra or {}),
+                            **ckpt,
+                            **result.extra(),
+                            **self.data.source_metrics(self.data.state_dict()),
+                        }
+                        or None,
                     )
                     steps_since_log, data_wait = 0, 0.0
                 if stopping is not None:

@@ -7,7 +7,10 @@ rank sums its token losses, divides by the validation step's global token count 
 the same one; the steps are then averaged), the pipeline's last stage hands its sum to every pp
 rank, and the result is summed over the ``loss`` mesh; so it is the mean over every validation
 token, the same number on every layout (up to
-float32 summation order). Every evaluation starts the validation data from its beginning: it
+float32 summation order). With masked data (chat: labels hold IGNORE_INDEX) the divisor is the
+count of target tokens over the whole evaluation: each rank sums its raw token losses, and the
+sum over ranks is divided by the global target count (counted from the labels, one reduction
+over the ``batch`` mesh), the same ratio the training loss takes per step. Every evaluation starts the validation data from its beginning: it
 sees the same samples each time, so successive values are comparable.
 
 Evaluation changes nothing the training depends on: no gradients, the modules' train/eval mode
@@ -32,6 +35,7 @@ from torch import nn
 from trainer.config import ConfigError, JobConfig
 from trainer.data.batching import PackedDataLoader
 from trainer.data.loader import build_validation_dataloader
+from trainer.data.packing import IGNORE_INDEX
 from trainer.forward import LossFn, ModelForward
 
 if TYPE_CHECKING:
@@ -128,7 +132,7 @@ class Validator:
         for part in self.model_parts:
             part.eval()
         try:
-            loss_sum = self._evaluate()
+            loss_sum, targets = self._evaluate()
         finally:
             for part, mode in zip(self.model_parts, modes):
                 part.train(mode)
@@ -141,16 +145,29 @@ class Validator:
         loss_mesh = self.pd.get_optional_mesh("loss")
         if loss_mesh is not None:
             dist.all_reduce(loss_sum, group=loss_mesh.get_group())
-        loss = loss_sum.item() / self.steps  # each step's sum is that step's token-weighted mean
-        return ValidationResult(loss, self.steps, self.steps * self.tokens_per_step, time.perf_counter() - start)
+        if targets is None:
+            loss = loss_sum.item() / self.steps  # each step's sum is that step's token-weighted mean
+            tokens = self.steps * self.tokens_per_step
+        else:
+            batch_mesh = self.pd.get_optional_mesh("batch")
+            if batch_mesh is not None:
+                dist.all_reduce(targets, group=batch_mesh.get_group())
+            tokens = int(targets.item())
+            loss = loss_sum.item() / max(tokens, 1)
+        return ValidationResult(loss, self.steps, tokens, time.perf_counter() - start)
 
-    def _evaluate(self) -> torch.Tensor:
+    def _evaluate(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's share of the sum over steps of each step's loss (token losses / the
-        step's global token count); on pp ranks without the last stage, zero."""
+        step's global token count; on pp ranks without the last stage, zero), and None. With
+        masked data: this rank's raw sum of token losses and its count of target tokens."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        masked = self.data.masked
+        targets = torch.zeros((), dtype=torch.int64, device=self.device) if masked else None
         for _ in range(self.steps):
             for inputs, labels in self.data.next_step():
-                part = self.forward(inputs, labels, self.tokens_per_step, backward=False)
+                if masked:
+                    targets += (labels.to(self.device) != IGNORE_INDEX).sum()
+                part = self.forward(inputs, labels, 1 if masked else self.tokens_per_step, backward=False)
                 if part is not None:
                     loss_sum += part
-        return loss_sum
+        return loss_sum, targets

@@ -160,7 +160,7 @@ def test_parallelism_aliases():
         (["--lr_scheduler.decay_style", "cosin"], "did you mean 'cosine'?"),
         (
             ["--model.flavor", "8b"],
-            "model.flavor must be one of 'debugmodel', '1B', '3B', '8B', '70B', '405B' for model 'llama3', got '8b'; did you mean '8B'?",
+            "model.flavor must be one of 'debugmodel', 'debugmodel_tied', '1B', '3B', '8B', '70B', '405B' for model 'llama3', got '8b'; did you mean '8B'?",
         ),
         (["--training.local_batch_size", "0"], "training.local_batch_size must be > 0, got 0"),
         (["--training.seq_len", "-5"], "training.seq_len must be > 0, got -5"),

@@ -17,6 +17,7 @@ import typing
 from typing import Any
 
 from trainer.config.errors import ConfigError
+from trainer.config.fields import source_entries
 from trainer.config.optim_schema import TABLE_KEYS
 from trainer.config.schema import (
     ALIASES,
@@ -40,7 +41,7 @@ _UNION_ORIGINS = (typing.Union, types.UnionType)
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 _TYPE_NAMES = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}
-_LIST_NAMES = {int: "ints", float: "floats", bool: "bools", str: "strings"}
+_LIST_NAMES = {int: "ints", float: "floats", bool: "bools", str: "strings", dict: "kind:weight:path items"}
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -76,7 +77,9 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         except ConfigError:
             raise bad() from None
     if origin is list and typing.get_args(tp) == (dict,):
-        return _coerce_tables(key, value, from_cli, bad)
+        if key in TABLE_KEYS:  # [[optimizer.param_groups]]
+            return _coerce_tables(key, value, from_cli, bad)
+        return source_entries(key, value)  # [[training.sources]]
     if origin is list:
         (inner,) = typing.get_args(tp)
         if isinstance(value, str):

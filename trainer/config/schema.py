@@ -19,12 +19,10 @@ from models.parallel.float8 import FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
+from trainer.config.fields import DATASETS, TEXT_DOCUMENTS
 from trainer.config.fields import opt as _opt
 from trainer.config.optim_schema import LRScheduler, Optimizer
 from trainer.config.toml_writer import dump_toml
-
-# what one document of a .txt file is (trainer/data/sources.py FileSource)
-TEXT_DOCUMENTS = ("file", "blank_line", "line")
 
 # trainer/config/schema.py -> the repository root, three levels up
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,10 +140,31 @@ class Training:
         "synthetic",
         "'synthetic' (built-in generated corpus), 'text' (.txt file or folder), "
         "'jsonl' (.jsonl file or folder, field 'text'), 'tokens' (token shards written by "
-        "scripts/tokenize_dataset.py: each rank reads only its own samples).",
-        choices=("synthetic", "text", "jsonl", "tokens"),
+        "scripts/tokenize_dataset.py: each rank reads only its own samples), 'hf' (column 'text' of a "
+        ".parquet file or folder, or a datasets save_to_disk folder), 'chat' (rows with 'messages' in "
+        ".jsonl/.parquet files or a save_to_disk folder, loss on the assistant's tokens: docs/fine_tuning.md).",
+        choices=DATASETS,
     )
-    dataset_path: str = _opt("", "File or folder for the 'text' and 'jsonl' datasets; the shards folder for 'tokens'.")
+    dataset_path: str = _opt(
+        "", "File or folder for the 'text', 'jsonl', 'hf' and 'chat' datasets; the shards folder for 'tokens'."
+    )
+    chat_packing: str = _opt(
+        "packed",
+        "'chat' data: 'packed' = whole conversations in order into each window (one document each under "
+        "model.attn_mask_type = block_causal), the rest padded; 'padded' = one conversation per window.",
+        choices=("packed", "padded"),
+    )
+    chat_too_long: str = _opt(
+        "truncate",
+        "'chat' data: a conversation longer than seq_len + 1 tokens is cut to fit ('truncate') or skipped ('drop').",
+        choices=("truncate", "drop"),
+    )
+    sources: list[dict] = _opt(
+        [],
+        "A mixture instead of dataset/dataset_path: [[training.sources]] tables (path, kind = a dataset "
+        "kind, weight > 0, optional name), each global sample drawn from one by a seeded schedule "
+        "(CLI: kind:weight:path,...; docs/fine_tuning.md).",
+    )
     text_documents: str = _opt(
         "file",
         "What one document of a 'text' dataset's .txt files is (where block-causal masking and the "
@@ -396,10 +415,10 @@ class Validation:
     dataset: str = _opt(
         "synthetic",
         "Validation data, the same kinds as training.dataset ('synthetic' draws from another seed "
-        "than training, so it is held out).",
-        choices=("synthetic", "text", "jsonl", "tokens"),
+        "than training, so it is held out; 'chat' windows follow training.chat_packing and chat_too_long).",
+        choices=DATASETS,
     )
-    dataset_path: str = _opt("", "File or folder for 'text'/'jsonl'; the shards folder for 'tokens'.")
+    dataset_path: str = _opt("", "File or folder for 'text'/'jsonl'/'hf'/'chat'; the shards folder for 'tokens'.")
     text_documents: str = _opt(
         "file",
         "What one document of a 'text' dataset's .txt files is, as training.text_documents.",

@@ -39,7 +39,7 @@ def _toml_scalar(v: Any) -> str:
         return '"' + "".join(out) + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_scalar(x) for x in v) + "]"
-    if isinstance(v, dict):  # an inline table (one of [[optimizer.param_groups]]); keys are bare words
+    if isinstance(v, dict):  # an inline table ([[optimizer.param_groups]], [[training.sources]]); bare-word keys
         return "{" + ", ".join(f"{k} = {_toml_scalar(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {type(v).__name__} value {v!r} as TOML")
 

@@ -111,6 +111,17 @@ def _validate_values(cfg: JobConfig) -> None:
         t.dataset == "synthetic" or t.dataset_path != "",
         f"training.dataset = '{t.dataset}' needs training.dataset_path (a file or folder)",
     )
+    need(
+        not t.sources or (t.dataset == "synthetic" and t.dataset_path == ""),
+        "training.sources (a mixture) replaces training.dataset and training.dataset_path; leave those unset",
+    )
+    chat = t.dataset == "chat" or any(src["kind"] == "chat" for src in t.sources)
+    need(
+        not chat or t.chat_packing == "padded" or cfg.model.attn_mask_type == "block_causal",
+        "training.chat_packing = 'packed' puts several conversations in one window, where causal attention "
+        "lets each see the ones before it; set model.attn_mask_type = 'block_causal' (one document per "
+        "conversation) or training.chat_packing = 'padded'",
+    )
 
     need(o.lr >= 0 and math.isfinite(o.lr), f"optimizer.lr must be a finite number >= 0, got {o.lr}")
     need(

@@ -31,6 +31,10 @@ Modules (one concern each):
   tokenizer fingerprint), shared with the offline writer;
 - :mod:`~trainer.data.token_shards`: reading token shards by address;
 - :mod:`~trainer.data.batching`: a step's global batch -> this rank's micro-batches, resume state;
+- :mod:`~trainer.data.rows`: row datasets (``.jsonl``, ``.parquet``, ``save_to_disk`` folders);
+- :mod:`~trainer.data.chat_template`, :mod:`~trainer.data.chat`: chat conversations -> windows with
+  assistant-only targets (``training.dataset = "chat"``);
+- :mod:`~trainer.data.mixture`: weighted mixtures of sources (``[[training.sources]]``);
 - :mod:`~trainer.data.prefetch`: the background prefetch thread;
 - :mod:`~trainer.data.loader`: building the loaders the trainer uses from the config.
 

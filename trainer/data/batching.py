@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError, gradient_accumulation_steps, resolve_global_batch_size
-from trainer.data.packing import PackedStream
+from trainer.data.packing import IGNORE_INDEX, PackedStream
 from trainer.data.sources import DocumentSource
 from trainer.data.token_shards import TokenDataset
 
@@ -41,6 +41,7 @@ class PackedDataLoader:
         local_batch_size: int,
         batch_rank: int,
         batch_degree: int,
+        stream=None,
     ):
         if seq_len <= 0 or local_batch_size <= 0:
             raise ConfigError(f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) must be > 0")
@@ -54,7 +55,12 @@ class PackedDataLoader:
         self.tokens_per_step = self.global_batch_size * seq_len  # global, for throughput
         self.source_name = source.name
         self.description = getattr(source, "description", source.name)  # the start-up line's words
-        if isinstance(source, TokenDataset):  # pre-tokenized: read by address
+        # masked: labels may hold IGNORE_INDEX (chat data), so the step's loss is divided by the
+        # count of target tokens (trainer/loss_count.py) instead of tokens_per_step
+        self.masked = bool(getattr(source, "masked", False))
+        if stream is not None:  # a stream built by the caller (chat windows, a mixture)
+            self._stream = stream
+        elif isinstance(source, TokenDataset):  # pre-tokenized: read by address
             source.check_tokenizer(tokenizer)
             self._stream = source.stream(seq_len)
         else:
@@ -84,11 +90,27 @@ class PackedDataLoader:
         s.skip(self.batch_rank * self.rank_samples)
         windows = s.take(self.rank_samples)
         s.skip((self.batch_degree - 1 - self.batch_rank) * self.rank_samples)
-        inputs, labels = windows[:, :-1], windows[:, 1:]
+        if isinstance(windows, tuple):  # (tokens, is-target): only targets are labels
+            windows, targets = windows
+            inputs = windows[:, :-1]
+            labels = torch.where(targets[:, 1:], windows[:, 1:], torch.full_like(windows[:, 1:], IGNORE_INDEX))
+        else:
+            inputs, labels = windows[:, :-1], windows[:, 1:]
         b = self.local_batch_size
         self._pending = [
             (inputs[i : i + b].contiguous(), labels[i : i + b].contiguous()) for i in range(0, self.rank_samples, b)
         ]
+
+    def notes(self) -> str:
+        """What the first step's data line adds for this data ('' for plain token streams)."""
+        notes = getattr(self._stream, "notes", None)
+        return "; " + notes() if notes is not None else ""
+
+    def source_metrics(self, state: dict[str, Any]) -> dict[str, int]:
+        """A mixture's tokens per source up to the position ``state`` (a :meth:`state_dict`),
+        for the metrics rows; {} for one source."""
+        metrics = getattr(self._stream, "source_metrics", None)
+        return metrics(int(state["sample_index"])) if metrics is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
         """Position of the first step not fully consumed (a half-consumed step is replayed

@@ -8,9 +8,13 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.data.batching import PackedDataLoader
+from trainer.data.chat import ChatSource, ChatStream
+from trainer.data.mixture import MixtureStream
+from trainer.data.packing import PackedStream
 from trainer.data.prefetch import BackgroundLoader, SyncLoader
-from trainer.data.sources import DocumentSource, FileSource, SyntheticSource
+from trainer.data.sources import DocumentSource, FileSource, RowTextSource, SyntheticSource
 from trainer.data.token_shards import TokenDataset
+from trainer.data.tokenizer import DEFAULT_TOKENIZER_PATH
 
 
 def build_source(cfg: JobConfig, *, log_epochs: bool = True) -> DocumentSource | TokenDataset:
@@ -21,7 +25,67 @@ def build_source(cfg: JobConfig, *, log_epochs: bool = True) -> DocumentSource |
         return SyntheticSource(t.seed)
     if t.dataset == "tokens":
         return TokenDataset(t.dataset_path)
+    if t.dataset == "hf":
+        return RowTextSource(t.dataset_path, log_epochs=log_epochs)
     return FileSource(t.dataset_path, t.dataset, documents=t.text_documents, log_epochs=log_epochs)
+
+
+def chat_stream(
+    cfg: JobConfig, path: str, tokenizer, seq_len: int, option: str, log_epochs: bool = True
+) -> tuple[ChatSource, ChatStream]:
+    """A 'chat' dataset's source and its windows (training.chat_packing, chat_too_long)."""
+    source = ChatSource(path, tokenizer, DEFAULT_TOKENIZER_PATH, option=option, log_epochs=log_epochs)
+    t = cfg.training
+    return source, ChatStream(source, seq_len, packing=t.chat_packing, too_long=t.chat_too_long)
+
+
+def _source_stream(cfg: JobConfig, entry: dict, tokenizer, seq_len: int, log_epochs: bool):
+    """One ``[[training.sources]]`` entry's stream of windows, as that kind would be alone."""
+    kind, path, option = entry["kind"], entry["path"], f"training.sources '{entry['name']}' path"
+    if kind == "chat":
+        return chat_stream(cfg, path, tokenizer, seq_len, option, log_epochs)[1]
+    if kind == "tokens":
+        tokens = TokenDataset(path, option=option)
+        tokens.check_tokenizer(tokenizer)
+        return tokens.stream(seq_len)
+    if kind == "synthetic":
+        source: DocumentSource = SyntheticSource(cfg.training.seed)
+    elif kind == "hf":
+        source = RowTextSource(path, option=option, log_epochs=log_epochs)
+    else:
+        source = FileSource(path, kind, option=option, documents=cfg.training.text_documents, log_epochs=log_epochs)
+    return PackedStream(source, tokenizer, seq_len)
+
+
+def mixture_stream(cfg: JobConfig, tokenizer, seq_len: int, log_epochs: bool = True) -> MixtureStream:
+    """``training.sources``: the sources' streams under the seeded schedule (trainer/data/mixture.py)."""
+    entries = cfg.training.sources
+    streams = [_source_stream(cfg, e, tokenizer, seq_len, log_epochs) for e in entries]
+    mix = MixtureStream(
+        streams,
+        [e["name"] for e in entries],
+        [e["weight"] for e in entries],
+        cfg.training.seed,
+        masked=any(e["kind"] == "chat" for e in entries),
+    )
+    mix.name = "mixture"
+    mix.description = "mixture of " + "; ".join(
+        f"{e['name']} ({e['kind']}{', ' + e['path'] if e['path'] else ''}): weight {e['weight']:g}, "
+        f"{p:.1%} of the samples and tokens expected"
+        for e, p in zip(entries, mix.shares)
+    )
+    return mix
+
+
+def document_separator(cfg: JobConfig, tokenizer) -> int | None:
+    """The token that ends each packed document (the model's ``eos_id`` for block-causal
+    masking): the tokenizer's EOS, or for chat data the conversations' separator
+    (:func:`trainer.data.chat.chat_separator`)."""
+    t = cfg.training
+    chat = [t.dataset_path] if t.dataset == "chat" else [e["path"] for e in t.sources if e["kind"] == "chat"]
+    if chat:
+        return ChatSource(chat[0], tokenizer, DEFAULT_TOKENIZER_PATH).separator
+    return tokenizer.eos_id
 
 
 def build_validation_dataloader(cfg: JobConfig, tokenizer, batch_rank: int, batch_degree: int) -> PackedDataLoader:
@@ -30,7 +94,12 @@ def build_validation_dataloader(cfg: JobConfig, tokenizer, batch_rank: int, batc
     in micro-batches of ``validation.local_batch_size``, like training. The synthetic corpus is drawn from another seed than training's, so it is
     held out."""
     v = cfg.validation
-    if v.dataset == "synthetic":
+    stream = None
+    if v.dataset == "chat":
+        source, stream = chat_stream(cfg, v.dataset_path, tokenizer, v.seq_len, "validation.dataset_path", False)
+    elif v.dataset == "hf":
+        source = RowTextSource(v.dataset_path, option="validation.dataset_path", log_epochs=False)
+    elif v.dataset == "synthetic":
         source: DocumentSource | TokenDataset = SyntheticSource(f"validation:{cfg.training.seed}")
     elif v.dataset == "tokens":
         source = TokenDataset(v.dataset_path, option="validation.dataset_path")
@@ -47,6 +116,7 @@ def build_validation_dataloader(cfg: JobConfig, tokenizer, batch_rank: int, batc
         local_batch_size=v.local_batch_size,
         batch_rank=batch_rank,
         batch_degree=batch_degree,
+        stream=stream,
     )
 
 
@@ -71,12 +141,20 @@ def build_dataloader(
         raise TypeError("build_dataloader needs the job plan's batch plan or a batch_degree")
     else:
         global_batch_size, local_batch_size, seq_len = t.global_batch_size, t.local_batch_size, t.seq_len
+    stream = None
+    if t.sources:
+        source = stream = mixture_stream(cfg, tokenizer, seq_len, log_epochs)
+    elif t.dataset == "chat":
+        source, stream = chat_stream(cfg, t.dataset_path, tokenizer, seq_len, "training.dataset_path", log_epochs)
+    else:
+        source = build_source(cfg, log_epochs=log_epochs)
     return PackedDataLoader(
-        build_source(cfg, log_epochs=log_epochs),
+        source,
         tokenizer,
         seq_len=seq_len,
         global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,
         batch_rank=batch_rank,
         batch_degree=batch_degree,
+        stream=stream,
     )

@@ -13,7 +13,7 @@ import torch
 
 from trainer.data.sources import DocumentSource
 
-IGNORE_INDEX = -100  # unused by packing (no padding); exported for loss functions
+IGNORE_INDEX = -100  # a label that is not a target (chat data: every non-assistant token; trainer/data/chat.py)
 
 
 class PackedStream:

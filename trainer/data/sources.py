@@ -31,6 +31,31 @@ class DocumentSource(Protocol):
     def read(self, cursor: list[int]) -> tuple[str, bool, list[int]]: ...
 
 
+class RowTextSource:
+    """``training.dataset = "hf"``: the ``text`` column of parquet files or a ``save_to_disk``
+    folder (:class:`~trainer.data.rows.RowFiles`), one document per row."""
+
+    name = "hf"
+
+    def __init__(self, path: str, *, option: str = "training.dataset_path", log_epochs: bool = True):
+        from trainer.data.rows import RowFiles
+
+        self.rows = RowFiles(path, "text", option=option, log_epochs=log_epochs)
+
+    @property
+    def description(self) -> str:
+        return f"{self.rows.description}, one document per row (column 'text')"
+
+    def start(self) -> list[int]:
+        return self.rows.start()
+
+    def read(self, cursor: list[int]) -> tuple[str, bool, list[int]]:
+        text, where, nxt = self.rows.read(cursor)
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: column 'text' must hold strings, got {type(text).__name__}")
+        return text, True, nxt
+
+
 class SyntheticSource:
     name = "synthetic"
 

@@ -81,6 +81,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tok
 
         self.path = path
+        self._chat_tok = None  # encode_chat's instance (special tokens parsed), made on first use
         try:
             self._tok = _Tok.from_file(path)
         except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
@@ -116,6 +117,26 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A rendered chat conversation as transformers' ``apply_chat_template`` tokenizes it:
+        special-token text (``<|im_end|>``) becomes the special id; with each token's character
+        span in ``text``. A second instance, so the data thread never flips the shared one."""
+        if self._chat_tok is None:
+            from tokenizers import Tokenizer as _Tok
+
+            self._chat_tok = _Tok.from_file(self.path)
+            self._chat_tok.encode_special_tokens = False
+        enc = self._chat_tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def special_token_texts(self) -> list[str]:
+        """The text of every special added token (where a chat template's turns end)."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
+    def token_text(self, token_id: int | None) -> str | None:
+        """The text of a special token (the chat template's ``eos_token`` etc.)."""
+        return None if token_id is None else self._tok.id_to_token(token_id)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"

@@ -354,7 +354,9 @@ def pipeline_step(
     :func:`sum_loss_over_pp`, then reduce over the ``loss`` mesh as without pipelining.
     """
     if isinstance(global_token_count, torch.Tensor):
-        bad = global_token_count.numel() != 1 or not bool(global_token_count > 0)
+        # a device count (the trainer's target-token count, >= 1 by construction): its value is
+        # not read here, which would make the host wait for the device every step
+        bad = global_token_count.numel() != 1
     else:
         bad = isinstance(global_token_count, bool) or not global_token_count > 0
     if bad:

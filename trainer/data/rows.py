@@ -1,0 +1,197 @@
+"""Row datasets read by the trainer itself: ``.jsonl`` files, ``.parquet`` files (a file or a
+folder of them) or a folder written by ``datasets.Dataset.save_to_disk``, addressed by JSON-able
+cursors so a position can be checkpointed.
+
+Nothing is fetched: parquet files are read with ``pyarrow`` one row group at a time (only the
+needed column), a ``save_to_disk`` folder with ``datasets.load_from_disk`` (memory-mapped Arrow
+files) in blocks of rows. Files are visited in sorted path order and the rows wrap around (the
+next epoch) after the last one.
+
+Cursor: ``[epoch, file_index, position]``, the position a byte offset in a ``.jsonl`` file and
+a row index in a parquet file or the ``save_to_disk`` dataset (one "file").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from trainer.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RowFiles", "row_format"]
+
+_BLOCK = 256  # rows read at once from a save_to_disk dataset
+
+
+def row_format(path: str) -> str:
+    """'arrow' (a save_to_disk folder), 'parquet' or 'jsonl' for a dataset path."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json")):
+            return "arrow"
+        names = [f for _root, _dirs, files in os.walk(path) for f in files]
+        return "parquet" if any(f.endswith(".parquet") for f in names) else "jsonl"
+    return "parquet" if path.endswith(".parquet") else "jsonl"
+
+
+class RowFiles:
+    """The rows of a dataset path; ``read(cursor)`` returns (the row's ``column`` value, where
+    the row is in words, the next cursor). ``column``: the field each row must have."""
+
+    def __init__(self, path: str, column: str, *, option: str = "training.dataset_path", log_epochs: bool = True):
+        self.path, self.column, self.option, self.log_epochs = path, column, option, log_epochs
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"{option} '{path}' does not exist; point it at a .jsonl or .parquet file, a folder of them, "
+                "or a datasets save_to_disk folder"
+            )
+        self.format = row_format(path)
+        self._epoch_said = -1
+        self._cache: tuple[int, int, list[Any]] | None = None  # (file, first row, values)
+        self.rows_read = 0  # instrumentation: rows read by read()
+        if self.format == "arrow":
+            self._open_arrow()
+            return
+        suffix = "." + self.format
+        if os.path.isdir(path):
+            files = sorted(os.path.join(r, f) for r, _d, names in os.walk(path) for f in names if f.endswith(suffix))
+        else:
+            files = [path]
+        self.files = [f for f in files if os.path.getsize(f) > 0]
+        if not self.files:
+            raise ConfigError(f"{option} '{path}' has no non-empty {suffix} files")
+        if self.format == "parquet":
+            self._open_parquet()
+
+    # ------------------------------------------------------------------ formats
+    def _open_arrow(self) -> None:
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(self.path)
+        except Exception as exc:  # datasets raises several kinds for a broken folder
+            raise ConfigError(f"{self.option} '{self.path}': not a readable save_to_disk dataset ({exc})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            raise ConfigError(
+                f"{self.option} '{self.path}' holds a DatasetDict (splits {', '.join(ds)}); point it at one "
+                f"split's folder, e.g. {os.path.join(self.path, next(iter(ds)))}"
+            )
+        if self.column not in ds.column_names:
+            raise ConfigError(
+                f"{self.option} '{self.path}' has no column '{self.column}' (columns: {', '.join(ds.column_names)})"
+            )
+        self._ds = ds.select_columns([self.column])
+        self.files = [self.path]
+        self.rows = [len(ds)]
+        if not len(ds):
+            raise ConfigError(f"{self.option} '{self.path}' has no rows")
+
+    def _open_parquet(self) -> None:
+        import pyarrow.parquet as pq
+
+        self._pq, self.rows, self._groups = [], [], []
+        for f in self.files:
+            try:
+                pf = pq.ParquetFile(f)
+            except Exception as exc:  # pyarrow's ArrowInvalid and friends
+                raise ConfigError(f"{self.option}: {f} is not a readable parquet file ({exc})") from None
+            names = pf.schema_arrow.names
+            if self.column not in names:
+                raise ConfigError(f"{f} has no column '{self.column}' (columns: {', '.join(names)}); fix the file")
+            self._pq.append(pf)
+            self.rows.append(pf.metadata.num_rows)
+            starts, n = [], 0
+            for g in range(pf.num_row_groups):
+                starts.append(n)
+                n += pf.metadata.row_group(g).num_rows
+            self._groups.append(starts)
+        if not sum(self.rows):
+            raise ConfigError(f"{self.option} '{self.path}' has no rows")
+
+    @property
+    def n_rows(self) -> int | None:
+        """Rows in the dataset (None for .jsonl, which is not counted ahead)."""
+        return None if self.format == "jsonl" else sum(self.rows)
+
+    @property
+    def description(self) -> str:
+        n = len(self.files)
+        if self.format == "arrow":
+            return f"{self.path}: a save_to_disk dataset, {self.rows[0]:,} rows"
+        what = f"{n} .{self.format} file{'s' if n != 1 else ''}"
+        return f"{self.path}: {what}" + (f", {sum(self.rows):,} rows" if self.format == "parquet" else "")
+
+    def start(self) -> list[int]:
+        return [0, 0, 0]
+
+    def _next_file(self, epoch: int, index: int) -> list[int]:
+        if index + 1 < len(self.files):
+            return [epoch, index + 1, 0]
+        if self.log_epochs and epoch > self._epoch_said:
+            self._epoch_said = epoch
+            logger.warning("dataset '%s' exhausted after epoch %d; starting over", self.path, epoch)
+        return [epoch + 1, 0, 0]
+
+    def _value(self, index: int, row: int) -> Any:
+        cached = self._cache
+        if cached is None or cached[0] != index or not cached[1] <= row < cached[1] + len(cached[2]):
+            if self.format == "arrow":
+                first = row - row % _BLOCK
+                values = self._ds[first : first + _BLOCK][self.column]
+            else:
+                starts = self._groups[index]
+                g = max(i for i, s in enumerate(starts) if s <= row)
+                first = starts[g]
+                values = self._pq[index].read_row_group(g, columns=[self.column]).column(0).to_pylist()
+            self._cache = cached = (index, first, values)
+        return cached[2][row - cached[1]]
+
+    @property
+    def addressable(self) -> bool:
+        """Whether :meth:`advance` can move a cursor without reading (parquet, save_to_disk)."""
+        return self.format != "jsonl"
+
+    def advance(self, cursor: list[int], n: int) -> list[int]:
+        """The cursor ``n`` rows after ``cursor``, computed from the row counts (nothing read);
+        the rows wrap into the next epoch as :meth:`read` does."""
+        epoch, index, pos = cursor
+        total = sum(self.rows)
+        flat = sum(self.rows[:index]) + pos + n
+        epoch, flat = epoch + flat // total, flat % total
+        index = 0
+        while flat >= self.rows[index]:
+            flat -= self.rows[index]
+            index += 1
+        return [epoch, index, flat]
+
+    def read(self, cursor: list[int]) -> tuple[Any, str, list[int]]:
+        epoch, index, pos = cursor
+        while True:
+            if self.format == "jsonl":
+                with open(self.files[index], "rb") as fh:
+                    fh.seek(pos)
+                    line = fh.readline()
+                    while line and not line.strip():
+                        pos += len(line)
+                        line = fh.readline()
+                if not line:
+                    epoch, index, pos = self._next_file(epoch, index)
+                    continue
+                where = f"{self.files[index]} (byte {pos})"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{where}: invalid JSON line: {exc}") from None
+                if not isinstance(record, dict) or self.column not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(f"{where}: each row needs a field '{self.column}'; got keys {keys}")
+                return record[self.column], where, [epoch, index, pos + len(line)]
+            if pos >= self.rows[index]:
+                epoch, index, pos = self._next_file(epoch, index)
+                continue
+            where = f"{self.files[index]} (row {pos})"
+            self.rows_read += 1
+            return self._value(index, pos), where, [epoch, index, pos + 1]
