@@ -212,6 +212,10 @@ def _infer_flavor_from_dcp(ns, meta) -> tuple[str, dict]:
             keys = cls(args).our_keys()
         except (UsageError, ValueError):
             continue
+        if getattr(args, "tie_word_embeddings", False):
+            # a tied model's step checkpoint holds the shared weight once, as the embedding (an
+            # untied checkpoint of the same shapes has its own output.weight)
+            keys = {k: v for k, v in keys.items() if k != "output.weight"}
         if keys.keys() == meta.keys() and all(tuple(meta[k][0]) == tuple(s) for k, s in keys.items()):
             matches.append(flavor)
     if ns.flavor:

@@ -91,7 +91,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option
     attention outputs, recompute the rest) or an integer N (fully checkpoint every N-th block)."""
     if mode == "none":
         return
-    blocks = model.blocks()
+    # our decoders list their blocks (MTP depths included); a model without ``blocks()``
+    # (torchtitan's Transformer in the GPU benchmark's reference loop) has its ``layers``
+    blocks = model.blocks() if hasattr(model, "blocks") else list(model.layers.values())
     if mode == "full":
         for block in blocks:
             _checkpoint_block(block)
