@@ -25,6 +25,7 @@ from models.parallel.float8 import (
     check_float8_experts,
     check_float8_support,
 )
+from models.parallel.lora import LORA_CONVERTERS, LoRAOptions, check_lora
 from models.parallel.pipeline import StagePlan, plan_stages
 from models.parallel.pipeline.plan import schedule_facts
 from models.parallelize import ParallelizeOptions
@@ -187,6 +188,18 @@ def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
         ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
         compile=cfg.compile.enable and "model" in cfg.compile.components,
         float8=float8_options(cfg),
+        lora=lora_options(cfg),
+    )
+
+
+def lora_options(cfg: JobConfig) -> LoRAOptions | None:
+    """The ``[lora]`` section as the parallelize plan takes it; None unless ``model.converters``
+    has ``"lora"``."""
+    if not any(name in LORA_CONVERTERS for name in cfg.model.converters):
+        return None
+    lo = cfg.lora
+    return LoRAOptions(
+        rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules), experts=lo.experts
     )
 
 
@@ -262,6 +275,8 @@ def plan_job(
         )
         if opts.float8 is not None and opts.float8.moe_fqns:
             attempt(lambda: _check_float8_experts(spec, cfg.model.name, opts.float8, pd.etp))
+        if opts.lora is not None:
+            attempt(lambda: check_lora(spec.model_cls, spec.args, opts.lora, pd.etp))
     batch = None
     if pd is not None:
         batch = attempt(lambda: _batch_plan(cfg, pd))
@@ -434,6 +449,8 @@ def format_plan(plan: JobPlan, dry: dict[str, Any] | None = None) -> str:
     ]
     if plan.parallelize.float8 is not None:
         lines.append(f"float8 (torchao, before parallelization): {plan.parallelize.float8.describe()}")
+    if plan.parallelize.lora is not None:
+        lines.append(f"lora (frozen base, before parallelization): {plan.parallelize.lora.describe()}")
     if plan.stages is not None:
         s = plan.stages
         ranges = ", ".join(f"{lo}-{hi - 1}" for lo, hi in s.layer_ranges)

@@ -19,6 +19,7 @@ from models.parallel.float8 import FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
+from trainer.config.lora_section import Lora
 from trainer.config.toml_writer import dump_toml
 
 # what one document of a .txt file is (trainer/data/sources.py FileSource)
@@ -95,7 +96,7 @@ class Model:
         "Model converters applied before parallelization: 'float8' (alias 'quantize.linear.float8', "
         "torchtitan 0.2.2's name) trains the linear layers with torchao's float8 GEMMs; 'float8_experts' "
         "(alias 'quantize.grouped_mm.float8') runs the routed experts' grouped GEMMs in float8 "
-        "(rowwise); see [float8].",
+        "(rowwise); see [float8]. 'lora' trains low-rank adapters on a frozen base; see [lora].",
     )
 
 
@@ -439,6 +440,7 @@ SECTIONS: dict[str, type] = {
     "parallelism": Parallelism,
     "activation_checkpoint": ActivationCheckpoint,
     "float8": Float8,
+    "lora": Lora,
     "compile": Compile,
     "checkpoint": Checkpoint,
     "metrics": Metrics,
@@ -458,6 +460,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from models.parallel.float8 import FLOAT8_CONVERTERS, FLOAT8_EXPERT_CONVERTERS
+from models.parallel.lora import LORA_CONVERTERS
 from models.registry import flavor_names, has_experts
 from trainer.config.errors import ConfigError
 from trainer.config.schema import (
@@ -39,7 +40,7 @@ def validate_config(cfg: JobConfig) -> None:
 
 
 def _validate_float8(cfg: JobConfig) -> None:
-    known = FLOAT8_CONVERTERS + FLOAT8_EXPERT_CONVERTERS
+    known = FLOAT8_CONVERTERS + FLOAT8_EXPERT_CONVERTERS + LORA_CONVERTERS
     for name in cfg.model.converters:
         if name not in known:
             raise ConfigError(_choice_message("model.converters entry", name, known))
@@ -59,6 +60,21 @@ def _validate_float8(cfg: JobConfig) -> None:
         raise ConfigError(
             "float8.precompute_float8_dynamic_scale_for_fsdp precomputes the scales of the float8 all-gather, "
             "which is off: set float8.enable_fsdp_float8_all_gather = true, or turn the precompute off"
+        )
+
+
+def _validate_lora(cfg: JobConfig) -> None:
+    lo = cfg.lora
+    if lo.rank <= 0:
+        raise ConfigError(f"lora.rank must be a positive integer, got {lo.rank}; 8 or 16 are common")
+    if not lo.alpha > 0:
+        raise ConfigError(f"lora.alpha must be > 0, got {lo.alpha}; e.g. twice lora.rank")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
+    if not lo.target_modules and not lo.experts:
+        raise ConfigError(
+            "lora.target_modules is empty and lora.experts is false: nothing would train; "
+            "use e.g. lora.target_modules = ['attention.*', 'feed_forward.*']"
         )
 
 
@@ -82,6 +98,7 @@ def _validate_values(cfg: JobConfig) -> None:
     )
 
     _validate_float8(cfg)
+    _validate_lora(cfg)
 
     need(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
     need(

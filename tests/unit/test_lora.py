@@ -1,0 +1,196 @@
+"""LoRA (models/parallel/lora.py) against Hugging Face PEFT on the same transformers model and
+weights, and the PEFT export's names and layouts (trainer/checkpoint/lora_export.py).
+
+Our model is loaded from a small random transformers model (Llama 3 and Qwen3) through the
+model's Hugging Face adapter; both sides get the same random adapters (ours set directly, PEFT's
+through our PEFT export's tensors and ``set_peft_model_state_dict``, as ``PeftModel.from_pretrained``
+loads them). Compared: logits, and the gradients of every A and B under one scalar loss, fp32.
+
+Tolerance: logits elementwise 1e-5 relative with 1e-5 absolute on values of order 1; each
+gradient tensor 1e-5 relative in norm (``||ours - peft|| / ||peft||``; elementwise, a gradient
+element near zero is a cancellation of terms of the tensor's scale, so its own relative error
+says nothing). The two implementations
+sum in different orders (SDPA vs eager attention, RoPE tables in float64 vs float32), as in
+tests/unit/test_hf_adapters.py. Negative controls: B's rows left in our interleaved rotary
+layout for q/k (a forgotten permutation), and PEFT's rank-stabilized scale (alpha / sqrt(r)),
+each fail the logits comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from models.common.hf_adapter import RopeRows, interleaved_to_half_split  # noqa: E402
+from models.parallel.lora import LoRAOptions, convert_to_lora, is_adapter_key, lora_decisions  # noqa: E402
+from models.registry import build_model, get_hf_adapter  # noqa: E402
+from tests.hf_models import llama_config, randomize_hf_  # noqa: E402
+from trainer.checkpoint.lora_export import merge_adapters, peft_config, peft_tensors  # noqa: E402
+
+RTOL = ATOL = 1e-5
+SEQ = 24
+OPTS = LoRAOptions(rank=4, alpha=8.0)
+
+LLAMA_OURS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
+LLAMA_HF = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+QWEN_OURS = dict(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=96, vocab_size=128, max_seq_len=64
+)
+QWEN_HF = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=96,
+    vocab_size=128,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
+
+
+def _pair(name: str):
+    """(transformers model, our model with the same weights), fp32, both in train mode with
+    dropout 0 (the adapters' dropout is 0 too)."""
+    if name == "llama3":
+        hf = transformers.LlamaForCausalLM(llama_config(**LLAMA_HF))
+        overrides = LLAMA_OURS
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN_HF))
+        overrides = QWEN_OURS
+    randomize_hf_(hf, 1)
+    hf = hf.float()
+    ours = build_model(name, "debugmodel", device="cpu", **overrides)
+    adapter = get_hf_adapter(name, ours.args)
+    ours.load_state_dict(adapter.from_hf(hf.state_dict()), strict=True)
+    return hf, ours, adapter
+
+
+def _random_adapters(model) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if is_adapter_key(n):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter_key(n)}
+
+
+def _peft(hf, tensors, *, use_rslora: bool = False):
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    cfg = peft_config(
+        OPTS, sorted({k[len("base_model.model.") : -len(".lora_A.weight")] for k in tensors if "lora_A" in k})
+    )
+    lcfg = LoraConfig(
+        r=cfg["r"], lora_alpha=cfg["lora_alpha"], lora_dropout=0.0, target_modules=cfg["target_modules"],
+        use_rslora=use_rslora,
+    )  # fmt: skip
+    model = get_peft_model(hf, lcfg)
+    result = set_peft_model_state_dict(model, dict(tensors))
+    assert not result.unexpected_keys
+    return model
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of a whole tensor: ||a - b|| / ||b||."""
+    return float((a - b).norm() / b.norm())
+
+
+def _loss(logits: torch.Tensor) -> torch.Tensor:
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9))
+    return (logits * w).sum()
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_forward_and_adapter_grads_match_peft(name):
+    hf, ours, adapter = _pair(name)
+    report = convert_to_lora(ours, OPTS)
+    assert len(report.adapted) == 2 * 7  # q k v o + gate up down per layer
+    adapters = _random_adapters(ours)
+    tensors = peft_tensors(adapters, adapter)
+    model = _peft(hf, tensors)
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+    theirs = model(input_ids=tokens, use_cache=False).logits
+    mine = ours(tokens)
+    assert theirs.abs().max() > 0.1
+    torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL)
+    _loss(theirs).backward()
+    _loss(mine).backward()
+
+    # every base parameter frozen on our side: no gradient at all
+    assert all(p.grad is None for n, p in ours.named_parameters() if not is_adapter_key(n))
+    peft_params = dict(model.named_parameters())
+    compared, worst = 0, 0.0
+    for key, p in ours.named_parameters():
+        if not is_adapter_key(key):
+            continue
+        owner, ab = key.rsplit(".", 1)
+        entry = adapter._entry(owner + ".weight")
+        module = "base_model.model." + entry.hf[: -len(".weight")]
+        g = peft_params[f"{module}.lora_{ab[-1].upper()}.default.weight"].grad
+        mine_g = p.grad
+        if ab == "lora_b" and isinstance(entry, RopeRows):
+            mine_g = interleaved_to_half_split(mine_g, entry.n_heads)
+        assert mine_g.abs().max() > 0
+        worst = max(worst, _rel(mine_g, g))
+        compared += 1
+    assert worst <= RTOL, worst
+    assert compared == 2 * len(report.adapted)
+
+
+def test_negative_controls_fail_the_logit_comparison():
+    _, ours, adapter = _pair("llama3")
+    convert_to_lora(ours, OPTS)
+    adapters = _random_adapters(ours)
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        mine = ours(tokens)
+    good = peft_tensors(adapters, adapter)
+    # q/k B rows without the rotary permutation
+    unpermuted = dict(good)
+    for key, t in adapters.items():
+        if key.endswith("attention.wq.lora_b"):
+            layer = key.split(".")[1]
+            unpermuted[f"base_model.model.model.layers.{layer}.self_attn.q_proj.lora_B.weight"] = t
+    for tensors, kw in ((unpermuted, {}), (good, {"use_rslora": True})):
+        hf_copy, _, _ = _pair("llama3")
+        with torch.no_grad():
+            theirs = _peft(hf_copy, tensors, **kw)(input_ids=tokens, use_cache=False).logits
+        assert not torch.allclose(mine, theirs, rtol=RTOL, atol=ATOL)
+
+
+def test_targets_freeze_and_merge():
+    """Default targets are every attention and feed-forward projection (never the head or a
+    router); everything else is frozen; the merged weight is W + scale * B @ A bitwise."""
+    model = build_model("deepseek_v3", "debugmodel", device="meta", n_layers=2)
+    decisions = lora_decisions(model, OPTS)
+    assert decisions["output"] == "the output projection"
+    assert decisions["layers.1.moe.router.gate"] == "a MoE router"
+    assert decisions["layers.1.moe.shared_experts.w1"] is None and decisions["layers.0.attention.wkv_a"] is None
+    report = convert_to_lora(model, LoRAOptions(rank=4, alpha=8.0, experts=True))
+    assert report.experts == ["layers.1.moe.experts"]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter_key(n) for n in trainable)
+    assert "layers.1.moe.experts.w2_lora_a" in trainable
+    w, a, b = torch.randn(6, 5), torch.randn(3, 5), torch.randn(6, 3)
+    merged = merge_adapters({"x.weight": w, "x.lora_a": a, "x.lora_b": b}, 2.0)
+    assert set(merged) == {"x.weight"}
+    assert torch.equal(merged["x.weight"], w + torch.matmul(b, a) * 2.0)
+    with pytest.raises(ValueError, match="matches no linear"):
+        convert_to_lora(build_model("llama3", "debugmodel", device="meta"), LoRAOptions(target_modules=("nope",)))
