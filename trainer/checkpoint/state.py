@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,11 +74,14 @@ def run_dcp(fn, state: dict[str, Any], **kwargs) -> Any:
 # -------------------------------------------------------------------- state builders
 
 
-def model_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
-    """Sharded (DTensor-aware) state of all parts, merged under their plain FQNs."""
+def model_state_dict(model_parts: Sequence[nn.Module], select: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Sharded (DTensor-aware) state of all parts, merged under their plain FQNs; with
+    ``select``, only the keys it accepts (a LoRA run's adapters, or its base)."""
     merged: dict[str, Any] = {}
     for part in model_parts:
         sd = plain_state_dict(get_model_state_dict(part))
+        if select is not None:
+            sd = {k: v for k, v in sd.items() if select(k)}
         dup = merged.keys() & sd.keys()
         if dup:
             raise ValueError(f"model parts share parameter names {sorted(dup)[:5]}; each FQN must live in one part")
@@ -86,10 +89,13 @@ def model_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
     return merged
 
 
-def load_model_parts(model_parts: Sequence[nn.Module], state: dict[str, Any]) -> None:
+def load_model_parts(
+    model_parts: Sequence[nn.Module], state: dict[str, Any], select: Callable[[str], bool] | None = None
+) -> None:
     for part in model_parts:
-        keys = get_model_state_dict(part).keys()
-        set_model_state_dict(part, {k: state[k] for k in keys}, options=StateDictOptions(strict=True))
+        keys = [k for k in get_model_state_dict(part) if select is None or select(k)]
+        strict = select is None
+        set_model_state_dict(part, {k: state[k] for k in keys}, options=StateDictOptions(strict=strict))
 
 
 def rng_state() -> dict[str, Any]:
