@@ -178,12 +178,6 @@ def convert_to_lora(model: nn.Module, opts: LoRAOptions) -> LoRAReport:
         report.adapted.append(fqn)
     if opts.experts:
         report.experts = add_expert_adapters(model, opts)
-    if not report.adapted and not report.experts:
-        raise ValueError(
-            f"lora.target_modules {list(opts.target_modules)} matches no linear layer of {type(model).__name__}"
-            " (patterns match module names such as 'layers.0.attention.wq'); use e.g. ['attention.*', "
-            "'feed_forward.*']"
-        )
     base_rule = model.init_rule
     model.init_rule = lambda: lora_rule(base_rule())
     freeze_base(model)
@@ -253,7 +247,17 @@ def check_lora(model_cls, args, opts: LoRAOptions, etp: int = 1) -> None:
         )
     with torch.device("meta"):
         model = model_cls(args)
-    convert_to_lora(model, opts)
+    report = convert_to_lora(model, opts)
+    if opts.experts and not report.experts:
+        raise ValueError(
+            f"lora.experts = true, but {model_cls.__name__} has no routed experts; set lora.experts = false"
+        )
+    if not report.adapted and not report.experts:
+        raise ValueError(
+            f"lora.target_modules {list(opts.target_modules)} matches no linear layer of {model_cls.__name__}"
+            " (patterns match module names such as 'layers.0.attention.wq'); use e.g. ['attention.*', "
+            "'feed_forward.*']"
+        )
 
 
 def lora_startup_line(model_parts: list[nn.Module], opts: LoRAOptions) -> str:

@@ -27,8 +27,14 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from models.common.hf_adapter import RopeRows, interleaved_to_half_split  # noqa: E402
-from models.parallel.lora import LoRAOptions, convert_to_lora, is_adapter_key, lora_decisions  # noqa: E402
-from models.registry import build_model, get_hf_adapter  # noqa: E402
+from models.parallel.lora import (  # noqa: E402
+    LoRAOptions,
+    check_lora,
+    convert_to_lora,
+    is_adapter_key,
+    lora_decisions,
+)
+from models.registry import build_model, get_hf_adapter, get_model_spec  # noqa: E402
 from tests.hf_models import llama_config, randomize_hf_  # noqa: E402
 from trainer.checkpoint.lora_export import merge_adapters, peft_config, peft_tensors  # noqa: E402
 
@@ -192,5 +198,11 @@ def test_targets_freeze_and_merge():
     merged = merge_adapters({"x.weight": w, "x.lora_a": a, "x.lora_b": b}, 2.0)
     assert set(merged) == {"x.weight"}
     assert torch.equal(merged["x.weight"], w + torch.matmul(b, a) * 2.0)
+    spec = get_model_spec("llama3", "debugmodel")
     with pytest.raises(ValueError, match="matches no linear"):
-        convert_to_lora(build_model("llama3", "debugmodel", device="meta"), LoRAOptions(target_modules=("nope",)))
+        check_lora(spec.model_cls, spec.args, LoRAOptions(target_modules=("nope",)))
+    with pytest.raises(ValueError, match="has no routed experts"):
+        check_lora(spec.model_cls, spec.args, LoRAOptions(experts=True))
+    ds = get_model_spec("deepseek_v3", "debugmodel")
+    with pytest.raises(ValueError, match="etp=2"):
+        check_lora(ds.model_cls, ds.args, LoRAOptions(experts=True), etp=2)
