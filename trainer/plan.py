@@ -199,7 +199,12 @@ def lora_options(cfg: JobConfig) -> LoRAOptions | None:
         return None
     lo = cfg.lora
     return LoRAOptions(
-        rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules), experts=lo.experts
+        rank=lo.rank,
+        alpha=lo.alpha,
+        dropout=lo.dropout,
+        target_modules=tuple(lo.target_modules),
+        experts=lo.experts,
+        frozen_dtype=lo.frozen_dtype,
     )
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "lora_modules",
     "lora_startup_line",
     "shard_adapters_like_base",
+    "store_frozen_in",
 ]
 
 LORA_CONVERTERS = ("lora",)
@@ -79,6 +80,7 @@ class LoRAOptions:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     experts: bool = False  # routed experts too: one adapter pair per expert
+    frozen_dtype: str = "float32"  # "bfloat16": the frozen base stored in the compute dtype
 
     @property
     def scale(self) -> float:
@@ -91,6 +93,8 @@ class LoRAOptions:
         parts.append("targets " + ", ".join(self.target_modules))
         if self.experts:
             parts.append("routed experts: one adapter pair per expert")
+        if self.frozen_dtype != "float32":
+            parts.append(f"frozen base stored in {self.frozen_dtype}")
         return "; ".join(parts)
 
 
@@ -181,6 +185,8 @@ def convert_to_lora(model: nn.Module, opts: LoRAOptions) -> LoRAReport:
     base_rule = model.init_rule
     model.init_rule = lambda: lora_rule(base_rule())
     freeze_base(model)
+    if opts.frozen_dtype != "float32":
+        store_frozen_in(model, getattr(torch, opts.frozen_dtype))
     for name, p in model.named_parameters():
         if is_adapter_key(name):
             report.trainable += p.numel()
@@ -195,6 +201,18 @@ def freeze_base(model: nn.Module) -> None:
     """requires_grad on the adapters only."""
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
+
+
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every frozen floating-point parameter re-created in ``dtype`` (before any weight is
+    materialized: the init and the base loads write into it, converting). FSDP2 requires one
+    dtype for the trainable parameters of a unit only, so the adapters stay float32 masters."""
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                setattr(mod, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
+    if hasattr(model, "_retie"):  # a tied head shares the embedding's (new) parameter
+        model._retie()
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

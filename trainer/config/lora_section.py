@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from models.parallel.lora import DEFAULT_TARGETS
 
 
-def _opt(default, help: str):
+def _opt(default, help: str, choices: tuple | None = None):
     if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata={"help": help, "choices": None})
-    return field(default=default, metadata={"help": help, "choices": None})
+        return field(default_factory=lambda d=default: list(d), metadata={"help": help, "choices": choices})
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -33,4 +33,11 @@ class Lora:
         False,
         "Also adapt the MoE routed experts' grouped weights w1/w2/w3: one adapter pair per expert "
         "(ep works; etp must be 1).",
+    )
+    frozen_dtype: str = _opt(
+        "float32",
+        "Storage dtype of the frozen base weights: bfloat16 halves their memory (they are never updated); "
+        "needs parallelism.mixed_precision_param = 'bfloat16' (the compute dtype). The adapters and their "
+        "optimizer state stay float32.",
+        choices=("float32", "bfloat16"),
     )

@@ -71,6 +71,12 @@ def _validate_lora(cfg: JobConfig) -> None:
         raise ConfigError(f"lora.alpha must be > 0, got {lo.alpha}; e.g. twice lora.rank")
     if not 0 <= lo.dropout < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
+    if lo.frozen_dtype != "float32" and cfg.parallelism.mixed_precision_param != lo.frozen_dtype:
+        raise ConfigError(
+            f"lora.frozen_dtype = '{lo.frozen_dtype}' stores the frozen base in the compute dtype, but "
+            f"parallelism.mixed_precision_param is '{cfg.parallelism.mixed_precision_param}': set it to "
+            f"'{lo.frozen_dtype}', or lora.frozen_dtype = 'float32'"
+        )
     if not lo.target_modules and not lo.experts:
         raise ConfigError(
             "lora.target_modules is empty and lora.experts is false: nothing would train; "
