@@ -182,3 +182,55 @@ def test_resume_is_bitwise_and_refuses_another_base(lora_run):
     lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "LoRA adapters trained on the base" in lines[0] and str(base) in lines[0] and str(other) in lines[0]
+
+
+def _convert_hf_main():
+    import importlib.util
+
+    from .helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("convert_hf", ROOT / "scripts" / "convert_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_convert_hf_lora_peft_and_merge_from_a_step(lora_run, capsys):
+    """scripts/convert_hf.py on the step-2 checkpoint (in this process): ``lora-merge`` (the base
+    from the folder the run recorded, fingerprint checked) is bitwise ``to_hf(W + scale * B @ A)``;
+    the ``lora-peft`` folder on the base gives the merged folder's logits within 1e-5; another
+    base is refused in one line (exit 2)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from models.registry import get_hf_adapter
+    from trainer.checkpoint.lora_export import merge_adapters
+    from trainer.checkpoint.lora_offline import read_lora_step
+
+    root, base, run = lora_run
+    main = _convert_hf_main()
+    step = str(run / "checkpoint" / "step-2")
+    common = ["--model", "llama3", "--flavor", "debugmodel", "--n-layers", "2", "--dtype", "float32"]
+    assert main(["lora-merge", step, str(root / "merged2"), *common]) == 0
+    assert main(["lora-peft", step, str(root / "peft2"), *common]) == 0
+    adapters, extra = read_lora_step(step)
+    assert extra["lora"]["rank"] == 8 and extra["lora_base"]["path"] == str(base)
+    model, _ = _ours_from(run / "checkpoint" / "model-step-3.pt")
+    hf_adapter = get_hf_adapter("llama3", model.args)
+    expect = hf_adapter.to_hf(merge_adapters({**hf_adapter.from_hf(_hf(1).state_dict()), **adapters}, 2.0))
+    got = load_file(str(root / "merged2" / "model.safetensors"))
+    assert set(got) == set(expect) and all(torch.equal(got[k], v) for k, v in expect.items())
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(root / "merged2", dtype=torch.float32)
+        want = merged(input_ids=_tokens(), use_cache=False).logits
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), root / "peft2")
+        torch.testing.assert_close(peft_model(input_ids=_tokens(), use_cache=False).logits, want, rtol=RTOL, atol=ATOL)
+
+    other = root / "other-base"
+    _hf(3).save_pretrained(other)
+    capsys.readouterr()
+    assert main(["lora-merge", step, str(root / "merged-wrong"), *common, "--base", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "is not the base the adapters" in err[0], err
+    assert not (root / "merged-wrong").exists()

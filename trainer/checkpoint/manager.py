@@ -19,6 +19,7 @@ Every rank calls ``resume``, ``after_step`` and ``close`` (they are collective).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -317,8 +318,9 @@ class CheckpointManager:
             self.log(f"exported consolidated weights to {path}")
             return False
         extra = {"step": step}
-        if self.lora is not None:
+        if self.lora is not None:  # what scripts/convert_hf.py lora-peft / lora-merge read back
             extra["lora_base"] = dict(self.base)
+            extra["lora"] = dataclasses.asdict(self.lora)
         state = self.steps.state(
             step, self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, extra=extra
         )
