@@ -22,6 +22,7 @@ SECTIONS = [
     "planner",
     "checkpoint",
     "local_tensor",
+    "lora",
 ]
 
 
