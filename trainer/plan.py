@@ -417,22 +417,24 @@ def dry_run(plan: JobPlan, rank: int = 0) -> dict[str, Any]:
             model = spec.model_cls(spec.args)
         total = sum(p.numel() for p in model.parameters())
         parts = list(split_model(model, plan.stages, pd).modules) if plan.stages is not None else [model]
-        local = 0
+        local = trainable = param_bytes = 0
         for part in parts:
             spec.parallelize_fn(part, pd, plan.parallelize)
             for param in part.parameters():
                 shard = param._local_tensor if isinstance(param, DTensor) else param
                 local += shard.numel()
-        param_bytes = 4 * local  # fp32 master weights; bf16 compute copies are transient
+                param_bytes += shard.numel() * shard.element_size()  # masters; bf16 compute copies are transient
+                trainable += shard.numel() if param.requires_grad else 0  # LoRA: the adapters only
+        grads = 4 * trainable
         return {
             "rank": rank,
             "model_params": total,
             "local_params": local,
             "memory_gib": {
                 "params": param_bytes / 2**30,
-                "grads": param_bytes / 2**30,
-                "optimizer": 2 * param_bytes / 2**30,
-                "total": 4 * param_bytes / 2**30,
+                "grads": grads / 2**30,
+                "optimizer": 2 * grads / 2**30,
+                "total": (param_bytes + 3 * grads) / 2**30,
             },
         }
     finally:

@@ -230,3 +230,33 @@ def test_bad_lora_config_is_one_line(args, needle):
         cfg = load_config(["--config", "llama3.toml", "--model.converters", "lora", *args])
         plan_job(cfg, 1, tokenizer_vocab=2048)
     assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_float8_base_with_adapters():
+    """``model.converters = ["float8", "lora"]``: the adapters sit on torchao's ``Float8Linear``
+    modules (float8 GEMMs on the frozen base), each adapted layer's output is bitwise the float8
+    layer's own plus ``scale * B(A(x))`` (the same kernels both ways), and only the adapters get
+    gradients."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from models.parallel.float8 import Float8Options, convert_to_float8
+
+    torch.manual_seed(0)
+    model = build_model("llama3", "debugmodel", device="cpu", n_layers=1)
+    model.init_weights(0)
+    convert_to_float8(model, Float8Options(), fsdp_all_gather=False)
+    convert_to_lora(model, OPTS)
+    _random_adapters(model)
+    wq = model.layers["0"].attention.wq
+    assert isinstance(wq, Float8Linear) and wq.lora_a.requires_grad and not wq.weight.requires_grad
+    x = torch.randn(2, 8, wq.in_features)
+    with torch.no_grad():
+        got = wq(x)
+        base = Float8Linear.forward(wq, x)
+        want = base + torch.nn.functional.linear(torch.nn.functional.linear(x, wq.lora_a), wq.lora_b) * OPTS.scale
+    assert torch.equal(got, want)
+    assert not torch.allclose(got, base)
+    model(torch.randint(0, 2048, (1, 16))).sum().backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads == {n for n, _ in model.named_parameters() if is_adapter_key(n)}
