@@ -260,3 +260,28 @@ def test_float8_base_with_adapters():
     model(torch.randint(0, 2048, (1, 16))).sum().backward()
     grads = {n for n, p in model.named_parameters() if p.grad is not None}
     assert grads == {n for n, _ in model.named_parameters() if is_adapter_key(n)}
+
+
+def test_expert_adapters_merge_into_the_experts():
+    """Per-expert adapters (DeepSeek-V3 debug, 2 layers, one MoE block): the adapted model's
+    logits equal a plain model's holding ``merge_adapters`` of its state (what the merged export
+    writes) within 1e-6 relative (fp32; the merge sums ``W + s B A`` once in float32 where the
+    forward adds it in the compute path); the adapters have no PEFT form (one clear error)."""
+    model = build_model("deepseek_v3", "debugmodel", device="cpu", n_layers=2)
+    model.init_weights(0)
+    convert_to_lora(model, LoRAOptions(rank=4, alpha=8.0, experts=True))
+    _random_adapters(model)
+    plain = build_model("deepseek_v3", "debugmodel", device="cpu", n_layers=2)
+    merged = merge_adapters(model.state_dict(), 2.0)
+    plain.load_state_dict(merged, strict=True)
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b, base = model(tokens), plain(tokens), build_model("deepseek_v3", "debugmodel", device="cpu", n_layers=2)
+        base.init_weights(0)
+        c = base(tokens)
+    assert _rel(a, b) < 1e-6 and _rel(a, c) > 1e-3, (_rel(a, b), _rel(a, c))
+    with pytest.raises(ValueError, match="no PEFT form"):
+        peft_tensors(
+            {k: v for k, v in model.state_dict().items() if is_adapter_key(k)},
+            get_hf_adapter("deepseek_v3", model.args),
+        )

@@ -384,6 +384,10 @@ class CheckpointManager:
         args = (self.model_parts,)
         kw = dict(model_name=self.cfg.model.name, model_args=self.model_args, opts=self.lora, dtype=c.export_dtype)
         export_merged_from_live(*args, out_dir=out, **kw)
+        if self.lora.experts:  # per-expert adapters have no PEFT form (transformers' experts are fused)
+            self.log(f"wrote the merged Hugging Face folder {out} ({c.export_dtype}); no PEFT folder: per-expert "
+                     "adapters have no PEFT form (lora.experts), the merged folder holds them")  # fmt: skip
+            return out
         peft = os.path.join(self.folder, f"step-{step}-peft")
         export_peft_from_live(*args, out_dir=peft, base_model=self.base["path"], **kw)
         self.log(f"wrote the merged Hugging Face folder {out} and the PEFT adapter folder {peft} ({c.export_dtype})")
