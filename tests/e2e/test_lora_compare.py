@@ -2,7 +2,8 @@
 gives the one-process loss and grad norm on every step within the tool's DEFAULT tolerance (1e-5
 loss, 1e-4 grad norm, relative), from one seed checkpoint (the frozen base).
 
-* llama3: fsdp=2, tp=2 (adapters sharded like their column-/row-wise base), fsdp=2 x tp=2, pp=2;
+* llama3: fsdp=2, tp=2 (adapters sharded like their column-/row-wise base), fsdp=2 x tp=2, pp=2,
+  cp=2;
 * deepseek_v3 with per-expert adapters (``lora.experts``): fsdp=2 x ep=2 (expert adapters split
   along the expert dimension with their weights).
 
@@ -89,7 +90,7 @@ def _beyond(tmp_path, config: str, baseline: dict, extra: list[str]) -> tuple[fl
 
 
 def test_llama3_lora_layouts(tmp_path):
-    layouts = ["single", "fsdp=2", "tp=2", "fsdp=2,tp=2", "pp=2"]
+    layouts = ["single", "fsdp=2", "tp=2", "fsdp=2,tp=2", "pp=2", "cp=2"]
     summary = _compare(tmp_path, "llama3.toml", layouts, [])
     baseline = read_metrics(summary["runs"][0]["folder"])
     loss_gap, norm_gap = _beyond(tmp_path, "llama3.toml", baseline, ["--lora.alpha", "8"])

@@ -18,17 +18,20 @@ merged folder ``step-3-hf`` and the PEFT folder ``step-3-peft``). Claims on it:
 * merged: every tensor of ``step-3-hf`` is bitwise ``to_hf(W + scale * B @ A)`` of the final
   weights (same float32 kernels, same shapes), and ``from_pretrained`` of it gives our logits
   within 1e-5;
-* resume: a copy of the run folder with only step-2 resumed to step 3 gives step 3's loss and
-  grad norm bitwise; pointed at another base folder, it stops with one line naming both bases
+* kill and resume: the same job under torchrun, both workers SIGKILLed after the step-2
+  checkpoint, resumed (the base loaded again from its folder) gives step 3's loss and grad norm
+  bitwise; a copy of step-2 pointed at another base folder stops with one line naming both bases
   (exit 2).
 
-Forked ranks (tools/launcher.py) for the runs, ``python train.py`` for the user error.
+Forked ranks (tools/launcher.py) for the runs whose claim is the math (bitwise the torchrun
+runs, tests/e2e/test_launcher.py), torchrun for the kill, ``python train.py`` for the user error.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -36,7 +39,7 @@ import torch
 
 from tests.hf_models import hf_model, llama_config
 
-from .helpers import FAST, read_metrics, run_forked, run_train
+from .helpers import FAST, read_metrics, run_forked, run_train, run_until
 
 pytestmark = pytest.mark.e2e
 
@@ -162,13 +165,16 @@ def test_peft_folder_and_merged_folder(lora_run):
         torch.testing.assert_close(merged(input_ids=_tokens(), use_cache=False).logits, ours, rtol=RTOL, atol=ATOL)
 
 
-def test_resume_is_bitwise_and_refuses_another_base(lora_run):
+def test_kill_resume_is_bitwise_and_another_base_is_refused(lora_run):
     root, base, run = lora_run
     resumed = root / "resumed"
-    shutil.copytree(run / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    # the same job under torchrun, both workers SIGKILLed once the step-2 checkpoint is reported
+    run_until(2, "saved checkpoint", *LORA, *RUN, "--job.dump_folder", str(resumed), *HF_LOAD, str(base))
+    assert sorted(os.listdir(resumed / "checkpoint")) == ["step-2"]
     res = run_forked(2, *LORA, *RUN, "--job.dump_folder", str(resumed), *HF_LOAD, str(base))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "resumed from" in res.stdout
+    assert f"resumed from {resumed / 'checkpoint'} at step 2" in res.stdout
+    assert "loaded initial weights from Hugging Face folder" in res.stdout  # the base, again
     a, b = read_metrics(run)[3], read_metrics(resumed)[3]
     assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]) and math.isfinite(a["loss"])
 
