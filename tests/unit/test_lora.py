@@ -218,6 +218,7 @@ def test_targets_freeze_and_merge():
         (["--lora.experts", "true"], "has no routed experts; set lora.experts = false"),
         (["--lora.target_modules", "nothing"], "matches no linear layer"),
         (["--model.converters", "lora,lorax"], "model.converters entry"),
+        (["--comm.mode", "local_tensor", "--checkpoint.initial_load_path", "x"], "with real processes"),
     ],
 )
 def test_bad_lora_config_is_one_line(args, needle):

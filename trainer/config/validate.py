@@ -77,6 +77,13 @@ def _validate_lora(cfg: JobConfig) -> None:
             f"parallelism.mixed_precision_param is '{cfg.parallelism.mixed_precision_param}': set it to "
             f"'{lo.frozen_dtype}', or lora.frozen_dtype = 'float32'"
         )
+    lora_on = "lora" in cfg.model.converters
+    if lora_on and cfg.comm.mode == "local_tensor" and cfg.checkpoint.initial_load_path:
+        raise ConfigError(
+            "comm.mode = 'local_tensor' reads checkpoint.initial_load_path as full weights for every simulated "
+            "rank, which a LoRA base load (model weights only, adapters apart) does not do: run the LoRA job "
+            "with real processes, or without initial_load_path"
+        )
     if not lo.target_modules and not lo.experts:
         raise ConfigError(
             "lora.target_modules is empty and lora.experts is false: nothing would train; "
