@@ -11,7 +11,7 @@ merged folder ``step-3-hf`` and the PEFT folder ``step-3-peft``). Claims on it:
   state for the adapters only; the step's reduce-scatter bytes are exactly the adapters'
   gradients (4 bytes x 77,824 adapter elements of 2.7M parameters, in the two blocks' units),
   and the only fsdp all-reduce is the gradient norm's 8 bytes (the all-gathers still move the
-  frozen base: forward needs it);
+  frozen base: forward needs it); the planner predicts exactly the recorded collectives;
 * PEFT: ``PeftModel.from_pretrained(base, step-3-peft)`` gives our logits (our model rebuilt in
   this process from the consolidated weights) within 1e-5 (rtol and atol, logits of order 1;
   summation order differs as in tests/unit/test_lora.py);
@@ -125,6 +125,18 @@ def test_base_frozen_and_only_adapters_move(lora_run):
     assert summary[("reduce_scatter", "fsdp")]["bytes"] == adapter_bytes, summary
     # the other fsdp all-reduce is the gradient norm's float64 sum of squares, 8 bytes
     assert summary[("all_reduce", "fsdp")] == {"kind": "all_reduce", "mesh": "fsdp", "count": 1, "bytes": 8}
+    # the planner predicts exactly these collectives (tools/planner/lora.py)
+    from models.parallel.lora import LoRAOptions
+    from parallel_dims.layout import validate_degrees
+    from tools.planner.choice import LayoutChoice
+    from tools.planner.collectives import predict_collectives
+
+    choice = LayoutChoice(global_batch=8, local_batch=2, seq_len=64, param_dtype="float32", lora=LoRAOptions())
+    predicted = predict_collectives(
+        "llama3", "debugmodel", validate_degrees(dp_shard=2, world_size=2), choice, n_layers=2
+    )
+    key = lambda r: (r["kind"], r["mesh"], r["bytes"])  # noqa: E731
+    assert sorted(predicted, key=key) == sorted(comm["calls"], key=key), (predicted, comm["calls"])
 
 
 def test_peft_folder_and_merged_folder(lora_run):

@@ -454,6 +454,7 @@ def choice_from_plan(plan) -> LayoutChoice:
         sequence_parallel=opts.sequence_parallel,
         loss_parallel=opts.loss_parallel,
         float8=opts.float8,
+        lora=opts.lora,
     )
 
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from .inventory import ParamInfo
 
-__all__ = ["adapter_infos"]
+__all__ = ["adapter_group_summary", "adapter_infos"]
 
 
 @lru_cache(maxsize=16)
@@ -55,4 +55,20 @@ def adapter_infos(params: tuple[ParamInfo, ...], model: str, flavor: str, overri
             e, rows, cols = p.shape
             out.append(ParamInfo(f"{p.fqn}_lora_a", (e, r, cols), p.layer, p.group, None, True, True))
             out.append(ParamInfo(f"{p.fqn}_lora_b", (e, rows, r), p.layer, p.group, None, True, True))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def adapter_group_summary(model, flavor, overrides: tuple, degrees, rank, mixed, layers, embed, head, opts) -> dict:
+    """FSDP group -> [padded unsharded numel, padded shard numel] of the adapters ``rank`` holds
+    in one stage (``layers``, with the embeddings / head): what FSDP gathers and reduces for them."""
+    from .inventory import _inventory, cached_layout, rank_shards
+
+    params, _ = _inventory(model, flavor, overrides)
+    out: dict = {}
+    infos = adapter_infos(params, model, flavor, overrides, opts)
+    for s in rank_shards(infos, degrees, cached_layout(degrees), rank, mixed, layers, embed, head):
+        g = out.setdefault(s.fsdp_group, [0, 0])
+        g[0] += s.padded_unsharded_numel
+        g[1] += s.padded_numel
     return out

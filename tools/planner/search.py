@@ -123,7 +123,7 @@ def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHE
                     yield LayoutChoice(
                         global_batch=job.global_batch, local_batch=lb, seq_len=job.seq_len, schedule=sched,
                         n_microbatches=m, ac=ac, reshard=reshard, param_dtype=job.param_dtype,
-                        reduce_dtype=job.reduce_dtype, float8=job.float8,
+                        reduce_dtype=job.reduce_dtype, float8=job.float8, lora=job.lora,
                     )  # fmt: skip
 
 
