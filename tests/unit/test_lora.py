@@ -71,20 +71,36 @@ QWEN_HF = dict(
 )
 
 
-def _pair(name: str):
+def _pair(name: str, tmp_path=None):
     """(transformers model, our model with the same weights), fp32, both in train mode with
-    dropout 0 (the adapters' dropout is 0 too)."""
+    dropout 0 (the adapters' dropout is 0 too). DeepSeek-V3 (MLA with a q low-rank, 2 dense + 2
+    MoE blocks, the shapes of tests/unit/test_hf_adapters.py) goes through a saved folder: the
+    on-disk format holds its experts one by one."""
     if name == "llama3":
         hf = transformers.LlamaForCausalLM(llama_config(**LLAMA_HF))
         overrides = LLAMA_OURS
-    else:
+    elif name == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN_HF))
         overrides = QWEN_OURS
+    else:
+        from tests.unit.test_hf_adapters import DS_OURS, DS_VARIANTS, _ds_hf
+
+        cfg, cls = _ds_hf("v3_qlora")
+        torch.manual_seed(0)
+        hf = cls(cfg)
+        overrides = {**DS_OURS, **DS_VARIANTS["v3_qlora"][0]}
     randomize_hf_(hf, 1)
     hf = hf.float()
     ours = build_model(name, "debugmodel", device="cpu", **overrides)
     adapter = get_hf_adapter(name, ours.args)
-    ours.load_state_dict(adapter.from_hf(hf.state_dict()), strict=True)
+    if name == "deepseek_v3":
+        from safetensors.torch import load_file
+
+        hf.save_pretrained(tmp_path)
+        sd = {k: v for f in sorted(tmp_path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    else:
+        sd = hf.state_dict()
+    ours.load_state_dict(adapter.from_hf(sd), strict=True)
     return hf, ours, adapter
 
 
@@ -123,15 +139,23 @@ def _loss(logits: torch.Tensor) -> torch.Tensor:
     return (logits * w).sum()
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
-def test_forward_and_adapter_grads_match_peft(name):
-    hf, ours, adapter = _pair(name)
-    report = convert_to_lora(ours, OPTS)
-    assert len(report.adapted) == 2 * 7  # q k v o + gate up down per layer
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "deepseek_v3"])
+def test_forward_and_adapter_grads_match_peft(name, tmp_path):
+    hf, ours, adapter = _pair(name, tmp_path)
+    if name == "deepseek_v3":
+        # PEFT moves feed-forward adapters of an MoE model onto its fused experts (refused by the
+        # export, see test_peft_refusals): MLA's q_a q_b kv_a kv_b o projections
+        report = convert_to_lora(ours, LoRAOptions(rank=4, alpha=8.0, target_modules=("attention.*",)))
+        assert len(report.adapted) == 4 * 5
+    else:
+        report = convert_to_lora(ours, OPTS)
+        assert len(report.adapted) == 2 * 7  # q k v o + gate up down per layer
     adapters = _random_adapters(ours)
     tensors = peft_tensors(adapters, adapter)
     model = _peft(hf, tensors)
     tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    if name == "deepseek_v3":  # in eval mode: transformers' MoE has no training-only aux path then
+        model.eval(), ours.eval()
 
     theirs = model(input_ids=tokens, use_cache=False).logits
     mine = ours(tokens)
@@ -286,3 +310,19 @@ def test_expert_adapters_merge_into_the_experts():
             {k: v for k, v in model.state_dict().items() if is_adapter_key(k)},
             get_hf_adapter("deepseek_v3", model.args),
         )
+
+
+def test_peft_refusals():
+    """Adapters PEFT would load wrongly have no PEFT folder (one clear reason each): per-expert
+    adapters, and feed-forward adapters of an MoE model (PEFT 0.21 renames gate/up/down_proj
+    targets of transformers 5 MoE models onto the fused routed experts); attention adapters of
+    the same model and dense models' feed-forward adapters are fine."""
+    from trainer.checkpoint.lora_export import peft_refusal
+
+    ds = get_model_spec("deepseek_v3", "debugmodel").args
+    llama = get_model_spec("llama3", "debugmodel").args
+    assert "fused routed experts" in peft_refusal(["layers.0.feed_forward.w1.lora_a"], ds)
+    assert "fused routed experts" in peft_refusal(["layers.1.moe.shared_experts.w2.lora_b"], ds)
+    assert "per-expert" in peft_refusal(["layers.1.moe.experts.w2_lora_b"], ds)
+    assert peft_refusal(["layers.1.attention.wkv_a.lora_a"], ds) is None
+    assert peft_refusal(["layers.0.feed_forward.w1.lora_a"], llama) is None

@@ -10,8 +10,10 @@ adapter (``models/*/hf_adapter.py``): the base weight ``X.weight`` is stored as 
 its adapters become ``H.lora_A`` / ``H.lora_B``. Where the adapter permutes the base's rows
 (Llama's q/k rotary layout, :class:`~models.common.hf_adapter.RopeRows`), ``lora_B``'s rows are
 permuted the same way (``perm(W + s B A) = perm(W) + s perm(B) A``); ``lora_A`` is unchanged.
-Per-expert adapters have no PEFT form (transformers' MoE experts are fused modules): refused,
-the merged export carries them.
+Per-expert adapters have no PEFT form (transformers' MoE experts are fused modules), and on an
+MoE model PEFT 0.21 moves feed-forward adapters (dense or shared experts, named like expert
+projections) onto the fused routed experts: both are refused (:func:`peft_refusal`), the merged
+export carries them.
 
 Both are written from the live, sharded model (collective; every rank calls them) and from
 step checkpoints through ``scripts/convert_hf.py`` (trainer/checkpoint/lora_offline.py).
@@ -42,6 +44,7 @@ __all__ = [
     "export_peft_from_live",
     "merge_adapters",
     "peft_config",
+    "peft_refusal",
     "peft_tensors",
     "write_peft_folder",
 ]
@@ -86,8 +89,35 @@ def merge_adapters(state: Mapping[str, Tensor], scale: float) -> dict[str, Tenso
     return out
 
 
+# PEFT (0.21) on transformers 5 rewrites, for MoE model types, every target named like an expert
+# projection onto the fused experts' parameters (peft/utils/transformers_weight_conversion.py
+# _convert_peft_config_moe): adapters of a dense MLP or of the shared experts would load onto the
+# routed experts instead
+_MOE_REMAPPED = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def peft_refusal(adapter_keys: Sequence[str], model_args) -> str | None:
+    """Why the adapters ``adapter_keys`` of a model with ``model_args`` have no PEFT folder that
+    loads correctly, or None."""
+    if any(_base_key(k)[0].endswith(("w1", "w2", "w3")) and "_lora_" in k for k in adapter_keys):
+        return "per-expert adapters (lora.experts) have no PEFT form (transformers' MoE experts are fused modules)"
+    if getattr(model_args, "has_experts", False):
+        mlp = sorted({k for k in adapter_keys if ".feed_forward." in k or ".shared_experts." in k})
+        if mlp:
+            return (
+                f"PEFT loads the feed-forward adapters of an MoE model ({mlp[0]}, ...) onto its fused routed experts "
+                "(it renames gate_proj/up_proj/down_proj targets for transformers 5 MoE models); set "
+                "lora.target_modules = ['attention.*'] for a PEFT folder"
+            )
+    return None
+
+
 def peft_tensors(adapters: Mapping[str, Tensor], hf_adapter) -> dict[str, Tensor]:
-    """Our full adapter tensors -> PEFT's keys and layouts (see the module docstring)."""
+    """Our full adapter tensors -> PEFT's keys and layouts (see the module docstring); ValueError
+    for adapters PEFT cannot load correctly (:func:`peft_refusal`)."""
+    why = peft_refusal(list(adapters), hf_adapter.args)
+    if why is not None:
+        raise ValueError(f"no PEFT form: {why}; export the merged model instead")
     out: dict[str, Tensor] = {}
     for base, (ka, kb) in adapter_base_keys(list(adapters)).items():
         entry = hf_adapter._entry(base)

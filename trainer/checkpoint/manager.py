@@ -378,15 +378,16 @@ class CheckpointManager:
     def _save_lora_exports(self, step: int, out: str) -> str:
         """A LoRA run's Hugging Face exports: the merged model as ``step-N-hf`` and the adapters
         as a PEFT folder ``step-N-peft`` (trainer/checkpoint/lora_export.py)."""
-        from trainer.checkpoint.lora_export import export_merged_from_live, export_peft_from_live
+        from trainer.checkpoint.lora_export import export_merged_from_live, export_peft_from_live, peft_refusal
 
         c = self.config
         args = (self.model_parts,)
         kw = dict(model_name=self.cfg.model.name, model_args=self.model_args, opts=self.lora, dtype=c.export_dtype)
         export_merged_from_live(*args, out_dir=out, **kw)
-        if self.lora.experts:  # per-expert adapters have no PEFT form (transformers' experts are fused)
-            self.log(f"wrote the merged Hugging Face folder {out} ({c.export_dtype}); no PEFT folder: per-expert "
-                     "adapters have no PEFT form (lora.experts), the merged folder holds them")  # fmt: skip
+        keys = [k for part in self.model_parts for k, _ in part.named_parameters() if is_adapter_key(k)]
+        why = peft_refusal(keys, self.model_args)
+        if why is not None:  # e.g. per-expert adapters (transformers' experts are fused modules)
+            self.log(f"wrote the merged Hugging Face folder {out} ({c.export_dtype}); no PEFT folder: {why}")
             return out
         peft = os.path.join(self.folder, f"step-{step}-peft")
         export_peft_from_live(*args, out_dir=peft, base_model=self.base["path"], **kw)
