@@ -252,3 +252,21 @@ def test_convert_hf_lora_peft_and_merge_from_a_step(lora_run, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "is not the base the adapters" in err[0], err
     assert not (root / "merged-wrong").exists()
+
+
+def test_frozen_base_in_bf16_trains_as_the_fp32_masters(tmp_path):
+    """bf16 mixed precision on fsdp=2, 3 steps: the frozen base stored in bf16
+    (``lora.frozen_dtype``, half its memory) gives bitwise the losses and grad norms of the run
+    that keeps fp32 masters of it and casts them to bf16 every step (the same bf16 values; the
+    adapters are fp32 masters in both)."""
+    bf16 = [*LORA, "--parallelism.mixed_precision_param", "bfloat16", "--parallelism.dp_shard", "2",
+            "--training.steps", "3", "--checkpoint.enable", "false"]  # fmt: skip
+    curves = []
+    for extra in ([], ["--lora.frozen_dtype", "bfloat16"]):
+        out = tmp_path / f"run{len(curves)}"
+        res = run_forked(2, *bf16, *extra, "--job.dump_folder", str(out))
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        m = read_metrics(out)
+        curves.append([(m[s]["loss"], m[s]["grad_norm"]) for s in (1, 2, 3)])
+    assert "frozen base stored in bfloat16" in res.stdout
+    assert curves[0] == curves[1] and curves[0][0] != curves[0][2], curves
