@@ -41,6 +41,13 @@ SECTIONS: list[tuple[str, str, str]] = [
         "2, 3, 4, 8, from the real sharded model on the fake backend; reference: ideal = fsdp=1 bytes / N",
     ),
     (
+        "lora",
+        "LoRA against full fine-tuning",
+        "`make bench` section `lora`: one rank of an fsdp=2 llama3 debug job through the real trainer on the "
+        "fake backend: parameter, gradient and AdamW-state bytes and the step's peak memory (CPU: peak RSS) with "
+        "LoRA (rank 8; in bf16 with the frozen base stored in bf16); reference: full fine-tuning in the same run",
+    ),
+    (
         "param_traffic",
         "Bytes moved per parameter per step (one rank)",
         "`make bench` section `param_traffic` (also `python -m benchmarks.param_traffic`): a census of "

@@ -23,6 +23,7 @@ SECTIONS = [
     "checkpoint",
     "local_tensor",
     "optimizer",
+    "lora",
 ]
 
 

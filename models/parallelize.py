@@ -4,7 +4,8 @@ attention's and feed-forward's TP projections, ``moe_layers()``), so a new model
 change here.
 
 Order matters: the float8 converter swaps linears for torchao's ``Float8Linear`` first (so every
-applier below sees the float8 modules), TP and EP turn parameters into DTensors on their meshes, CP swaps the attention
+applier below sees the float8 modules), the LoRA converter adds adapters to them and freezes the
+base (models/parallel/lora.py; after TP and EP it shards the adapters like their base), TP and EP turn parameters into DTensors on their meshes, CP swaps the attention
 cores, activation checkpointing and compile wrap block forwards, and FSDP goes last so it
 shards whatever the others produced over the data-parallel meshes.
 """
@@ -20,6 +21,7 @@ from models.parallel.context_parallel import apply_context_parallel
 from models.parallel.expert_parallel import apply_expert_parallel
 from models.parallel.float8 import Float8Options, convert_to_float8
 from models.parallel.fsdp import apply_fsdp
+from models.parallel.lora import LoRAOptions, convert_to_lora, shard_adapters_like_base
 from models.parallel.mixed_precision import apply_compute_copies
 from models.parallel.tensor_parallel import apply_tensor_parallel
 from parallel_dims import ParallelDims
@@ -44,6 +46,7 @@ class ParallelizeOptions:
     ac_selective_option: str = "op"
     compile: bool = False
     float8: Float8Options | None = None  # model.converters = ["float8"] and/or ["float8_experts"]
+    lora: LoRAOptions | None = None  # model.converters = ["lora"] (models/parallel/lora.py)
 
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
@@ -58,6 +61,8 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
         sharded = dense is not None and dense.size(dense.ndim - 1) > 1
         all_gather = opts.float8.fsdp_float8_all_gather and sharded
         convert_to_float8(model, opts.float8, fsdp_all_gather=all_gather, etp=pd.etp)
+    if opts.lora is not None:  # adapters on the (float8 or plain) linears; the base frozen
+        convert_to_lora(model, opts.lora)
     if pd.tp > 1:
         apply_tensor_parallel(
             model,
@@ -70,6 +75,8 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
         ep_mesh, etp_mesh = pd.expert_parallel_meshes
         for moe in moes:
             apply_expert_parallel(moe.experts, ep_mesh, etp_mesh)
+    if opts.lora is not None:  # adapters sharded like their base layers; base frozen again
+        shard_adapters_like_base(model)
     if pd.cp > 1:
         apply_context_parallel(model, pd.get_mesh("cp"))
     apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option)

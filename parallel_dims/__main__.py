@@ -178,7 +178,8 @@ def plan(args) -> tuple[dict, str]:
     """The trainer's job plan of ``--config`` (the one entry point here that reaches up into
     trainer/: the plan needs the config, the model registry and the parallelize plan)."""
     from trainer.config import load_config
-    from trainer.plan import dry_run, format_plan, plan_job
+    from trainer.plan import plan_job
+    from trainer.plan_report import dry_run, format_plan
 
     overrides = [
         arg

@@ -2,6 +2,13 @@
 
     python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR [--model llama3] [--flavor 8B]
     python scripts/convert_hf.py to-hf DCP_STEP_DIR OUT_DIR --model llama3 [--flavor 8B | --hf-config HF_DIR]
+    python scripts/convert_hf.py lora-peft STEP_DIR OUT_DIR --model llama3 --flavor 8B
+    python scripts/convert_hf.py lora-merge STEP_DIR OUT_DIR --model llama3 --flavor 8B [--base DIR] [--dtype bfloat16]
+
+``lora-peft`` / ``lora-merge`` read a LoRA run's step checkpoint (adapters, options, the base's
+identity; trainer/checkpoint/lora_offline.py) and write a PEFT adapter folder, or the base with
+the adapters merged as a Hugging Face folder (the base from the folder the run recorded, or
+``--base``, its fingerprint checked). ``--flavor`` is required for both.
 
 ``to-dcp`` reads a Hugging Face folder (config.json + model.safetensors, or
 model.safetensors.index.json + shards) and writes a DCP folder that
@@ -267,6 +274,41 @@ def to_hf(ns) -> str:
     return out
 
 
+def _lora_args(ns):
+    _check_model_and_flavor(ns)
+    _adapter_cls(ns.model)
+    if ns.flavor is None:
+        raise UsageError(
+            f"{ns.command} needs --flavor (one of {', '.join(flavor_names(ns.model))}) and the run's overrides"
+        )
+    _check_out_dir(ns.out_dir)
+    return _args(ns.model, ns.flavor, ns)
+
+
+def lora_peft(ns) -> str:
+    from trainer.checkpoint.lora_offline import peft_from_step
+
+    out = peft_from_step(ns.step_dir, ns.out_dir, ns.model, _lora_args(ns), ns.dtype)
+    print(f"done: {out} (peft.PeftModel.from_pretrained(base, '{out}') loads it)", file=sys.stderr)
+    return out
+
+
+def lora_merge(ns) -> str:
+    from trainer.checkpoint.lora_offline import merged_from_step
+
+    args = _lora_args(ns)
+    try:
+        max_shard = parse_size(ns.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(f"--max-shard-size: {exc}") from None
+    say = _progress(time.monotonic())
+    out = merged_from_step(
+        ns.step_dir, ns.out_dir, ns.model, args, base=ns.base, dtype=ns.dtype, max_shard_bytes=max_shard, progress=say
+    )
+    say(f"done: {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Convert between Hugging Face folders and meshtrain DCP checkpoints (one process).",
@@ -323,6 +365,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest safetensors file, e.g. 5GB, 500MB (default 5 GiB)",
     )
     p.set_defaults(run=to_hf)
+
+    for name, run, what in (
+        ("lora-peft", lora_peft, "LoRA step folder -> PEFT adapter folder"),
+        ("lora-merge", lora_merge, "LoRA step folder + its base -> merged Hugging Face folder"),
+    ):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("step_dir", metavar="STEP_DIR")
+        p.add_argument("out_dir", metavar="OUT_DIR")
+        common(p)
+        p.add_argument("--dtype", default="float32" if name == "lora-peft" else "bfloat16",
+                       choices=("float32", "bfloat16", "float16"), help="dtype of the written weights")  # fmt: skip
+        if name == "lora-merge":
+            p.add_argument("--base", default=None, help="the base folder (default: the one the run recorded)")
+            p.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_BYTES), help="largest safetensors file")
+        p.set_defaults(run=run)
     return parser
 
 

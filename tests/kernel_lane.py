@@ -46,7 +46,7 @@ LANE_ENV = {
 }
 
 # models, MoE kernels (and their float8 form), optimizer, mixed precision, context parallel,
-# Hugging Face adapters, activation checkpointing, block-causal document masking, the kernels
+# Hugging Face adapters, LoRA against PEFT, activation checkpointing, block-causal document masking, the kernels
 # chosen at run time (fused vs op-by-op norm, padded vs unpadded MLA values), and the lane's own check
 NUMERICS_TESTS = [
     "tests/unit/test_kernel_lane.py",
@@ -56,6 +56,7 @@ NUMERICS_TESTS = [
     "tests/unit/test_float8_experts.py",
     "tests/unit/test_optim.py",
     "tests/unit/test_hf_adapters.py",
+    "tests/unit/test_lora.py",
     "tests/unit/test_activation_checkpoint.py",
     "tests/unit/test_document_masking.py",
     "tests/unit/test_kernel_choice.py",

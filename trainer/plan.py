@@ -7,7 +7,7 @@ gradient accumulation), the parallelize options and, with pp > 1, the pipeline s
 raises ONE ``ValueError`` listing every problem it found. The trainer, the loss-comparison tool's
 preflight, the shipped-config tests and the test harnesses call it; nothing else re-derives
 these. ``python -m parallel_dims --config X.toml --world-size N`` prints it, with a dry run of
-one rank's sharding on the fake backend (:func:`dry_run`).
+one rank's sharding on the fake backend (trainer/plan_report.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from models.parallel.float8 import (
     check_float8_experts,
     check_float8_support,
 )
+from models.parallel.lora import LORA_CONVERTERS, LoRAOptions, check_lora
 from models.parallel.pipeline import StagePlan, plan_stages
 from models.parallel.pipeline.plan import schedule_facts
 from models.parallelize import ParallelizeOptions
@@ -42,8 +43,6 @@ from trainer.model_spec import config_model_spec
 __all__ = [
     "BatchPlan",
     "JobPlan",
-    "dry_run",
-    "format_plan",
     "model_overrides",
     "parallel_dims_from_config",
     "parallelize_options",
@@ -195,6 +194,23 @@ def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
         ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
         compile=cfg.compile.enable and "model" in cfg.compile.components,
         float8=float8_options(cfg),
+        lora=lora_options(cfg),
+    )
+
+
+def lora_options(cfg: JobConfig) -> LoRAOptions | None:
+    """The ``[lora]`` section as the parallelize plan takes it; None unless ``model.converters``
+    has ``"lora"``."""
+    if not any(name in LORA_CONVERTERS for name in cfg.model.converters):
+        return None
+    lo = cfg.lora
+    return LoRAOptions(
+        rank=lo.rank,
+        alpha=lo.alpha,
+        dropout=lo.dropout,
+        target_modules=tuple(lo.target_modules),
+        experts=lo.experts,
+        frozen_dtype=lo.frozen_dtype,
     )
 
 
@@ -271,6 +287,8 @@ def plan_job(
         if opts.float8 is not None and opts.float8.moe_fqns:
             attempt(lambda: _check_float8_experts(spec, cfg.model.name, opts.float8, pd.etp))
         attempt(lambda: _check_mtp_layout(spec.args, pd))
+        if opts.lora is not None:
+            attempt(lambda: check_lora(spec.model_cls, spec.args, opts.lora, pd.etp))
     batch = None
     if pd is not None:
         batch = attempt(lambda: _batch_plan(cfg, pd))
@@ -394,85 +412,3 @@ def validation_batch(cfg: JobConfig, batch_degree: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------ dry run and printing
-
-
-def dry_run(plan: JobPlan, rank: int = 0) -> dict[str, Any]:
-    """Shard the meta-device model for ``rank`` exactly as training does, on the fake backend
-    (one process, no weights, no communication), and count what the rank holds: parameters
-    (local shards, FSDP padding included), gradients of the same size and dtype, and AdamW's
-    two fp32 states. Initializes and destroys a fake default process group."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from models.parallel.pipeline import split_model
-    from parallel_dims.process_groups import register_fake_backend
-
-    if dist.is_initialized():
-        raise RuntimeError("dry_run needs a process without a process group")
-    register_fake_backend()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
-    try:
-        pd = ParallelDims(**plan.parallel_dims.degrees.as_dict())
-        pd.build_mesh("cpu")
-        spec = plan.model
-        with torch.device("meta"):
-            model = spec.model_cls(spec.args)
-        total = sum(p.numel() for p in model.parameters())
-        parts = list(split_model(model, plan.stages, pd).modules) if plan.stages is not None else [model]
-        local = 0
-        for part in parts:
-            spec.parallelize_fn(part, pd, plan.parallelize)
-            for param in part.parameters():
-                shard = param._local_tensor if isinstance(param, DTensor) else param
-                local += shard.numel()
-        param_bytes = 4 * local  # fp32 master weights; bf16 compute copies are transient
-        return {
-            "rank": rank,
-            "model_params": total,
-            "local_params": local,
-            "memory_gib": {
-                "params": param_bytes / 2**30,
-                "grads": param_bytes / 2**30,
-                "optimizer": 2 * param_bytes / 2**30,
-                "total": 4 * param_bytes / 2**30,
-            },
-        }
-    finally:
-        dist.destroy_process_group()
-
-
-def format_plan(plan: JobPlan, dry: dict[str, Any] | None = None) -> str:
-    d = plan.parallel_dims.degrees
-    b = plan.batch
-    a = plan.model_args
-    lines = [
-        f"job plan: {plan.config.model.name}/{plan.config.model.flavor} on world_size={plan.world_size}",
-        "degrees: " + ", ".join(f"{k}={v}" for k, v in d.as_dict().items() if k != "world_size") + f", efsdp={d.efsdp}",
-        f"model: {a.n_layers} layers, dim {a.dim}, {a.n_heads} heads, vocab {a.vocab_size}"
-        + (f", {a.num_experts} experts" if a.has_experts else ""),
-        f"batch: global {b.global_batch_size} x {b.seq_len} tokens = {b.tokens_per_step:,} per step; "
-        f"{b.batch_degree} batch ranks x {b.grad_accum_steps} micro-batch(es) of {b.local_batch_size}",
-        f"parallelize: {dataclasses.asdict(plan.parallelize)}",
-    ]
-    if plan.parallelize.float8 is not None:
-        lines.append(f"float8 (torchao, before parallelization): {plan.parallelize.float8.describe()}")
-    if plan.stages is not None:
-        s = plan.stages
-        ranges = ", ".join(f"{lo}-{hi - 1}" for lo, hi in s.layer_ranges)
-        lines.append(
-            f"pipeline: {s.schedule}, {s.num_stages} stages ({s.stages_per_rank} per rank), "
-            f"layers per stage {ranges}, {s.n_microbatches} micro-batches, "
-            f"bubble {s.bubble_fraction:.2f}"
-        )
-    if dry is not None:
-        m = dry["memory_gib"]
-        lines.append(
-            f"rank {dry['rank']}: {dry['local_params']:,} of {dry['model_params']:,} parameters "
-            f"({dry['local_params'] / dry['model_params']:.4f}); fp32 training state "
-            f"{m['total']:.2f} GiB = params {m['params']:.2f} + grads {m['grads']:.2f} + "
-            f"AdamW {m['optimizer']:.2f} (activations not included)"
-        )
-    return "\n".join(lines)

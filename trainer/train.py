@@ -29,6 +29,7 @@ from torch import nn
 
 from models.kernels import kernels_line
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
+from models.parallel.lora import lora_startup_line
 from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
 from parallel_dims import default_device_type
 from parallel_dims.process_groups import host_group
@@ -159,6 +160,8 @@ class Trainer:
             _log(float8_startup_line(self.model_parts, plan.parallelize.float8, self.device))
             self.float8_precompute = plan.parallelize.float8.precompute_scale
             self._float8_scales_due = self.float8_precompute
+        if plan.parallelize.lora is not None:
+            _log(lora_startup_line(self.model_parts, plan.parallelize.lora))
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)
         self.forward = ModelForward(
             self.pd,
@@ -201,6 +204,7 @@ class Trainer:
             initial_hf=initial_hf,
             log=_log,
             folder_cls=LocalTensorFolder if self.mode.local else CheckpointFolder,
+            lora=plan.parallelize.lora,
         )
         self.step = 0
         self.stopped_by: int | None = None  # the signal that stopped train() early (trainer/stop.py)

@@ -163,6 +163,9 @@ class GroupedExperts(nn.Module):
         # float8 GEMMs (model.converters = ["float8_experts"], set by the converter before any
         # parallelism): None (off), or whether they are emulated (float8.emulate)
         self.float8_emulate: bool | None = None
+        # LoRA on the routed experts (model.converters = ["lora"] with lora.experts, set by the
+        # converter): None, or (module, w1, w2, w3) -> the weights with their adapters' deltas
+        self.lora_delta = None
         # Provisional values so a model used without init_weights is still finite; the real
         # (layout-independent) init comes from the model's init_weights.
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim).normal_(0.0, 0.02))
@@ -179,6 +182,8 @@ class GroupedExperts(nn.Module):
         one in backward) and checks the statement on device instead. Returns [T, dim] in the
         compute dtype."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.lora_delta is not None:  # LoRA adapters per expert (models/parallel/lora_experts.py)
+            w1, w2, w3 = self.lora_delta(self, w1, w2, w3)
         e_local = w1.shape[0]
         if num_tokens_per_expert.dim() != 1 or num_tokens_per_expert.shape[0] != e_local:
             raise ValueError(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.plan import format_plan, plan_job
+from trainer.plan import plan_job
+from trainer.plan_report import format_plan
 
 
 def cfg(*args):

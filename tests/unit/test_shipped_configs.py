@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import load_config
-from trainer.plan import dry_run, plan_job
+from trainer.plan import plan_job
+from trainer.plan_report import dry_run
 
 WORLD = {"llama3_8b": 8, "llama3_70b": 64, "deepseek_v3_16b": 8, "deepseek_v3_671b": 512}
 

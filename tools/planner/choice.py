@@ -41,6 +41,9 @@ class LayoutChoice:
     # (None: off); which linears and routed experts convert and what that changes:
     # tools/planner/float8.py
     float8: object = None
+    # model.converters = ["lora"]: models.parallel.lora.LoRAOptions (None: off); FSDP reduces the
+    # adapters' gradients only (tools/planner/lora.py)
+    lora: object = None
 
     @property
     def mixed(self) -> bool:

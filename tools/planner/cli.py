@@ -3,7 +3,7 @@ model on a cluster by estimated tokens/s per GPU within the GPU's memory.
 
     python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 \\
         --gpus-per-node 8 --gpu h100 --seq-len 8192 --global-batch 512 [--top 10] [--json] [--toml PATH]
-        [--float8 [RECIPE] [--float8-all-gather]] [--float8-experts]
+        [--float8 [RECIPE] [--float8-all-gather]] [--float8-experts] [--lora RANK [--lora-experts]]
 
 Exit codes: 0 a plan was printed; 1 no layout fits (the output names the smallest world size
 that would); 2 bad input (unknown model, flavor or GPU: the valid choices are listed).
@@ -108,6 +108,12 @@ def _parse(argv):
         help="float8 grouped GEMMs for the MoE routed experts (model.converters = ['float8_experts'], "
         "float8.moe_fqns = ['experts'], rowwise); alone: the linears stay in the parameter dtype",
     )  # fmt: skip
+    p.add_argument(
+        "--lora", type=int, default=None, metavar="RANK",
+        help="LoRA fine-tuning (model.converters = ['lora'], default targets): gradients and AdamW state of "
+        "the rank-RANK adapters only, the frozen base in the parameter dtype's storage (lora.frozen_dtype)",
+    )  # fmt: skip
+    p.add_argument("--lora-experts", action="store_true", help="with --lora: adapters on the routed experts too")
     p.add_argument("--reserve-gib", type=float, default=None, help="GPU memory kept free (default 6 GiB)")
     p.add_argument("--memory-gib", type=float, default=None, help="override the GPU's memory")
     p.add_argument("--profile", metavar="FILE", help="JSON with hardware keys overriding the GPU table")
@@ -151,9 +157,18 @@ def _job(args) -> Job:
             recipe=args.float8 or "tensorwise", fsdp_float8_all_gather=args.float8_all_gather,
             linears=bool(args.float8), moe_fqns=("experts",) if args.float8_experts else (),
         )  # fmt: skip
+    lora = None
+    if args.lora is not None:
+        from models.parallel.lora import LoRAOptions
+
+        if args.lora < 1:
+            raise ValueError(f"--lora RANK must be >= 1, got {args.lora}")
+        lora = LoRAOptions(rank=args.lora, experts=args.lora_experts, frozen_dtype=args.param_dtype)
+    elif args.lora_experts:
+        raise ValueError("--lora-experts needs --lora RANK")
     job = Job(
         args.model, args.flavor, args.world_size, args.gpus_per_node, args.seq_len, args.global_batch, hw,
-        args.efficiency, args.param_dtype, args.reduce_dtype, float8=float8,
+        args.efficiency, args.param_dtype, args.reduce_dtype, float8=float8, lora=lora,
     )  # fmt: skip
     if args.float8_experts:
         _check_float8_experts(job)
@@ -306,6 +321,7 @@ def main(argv=None) -> int:
             "gpus_per_node": job.gpus_per_node, "gpu": hw.name, "seq_len": job.seq_len,
             "global_batch": job.global_batch, "efficiency": job.efficiency,
             "float8": job.float8.describe() if job.float8 else None, "layouts": result.layouts,
+            "lora": job.lora.describe() if job.lora else None,
             "fitting": len(fitting), "assumptions": _ASSUMPTIONS,
             "top": [e.as_json() for e in top], "losing_reasons": dict(reasons.most_common()),
         }, indent=1))  # fmt: skip

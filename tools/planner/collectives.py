@@ -137,9 +137,19 @@ def predict_collectives(
             f8_gathered = float8_gathered_numel(
                 model, flavor, key, d, rank, choice.mixed, layers, embed, head, tuple(choice.float8.filter_fqns)
             )
+        # LoRA: the adapters are gathered with their group; only they are reduced (frozen base)
+        lora = None
+        if choice.lora is not None:
+            from .lora import adapter_group_summary
+
+            lora = adapter_group_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head, choice.lora)
         for g in groups:
             if g.name is None:
                 continue
+            gathered, reduced, replicated = g.unsharded, g.unsharded, g.shard
+            if lora is not None:
+                extra, shard = lora.get(g.name, (0, 0))
+                gathered, reduced, replicated = g.unsharded + extra, extra, shard
             if g.size > 1:
                 flag = g.name not in ("head", last_block) and _fsdp_reshard(choice.reshard, pp, g.size)
                 # without pipelining: gathered for forward, again for backward when resharded
@@ -151,10 +161,11 @@ def predict_collectives(
                 # in any order (once without resharding; a split-backward schedule with
                 # resharding is refused by trainer.plan.plan_job: it dropped weight gradients)
                 gathers = accum * ((m + 1) if flag else 1) if pp else accum * (2 if flag else 1)
-                rec[("all_gather", g.mesh, g.unsharded * pb - f8_gathered.get(g.name, 0) * (pb - 1))] += gathers
-                rec[("reduce_scatter", g.mesh, g.unsharded * rb)] += syncs
-            if d.dp_replicate > 1:
-                rec[("all_reduce", "dp_replicate", g.shard * rb)] += syncs
+                rec[("all_gather", g.mesh, gathered * pb - f8_gathered.get(g.name, 0) * (pb - 1))] += gathers
+                if reduced:
+                    rec[("reduce_scatter", g.mesh, reduced * rb)] += syncs
+            if d.dp_replicate > 1 and replicated:
+                rec[("all_reduce", "dp_replicate", replicated * rb)] += syncs
 
         if d.tp > 1:
             s_local = choice.seq_len // d.cp

@@ -85,6 +85,8 @@ class Job:
     model_overrides: tuple = ()
     # model.converters "float8" / "float8_experts": models.parallel.float8.Float8Options (None: off)
     float8: object = None
+    # model.converters "lora": models.parallel.lora.LoRAOptions (None: off; tools/planner/lora.py)
+    lora: object = None
 
     @property
     def overrides(self) -> dict:
@@ -240,16 +242,45 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
         recompute = max(recompute, est.recompute)
     layers_factor, logits_held = _in_flight(choice, d.pp, plan)
     activations = held_layers * layers_factor + head_b * logits_held + recompute
+    params_b, grads_b, optimizer_b = 4 * padded, 4 * padded, 8 * local
+    if job.lora is not None:  # frozen base: gradients and AdamW state of the adapters only
+        a_padded, a_local, a_groups = _adapter_shards(job, d, choice, rank, stages, layout)
+        frozen_b = DTYPE_BYTES[job.lora.frozen_dtype]
+        params_b, grads_b, optimizer_b = frozen_b * padded + 4 * a_padded, 4 * a_padded, 8 * a_local
+        gathered += sum(a_groups.values()) * pb if cast and keeps_all else 0
+        biggest_a = sorted(a_groups.values(), reverse=True)
+        grads_unsharded = sum(biggest_a[:2]) * pb if sharded else 0
+        if sharded and (accum > 1 or m > 1):
+            grads_unsharded = sum(biggest_a) * rb
     mem = {
-        "params": 4 * padded,
-        "grads": 4 * padded,
-        "optimizer": 8 * local,
+        "params": params_b,
+        "grads": grads_b,
+        "optimizer": optimizer_b,
         "gathered_params": gathered,
         "unsharded_grads": grads_unsharded,
         "activations": activations,
     }
     mem["total"] = sum(mem.values())
     return mem
+
+
+def _adapter_shards(job: Job, d, choice: LayoutChoice, rank: int, stages, layout) -> tuple[int, int, dict]:
+    """(padded, local) adapter elements this rank stores, and per FSDP group the adapters'
+    gathered (TP-local) elements."""
+    from .inventory import rank_shards
+    from .lora import adapter_infos
+
+    params, _ = model_inventory(job.model, job.flavor, **job.overrides)
+    key = tuple(sorted(job.overrides.items()))
+    infos = adapter_infos(params, job.model, job.flavor, key, job.lora)
+    padded = local = 0
+    groups: dict = {}
+    for layers, embed, head in stages:
+        for s in rank_shards(infos, d, layout, rank, choice.mixed, layers, embed, head):
+            padded += s.padded_numel
+            local += s.local_numel
+            groups[(s.info.group, layers.start)] = groups.get((s.info.group, layers.start), 0) + s.tp_local_numel
+    return padded, local, groups
 
 
 def _elementwise_bytes(job: Job, degrees, choice: LayoutChoice, rank: int) -> int:
@@ -423,6 +454,7 @@ def choice_from_plan(plan) -> LayoutChoice:
         sequence_parallel=opts.sequence_parallel,
         loss_parallel=opts.loss_parallel,
         float8=opts.float8,
+        lora=opts.lora,
     )
 
 
@@ -451,6 +483,6 @@ def estimate_from_config(
     job = Job(
         cfg.model.name, flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
         efficiency, choice.param_dtype, choice.reduce_dtype, tf32=bool(cfg.training.enable_tf32),
-        model_overrides=tuple(sorted(overrides.items())), float8=choice.float8,
+        model_overrides=tuple(sorted(overrides.items())), float8=choice.float8, lora=plan.parallelize.lora,
     )  # fmt: skip
     return estimate(job, plan.parallel_dims.degrees, choice)

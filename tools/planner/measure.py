@@ -46,7 +46,7 @@ def _storage_bytes(tensors) -> int:
 
 def measure_training_state(
     model: str, flavor: str, degrees: dict, rank: int, param_dtype: str = "float32", reduce_dtype: str = "float32",
-    schedule: str = "1F1B", seq_len: int = 64,
+    schedule: str = "1F1B", seq_len: int = 64, lora: dict | None = None,
 ) -> dict:  # fmt: skip
     import torch
     import torch.distributed as dist
@@ -70,7 +70,11 @@ def measure_training_state(
             if pd.pp > 1
             else [full]
         )
-        opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        from models.parallel.lora import LoRAOptions
+
+        opts = ParallelizeOptions(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, lora=LoRAOptions(**lora) if lora else None
+        )
         params = []
         cp_seq = seq_len // pd.cp
         for part in parts:
@@ -109,7 +113,7 @@ def measure_training_state(
         return {
             "rank": rank,
             "params_bytes": _storage_bytes(params),
-            "grads_bytes": _storage_bytes([p.grad for p in params]),
+            "grads_bytes": _storage_bytes([p.grad for p in params if p.grad is not None]),
             "optimizer_bytes": _storage_bytes(states),
             "fsdp_group_unsharded_numels": sorted(groups),
         }

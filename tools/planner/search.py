@@ -89,6 +89,8 @@ def enumerate_degrees(job: Job, args):
                                 continue
                             if moe_fqns and float8_experts_refusal(job.model, job.flavor, key, moe_fqns, etp):
                                 continue
+                            if etp > 1 and job.lora is not None and job.lora.experts:
+                                continue  # expert adapters split along experts only (models/parallel/lora_experts.py)
                             seen.append(pd.degrees)
     return seen
 
@@ -121,7 +123,7 @@ def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHE
                     yield LayoutChoice(
                         global_batch=job.global_batch, local_batch=lb, seq_len=job.seq_len, schedule=sched,
                         n_microbatches=m, ac=ac, reshard=reshard, param_dtype=job.param_dtype,
-                        reduce_dtype=job.reduce_dtype, float8=job.float8,
+                        reduce_dtype=job.reduce_dtype, float8=job.float8, lora=job.lora,
                     )  # fmt: skip
 
 

@@ -32,7 +32,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -77,9 +77,12 @@ def load_checkpoint(
     *,
     exclude: Iterable[str] = (),
     process_group=None,
+    select: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Restore whatever ``path`` holds into the given objects (None = not restored) and
-    return the saved ``extra`` dict (empty for model-only checkpoints such as seeds)."""
+    return the saved ``extra`` dict (empty for model-only checkpoints such as seeds).
+    ``select``: only the model keys it accepts are restored (a LoRA run: its adapters from a
+    step checkpoint, its base from ``initial_load_path``)."""
     exclude = set(exclude)
     unknown = exclude - set(EXCLUDABLE)
     if unknown:
@@ -96,7 +99,7 @@ def load_checkpoint(
             raise
         raise CheckpointError(f"checkpoint {path} is unreadable ({reason})") from exc
 
-    model_sd = checkpoint_state_dict(model_parts)
+    model_sd = checkpoint_state_dict(model_parts, select)
     missing = [k for k in model_sd if f"model.{k}" not in stored]
     if missing:
         raise CheckpointError(
@@ -119,7 +122,7 @@ def load_checkpoint(
             raise
         raise CheckpointError(f"checkpoint {path} is unreadable ({reason})") from exc
 
-    load_model_parts(model_parts, state["model"])
+    load_model_parts(model_parts, state["model"], select)
     if load_optimizer:
         optimizer.load_state_dict(state["optimizer"])
     elif optimizer is not None and "optimizer" not in exclude:
@@ -158,6 +161,8 @@ class CheckpointFolder:
             raise ValueError(f"keep_latest_k must be >= 0 (0 keeps all); got {keep_latest_k}")
         self.folder, self.keep_latest_k = folder, keep_latest_k
         self.process_group = process_group
+        # the model keys a step checkpoint holds (None: all; a LoRA run: its adapters)
+        self.select: Callable[[str], bool] | None = None
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
@@ -195,7 +200,7 @@ class CheckpointFolder:
     ) -> dict[str, Any]:
         """What a resumable step-N checkpoint holds (the live, sharded objects: a synchronous
         save writes them, an asynchronous one copies them first)."""
-        state: dict[str, Any] = {"model": checkpoint_state_dict(model_parts)}
+        state: dict[str, Any] = {"model": checkpoint_state_dict(model_parts, self.select)}
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
         if rank(self.process_group) == 0:  # identical on all ranks, or rank 0's by definition
@@ -299,7 +304,14 @@ class CheckpointFolder:
         """Restore the checkpoint folder ``path`` (:func:`load_checkpoint` over this folder's
         process group); the saved extra dict."""
         return load_checkpoint(
-            path, model_parts, optimizer, lr_scheduler, dataloader, exclude=exclude, process_group=self.process_group
+            path,
+            model_parts,
+            optimizer,
+            lr_scheduler,
+            dataloader,
+            exclude=exclude,
+            process_group=self.process_group,
+            select=self.select,
         )
 
 

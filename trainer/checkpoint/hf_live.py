@@ -48,6 +48,8 @@ def export_model_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: Callable[[str], None] | None = None,
     process_group=None,
+    extra_keys: Callable[[Sequence[str], Sequence[str]], list[str]] | None = None,
+    transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
 ) -> str:
     """Write the weights of ``model_parts`` (this rank's stages of the model built from
     ``model_args``) as a Hugging Face folder ``out_dir``; returns its absolute path.
@@ -57,7 +59,11 @@ def export_model_to_hf(
     takes part in gathering the layer groups its writer does not hold yet (the writer keeps
     those its previous file also needs, like the DCP converter). A rank holds at most one
     file's layer groups (ours and Hugging Face's) plus that file's tensors, and one full tensor
-    while gathering for another rank."""
+    while gathering for another rank.
+
+    ``extra_keys(group_keys, all_keys)``: more of the model's keys to fetch with a layer group
+    (e.g. its LoRA adapters), and ``transform`` turns the fetched group into the adapter's keys
+    before ``to_hf`` (e.g. merges them: trainer/checkpoint/lora_export.py)."""
     say = progress or (lambda _m: None)
     adapter = registry.get_hf_adapter(model_name, model_args)
     live = LiveModel(model_parts, process_group)
@@ -69,7 +75,7 @@ def export_model_to_hf(
             f"the model parts do not match {model_name} with these args: missing {missing[:3]}, "
             f"wrong shapes {wrong[:3]}"
         )
-    plan = plan_hf_export(adapter, live.meta, dtype, max_shard_bytes)
+    plan = plan_hf_export(adapter, {k: live.meta[k] for k in ours}, dtype, max_shard_bytes)
     names = plan.names
 
     def write_shards(writer: HFFolderWriter) -> None:
@@ -86,9 +92,10 @@ def export_model_to_hf(
             for g in needed:
                 if g in cached[w]:
                     continue
-                state = live.fetch(plan.group_keys[g], w)
+                keys = plan.group_keys[g]
+                state = live.fetch(keys + (extra_keys(keys, live.order) if extra_keys else []), w)
                 if w == live.rank:
-                    cache[g] = plan.to_hf(state)
+                    cache[g] = plan.to_hf(transform(state) if transform else state)
                 del state
                 cached[w].add(g)
             if w == live.rank:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from models import registry
+from models.parallel.lora import is_adapter_key
 from trainer.checkpoint.hf_reader import HFCheckpoint, validate_hf_checkpoint
 
 __all__ = ["LoadStats", "load_hf_into_model", "local_index"]
@@ -129,6 +130,8 @@ def load_hf_into_model(
         for part in model_parts:
             params = {_plain_name(n) for n, _ in part.named_parameters()}
             for key, t in _model_state(part).items():
+                if is_adapter_key(key):  # LoRA adapters: never part of a base checkpoint
+                    continue
                 if key not in covered:
                     if key in params:
                         raise RuntimeError(

@@ -19,6 +19,7 @@ Every rank calls ``resume``, ``after_step`` and ``close`` (they are collective).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from models import registry
+from models.parallel.lora import LORA_CONVERTERS, LoRAOptions, is_adapter_key
 from trainer.checkpoint.async_save import DISABLED, BackgroundSaver, CheckpointWriteFailed, SaveDone, failure_line
 from trainer.checkpoint.dcp import CheckpointFolder, load_checkpoint
 from trainer.checkpoint.errors import CheckpointError
@@ -36,6 +38,7 @@ from trainer.checkpoint.export import export_consolidated
 from trainer.checkpoint.hf_live import export_model_to_hf
 from trainer.checkpoint.hf_load import load_hf_into_model
 from trainer.checkpoint.hf_reader import HFCheckpoint, validate_hf_checkpoint
+from trainer.checkpoint.lora_base import base_identity
 
 __all__ = ["CheckpointManager", "check_initial_load"]
 
@@ -55,8 +58,9 @@ def check_initial_load(cfg, model_args) -> HFCheckpoint | None:
     c = cfg.checkpoint
     if not (c.initial_load_in_hf and c.initial_load_path):
         return None
-    if c.enable and CheckpointFolder(cfg.resolve_path(c.folder)).list_steps():
-        return None  # the run resumes from its own checkpoint; initial_load_path is unused
+    lora = any(name in LORA_CONVERTERS for name in cfg.model.converters)
+    if c.enable and not lora and CheckpointFolder(cfg.resolve_path(c.folder)).list_steps():
+        return None  # the run resumes from its own checkpoint; initial_load_path is unused (LoRA: the base)
     adapter = registry.get_hf_adapter(cfg.model.name, model_args)
     try:
         return validate_hf_checkpoint(c.initial_load_path, adapter, _hf_context(cfg))
@@ -85,6 +89,7 @@ class CheckpointManager:
         initial_hf: HFCheckpoint | None = None,
         log: Callable[[str], None] = print,
         folder_cls: type[CheckpointFolder] = CheckpointFolder,
+        lora: LoRAOptions | None = None,
     ):
         self.cfg = cfg
         self.config = cfg.checkpoint
@@ -96,6 +101,13 @@ class CheckpointManager:
         self.folder = cfg.resolve_path(self.config.folder)
         # the run's step-N folders (local_tensor mode: trainer/checkpoint/local_tensor.py)
         self.steps = folder_cls(self.folder, self.config.keep_latest_k)
+        # LoRA (models/parallel/lora.py): step checkpoints hold the adapters (and their optimizer
+        # state) and the base's identity; the base always comes from initial_load_path
+        self.lora = lora
+        self.base = None
+        if lora is not None:
+            self.steps.select = is_adapter_key
+            self.base = base_identity(cfg)
         # asynchronous saves: built by every rank (it creates process groups)
         self.saver: BackgroundSaver | None = None
         if self.config.enable and self.config.async_mode != DISABLED:
@@ -118,13 +130,51 @@ class CheckpointManager:
             )
         if extra:
             step = int(extra["step"])
+            if self.lora is not None:
+                self._check_base(extra, step)
+                self._load_base()
             self.log(f"resumed from {self.folder} at step {step}")
             return step
+        if self.lora is not None:
+            self._load_base()
+            return None
         if c.initial_load_path and c.initial_load_in_hf:
             self._load_initial_hf(c.initial_load_path)
         elif c.initial_load_path:
             return self._load_initial_dcp(c.initial_load_path)
         return None
+
+    def _check_base(self, extra: dict, step: int) -> None:
+        """A LoRA resume: the step checkpoint's adapters were trained on this run's base."""
+        stored = extra.get("lora_base")
+        path = self.steps.step_dir(step)
+        if stored is None:
+            raise CheckpointError(
+                f"{path} holds no LoRA base identity (saved by a run without model.converters = ['lora']): "
+                "start the LoRA run in another job.dump_folder"
+            )
+        if stored["fingerprint"] != self.base["fingerprint"]:
+            was = f"{stored['path'] or 'the seeded init'} (fingerprint {stored['fingerprint'][:12]})"
+            raise CheckpointError(
+                f"{path} holds LoRA adapters trained on the base {was}, but this run's base is {self.base.line()}: "
+                "set checkpoint.initial_load_path to the base they were trained on, or start over in another "
+                "job.dump_folder"
+            )
+
+    def _load_base(self) -> None:
+        """A LoRA run's frozen base: initial_load_path (a Hugging Face or DCP folder, weights
+        only), or the seeded init already in place."""
+        c = self.config
+        if not c.initial_load_path:
+            return
+        if c.initial_load_in_hf:
+            self._load_initial_hf(c.initial_load_path)
+            return
+        try:
+            load_checkpoint(c.initial_load_path, self.model_parts, select=lambda k: not is_adapter_key(k))
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint.initial_load_path (the LoRA base): {exc}") from exc.__cause__
+        self.log(f"loaded the LoRA base from {c.initial_load_path}")
 
     def _load_initial_hf(self, path: str) -> None:
         try:
@@ -267,8 +317,12 @@ class CheckpointManager:
             export_consolidated(self.model_parts, path, c.export_dtype)
             self.log(f"exported consolidated weights to {path}")
             return False
+        extra = {"step": step}
+        if self.lora is not None:  # what scripts/convert_hf.py lora-peft / lora-merge read back
+            extra["lora_base"] = dict(self.base)
+            extra["lora"] = dataclasses.asdict(self.lora)
         state = self.steps.state(
-            step, self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, extra={"step": step}
+            step, self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, extra=extra
         )
         if self.saver is not None:
             tmp = self.steps.begin(step)
@@ -308,6 +362,8 @@ class CheckpointManager:
         the live sharded model (every rank writes the files it is given; no temporary DCP)."""
         c = self.config
         out = os.path.join(self.folder, f"step-{step}-hf")
+        if self.lora is not None:
+            return self._save_lora_exports(step, out)
         export_model_to_hf(
             self.model_parts,
             out,
@@ -317,4 +373,23 @@ class CheckpointManager:
             progress=lambda msg: logger.info("hf export: %s", msg),
         )
         self.log(f"wrote Hugging Face folder {out} ({c.export_dtype})")
+        return out
+
+    def _save_lora_exports(self, step: int, out: str) -> str:
+        """A LoRA run's Hugging Face exports: the merged model as ``step-N-hf`` and the adapters
+        as a PEFT folder ``step-N-peft`` (trainer/checkpoint/lora_export.py)."""
+        from trainer.checkpoint.lora_export import export_merged_from_live, export_peft_from_live, peft_refusal
+
+        c = self.config
+        args = (self.model_parts,)
+        kw = dict(model_name=self.cfg.model.name, model_args=self.model_args, opts=self.lora, dtype=c.export_dtype)
+        export_merged_from_live(*args, out_dir=out, **kw)
+        keys = [k for part in self.model_parts for k, _ in part.named_parameters() if is_adapter_key(k)]
+        why = peft_refusal(keys, self.model_args)
+        if why is not None:  # e.g. per-expert adapters (transformers' experts are fused modules)
+            self.log(f"wrote the merged Hugging Face folder {out} ({c.export_dtype}); no PEFT folder: {why}")
+            return out
+        peft = os.path.join(self.folder, f"step-{step}-peft")
+        export_peft_from_live(*args, out_dir=peft, base_model=self.base["path"], **kw)
+        self.log(f"wrote the merged Hugging Face folder {out} and the PEFT adapter folder {peft} ({c.export_dtype})")
         return out

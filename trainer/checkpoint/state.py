@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -78,11 +78,14 @@ def run_dcp(fn, state: dict[str, Any], **kwargs) -> Any:
 # -------------------------------------------------------------------- state builders
 
 
-def model_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
-    """Sharded (DTensor-aware) state of all parts, merged under their plain FQNs."""
+def model_state_dict(model_parts: Sequence[nn.Module], select: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Sharded (DTensor-aware) state of all parts, merged under their plain FQNs; with
+    ``select``, only the keys it accepts (a LoRA run's adapters, or its base)."""
     merged: dict[str, Any] = {}
     for part in model_parts:
         sd = plain_state_dict(get_model_state_dict(part))
+        if select is not None:
+            sd = {k: v for k, v in sd.items() if select(k)}
         dup = merged.keys() & sd.keys()
         if dup:
             raise ValueError(f"model parts share parameter names {sorted(dup)[:5]}; each FQN must live in one part")
@@ -90,15 +93,20 @@ def model_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
     return merged
 
 
-def checkpoint_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
+def checkpoint_state_dict(
+    model_parts: Sequence[nn.Module], select: Callable[[str], bool] | None = None
+) -> dict[str, Any]:
     """:func:`model_state_dict` as a step checkpoint stores it: a tied embedding/head weight
     once, as ``tok_embeddings.weight`` (models/parallel/pipeline/tied.py). On a pipeline's last
     stage that entry is the head's copy (equal to the first stage's, which DCP writes once), so
-    every layout saves and loads the same keys."""
+    every layout saves and loads the same keys. ``select``: only the keys (our FQNs) it accepts
+    (a LoRA run's adapters)."""
     merged: dict[str, Any] = {}
     for part in model_parts:
         own: dict[str, Any] = {}
         for k, v in plain_state_dict(get_model_state_dict(part)).items():
+            if select is not None and not select(k):
+                continue
             key = checkpoint_key(part, k)
             if key == EMBEDDING_KEY and key != k and (key in own or key in merged):
                 continue  # the other name (or copy) of a tied weight this rank already holds
@@ -111,12 +119,15 @@ def checkpoint_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
     return merged
 
 
-def load_model_parts(model_parts: Sequence[nn.Module], state: dict[str, Any]) -> None:
-    """Restore each part from ``state`` (checkpoint names: a tied head reads the embedding)."""
+def load_model_parts(
+    model_parts: Sequence[nn.Module], state: dict[str, Any], select: Callable[[str], bool] | None = None
+) -> None:
+    """Restore each part from ``state`` (checkpoint names: a tied head reads the embedding);
+    with ``select``, only the keys it accepts (the rest of the part left as it is)."""
     for part in model_parts:
-        keys = get_model_state_dict(part).keys()
+        keys = [k for k in get_model_state_dict(part) if select is None or select(k)]
         values = {k: state[checkpoint_key(part, k)] for k in keys}
-        set_model_state_dict(part, values, options=StateDictOptions(strict=True))
+        set_model_state_dict(part, values, options=StateDictOptions(strict=select is None))
 
 
 def rng_state() -> dict[str, Any]:

@@ -21,6 +21,7 @@ from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
 from trainer.config.fields import DATASETS, TEXT_DOCUMENTS
 from trainer.config.fields import opt as _opt
+from trainer.config.lora_section import Lora
 from trainer.config.optim_schema import LRScheduler, Optimizer
 from trainer.config.toml_writer import dump_toml
 
@@ -99,7 +100,7 @@ class Model:
         "Model converters applied before parallelization: 'float8' (alias 'quantize.linear.float8', "
         "torchtitan 0.2.2's name) trains the linear layers with torchao's float8 GEMMs; 'float8_experts' "
         "(alias 'quantize.grouped_mm.float8') runs the routed experts' grouped GEMMs in float8 "
-        "(rowwise); see [float8].",
+        "(rowwise); see [float8]. 'lora' trains low-rank adapters on a frozen base; see [lora].",
     )
 
 
@@ -450,6 +451,7 @@ SECTIONS: dict[str, type] = {
     "parallelism": Parallelism,
     "activation_checkpoint": ActivationCheckpoint,
     "float8": Float8,
+    "lora": Lora,
     "compile": Compile,
     "checkpoint": Checkpoint,
     "metrics": Metrics,
@@ -469,6 +471,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from models.parallel.float8 import FLOAT8_CONVERTERS, FLOAT8_EXPERT_CONVERTERS
+from models.parallel.lora import LORA_CONVERTERS
 from models.registry import HF_FLAVOR, flavor_names, has_experts
 from trainer.config.errors import ConfigError
 from trainer.config.schema import (
@@ -42,7 +43,7 @@ def validate_config(cfg: JobConfig) -> None:
 
 
 def _validate_float8(cfg: JobConfig) -> None:
-    known = FLOAT8_CONVERTERS + FLOAT8_EXPERT_CONVERTERS
+    known = FLOAT8_CONVERTERS + FLOAT8_EXPERT_CONVERTERS + LORA_CONVERTERS
     for name in cfg.model.converters:
         if name not in known:
             raise ConfigError(_choice_message("model.converters entry", name, known))
@@ -62,6 +63,34 @@ def _validate_float8(cfg: JobConfig) -> None:
         raise ConfigError(
             "float8.precompute_float8_dynamic_scale_for_fsdp precomputes the scales of the float8 all-gather, "
             "which is off: set float8.enable_fsdp_float8_all_gather = true, or turn the precompute off"
+        )
+
+
+def _validate_lora(cfg: JobConfig) -> None:
+    lo = cfg.lora
+    if lo.rank <= 0:
+        raise ConfigError(f"lora.rank must be a positive integer, got {lo.rank}; 8 or 16 are common")
+    if not lo.alpha > 0:
+        raise ConfigError(f"lora.alpha must be > 0, got {lo.alpha}; e.g. twice lora.rank")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
+    if lo.frozen_dtype != "float32" and cfg.parallelism.mixed_precision_param != lo.frozen_dtype:
+        raise ConfigError(
+            f"lora.frozen_dtype = '{lo.frozen_dtype}' stores the frozen base in the compute dtype, but "
+            f"parallelism.mixed_precision_param is '{cfg.parallelism.mixed_precision_param}': set it to "
+            f"'{lo.frozen_dtype}', or lora.frozen_dtype = 'float32'"
+        )
+    lora_on = "lora" in cfg.model.converters
+    if lora_on and cfg.comm.mode == "local_tensor" and cfg.checkpoint.initial_load_path:
+        raise ConfigError(
+            "comm.mode = 'local_tensor' reads checkpoint.initial_load_path as full weights for every simulated "
+            "rank, which a LoRA base load (model weights only, adapters apart) does not do: run the LoRA job "
+            "with real processes, or without initial_load_path"
+        )
+    if not lo.target_modules and not lo.experts:
+        raise ConfigError(
+            "lora.target_modules is empty and lora.experts is false: nothing would train; "
+            "use e.g. lora.target_modules = ['attention.*', 'feed_forward.*']"
         )
 
 
@@ -91,6 +120,7 @@ def _validate_values(cfg: JobConfig) -> None:
     )
 
     _validate_float8(cfg)
+    _validate_lora(cfg)
 
     need(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
     need(
