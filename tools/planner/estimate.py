@@ -85,6 +85,10 @@ class Job:
     model_overrides: tuple = ()
     # model.converters "float8" / "float8_experts": models.parallel.float8.Float8Options (None: off)
     float8: object = None
+    # optimizer.name, and Muon's optimizer.muon_distribution / muon_ns_steps (tools/planner/muon.py)
+    optimizer: str = "AdamW"
+    muon_distribution: str = "round_robin"
+    muon_ns_steps: int = 5
 
     @property
     def overrides(self) -> dict:
@@ -240,10 +244,11 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
         recompute = max(recompute, est.recompute)
     layers_factor, logits_held = _in_flight(choice, d.pp, plan)
     activations = held_layers * layers_factor + head_b * logits_held + recompute
+    muon_local = _muon(job, d, choice, rank).local_numel if job.optimizer == "Muon" else 0
     mem = {
         "params": 4 * padded,
         "grads": 4 * padded,
-        "optimizer": 8 * local,
+        "optimizer": 8 * local - 4 * muon_local,  # AdamW: 2 fp32 states; Muon: 1
         "gathered_params": gathered,
         "unsharded_grads": grads_unsharded,
         "activations": activations,
@@ -308,7 +313,13 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     # the per-parameter work (casts, norm, clipping, AdamW) of the rank with the most local
     # parameters (AdamW: 8 bytes each)
     per_param = step_bytes_per_param(choice.param_dtype, choice.reduce_dtype)
-    optimizer = optimizer_seconds(max(m["optimizer"] for m in mems) / 8, hw, per_param)
+    muons = [_muon(job, d, choice, r) for r in ranks] if job.optimizer == "Muon" else []
+    locals_ = [(m["optimizer"] + 4 * (muons[i].local_numel if muons else 0)) / 8 for i, m in enumerate(mems)]
+    optimizer = optimizer_seconds(max(locals_), hw, per_param)
+    if muons:  # Newton-Schulz in float32 (TF32 with enable_tf32), after the backward
+        optimizer += max(m.ns_flops for m in muons) / (
+            hw.peak_flops("tf32" if job.tf32 else "float32") * job.efficiency
+        )
     fits = mem["total"] <= hw.usable_gib * GIB
     if not fits and not time_if_oom:
         return Estimate(
@@ -358,6 +369,8 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
             comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
         else:
             comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
+    if muons:  # Muon's exchange (exposed: after the backward), the busiest rank's
+        comm["muon"] = max(_muon_comm_seconds(m, crossing, per_node, hw) for m in muons)
     if not hw.comm_overlap:
         exposed_fsdp = fsdp_total
     else:
@@ -401,6 +414,27 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         bubble_fraction=bubble_fraction,
         grad_accum=grad_accum_steps(choice, d),
     )
+
+
+def _muon(job: Job, d, choice: LayoutChoice, rank: int):
+    from .muon import muon_cost
+
+    stages, _ = stage_layers(
+        model_inventory(job.model, job.flavor, **job.overrides)[1], d, choice, rank, cached_layout(d)
+    )
+    return muon_cost(
+        job.model, job.flavor, job.overrides, d, rank, choice.mixed, stages, job.muon_distribution, job.muon_ns_steps
+    )
+
+
+def _muon_comm_seconds(cost, crossing: dict, per_node: dict, hw: Hardware) -> float:
+    """Muon's collectives over their groups (a group of several axes crosses nodes if one does)."""
+    total = 0.0
+    for r in cost.comm:
+        crosses = any(crossing.get(a, False) for a in r["axes"])
+        nodes = min((per_node.get(a, 1) for a in r["axes"] if crossing.get(a)), default=1)
+        total += r["count"] * collective_seconds(r["kind"], r["bytes"], r["group_size"], crosses, hw, nodes)
+    return total
 
 
 def choice_from_plan(plan) -> LayoutChoice:
@@ -451,6 +485,7 @@ def estimate_from_config(
     job = Job(
         cfg.model.name, flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
         efficiency, choice.param_dtype, choice.reduce_dtype, tf32=bool(cfg.training.enable_tf32),
-        model_overrides=tuple(sorted(overrides.items())), float8=choice.float8,
+        model_overrides=tuple(sorted(overrides.items())), float8=choice.float8, optimizer=cfg.optimizer.name,
+        muon_distribution=cfg.optimizer.muon_distribution, muon_ns_steps=cfg.optimizer.muon_ns_steps,
     )  # fmt: skip
     return estimate(job, plan.parallel_dims.degrees, choice)
