@@ -98,7 +98,7 @@ def planner_check(case: Case, trainer: dict, device_name: str | None) -> dict:
     """The planner's estimate of the trainer run ``trainer`` measured: step time and memory,
     predicted over measured. ``device_name`` None (a CPU smoke run): priced as an H100, so only
     the code path is checked."""
-    from tools.planner.estimate import estimate_from_config
+    from tools.planner.from_config import estimate_from_config
     from tools.planner.hardware import hardware_for_device, load_hardware
     from trainer.config import load_config
 

@@ -17,15 +17,22 @@ approximate U V^T of U's SVD. The scale r sqrt(max(m, n)) with r = 0.2 is Moonli
 AdamW's learning rate and decoupled weight decay carry over unchanged. NS runs in float32 here
 (the CPU proofs compare layouts in fp32; Jordan's and Moonlight's code use bfloat16 on GPUs).
 
-Distribution. NS needs each whole matrix; FSDP and TP shard them. Each parameter's update is a
-DTensor on the parameter's own mesh (the meshes ParallelDims built for FSDP, TP, EP):
-redistributed to placements that replicate the two matrix dimensions and keep every shard of
-the leading (expert) dimension, so under EP each rank orthogonalises only its own experts and
-under FSDP/TP the matrix is all-gathered over the dimensions that split it; every rank of that
-group runs NS on the whole matrix, then keeps its own shard (Replicate -> Shard is a local
-slice, no communication). Cost: one all-gather of each sharded matrix per step (the
-gradient's size, like FSDP's parameter all-gather), and NS on the whole matrix on every rank of
-its sharding group (docs/optimizers.md prices both and compares the round-robin alternative).
+Distribution. NS needs each whole matrix; FSDP and TP shard them. Each parameter is a DTensor
+on its own mesh (the meshes ParallelDims built for FSDP, TP, EP). Leading (expert) dimensions
+stay sharded (EP: each rank orthogonalises only its own experts); a parameter none of whose
+matrix dimensions is sharded runs NS locally. For the others, ``distribution``
+(``optimizer.muon_distribution``):
+
+- ``round_robin`` (default): each whole matrix is orthogonalised by one owner rank of the group
+  that shards it, chosen by FLOPs, and each member gets its shard of the result back
+  (trainer/muon_dist.py): 1/S of the group's NS FLOPs per rank, and about 2 (S-1)/S of the local
+  shard's bytes moved each way.
+- ``gather``: the update is redistributed to placements that replicate the two matrix
+  dimensions (an all-gather over the dimensions that split it); every rank of that group runs NS
+  on the whole matrix, then keeps its own shard (Replicate -> Shard is a local slice).
+
+Both assemble the same whole matrix and run the same NS on it, so they give bitwise the same
+update; docs/optimizers.md prices and measures them.
 
 ``MESHTRAIN_TEST_MUON_PER_SHARD=1`` (a test-only switch, the negative control of the layout
 tests) orthogonalises each rank's local shard on its own instead: the easy wrong version,
@@ -41,10 +48,13 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["Muon", "newton_schulz", "orthogonalized_update"]
+from trainer.muon_dist import RoundRobin, matrix_mesh_dims
+
+__all__ = ["DISTRIBUTIONS", "Muon", "newton_schulz", "orthogonalized_update"]
 
 PER_SHARD_ENV = "MESHTRAIN_TEST_MUON_PER_SHARD"
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+DISTRIBUTIONS = ("round_robin", "gather")
 _NS_EPS = 1e-7
 
 
@@ -97,7 +107,7 @@ class Muon(torch.optim.Optimizer):
     """Muon over >= 2-D parameters (plain tensors or DTensors of any placements). State per
     parameter: ``momentum_buffer``, laid out like the parameter (DCP reshards it like AdamW's
     moments). Group keys: lr, weight_decay, momentum, nesterov, ns_steps, ns_coefficients,
-    update_rms."""
+    update_rms. ``distribution``: how sharded matrices get whole (module docstring)."""
 
     def __init__(
         self,
@@ -109,6 +119,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
         update_rms: float = 0.2,
+        distribution: str = "round_robin",
     ):
         defaults = dict(
             lr=lr,
@@ -124,6 +135,10 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.ndim < 2:
                     raise ValueError(f"Muon takes >= 2-D parameters, got one of shape {tuple(p.shape)}")
+        if distribution not in DISTRIBUTIONS:
+            raise ValueError(f"Muon distribution {distribution!r}: use one of {DISTRIBUTIONS}")
+        self.distribution = distribution
+        self._round_robin = RoundRobin()
         self.per_shard = os.environ.get(PER_SHARD_ENV) == "1"
 
     @torch.no_grad()
@@ -132,8 +147,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        updates = []  # (group, parameter, local update) of every parameter with a gradient
         for group in self.param_groups:
-            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            mu = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -142,10 +158,39 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p)
                 g, buf = _local(p.grad), _local(state["momentum_buffer"])
                 buf.mul_(mu).add_(g)
-                u = g.add(buf, alpha=mu) if group["nesterov"] else buf.clone()
-                o = orthogonalized_update(p, u, group["ns_steps"], group["ns_coefficients"], self.per_shard)
-                scale = group["update_rms"] * math.sqrt(max(p.shape[-2], p.shape[-1]))
-                w = _local(p)
-                w.mul_(1.0 - lr * wd)
-                w.add_(o.to(w.dtype), alpha=-lr * scale)
+                updates.append((group, p, g.add(buf, alpha=mu) if group["nesterov"] else buf.clone()))
+        for (group, p, _), o in zip(updates, self._orthogonalize(updates)):
+            lr, wd = group["lr"], group["weight_decay"]
+            scale = group["update_rms"] * math.sqrt(max(p.shape[-2], p.shape[-1]))
+            w = _local(p)
+            w.mul_(1.0 - lr * wd)
+            w.add_(o.to(w.dtype), alpha=-lr * scale)
         return loss
+
+    def _orthogonalize(self, updates: list) -> list[torch.Tensor]:
+        """This rank's shard of NS of every update, by the configured distribution: round-robin
+        owners for the parameters whose matrices are sharded (trainer/muon_dist.py), the gather
+        scheme, or (negative control) each shard on its own; whole local matrices (one process,
+        EP's local experts) run here."""
+        out: list[torch.Tensor | None] = [None] * len(updates)
+        shared = []  # indices of the updates whose matrices are split over ranks
+        for i, (group, p, u) in enumerate(updates):
+            steps, coef = group["ns_steps"], group["ns_coefficients"]
+            if self.per_shard or not isinstance(p, DTensor) or not matrix_mesh_dims(p):
+                out[i] = newton_schulz(u, steps, coef)
+            elif self.distribution == "gather":
+                out[i] = orthogonalized_update(p, u, steps, coef)
+            else:
+                shared.append(i)
+        if shared:
+            self._round_robin.plan([(updates[i][1], updates[i][0]["ns_steps"]) for i in shared])
+            ns_of = {id(updates[i][1]): updates[i][0] for i in shared}
+
+            def ns(whole, p):
+                g = ns_of[id(p)]
+                return newton_schulz(whole, g["ns_steps"], g["ns_coefficients"])
+
+            results = self._round_robin.orthogonalize([(updates[i][1], updates[i][2]) for i in shared], ns)
+            for i, o in zip(shared, results):
+                out[i] = o
+        return out

@@ -159,6 +159,7 @@ class Optimizers:
                         ns_steps=cfg.muon_ns_steps,
                         ns_coefficients=cfg.muon_ns_coefficients,
                         update_rms=cfg.muon_update_rms,
+                        distribution=cfg.muon_distribution,
                     ),
                 )
         # the config's hyperparameters of every group, re-applied after a checkpoint load (as

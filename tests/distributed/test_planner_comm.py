@@ -328,7 +328,7 @@ def predicted(name: str, rank: int) -> list[dict]:
     """The planner's records for ``rank`` of the layout, from the trainer's own job plan of
     the same config (batch split, schedule, micro-batches, dtypes, SP / loss parallel, AC)."""
     from tools.planner.collectives import predict_collectives
-    from tools.planner.estimate import choice_from_plan
+    from tools.planner.from_config import choice_from_plan
     from trainer.plan import model_overrides
 
     plan = _plan(name)

@@ -102,7 +102,7 @@ def _argv(case: Case, folder: str) -> list[str]:
 
 def predicted_flops(case: Case) -> dict:
     from tools.planner.compute import rank_matmul_flops
-    from tools.planner.estimate import choice_from_plan
+    from tools.planner.from_config import choice_from_plan
     from trainer.config import load_config
     from trainer.plan import model_overrides, plan_job
 

@@ -263,7 +263,7 @@ def test_job_plan_and_planner_see_the_derived_args(tmp_path):
     legal values named), and the planner's estimate equals the one of the preset of the same
     sizes (control: a different preset's differs)."""
     from tests.hf_published import QWEN3_0_6B, QWEN3_30B_A3B
-    from tools.planner.estimate import estimate_from_config
+    from tools.planner.from_config import estimate_from_config
     from tools.planner.hardware import load_hardware
     from trainer.config import load_config
     from trainer.plan import plan_job

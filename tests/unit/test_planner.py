@@ -380,7 +380,7 @@ def test_benchmark_fits_the_per_kind_scales_it_was_given():
 def test_estimate_of_a_trainer_config_uses_what_the_trainer_resolves():
     """``estimate_from_config``: the config's layout, schedule, AC, dtypes and model overrides
     (here 2 of the flavor's 6 layers) as the trainer's job plan resolves them."""
-    from tools.planner.estimate import estimate_from_config
+    from tools.planner.from_config import estimate_from_config
     from trainer.config import load_config
 
     argv = ["--config", "llama3.toml", "--parallelism.tp", "2", "--parallelism.pp", "2", "--parallelism.dp_shard", "-1",
@@ -400,7 +400,7 @@ def test_estimate_of_a_trainer_config_uses_what_the_trainer_resolves():
 def test_estimate_of_an_fp32_config_prices_its_matmul_precision():
     """float32 runs at the IEEE fp32 peak, or the TF32 peak with training.enable_tf32; bf16 at
     its own (the compute term scales with the peak, nothing else changes)."""
-    from tools.planner.estimate import estimate_from_config
+    from tools.planner.from_config import estimate_from_config
     from trainer.config import load_config
 
     argv = ["--config", "llama3.toml", "--training.seq_len", "256", "--training.local_batch_size", "2"]

@@ -132,7 +132,7 @@ def test_float8_all_gather_gathers_the_converted_weights_in_one_byte():
 
 
 def test_estimate_from_config_reads_the_float8_section():
-    from tools.planner.estimate import estimate_from_config
+    from tools.planner.from_config import estimate_from_config
     from trainer.config import load_config
 
     argv = ["--config", "llama3.toml", "--training.seq_len", "256", "--training.local_batch_size", "2"]
@@ -280,7 +280,7 @@ def test_float8_all_gather_keeps_the_expert_weights_at_the_parameter_dtype(degre
 
 
 def test_estimate_from_config_reads_float8_experts(tmp_path):
-    from tools.planner.estimate import estimate_from_config
+    from tools.planner.from_config import estimate_from_config
     from trainer.config import load_config
 
     argv = ["--config", "deepseek_v3.toml", "--training.seq_len", "256", "--training.local_batch_size", "2"]

@@ -78,7 +78,7 @@ rank), more micro-batches than pp ranks under the split-backward schedules (the 
 the rule reads torch's), and more than 8 ranks. ``fsdp_reshard_after_forward = "always"`` with a
 split-backward schedule is refused by ``trainer.plan.plan_job`` (it dropped weight gradients).
 The every-N-th-block option (:attr:`LayoutChoice.selective_ac_option`) is carried from a
-trainer config by ``estimate.choice_from_plan`` and modelled here and in the memory and compute
+trainer config by ``from_config.choice_from_plan`` and modelled here and in the memory and compute
 estimates; the search enumerates only the per-op policy (its ``--toml`` says so).
 """
 

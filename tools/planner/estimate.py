@@ -58,9 +58,7 @@ __all__ = [
     "FSDP_OVERLAPPED",
     "Estimate",
     "Job",
-    "choice_from_plan",
     "estimate",
-    "estimate_from_config",
     "memory_for_rank",
 ]
 
@@ -87,6 +85,10 @@ class Job:
     float8: object = None
     # model.converters "lora": models.parallel.lora.LoRAOptions (None: off; tools/planner/lora.py)
     lora: object = None
+    # optimizer.name, and Muon's optimizer.muon_distribution / muon_ns_steps (tools/planner/muon.py)
+    optimizer: str = "AdamW"
+    muon_distribution: str = "round_robin"
+    muon_ns_steps: int = 5
 
     @property
     def overrides(self) -> dict:
@@ -242,8 +244,10 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
         recompute = max(recompute, est.recompute)
     layers_factor, logits_held = _in_flight(choice, d.pp, plan)
     activations = held_layers * layers_factor + head_b * logits_held + recompute
-    params_b, grads_b, optimizer_b = 4 * padded, 4 * padded, 8 * local
-    if job.lora is not None:  # frozen base: gradients and AdamW state of the adapters only
+    muon_local = _muon(job, d, choice, rank).local_numel if job.optimizer == "Muon" else 0
+    # AdamW: 2 fp32 states; Muon: 1 (its momentum) for the matrices it takes
+    params_b, grads_b, optimizer_b = 4 * padded, 4 * padded, 8 * local - 4 * muon_local
+    if job.lora is not None:  # frozen base: gradients and AdamW state of the adapters only (Muon: not modelled)
         a_padded, a_local, a_groups = _adapter_shards(job, d, choice, rank, stages, layout)
         frozen_b = DTYPE_BYTES[job.lora.frozen_dtype]
         params_b, grads_b, optimizer_b = frozen_b * padded + 4 * a_padded, 4 * a_padded, 8 * a_local
@@ -339,7 +343,13 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     # the per-parameter work (casts, norm, clipping, AdamW) of the rank with the most local
     # parameters (AdamW: 8 bytes each)
     per_param = step_bytes_per_param(choice.param_dtype, choice.reduce_dtype)
-    optimizer = optimizer_seconds(max(m["optimizer"] for m in mems) / 8, hw, per_param)
+    muons = [_muon(job, d, choice, r) for r in ranks] if job.optimizer == "Muon" else []
+    locals_ = [(m["optimizer"] + 4 * (muons[i].local_numel if muons else 0)) / 8 for i, m in enumerate(mems)]
+    optimizer = optimizer_seconds(max(locals_), hw, per_param)
+    if muons:  # Newton-Schulz in float32 (TF32 with enable_tf32), after the backward
+        optimizer += max(m.ns_flops for m in muons) / (
+            hw.peak_flops("tf32" if job.tf32 else "float32") * job.efficiency
+        )
     fits = mem["total"] <= hw.usable_gib * GIB
     if not fits and not time_if_oom:
         return Estimate(
@@ -389,6 +399,8 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
             comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
         else:
             comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
+    if muons:  # Muon's exchange (exposed: after the backward), the busiest rank's
+        comm["muon"] = max(_muon_comm_seconds(m, crossing, per_node, hw) for m in muons)
     if not hw.comm_overlap:
         exposed_fsdp = fsdp_total
     else:
@@ -434,55 +446,22 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     )
 
 
-def choice_from_plan(plan) -> LayoutChoice:
-    """The :class:`LayoutChoice` of a trainer job plan (``trainer.plan.plan_job``): batch split,
-    schedule, micro-batches, AC, reshard policy, dtypes, sequence and loss parallel, as the
-    trainer will run them."""
-    p, opts, pd = plan.config.parallelism, plan.parallelize, plan.parallel_dims
-    pp = pd.degrees.pp > 1
-    return LayoutChoice(
-        global_batch=plan.batch.global_batch_size,
-        local_batch=plan.batch.local_batch_size,
-        seq_len=plan.batch.seq_len,
-        schedule=p.pipeline_parallel_schedule if pp else None,
-        n_microbatches=p.pipeline_microbatches() if pp else None,
-        ac=opts.ac_mode,
-        selective_ac_option=str(opts.ac_selective_option),
-        reshard=opts.reshard_after_forward,
-        param_dtype=opts.param_dtype,
-        reduce_dtype=opts.reduce_dtype,
-        sequence_parallel=opts.sequence_parallel,
-        loss_parallel=opts.loss_parallel,
-        float8=opts.float8,
-        lora=opts.lora,
+def _muon(job: Job, d, choice: LayoutChoice, rank: int):
+    from .muon import muon_cost
+
+    stages, _ = stage_layers(
+        model_inventory(job.model, job.flavor, **job.overrides)[1], d, choice, rank, cached_layout(d)
+    )
+    return muon_cost(
+        job.model, job.flavor, job.overrides, d, rank, choice.mixed, stages, job.muon_distribution, job.muon_ns_steps
     )
 
 
-def estimate_from_config(
-    cfg, world_size: int, hardware: Hardware, *, gpus_per_node: int = 8, efficiency: float = 0.5,
-    tokenizer_vocab: int | None = None,
-) -> Estimate:  # fmt: skip
-    """The estimate of the job a trainer config runs on ``world_size`` GPUs: its layout, batch
-    split, schedule, AC, dtypes and model overrides exactly as ``trainer.plan.plan_job`` resolves
-    them (which raises for a config the trainer would refuse), float8 included (``model.converters``,
-    ``[float8]``). ``tokenizer_vocab`` as for
-    ``plan_job`` (None loads the config's tokenizer)."""
-    import dataclasses
-
-    from models.registry import HF_FLAVOR, flavor_names
-    from trainer.plan import plan_job
-
-    plan = plan_job(cfg, world_size, tokenizer_vocab=tokenizer_vocab)
-    choice = choice_from_plan(plan)
-    args = plan.model_args  # the flavor's with the config's overrides (trainer.plan.model_overrides)
-    overrides = {"vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len, "n_layers": args.n_layers}
-    flavor = cfg.model.flavor
-    if flavor == HF_FLAVOR:  # sizes from a config.json: the first preset with every arg overridden
-        flavor = flavor_names(cfg.model.name)[0]
-        overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    job = Job(
-        cfg.model.name, flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
-        efficiency, choice.param_dtype, choice.reduce_dtype, tf32=bool(cfg.training.enable_tf32),
-        model_overrides=tuple(sorted(overrides.items())), float8=choice.float8, lora=plan.parallelize.lora,
-    )  # fmt: skip
-    return estimate(job, plan.parallel_dims.degrees, choice)
+def _muon_comm_seconds(cost, crossing: dict, per_node: dict, hw: Hardware) -> float:
+    """Muon's collectives over their groups (a group of several axes crosses nodes if one does)."""
+    total = 0.0
+    for r in cost.comm:
+        crosses = any(crossing.get(a, False) for a in r["axes"])
+        nodes = min((per_node.get(a, 1) for a in r["axes"] if crossing.get(a)), default=1)
+        total += r["count"] * collective_seconds(r["kind"], r["bytes"], r["group_size"], crosses, hw, nodes)
+    return total

@@ -60,6 +60,14 @@ class Optimizer:
         "Muon: (a, b, c) of the Newton-Schulz quintic a X + b (X X^T) X + c (X X^T)^2 X "
         "(Keller Jordan's, used by torchtitan and Moonlight).",
     )
+    muon_distribution: str = _opt(
+        "round_robin",
+        "Muon under FSDP/TP: how Newton-Schulz gets each sharded matrix whole. round_robin: one owner "
+        "rank of the sharding group per matrix (balanced by FLOPs) orthogonalises it and sends each rank "
+        "its shard back; gather: every rank all-gathers every matrix and orthogonalises it "
+        "(redundant FLOPs). Same update bitwise; docs/optimizers.md.",
+        choices=("round_robin", "gather"),
+    )
     muon_update_rms: float = _opt(
         0.2,
         "Muon: the orthogonalised update is scaled by muon_update_rms x sqrt(max(rows, cols)) so its RMS "

@@ -1,0 +1,110 @@
+"""What ``optimizer.name = "Muon"`` adds to one rank's step and memory (trainer/muon.py,
+trainer/muon_dist.py, docs/optimizers.md): per parameter Muon takes by default (>= 2-D, outside
+the embedding and the head: ``trainer.optim_groups.is_hidden_matrix``; parameter-group routing is
+not modelled):
+
+* state: one float32 momentum buffer per local element (4 bytes), where AdamW keeps two (8);
+* Newton-Schulz FLOPs, ``trainer.muon_dist.ns_flops``: k (4 m^2 n + 2 m^3) per whole matrix
+  (m <= n), times the matrices of the block this rank's group orthogonalises (a routed expert
+  weight: the experts local after EP and expert FSDP, which shard the expert dimension only);
+* the sharding group of a matrix: the mesh axes that split one of its two matrix dimensions:
+  FSDP (``fsdp``, dim 0 of a 2-D weight), ``tp`` for a TP-split weight, ``etp`` for an
+  etp-split expert weight (expert FSDP splits the expert dimension: no group);
+* ``gather``: every rank of the group runs Newton-Schulz on every matrix and receives each
+  through one all-gather (output: the whole block, float32);
+* ``round_robin``: the group's matrices are assigned to owners by FLOPs (the trainer's
+  longest-processing-time-first rule, replayed here), and the busiest owner's FLOPs are the
+  rank's; communication: two all-to-all-v rounds per group (the trainer's batched point-to-point
+  exchange), priced as all-to-alls whose input is the larger of the busiest owner's whole
+  matrices and the rank's local shards (each round moves (S-1)/S of it).
+
+The FLOPs run in float32 (TF32 with ``training.enable_tf32``), after the backward, not
+overlapped; the communication is exposed too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .inventory import _ETP_DIM, cached_layout, model_inventory, rank_shards
+
+__all__ = ["MuonCost", "muon_cost"]
+
+
+@dataclass(frozen=True)
+class MuonCost:
+    local_numel: int  # this rank's local (unpadded) elements of Muon's parameters (one state each)
+    ns_flops: int  # Newton-Schulz FLOPs this rank runs per step
+    comm: tuple  # ({"kind", "axes", "group_size", "count", "bytes"}, ...) per step
+
+
+def _group_axes(shard, degrees) -> tuple[str, ...]:
+    p = shard.info
+    axes = []
+    if p.expert:
+        if degrees.etp > 1 and _ETP_DIM.get(p.fqn.rsplit(".", 1)[-1]) is not None:
+            axes.append("etp")
+    else:
+        if shard.fsdp_mesh == "fsdp" and shard.fsdp_size > 1:
+            axes.append("fsdp")
+        if p.tp_dim is not None and degrees.tp > 1:
+            axes.append("tp")
+    return tuple(axes)
+
+
+def _whole(shard) -> tuple[int, ...]:
+    """The block the group orthogonalises: the matrix whole, leading (expert) dims as local."""
+    p = shard.info
+    if len(p.shape) == 2:
+        return p.shape
+    lead = shard.local_shape[0]
+    if shard.fsdp_size > 1:  # expert FSDP shards the expert dim (busiest rank: the ceiling)
+        lead = math.ceil(lead / shard.fsdp_size)
+    return (lead, *p.shape[1:])
+
+
+def muon_cost(model, flavor, overrides: dict, degrees, rank: int, mixed: bool, stages, scheme: str, ns_steps: int):
+    """:class:`MuonCost` of ``rank`` (its ``stages``: (layers, embed, head) tuples)."""
+    from trainer.muon_dist import ns_flops
+    from trainer.optim_groups import is_hidden_matrix
+
+    params, _ = model_inventory(model, flavor, **overrides)
+    layout = cached_layout(degrees)
+    local = flops = 0
+    buckets: dict[tuple[str, ...], list[tuple[int, int, int]]] = {}  # axes -> (flops, whole, local numel)
+    for layers, embed, head in stages:
+        for s in rank_shards(params, degrees, layout, rank, mixed, layers, embed, head):
+            if not is_hidden_matrix(s.info.fqn, len(s.info.shape)):
+                continue
+            local += s.local_numel
+            whole = _whole(s)
+            f = ns_flops(whole, ns_steps)
+            axes = _group_axes(s, degrees)
+            if not axes:
+                flops += f
+            else:
+                buckets.setdefault(axes, []).append((f, math.prod(whole), s.local_numel))
+    comm = []
+    for axes, items in buckets.items():
+        size = math.prod(layout.size(a) for a in axes)
+        if scheme == "gather":
+            flops += sum(f for f, _, _ in items)
+            by_bytes: dict[int, int] = {}
+            for _, n, _ in items:
+                by_bytes[4 * n] = by_bytes.get(4 * n, 0) + 1
+            comm += [
+                {"kind": "all_gather", "axes": axes, "group_size": size, "count": c, "bytes": b}
+                for b, c in sorted(by_bytes.items())
+            ]
+            continue
+        loads, owned = [0] * size, [0] * size
+        for i in sorted(range(len(items)), key=lambda i: -items[i][0]):  # trainer.muon_dist.RoundRobin.plan
+            owner = loads.index(min(loads))
+            loads[owner] += items[i][0]
+            owned[owner] += items[i][1]
+        busiest = loads.index(max(loads))
+        flops += loads[busiest]
+        nbytes = 4 * max(owned[busiest], sum(n for _, _, n in items))
+        comm.append({"kind": "all_to_all", "axes": axes, "group_size": size, "count": 2, "bytes": nbytes})
+    return MuonCost(local, flops, tuple(comm))
