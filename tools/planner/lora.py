@@ -6,7 +6,8 @@ Each adapted linear ``[out, in]`` gets ``A`` ``[r, in]`` and ``B`` ``[out, r]`` 
 under TP a column-wise base (``tp_dim`` 0) splits ``B`` along its rows and replicates ``A``, a
 row-wise base (``tp_dim`` 1) splits ``A`` along its columns and replicates ``B``; FSDP shards
 each along dim 0 like any parameter. Expert adapters (``lora.experts``) are ``[E, r, in]`` and
-``[E, out, r]`` split along the expert dimension by ep. Which linears are adapted is the
+``[E, out, r]`` split along the expert dimension by ep (and over etp like their weight's hidden
+dim: w1/w3's B, w2's A; the other factor replicated). Which linears are adapted is the
 converter's own rule (:func:`models.parallel.lora.lora_decisions` on a meta build).
 """
 
