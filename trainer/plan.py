@@ -288,7 +288,7 @@ def plan_job(
             attempt(lambda: _check_float8_experts(spec, cfg.model.name, opts.float8, pd.etp))
         attempt(lambda: _check_mtp_layout(spec.args, pd))
         if opts.lora is not None:
-            attempt(lambda: check_lora(spec.model_cls, spec.args, opts.lora, pd.etp))
+            attempt(lambda: check_lora(spec.model_cls, spec.args, opts.lora))
     batch = None
     if pd is not None:
         batch = attempt(lambda: _batch_plan(cfg, pd))

@@ -255,14 +255,10 @@ def shard_adapters_like_base(model: nn.Module) -> None:
     freeze_base(model)
 
 
-def check_lora(model_cls, args, opts: LoRAOptions, etp: int = 1) -> None:
+def check_lora(model_cls, args, opts: LoRAOptions) -> None:
     """The plan's check (a meta build: shapes only): the targets match some linear, expert
-    adapters have experts to adapt and no expert tensor parallelism (ValueError, one line)."""
-    if opts.experts and etp > 1:
-        raise ValueError(
-            f"lora.experts = true with etp={etp}: expert adapters are split along the expert dimension only; "
-            "set parallelism.expert_tensor_parallel_degree = 1, or lora.experts = false"
-        )
+    adapters have experts to adapt (ValueError, one line). Expert adapters are split over ep and
+    etp like their weights (models/parallel/lora_experts.py)."""
     with torch.device("meta"):
         model = model_cls(args)
     report = convert_to_lora(model, opts)

@@ -12,15 +12,20 @@ holds while the layer runs; for a large MoE with a small token count per expert 
 price of exactness on every path.
 
 Expert parallelism shards the adapters along the expert dimension like their weights
-(``Shard(0)`` on the expert mesh); expert tensor parallelism (etp > 1) would split ``hidden``
-and leave the other factor's gradient partial over etp, and is refused by the plan.
+(``Shard(0)`` on the expert mesh). Expert tensor parallelism (etp > 1) splits ``hidden``: of
+``w1``/``w3`` (``[E, hidden, dim]``, ``Shard(1)`` over etp) ``B`` is split the same way and ``A``
+replicated; of ``w2`` (``[E, dim, hidden]``, ``Shard(2)``) ``A`` is split along its columns and
+``B`` replicated. Each etp rank's local ``B @ A`` is then exactly its slice of the delta (no
+communication), and the replicated factor's local gradient is a partial sum over the hidden
+slices: it is taken with ``to_local(grad_placements=Partial)`` behind a ``redistribute`` to its
+own placements, whose backward all-reduces it over etp (DTensor's Partial -> Replicate).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 __all__ = [
     "EXPERT_WEIGHTS",
@@ -59,15 +64,22 @@ def redistribute_param(mod: nn.Module, name: str, mesh, placements) -> None:
     setattr(mod, name, nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None)))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+def _factor(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of an adapter factor; one replicated over a mesh dim where its expert
+    weight is split (etp) gets its gradient summed over that dim (see the module docstring)."""
+    if not isinstance(t, DTensor):
+        return t
+    if not any(isinstance(p, Replicate) for p in t.placements):
+        return t.to_local()
+    grads = [Partial() if isinstance(p, Replicate) else p for p in t.placements]
+    return t.redistribute(t.device_mesh, t.placements).to_local(grad_placements=grads)
 
 
 def _with_deltas(mod: nn.Module, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
     out = []
     for name, w in zip(EXPERT_WEIGHTS, (w1, w2, w3)):
-        a = _local(getattr(mod, f"{name}_lora_a")).to(w.dtype)
-        b = _local(getattr(mod, f"{name}_lora_b")).to(w.dtype)
+        a = _factor(getattr(mod, f"{name}_lora_a")).to(w.dtype)
+        b = _factor(getattr(mod, f"{name}_lora_b")).to(w.dtype)
         out.append(w + torch.bmm(b, a) * mod.lora_scale)
     return tuple(out)
 
@@ -93,16 +105,19 @@ def add_expert_adapters(model: nn.Module, opts) -> list[str]:
 
 
 def shard_expert_adapters(model: nn.Module) -> None:
-    """After expert parallelism: each adapter on its weight's mesh, split along the expert dim."""
+    """After expert parallelism: each adapter on its weight's mesh, split along the expert dim
+    with it, and over etp as the module docstring says."""
     for fqn, mod in expert_modules(model):
         for w in EXPERT_WEIGHTS:
             weight = getattr(mod, w)
             if not isinstance(weight, DTensor):
                 continue
-            if any(not (isinstance(p, Shard) and p.dim == 0) for p in weight.placements):
-                raise ValueError(
-                    f"lora.experts with {fqn}.{w} placed {weight.placements}: expert adapters support expert "
-                    "parallelism (ep) but not expert tensor parallelism; use etp = 1 or lora.experts = false"
-                )
-            for suffix in ("lora_a", "lora_b"):
-                redistribute_param(mod, f"{w}_{suffix}", weight.device_mesh, list(weight.placements))
+            a, b = [], []
+            for p in weight.placements:
+                if not isinstance(p, Shard):
+                    raise ValueError(f"lora.experts: {fqn}.{w} placed {weight.placements}, expected Shard placements")
+                # the expert dim: both; the output rows (w1/w3 hidden): B; the input columns (w2 hidden): A
+                a.append(p if p.dim in (0, 2) else Replicate())
+                b.append(p if p.dim in (0, 1) else Replicate())
+            redistribute_param(mod, f"{w}_lora_a", weight.device_mesh, a)
+            redistribute_param(mod, f"{w}_lora_b", weight.device_mesh, b)

@@ -10,7 +10,8 @@ from the trainer's own job plan of the same config, must equal it EXACTLY: tenso
 splits, sequence-parallel router/expert shards, MLA's replicated low-rank projections under TP,
 expert and expert-tensor parallel, context-parallel query shards, the pipeline's uneven stages
 (first stage vs last stage with the output projection), gradient accumulation and pipeline
-micro-batches, full AC's recomputed forward, selective AC's none with the per-op policy and
+micro-batches, full AC's recomputed forward, LoRA's frozen base and adapters (TP, EP, expert
+adapters, full AC), selective AC's none with the per-op policy and
 the fully checkpointed blocks' with its every-N-th-block option, one rank of a 64-rank job, and
 float8 (``model.converters``): the FLOPs of the converted linears and routed experts, which the
 census counts by their float8 operands. All layouts run one after another in one process (forked from
@@ -66,6 +67,12 @@ CASES = {
     "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 float8 + float8_experts full AC": Case(
         "deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2), 3, (("model.converters", "float8,float8_experts"), *_AC_FULL),
     ),
+    # LoRA (model.converters): no weight-gradient GEMMs of the frozen base, the adapters' GEMMs
+    # sharded like their base under TP, the per-expert merges split by ep, full AC's recompute
+    "llama3 tp=2,fsdp=2 lora full AC": Case("llama3", dict(dp_shard=2, tp=2), 1, (("model.converters", "lora"), *_AC_FULL)),
+    "deepseek_v3 tp=2,fsdp=2,ep=2 lora experts": Case(
+        "deepseek_v3", dict(dp_shard=2, tp=2, ep=2), 2, (("model.converters", "lora"), ("lora.experts", "true")),
+    ),
 }  # fmt: skip
 FLOAT8_CASES = [name for name in CASES if "float8" in name]
 
@@ -109,7 +116,10 @@ def predicted_flops(case: Case) -> dict:
     cfg = load_config(_argv(case, "unused"))
     plan = plan_job(cfg, _world(case), tokenizer_vocab=2048)
     overrides = model_overrides(plan.config, 2048)
-    return rank_matmul_flops(case.model, "debugmodel", plan.parallel_dims.degrees, choice_from_plan(plan), case.rank, **overrides)  # fmt: skip
+    return rank_matmul_flops(
+        case.model, "debugmodel", plan.parallel_dims.degrees, choice_from_plan(plan), case.rank,
+        lora=plan.parallelize.lora, **overrides,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

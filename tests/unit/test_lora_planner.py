@@ -3,7 +3,8 @@ frozen base in its storage dtype + the fp32 adapters, FSDP2's padded chunks), gr
 (the adapters' padded reduce-scatter outputs only) and AdamW state (the adapters' local shards
 only) equal the bytes of the real sharded LoRA model after a step (tools/planner/measure.py on
 the fake backend, one forked process per layout), under FSDP x TP (adapters split like their
-base) and FSDP x EP with per-expert adapters and a bf16 frozen base. Negative control: the
+base), FSDP x EP with per-expert adapters and a bf16 frozen base, and FSDP x TP x EP x ETP with
+per-expert adapters split over etp. Negative control: the
 planner without LoRA predicts over 10x more (18x for llama3 rank 8) optimizer bytes than the LoRA model holds."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.unit
 CASES = [
     ("llama3", dict(dp_shard=2, tp=2, world_size=4), 1, "float32", dict(rank=8)),
     ("deepseek_v3", dict(dp_shard=2, ep=2, world_size=2), 0, "bfloat16", dict(rank=4, experts=True, frozen_dtype="bfloat16")),
+    ("deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2, world_size=4), 3, "float32", dict(rank=4, experts=True)),
 ]  # fmt: skip
 
 

@@ -54,6 +54,19 @@ GEMM included, so the early stop comes after it (measured:
 x top_k x expert numel`` forward, its recomputation (full AC recomputes the routed experts in
 any dtype) and 2 x that in the backward, whatever the linears' recipe.
 
+LoRA (``lora``, :func:`tools.planner.lora.stage_lora_weights`): the frozen base computes no
+weight gradient, so its linears' (and the router's, the head's, the un-adapted routed experts')
+backward is one forward instead of two, and the linears that read the frozen embedding (layer 0's
+attention input projections on the first stage) compute no input gradient either; float8
+GEMMs keep both halves (torchao's linear and the float8 grouped GEMM compute the weight gradient
+whether it is needed or not). Each adapted linear adds ``2 x tokens x (A + B local numel)``
+forward (its adapters sharded like its base under TP) and 2 x that backward (four GEMMs: the
+weight and input gradients of A and B; not A's input gradient on the embedding readers). Expert
+adapters keep the routed experts' weight gradients (the merged weight ``w + scale B A`` needs
+one) and add the merge, ``2 x local experts x out x in x rank`` per weight and forward call,
+2 x that backward. Full AC also recomputes an adapted last projection's base GEMM and its ``A``
+(the adapter saves tensors after them), not its ``B`` (nothing saves B's output).
+
 Checked against the FLOPs a rank really computes (``profiling.matmul_census_step`` of a
 fake-backend run, local shards): ``tests/distributed/test_planner_compute.py``.
 """
@@ -65,6 +78,7 @@ from functools import lru_cache
 from .choice import LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
 from .float8 import backward_float8_fraction, converted_expert_weights, converted_weights, float8_keys
 from .inventory import cached_layout, model_inventory, rank_shards
+from .lora import stage_lora_weights
 
 __all__ = ["rank_matmul_flops"]
 
@@ -90,13 +104,16 @@ def _pairs(choice: LayoutChoice, d) -> int:
     return sequences * (2 * d.cp + 1) * c * c
 
 
-def rank_matmul_flops(model: str, flavor: str, degrees, choice: LayoutChoice, rank: int = 0, **overrides) -> dict:
+def rank_matmul_flops(
+    model: str, flavor: str, degrees, choice: LayoutChoice, rank: int = 0, *, lora=None, **overrides
+) -> dict:
     """``{"forward", "backward", "recompute", "total"}``: matmul + attention FLOPs ``rank``
     computes in one optimizer step (see the module docstring); ``forward_float8``,
     ``backward_float8``, ``recompute_float8``: the part of each that runs as float8 GEMMs (0
-    without ``choice.float8``)."""
+    without ``choice.float8``). ``lora``: a :class:`~models.parallel.lora.LoRAOptions` (a frozen
+    base with adapters), None for a full fine-tune."""
     key = tuple(sorted(overrides.items()))
-    return dict(_rank_flops(model, flavor, degrees, choice, rank, key))
+    return dict(_rank_flops(model, flavor, degrees, choice, rank, key, lora))
 
 
 @lru_cache(maxsize=65536)
@@ -147,7 +164,7 @@ def _stage_weights(
 
 
 @lru_cache(maxsize=65536)
-def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tuple) -> tuple:
+def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tuple, lora=None) -> tuple:
     _, args = model_inventory(model, flavor, **dict(key))
     d = degrees
     stages, _ = stage_layers(args, d, choice, rank, cached_layout(d))
@@ -157,6 +174,9 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
     heads, head_dim = _attention_dims(args)
     pairs = _pairs(choice, d)
     blocks = head = recompute = linear8 = expert8 = recompute8 = 0.0
+    # LoRA: the adapters' and the expert merges' forward, and the backward the frozen base skips
+    adapters = adapters_bwd = merges = skipped = 0.0
+    forwards = grad_accum_steps(choice, d) * (choice.n_microbatches if d.pp > 1 else 1)
     f8, f8_experts = float8_keys(choice.float8)
 
     first_moe = getattr(args, "n_dense_layers", 0) if getattr(args, "has_experts", False) else None
@@ -186,6 +206,21 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
         linear8 += 2 * tokens * whole8
         expert8 += 2 * moe_tokens * experts8
         head += 2 * tokens * head_numel
+        if lora is not None:
+            lo = stage_lora_weights(model, flavor, key, d, rank, layers, embed, has_head, lora, f8)
+            n_adapters, _, _, entry_base, entry_a, merge = lo
+            adapters += 2 * tokens * n_adapters
+            # 4 GEMMs per adapter in backward (A's and B's weight and input gradients), but no
+            # input gradient of the A reading the embedding
+            adapters_bwd += 4 * tokens * n_adapters - 2 * tokens * entry_a
+            merges += 2 * forwards * merge
+            # frozen weights: no weight-gradient GEMM (except float8's: torchao's and the float8
+            # grouped GEMM's backward compute it anyway), nor the input gradient of the linears
+            # reading the embedding; the routed experts compute theirs when adapted (the merged
+            # weight needs a gradient)
+            skipped += 2 * tokens * (whole - whole8 + head_numel + entry_base) + 2 * moe_tokens * router
+            if not lora.experts:
+                skipped += 2 * moe_tokens * (experts - experts8)
         # the fully checkpointed blocks run their forward again, but their last projection
         redo = fully_checkpointed(choice, layers)
         if redo:
@@ -195,11 +230,18 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
             # a float8 last projection is recomputed: its saved tensors are packed only once its
             # autograd Function's forward, GEMM included, has returned
             recompute += block_flops(whole, router, experts, redo) - 2 * tokens * (last - last8)
+            if lora is not None:
+                # the adapter GEMMs after an adapted last projection save tensors, so its base GEMM
+                # and A are recomputed; nothing saves B's output
+                lo = stage_lora_weights(model, flavor, key, d, rank, tuple(redo), False, False, lora, f8)
+                n_adapters, last_b, last_base, _, _, merge = lo
+                recompute += 2 * tokens * (n_adapters - last_b + last_base) + 2 * forwards * merge
             if not combine_redone:
                 recompute -= moe_tokens * combine * moe_layers(redo)
             recompute8 += 2 * tokens * whole8 + 2 * moe_tokens * experts8
     forward = blocks + head
-    backward = 2 * forward
+    backward = 2 * forward - skipped + adapters_bwd + 2 * merges
+    forward += adapters + merges
     # a converted expert's backward is all float8; a linear's per the recipe
     backward8 = 2 * linear8 * (backward_float8_fraction(choice.float8) if f8 is not None else 0.0) + 2 * expert8
     return (("forward", forward), ("backward", backward), ("recompute", recompute),

@@ -363,7 +363,7 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     # float8: the converted linears' and experts' GEMMs at the float8 peak (tools/planner/float8.py)
     rate8 = hw.peak_flops("float8") * job.efficiency if choice.float8 is not None else rate
     flops = max(
-        (rank_matmul_flops(job.model, job.flavor, d, choice, r, **job.overrides) for r in ranks),
+        (rank_matmul_flops(job.model, job.flavor, d, choice, r, lora=job.lora, **job.overrides) for r in ranks),
         key=lambda f: f["total"],
     )
     f8 = flops["forward_float8"] + flops["backward_float8"]

@@ -26,7 +26,10 @@ from functools import lru_cache
 __all__ = ["GroupSummary", "ParamInfo", "ParamShard", "chunk_len", "model_inventory", "rank_shards", "stage_summary"]
 
 # models/parallel/expert_parallel.py apply_expert_parallel: the etp-sharded dim of each weight
-_ETP_DIM = {"w1": 1, "w3": 1, "w2": 2}
+# the hidden dim etp splits; LoRA's expert adapters (models/parallel/lora_experts.py): w1/w3's B
+# along its rows, w2's A along its columns, the other factor replicated over etp (None)
+_ETP_DIM = {"w1": 1, "w3": 1, "w2": 2, "w1_lora_a": None, "w1_lora_b": 1, "w3_lora_a": None, "w3_lora_b": 1}
+_ETP_DIM |= {"w2_lora_a": 2, "w2_lora_b": None}
 
 
 def chunk_len(n: int, k: int, i: int) -> int:
@@ -171,7 +174,8 @@ def rank_shards(params, degrees, layout, rank: int, mixed: bool, layers=None, em
                 if d.etp > 1:
                     leaf = p.fqn.rsplit(".", 1)[-1]
                     k = _ETP_DIM[leaf]
-                    shape[k] = chunk_len(shape[k], d.etp, coord["etp"])
+                    if k is not None:
+                        shape[k] = chunk_len(shape[k], d.etp, coord["etp"])
             size, group, mesh_name, c = expert, p.group, "efsdp", coord["efsdp"]
             if not separate:
                 size, group, mesh_name, c = dense, p.group.rsplit(".", 1)[0], "fsdp", coord["fsdp"]

@@ -6,7 +6,8 @@ Each adapted linear ``[out, in]`` gets ``A`` ``[r, in]`` and ``B`` ``[out, r]`` 
 under TP a column-wise base (``tp_dim`` 0) splits ``B`` along its rows and replicates ``A``, a
 row-wise base (``tp_dim`` 1) splits ``A`` along its columns and replicates ``B``; FSDP shards
 each along dim 0 like any parameter. Expert adapters (``lora.experts``) are ``[E, r, in]`` and
-``[E, out, r]`` split along the expert dimension by ep. Which linears are adapted is the
+``[E, out, r]`` split along the expert dimension by ep (and over etp like their weight's hidden
+dim: w1/w3's B, w2's A; the other factor replicated). Which linears are adapted is the
 converter's own rule (:func:`models.parallel.lora.lora_decisions` on a meta build).
 """
 
@@ -16,7 +17,7 @@ from functools import lru_cache
 
 from .inventory import ParamInfo
 
-__all__ = ["adapter_group_summary", "adapter_infos"]
+__all__ = ["adapter_group_summary", "adapter_infos", "stage_lora_weights"]
 
 
 @lru_cache(maxsize=16)
@@ -72,3 +73,58 @@ def adapter_group_summary(model, flavor, overrides: tuple, degrees, rank, mixed,
         g[0] += s.padded_unsharded_numel
         g[1] += s.padded_numel
     return out
+
+
+# the linears that read a block's (normed) input first: in layer 0 on the stage that holds the
+# embeddings, that input never requires a gradient under LoRA (embedding and norm are frozen)
+_ENTRY = ("attention.wq", "attention.wk", "attention.wv", "attention.wq_a", "attention.wkv_a")
+
+
+@lru_cache(maxsize=65536)
+def stage_lora_weights(model, flavor, key: tuple, degrees, rank: int, layers, embed: bool, head: bool, opts, f8=None):
+    """Element sums of one stage of ``rank`` for the compute model (tools/planner/compute.py):
+    (TP-local numel of every adapter ``A`` + ``B`` of the adapted linears, of the ``B`` of the
+    adapted last projections (the feed-forward's / shared experts' row-wise output), TP-local
+    base numel of the adapted last projections that float8 does not convert, base numel of the
+    linears reading the embedding that float8 does not convert (layer 0's attention input
+    projections on the stage with the embeddings), the ``A`` numel of the adapted ones, and the local
+    expert-merge size: sum over the rank's adapted expert weights of ``E_local x out_local x
+    in_local x rank``). ``f8``: the float8 linears' ``filter_fqns`` or None."""
+    from .float8 import converted_weights
+    from .inventory import cached_layout, model_inventory, rank_shards
+
+    params, args = model_inventory(model, flavor, **dict(key))
+    layout = cached_layout(degrees)
+    converted = converted_weights(model, flavor, key, f8) if f8 is not None else frozenset()
+    aux = getattr(args, "aux_loss_coeff", 0) > 0
+    base = {s.info.fqn: s for s in rank_shards(params, degrees, layout, rank, False, layers, embed, head)}
+    linears, _ = _adapted(model, flavor, key, tuple(opts.target_modules), bool(opts.experts))
+
+    def is_last(info) -> bool:  # compute.py's rule: nothing saves their output
+        return info.tp_dim == 1 and (".feed_forward." in info.fqn or (".shared_experts." in info.fqn and not aux))
+
+    def is_entry(info) -> bool:
+        return embed and info.layer == 0 and info.fqn.rsplit(".", 1)[0].endswith(_ENTRY)
+
+    adapters = last_b = last_base = entry_base = entry_a = merge = 0
+    for fqn, s in base.items():
+        if s.info.expert or len(s.info.shape) != 2 or fqn in converted:
+            continue
+        if is_entry(s.info):
+            entry_base += s.tp_local_numel
+        if is_last(s.info) and fqn.rsplit(".", 1)[0] in linears:
+            last_base += s.tp_local_numel
+    infos = adapter_infos(params, model, flavor, key, opts)
+    for s in rank_shards(infos, degrees, layout, rank, False, layers, embed, head):
+        info = s.info
+        if info.expert:
+            if info.fqn.endswith("_lora_b"):  # the merge bmm B @ A of the local experts
+                merge += base[info.fqn[: -len("_lora_b")]].tp_local_numel * opts.rank
+            continue
+        adapters += s.tp_local_numel
+        weight = base[info.fqn.rsplit(".", 1)[0] + ".weight"].info
+        if info.fqn.endswith(".lora_b") and is_last(weight):
+            last_b += s.tp_local_numel
+        if info.fqn.endswith(".lora_a") and is_entry(weight):  # a plain GEMM, float8 base or not
+            entry_a += s.tp_local_numel
+    return adapters, last_b, last_base, entry_base, entry_a, merge

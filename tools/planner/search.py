@@ -89,8 +89,6 @@ def enumerate_degrees(job: Job, args):
                                 continue
                             if moe_fqns and float8_experts_refusal(job.model, job.flavor, key, moe_fqns, etp):
                                 continue
-                            if etp > 1 and job.lora is not None and job.lora.experts:
-                                continue  # expert adapters split along experts only (models/parallel/lora_experts.py)
                             seen.append(pd.degrees)
     return seen
 

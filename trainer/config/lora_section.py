@@ -32,7 +32,7 @@ class Lora:
     experts: bool = _opt(
         False,
         "Also adapt the MoE routed experts' grouped weights w1/w2/w3: one adapter pair per expert "
-        "(ep works; etp must be 1).",
+        "(split over ep and etp like the weights).",
     )
     frozen_dtype: str = _opt(
         "float32",
