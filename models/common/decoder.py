@@ -149,7 +149,7 @@ class Decoder(nn.Module):
 
     def init_rule(self) -> InitRule:
         """How each parameter is drawn (see ``models/common/init.py``)."""
-        return standard_rule(self.args.n_layers, self.args.dim)
+        return standard_rule(self.args.n_layers, self.args.dim, tied=self.args.tie_word_embeddings)
 
     # ------------------------------------------------------------------ the shell
     def local_positions(self, seqlen_local: int, device: torch.device) -> torch.Tensor:

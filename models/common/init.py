@@ -125,13 +125,29 @@ def write_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def standard_rule(n_layers: int, dim: int) -> InitRule:
+# std of a tied embedding/head weight (``tie_word_embeddings``); see ``standard_rule``.
+TIED_EMBEDDING_STD = 0.02
+
+
+def standard_rule(n_layers: int, dim: int, tied: bool = False) -> InitRule:
     """Init policy shared by both models:
 
     * norms: 1;
     * ``tok_embeddings``: std 1 (the residual stream starts at unit scale, which RMSNorm then
       sees without any dependence on ``dim``);
     * ``output``: std ``dim**-0.5`` so initial logits are O(1) and the first loss is ~ln(vocab);
+    * ``tied`` (one weight for ``tok_embeddings`` and ``output``, and every pipeline-stage or MTP
+      copy of it, all drawn under the name ``tok_embeddings.weight``): std
+      ``TIED_EMBEDDING_STD`` = 0.02, HF's ``initializer_range`` of the tied Llama 3.2 and
+      Qwen3 configs and torchtitan's current tied init. Why not either untied std: the logit of
+      token ``v`` is ``norm(h) . e_v``, so with ``e ~ N(0, s^2)`` the logits of other tokens
+      have std ``s * sqrt(dim)`` and, while the input's own embedding ``e_x`` dominates the
+      residual ``h``, the input token's logit is about ``s * dim``. s = 1 makes that ``dim``
+      (first loss ~250 at dim 256); s = ``dim**-0.5`` still ``sqrt(dim)`` (first loss 14.1 on
+      llama3 debugmodel_tied, 12.6 on qwen3 debugmodel, for ln(2048) = 7.62). s = 0.02 gives
+      a first loss of ln(vocab) + 0.08 (7.70 / 7.67) there, and 8.03 on Llama 3.2 1B's shape
+      with vocab 2048 (other-token logit std 0.02 * sqrt(2048) = 0.9: ~ln(vocab) + 0.9**2 / 2);
+      tests/unit/test_tied_init.py checks the band;
     * residual-writing projections (``wo``, ``w2``, including expert ``w2``):
       ``0.02 / sqrt(2 * n_layers)``, using the *global* layer count so a pipeline stage draws
       the same values as the full model;
@@ -144,6 +160,8 @@ def standard_rule(n_layers: int, dim: int) -> InitRule:
     def rule(fqn: str, module: nn.Module, param_name: str) -> ParamInit:
         if isinstance(module, RMSNorm):
             return ParamInit.constant(1.0)
+        if tied and fqn in ("tok_embeddings.weight", "output.weight"):
+            return ParamInit.normal(TIED_EMBEDDING_STD)
         if fqn == "tok_embeddings.weight":
             return ParamInit.normal(1.0)
         if fqn == "output.weight":

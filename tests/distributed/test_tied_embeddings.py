@@ -75,8 +75,10 @@ def _ce_sum(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
-def _reference_steps() -> list[dict]:
-    """The tied model on one process: loss, grad norm and the tied weight's gradient per step."""
+def _reference_steps(micro_batches: int) -> list[dict]:
+    """The tied model on one process: loss, grad norm and the tied weight's gradient per step,
+    the gradients accumulated over ``micro_batches`` equal micro-batches (2 = the pp schedule's
+    own accumulation order)."""
     import torch
 
     torch.manual_seed(0)
@@ -87,8 +89,11 @@ def _reference_steps() -> list[dict]:
     out = []
     for _ in range(PP_STEPS):
         model.zero_grad()
-        loss = _ce_sum(model(inputs), labels) / labels.numel()
-        loss.backward()
+        loss = 0.0
+        for x, y in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches)):
+            part = _ce_sum(model(x), y) / labels.numel()
+            part.backward()
+            loss = loss + part.detach()
         grad = model.tok_embeddings.weight.grad.clone()
         norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
         scale = min(1.0, MAX_NORM / (norm.item() + 1e-6))
@@ -168,16 +173,41 @@ def _pp_cases(rank, world_size):
     return [_pp_steps(rank, world_size, True), _pp_steps(rank, world_size, False)]
 
 
+def _grad_rel_err(got, want) -> float:
+    import torch
+
+    got = torch.as_tensor(got)
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
 def test_tied_embeddings_pp2_copies_stay_equal_and_match_one_process():
     """pp=2 (one layer per stage): the first stage's embedding and the last stage's head start
     equal and stay bitwise equal after each of 3 steps; each step's loss and grad norm are within
-    the harness's 1e-6 of one process, and the tied weight's gradient within its 5e-6 (the
-    first stage holds the sum of both uses). Negative control, same launch: without the
-    gradient sum the copies differ after the first step and the gradient misses the head's share."""
+    the harness's 1e-6 of one process, and the tied weight's gradient (the first stage holds the
+    sum of both uses) within the step's tolerance below. Negative control, same launch: without
+    the gradient sum the copies differ after the first step and the gradient misses the head's
+    share (measured: 0.55 of the largest entry, vs 1e-7 with the sum).
+
+    Reference and tolerance. The reference accumulates the same 2 micro-batches as the 1F1B
+    schedule, so only the stages' own summation order differs. Step 1 compares gradients of
+    identical weights: the harness's GRAD_RTOL 5e-6 (measured 1e-7). Steps 2 and 3 compare
+    gradients after 1 and 2 AdamW updates, which amplify round-off: AdamW's first step moves an
+    entry by lr * g / (|g| + eps), so a clipped grad within eps (1e-8) of zero turns a 1e-9
+    round-off difference into a weight difference of ~1e-4 * lr, and the next gradients inherit
+    it. How far that goes is a property of the model and batch, not of the layout: the
+    one-process run itself, with its gradients summed over 1 instead of 2 micro-batches, is
+    ``spread`` apart from the reference (measured with the tied init std 0.02: 1.4e-7, 1.1e-6,
+    1.3e-5 on steps 1-3; fp32 vs fp64: 4e-7, 1.5e-5, 8e-5). So step k allows
+    max(GRAD_RTOL, 2 * spread_k): a layout may differ from the reference by at most twice as
+    much as a mere change of summation order moves the one-process run (measured pp=2 errors:
+    1e-7, 5e-7, 4.4e-6 against 5e-6, 5e-6, 2.6e-5). Against the 1-micro-batch reference with a
+    flat 5e-6, step 3 failed (1.4e-5) although the same gap separates two one-process runs."""
     import torch
 
     synced, unsynced = zip(*run_distributed(_pp_cases, 2, timeout=240))
-    ref = _reference_steps()
+    ref = _reference_steps(2)
+    spread = [_grad_rel_err(a["grad"], b["grad"]) for a, b in zip(_reference_steps(1), ref)]
+    assert spread[0] < ph.GRAD_RTOL / 10, spread  # identical weights: order round-off only
     for runs in (synced, unsynced):
         assert all(r["initial_equal"] for r in runs)
     first = next(r for r in synced if r["first"])
@@ -185,10 +215,10 @@ def test_tied_embeddings_pp2_copies_stay_equal_and_match_one_process():
         assert all(r["steps"][i]["equal"] for r in synced), f"copies differ after step {i + 1}"
         assert abs(got["loss"] - want["loss"]) <= ph.LOSS_RTOL * abs(want["loss"]), (i, got["loss"], want["loss"])
         assert abs(got["norm"] - want["norm"]) <= ph.NORM_RTOL * want["norm"], (i, got["norm"], want["norm"])
-        err = (torch.from_numpy(got["grad"]) - want["grad"]).abs().max() / want["grad"].abs().max()
-        assert err <= ph.GRAD_RTOL, (i, err.item())
+        err = _grad_rel_err(torch.from_numpy(got["grad"]), want["grad"])
+        assert err <= max(ph.GRAD_RTOL, 2 * spread[i]), (i, err, spread)
     control = next(r for r in unsynced if r["first"])
     assert not control["steps"][0]["equal"]
-    err = (torch.from_numpy(control["steps"][0]["grad"]) - ref[0]["grad"]).abs().max() / ref[0]["grad"].abs().max()
-    assert err > 1e-2, err.item()
+    err = _grad_rel_err(torch.from_numpy(control["steps"][0]["grad"]), ref[0]["grad"])
+    assert err > 1e-2, err
     assert torch.isfinite(torch.tensor(control["steps"][-1]["loss"]))
