@@ -182,7 +182,7 @@ def test_census_float8_share_is_what_the_decisions_predict(name):
         (
             ["--model.converters", "mx"],
             "model.converters entry must be one of 'float8', 'quantize.linear.float8', 'float8_experts', "
-            "'quantize.grouped_mm.float8', got 'mx'",
+            "'quantize.grouped_mm.float8', 'lora', got 'mx'",
         ),
         (
             ["--float8.recipe_name", "colwise"],
