@@ -321,8 +321,8 @@ def _plan(*argv: str):
 
 
 def test_mtp_refused_where_unsupported():
-    """model.mtp_layers asked of Llama 3 / Qwen3, or with tp > 1 or pp > 2: one line naming the
-    problem and the fix (ConfigError: exit 2 from train.py, trainer/cli_errors.py)."""
+    """model.mtp_layers asked of Llama 3 / Qwen3: one line naming the problem and the fix
+    (ConfigError: exit 2 from train.py, trainer/cli_errors.py); tp = 2 and pp = 2 plan."""
     from trainer.config.errors import ConfigError
 
     for name in ("llama3", "qwen3"):
@@ -330,8 +330,7 @@ def test_mtp_refused_where_unsupported():
             _plan("--config", f"{name}.toml", "--model.mtp_layers", "1")
         msg = str(info.value)
         assert "\n" not in msg and "model.mtp_layers=1" in msg and "DeepSeek-V3" in msg, msg
-    with pytest.raises(ConfigError, match="tp=2 is not supported yet"):
-        _plan("--config", "deepseek_v3.toml", "--model.mtp_layers", "1", "--parallelism.tensor_parallel_degree", "2")
+    _plan("--config", "deepseek_v3.toml", "--model.mtp_layers", "1", "--parallelism.tensor_parallel_degree", "2")
     _plan("--config", "deepseek_v3.toml", "--model.mtp_layers", "1", "--parallelism.pipeline_parallel_degree", "2")
     with pytest.raises(ValueError, match="mtp_loss_weight must be >= 0"):
         _plan("--config", "deepseek_v3.toml", "--model.mtp_layers", "1", "--training.mtp_loss_weight", "-1")
