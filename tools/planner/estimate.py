@@ -81,7 +81,7 @@ class Job:
     reduce_dtype: str = "float32"
     tf32: bool = False  # float32 matmuls on TF32 tensor cores (training.enable_tf32)
     # model args a trainer config changes ((name, value) pairs: n_layers, vocab_size,
-    # max_seq_len; trainer.plan.model_overrides), over the flavor's
+    # max_seq_len, mtp_layers; trainer.plan.model_overrides), over the flavor's
     model_overrides: tuple = ()
     # model.converters "float8" / "float8_experts": models.parallel.float8.Float8Options (None: off)
     float8: object = None
@@ -441,6 +441,8 @@ def estimate_from_config(
     choice = choice_from_plan(plan)
     args = plan.model_args  # the flavor's with the config's overrides (trainer.plan.model_overrides)
     overrides = {"vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len, "n_layers": args.n_layers}
+    if getattr(args, "mtp_layers", 0):
+        overrides["mtp_layers"] = args.mtp_layers
     job = Job(
         cfg.model.name, cfg.model.flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
         efficiency, choice.param_dtype, choice.reduce_dtype, tf32=bool(cfg.training.enable_tf32),
