@@ -350,3 +350,61 @@ def test_mtp_flops_count_the_depth():
     active_block -= routed * (1 - a.n_activated_experts / a.n_routed_experts)
     extra = 6 * (active_block + a.vocab_size * a.dim) + 12 * a.attention_dim * 64
     assert on.flops_per_token(64) == pytest.approx(off.flops_per_token(64) + extra, rel=1e-12)
+
+
+def _dcp_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every ``model.<fqn>`` tensor of a DCP folder, read in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.hf_write import dcp_model_meta
+
+    state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in dcp_model_meta(str(folder)).items()}
+    dcp.load({"model": state}, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    return state
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_hf_cli_mtp_layers(tmp_path):
+    """scripts/convert_hf.py with MTP: ``to-hf`` of a checkpoint holding one MTP depth writes it
+    (layer ``n_layers`` and num_nextn_predict_layers = 1, read off the checkpoint's keys, no flag);
+    ``to-dcp`` of that folder takes it back by default (config.json's num_nextn_predict_layers),
+    every tensor bit for bit; ``--mtp-layers 0`` drops it (the main tensors unchanged), and a
+    to-hf of that has no MTP layer; ``--mtp-layers`` for Llama 3 is one line, exit 2."""
+    import sys
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import convert_hf
+
+    shape = dict(n_layers=2, vocab_size=256)
+    model = build_model("deepseek_v3", "debugmodel", device="cpu", mtp_layers=1, **shape)
+    model.init_weights(3)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
+    flags = ["--model", "deepseek_v3", "--flavor", "debugmodel", "--n-layers", "2", "--vocab-size", "256"]
+
+    assert convert_hf.main(["to-hf", str(tmp_path / "ours"), str(tmp_path / "hf"), *flags, "--dtype", "float32"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 2
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    hf_keys = {k for f in (tmp_path / "hf").glob("*.safetensors") for k in safetensors_torch.load_file(str(f))}
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.embed_tokens.weight"} <= hf_keys
+
+    assert convert_hf.main(["to-dcp", str(tmp_path / "hf"), str(tmp_path / "back"), *flags]) == 0
+    back = _dcp_tensors(tmp_path / "back")
+    assert set(back) == set(sd) and any(k.startswith("mtp.0.") for k in back)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+    assert convert_hf.main(["to-dcp", str(tmp_path / "hf"), str(tmp_path / "main"), *flags, "--mtp-layers", "0"]) == 0
+    main = _dcp_tensors(tmp_path / "main")
+    assert set(main) == {k for k in sd if not k.startswith("mtp.")}
+    assert all(torch.equal(main[k], sd[k]) for k in main)
+    assert convert_hf.main(["to-hf", str(tmp_path / "main"), str(tmp_path / "hf0"), *flags]) == 0
+    assert json.loads((tmp_path / "hf0" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+    rc = convert_hf.main(
+        ["to-dcp", str(tmp_path / "hf"), str(tmp_path / "bad"), "--model", "llama3", "--mtp-layers", "1"]
+    )
+    assert rc == 2 and not (tmp_path / "bad").exists()
