@@ -24,6 +24,10 @@ step 2 (max rel loss diff 4.2e-5, grad norm 7.0e-5), while one process is unchan
 main and MTP normed states concatenated rank-locally under tp=2 (``to_local()`` before the cat:
 each rank's sequence shards side by side instead of the global sequence order) tp=2 DIVERGED at
 step 1 (max rel loss diff 9.9e-3, grad norm 0.20).
+
+Depth D = 2 (the chain of two MTP modules, each fed the previous depth's output) trains through
+train.py on one process in a launch of its own (test_depth_two_trains_on_one_process, about
+5 s); its math against the report's equations is tests/unit/test_mtp.py.
 """
 
 from __future__ import annotations
@@ -86,3 +90,40 @@ def test_mtp_loss_reported_and_layout_invariant(mtp_comparison):
             assert abs(rec["mtp_loss"] - ref) <= 1e-5 + 1e-5 * abs(ref), (name, step, rec["mtp_loss"], ref)
     log = (out / "01-single" / "train.log").read_text()
     assert "mtp_loss" in log
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_depth_two_trains_on_one_process(tmp_path):
+    """model.mtp_layers = 2 through train.py on one process, 2 steps: every row reports
+    mtp_loss (the two depths' mean cross-entropy, near ln(vocab) at the start, a share of the
+    logged objective main + 0.3 x mtp_loss), the loss falls, and the saved checkpoint holds both
+    depths' embedding copies bitwise equal to tok_embeddings after the optimizer steps (their
+    gradients summed with the embedding's, models/parallel/pipeline/tied.py)."""
+    import math
+
+    import torch
+
+    from tests.unit.test_mtp import _dcp_tensors
+
+    from .helpers import run_forked
+
+    out = tmp_path / "run"
+    res = run_forked(
+        1,
+        *("--config", "train_configs/deepseek_v3.toml", "--model.n_layers", "2", "--model.mtp_layers", "2"),
+        *("--training.steps", "2", "--training.seq_len", "32", "--training.global_batch_size", "4"),
+        *("--training.local_batch_size", "4", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
+        *("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(out)),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_metrics(out)
+    assert sorted(rows) == [1, 2]
+    for rec in rows.values():
+        assert 0.3 * rec["mtp_loss"] < rec["loss"] and math.isfinite(rec["mtp_loss"])
+    assert abs(rows[1]["mtp_loss"] - math.log(2048)) < 1.0
+    assert rows[2]["loss"] < rows[1]["loss"]
+    saved = _dcp_tensors(out / "checkpoint" / "step-2")
+    emb = saved["tok_embeddings.weight"]
+    assert not torch.equal(emb, torch.zeros_like(emb))
+    for k in (0, 1):
+        assert torch.equal(saved[f"mtp.{k}.embed_tokens.weight"], emb), k

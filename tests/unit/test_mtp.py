@@ -89,6 +89,57 @@ def test_mtp_module_matches_the_report_equations():
     assert (ours[:, s:] - wrong).abs().max() > 1e-2
 
 
+def _paper_chain_logits(model, tokens: torch.Tensor, chained: bool = True) -> list[torch.Tensor]:
+    """Every depth's logits from the report's equations (section 2.2, eq. 21-23): depth k
+    combines the PREVIOUS depth's output h^{k-1} (h^0: the main model's last block output) with
+    Emb(t_{i+k}) (token 0 past the row's end). ``chained=False`` (negative control) feeds every
+    depth h^0 instead."""
+    eps = model.args.norm_eps
+    outs = []
+    with torch.no_grad():
+        h0, rope, mask = model.trunk(tokens)
+        h = h0
+        for k, block in enumerate(model.mtp.values(), start=1):
+            nxt = torch.zeros_like(tokens)
+            nxt[:, :-k] = tokens[:, k:]
+            emb = model.tok_embeddings.weight[nxt]
+            prev = h if chained else h0
+            x = torch.cat([_rms(emb, block.enorm.weight, eps), _rms(prev, block.hnorm.weight, eps)], -1)
+            h = TransformerBlock.forward(block, x @ block.eh_proj.weight.T, rope, mask)
+            outs.append(_rms(h, block.shared_head.norm.weight, eps) @ model.output.weight.T)
+    return outs
+
+
+def test_depth_two_chains_the_depths_and_weights_their_loss():
+    """D = 2: depth 2's logits equal the equations on the same weights with depth 1's output as
+    its hidden input and t_{i+2} embedded (fp32, tolerance 1e-5 as above; negative control:
+    depth 2 fed the main model's states instead is off by > 1e-2); the loss over mtp_batch's
+    depth-2 targets is CE_main + 0.3 / 2 x (CE_1 + CE_2) (each a token sum), and ``take`` hands
+    the depths' sum CE_1 + CE_2 for the metrics (trainer/train.py divides by D x tokens)."""
+    model = _model(2)
+    s = 24
+    tokens = torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(4))
+    labels = torch.roll(tokens, -1, 1)
+    mtp_tokens, targets = mtp_batch(tokens, labels, 2)
+    with torch.no_grad():
+        ours = model(tokens, mtp_tokens=mtp_tokens)
+    assert ours.shape == (2, 3 * s, 256)
+    ref1, ref2 = _paper_chain_logits(model, tokens)
+    torch.testing.assert_close(ours[:, s : 2 * s], ref1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[:, 2 * s :], ref2, rtol=1e-5, atol=1e-5)
+    assert (ours[:, 2 * s :] - _paper_chain_logits(model, tokens, chained=False)[1]).abs().max() > 1e-2
+
+    # depth 2 at position i predicts t_{i+3} = labels[i + 2]; its last two positions have none
+    assert torch.equal(targets[:, : s - 2, 2], labels[:, 2:])
+    assert (targets[:, s - 2 :, 2] == IGNORE_INDEX).all()
+    loss = MTPLoss(cross_entropy_sum, 2, 0.3)
+    total = loss(ours, targets)
+    ce = [cross_entropy_sum(ours[:, k * s : (k + 1) * s], targets[..., k]) for k in range(3)]
+    torch.testing.assert_close(total, ce[0] + 0.15 * (ce[1] + ce[2]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss.take(torch.device("cpu")), ce[1] + ce[2], rtol=1e-6, atol=0)
+    assert loss.take(torch.device("cpu")) == 0  # reset after take
+
+
 def test_mtp_batch_shifts_stay_in_the_row_and_the_document():
     """Depth k embeds t_{i+k} and predicts t_{i+k+1}; past the row's end the input is token 0 and
     the target IGNORE; with an EOS among t_i..t_{i+k} the target is IGNORE (block-causal)."""
