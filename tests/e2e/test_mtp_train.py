@@ -17,8 +17,8 @@ Shapes as tests/e2e/test_compare_loss.py's matrices: 2 main blocks (dense, MoE) 
 block (MoE, as the 671B's layer 61), seq_len 64, global batch 8 of local batch 2, 3 steps (step 3
 is the first that reads optimizer state carried over), forked ranks. Measured (CPU, 2 cores):
 max rel loss diff 9.5e-8 on every layout against the tolerance's 1e-5, mtp_loss within 2e-7;
-tp=2 and the 4-rank layout 9.5e-8 too; the whole comparison 45 CPU s (38 user + 6.5 sys; 1:42
-wall on a machine loaded 4x over its 2 cores). Negative controls, by hand (not kept: more launches):
+tp=2 and the 4-rank layout 9.5e-8 too; the whole comparison about 30 CPU s (pytest's
+accounting; 33 s wall on the 2-core host at load 7.7). Negative controls, by hand (not kept: more launches):
 with the all-reduce of the embedding copies' gradients removed, pp=2 leaves the tolerance at
 step 2 (max rel loss diff 4.2e-5, grad norm 7.0e-5), while one process is unchanged; with the
 main and MTP normed states concatenated rank-locally under tp=2 (``to_local()`` before the cat:
