@@ -356,14 +356,9 @@ def _check_float8_experts(spec: ModelSpec, name: str, opts: Float8Options, etp: 
 
 
 def _check_mtp_layout(args, pd: ParallelDims) -> None:
-    """DeepSeek-V3 MTP depths: no tensor parallelism yet (their eh_proj / norms / embedding copy
-    have no TP plan), pipelines of two ranks (the embedding group, as for tied embeddings)."""
+    """DeepSeek-V3 MTP depths: pipelines of two ranks (the embedding group, as for tied
+    embeddings)."""
     depth = getattr(args, "mtp_layers", 0)
-    if depth and pd.tp > 1:
-        raise ConfigError(
-            f"model.mtp_layers={depth} with tp={pd.tp} is not supported yet (the MTP modules have no tensor-parallel "
-            "plan); use tp = 1 (fsdp, ep, cp and pp = 2 work with MTP) or model.mtp_layers = 0"
-        )
     if depth and pd.pp > 2:
         raise ConfigError(
             f"model.mtp_layers={depth} with pp={pd.pp} is not supported yet (the MTP depths' embedding copies on the "

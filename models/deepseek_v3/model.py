@@ -56,10 +56,12 @@ class DeepSeekV3(Decoder):
             return super().forward(tokens, doc_tokens)
         h, rope, mask = self.trunk(tokens, doc_tokens)
         depth = len(self.mtp)
-        if mtp_tokens.dim() != 3 or mtp_tokens.shape[-1] != depth or mtp_tokens.shape[:2] != h.shape[:2]:
+        # the whole local sequence: under sequence parallelism h is this rank's sequence shard, and
+        # each MTP embedding, like the main one, takes the whole local sequence and shards it
+        want = [h.shape[0], self.local_seq_len(tokens), depth]
+        if list(mtp_tokens.shape) != want:
             raise ValueError(
-                f"mtp_tokens must be [bs, s, mtp_layers] = {[*h.shape[:2], depth]} token ids, got "
-                f"{tuple(mtp_tokens.shape)}"
+                f"mtp_tokens must be [bs, s, mtp_layers] = {want} token ids, got {tuple(mtp_tokens.shape)}"
             )
         outs = [self.norm(h)]
         for k, block in enumerate(self.mtp.values()):

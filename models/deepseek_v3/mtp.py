@@ -23,12 +23,19 @@ copy on every layout keeps parameter names, checkpoints and initial weights layo
 The block is a :class:`~models.deepseek_v3.model.TransformerBlock` with layer id
 ``n_layers + k - 1`` (the checkpoint's layer index), so it is MoE exactly when a main layer of
 that index would be (the 671B's layer 61 is). Its parallelism is every other block's: FSDP wraps
-it (and its experts), EP shards its experts, CP swaps its attention core, AC wraps it.
+it (and its experts), EP shards its experts, CP swaps its attention core, AC wraps it, TP splits
+its attention and feed-forward. The parts around the block declare their TP roles
+(``MTPBlock.tp_roles``, applied by ``models/parallel/tensor_parallel.py``): the embedding copy
+is vocabulary-sharded like ``tok_embeddings`` (same placements, so the copies' gradient sum stays
+a sum of the same rows), the norms run on this rank's sequence shard, and ``eh_proj`` is one
+replicated weight applied to this rank's sequence shard (its gradient summed over tp). The main
+and the depths' normed states are DTensors there, so their concatenation along the sequence is
+the global one, which the vocabulary-parallel head and loss take as it is.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -58,6 +65,15 @@ class MTPBlock(TransformerBlock):
     output head. The final norm runs inside the forward so that FSDP has the block's parameters
     gathered for it."""
 
+    # tensor parallelism of the modules around the decoder block (models/parallel/tensor_parallel.py)
+    tp_roles: ClassVar[dict[str, str]] = {
+        "embed_tokens": "embedding",
+        "enorm": "norm",
+        "hnorm": "norm",
+        "eh_proj": "replicated_linear",
+        "shared_head.norm": "norm",
+    }
+
     def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
         super().__init__(layer_id, args)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
@@ -69,12 +85,14 @@ class MTPBlock(TransformerBlock):
     def forward(  # type: ignore[override]
         self, h: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, mask: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if tokens.shape != h.shape[:2]:
-            raise ValueError(
-                f"MTP tokens {tuple(tokens.shape)} do not match the hidden states {tuple(h.shape[:2])} "
-                "(the MTP blocks run on this rank's local sequence)"
-            )
         emb = self.embed_tokens(tokens).to(h.dtype)
+        if emb.shape[:2] != h.shape[:2]:
+            # (under sequence parallelism the embedding hands back this rank's sequence shard,
+            # as the main embedding does: tokens of the whole local sequence are right there)
+            raise ValueError(
+                f"MTP tokens {tuple(tokens.shape)} embed to {tuple(emb.shape[:2])}, which does not match the hidden "
+                f"states {tuple(h.shape[:2])} (the MTP blocks run on this rank's local sequence)"
+            )
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
         out = super().forward(x, rope, mask)
         return out, self.shared_head.norm(out)

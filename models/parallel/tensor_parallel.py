@@ -27,6 +27,11 @@ Gradient bookkeeping that plain DTensor styles do not cover is made explicit her
   heads only, so its gradient is partial; the model calls ``attention.k_pe_grad_sync`` on it
   (declared in ``attention.tp_grad_syncs``), which this module sets to an all-reduce in
   backward.
+* Blocks may declare extra modules around the decoder block with a TP role each
+  (``block.tp_roles``, e.g. DeepSeek-V3's MTP depths, ``models/deepseek_v3/mtp.py``):
+  ``"embedding"`` is sharded like ``tok_embeddings``, ``"norm"`` like the blocks' norms,
+  ``"replicated_linear"`` keeps one replicated weight applied to this rank's sequence shard (no
+  communication in forward; its gradient is a partial sum over tp that DTensor reduces).
 * MoE layers route this rank's own tokens (sequence parallel gives every tp rank different
   tokens). The router gate is a replicated DTensor fed token-sharded inputs, so its gradient
   comes out partial and is summed over tp. Shared experts are an ordinary TP feed-forward over
@@ -75,17 +80,23 @@ class AllReduceBackward(torch.autograd.Function):
         return grad, None
 
 
-class _ReplicatedOnTokenShards(ParallelStyle):
-    """Replicated weights applied to token-sharded local inputs (the MoE router gate).
+class _ReplicatedOnShards(ParallelStyle):
+    """Replicated weights applied to this rank's own activations: local (or DTensor) input in,
+    local output out. ``layout`` says what the local input is: ``Shard(0)`` for the MoE router
+    gate (token-sharded ``[tokens, dim]``), the blocks' layout for an MTP depth's ``eh_proj``
+    (``Shard(1)`` under sequence parallelism, else ``Replicate()``). Inside, the input is a DTensor
+    of that layout, so under a ``Shard`` the weight gradient is a partial sum that DTensor (or
+    FSDP) reduces over tp."""
 
-    Inputs/outputs stay local tensors; inside, the input is a ``Shard(0)`` DTensor so the
-    weight gradient is a partial sum that DTensor (or FSDP) reduces over tp."""
+    def __init__(self, layout) -> None:
+        super().__init__()
+        self.layout = layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_dtensor_input(mod, inputs, mesh):
             x = inputs[0]
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, (Shard(0),), run_check=False)
+                x = DTensor.from_local(x, mesh, (self.layout,), run_check=False)
             return (x, *inputs[1:])
 
         def to_local_output(mod, outputs, mesh):
@@ -99,6 +110,26 @@ class _ReplicatedOnTokenShards(ParallelStyle):
         return distribute_module(
             module, device_mesh, replicate_params, input_fn=to_dtensor_input, output_fn=to_local_output
         )
+
+
+def _role_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+    """The styles of the modules a block declares in ``tp_roles`` (see the module docstring)."""
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    for name, role in getattr(block, "tp_roles", {}).items():
+        if role == "embedding":
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        elif role == "norm":
+            if sp:
+                plan[name] = SequenceParallel()
+        elif role == "replicated_linear":
+            plan[name] = _ReplicatedOnShards(seq)
+        else:
+            raise ValueError(
+                f"{type(block).__name__}.tp_roles[{name!r}] = {role!r} is not a tensor-parallel role "
+                "(use 'embedding', 'norm' or 'replicated_linear')"
+            )
+    return plan
 
 
 def _declared_tp(module: nn.Module, role: str) -> tuple[tuple[str, ...], str]:
@@ -228,8 +259,8 @@ def apply_tensor_parallel(
     model.boundary_seq_shards = tp_mesh.size() if sp else 1
 
     tp_group = tp_mesh.get_group()
-    for block in model.layers.values():
-        plan: dict[str, ParallelStyle] = {}
+    for block in model.blocks():
+        plan: dict[str, ParallelStyle] = _role_plan(block, sp)
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
@@ -249,7 +280,7 @@ def apply_tensor_parallel(
             plan["moe"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
             )
-            plan["moe.router.gate"] = _ReplicatedOnTokenShards()
+            plan["moe.router.gate"] = _ReplicatedOnShards(Shard(0))
             # the sequence aux loss counts each sequence's picks over all its tokens: sum the
             # per-sequence counts of the tp ranks' slices
             moe.add_aux_count_reduction(AllReduceCounts(tp_mesh))
@@ -257,6 +288,10 @@ def apply_tensor_parallel(
                 # MoE flattens tokens to [bs * s_local, dim] before the shared experts.
                 plan.update(_prefixed("moe.shared_experts", _feed_forward_plan(moe.shared_experts, 0, sp)))
         parallelize_module(block, tp_mesh, plan)
+        if sp:
+            for name, role in getattr(block, "tp_roles", {}).items():
+                if role == "embedding":
+                    block.get_submodule(name).register_forward_hook(_own_storage)
 
 
 def loss_parallel_context(enabled: bool):

@@ -122,6 +122,14 @@ LAYOUTS = {
     "deepseek_v3 fsdp=4,ep=2": Layout("deepseek_v3", dict(dp_shard=4, ep=2)),
     "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2": Layout("deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2)),
     "deepseek_v3 pp=2,fsdp=2": Layout("deepseek_v3", dict(dp_shard=2, pp=2)),
+    # DeepSeek-V3 multi-token prediction under tp: the MTP block's FSDP group and TP collectives,
+    # its embedding copy's reduce-scatter, the head and loss over the main and the depth's tokens
+    "deepseek_v3 tp=2,fsdp=2 mtp=1": Layout(
+        "deepseek_v3", dict(dp_shard=2, tp=2), (("model.mtp_layers", "1"), _TWO_LAYERS)
+    ),
+    "deepseek_v3 pp=2,fsdp=2 mtp=1": Layout(
+        "deepseek_v3", dict(dp_shard=2, pp=2), (("model.mtp_layers", "1"), _TWO_LAYERS)
+    ),
     # the options that change what a step issues
     "llama3 tp=2,fsdp=2 no SP, no loss parallel, full AC": Layout(
         "llama3",

@@ -73,6 +73,13 @@ CASES = {
     "deepseek_v3 tp=2,fsdp=2,ep=2 lora experts": Case(
         "deepseek_v3", dict(dp_shard=2, tp=2, ep=2), 2, (("model.converters", "lora"), ("lora.experts", "true")),
     ),
+    # DeepSeek-V3 multi-token prediction: the MTP block (MoE, after the main blocks, on the last
+    # stage), its eh_proj on the sequence shard under TP, the output projection over the main and
+    # the depth's states
+    "deepseek_v3 mtp=1 tp=2,fsdp=2": Case("deepseek_v3", dict(dp_shard=2, tp=2), 1, (("model.mtp_layers", "1"),)),
+    "deepseek_v3 mtp=2 pp=2,fsdp=2 last stage full AC": Case(
+        "deepseek_v3", dict(dp_shard=2, pp=2), 3, (("model.mtp_layers", "2"), *_AC_FULL),
+    ),
 }  # fmt: skip
 FLOAT8_CASES = [name for name in CASES if "float8" in name]
 

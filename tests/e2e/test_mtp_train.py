@@ -1,21 +1,33 @@
 """DeepSeek-V3 with multi-token prediction (``--model.mtp_layers 1``) through ``train.py``: the
-one-process loss curve over fsdp=2 x ep=2, pp=2 and cp=2 (``tools.compare_loss``, its DEFAULT
-tolerance, block-causal attention), one shared launch.
+one-process loss curve over fsdp=2 x ep=2, pp=2, cp=2, tp=2 and fsdp=2 x tp=2 x ep=2 x etp=2
+(``tools.compare_loss``, its DEFAULT tolerance, block-causal attention), one shared launch.
 
 What each layout proves: fsdp x ep shards the MTP block and its routed experts like every other
 block (its experts on the ep mesh); pp=2 puts the MTP depth on the last stage with its copy of
 the embedding, whose gradient is summed with the first stage's over the embedding group;
 cp=2 shards rows whose MTP inputs and targets were shifted before the shard (a shift after it
-would read the wrong tokens at every chunk edge, trainer/mtp.py). The loss compared is the
+would read the wrong tokens at every chunk edge, trainer/mtp.py); tp=2 runs the MTP depth's TP
+plan (``MTPBlock.tp_roles``: its embedding copy vocabulary-sharded like the main one, its norms and
+``eh_proj`` on this rank's sequence shard, the block through the DeepSeek plan, the main and MTP
+normed states concatenated along the global sequence for the vocabulary-parallel head and loss),
+and the 4-rank layout adds the MTP block's routed experts sharded over ep x etp with tp. The loss compared is the
 training objective (main + 0.3 x MTP), and the separately reported ``mtp_loss`` must agree too.
 
 Shapes as tests/e2e/test_compare_loss.py's matrices: 2 main blocks (dense, MoE) plus the MTP
 block (MoE, as the 671B's layer 61), seq_len 64, global batch 8 of local batch 2, 3 steps (step 3
 is the first that reads optimizer state carried over), forked ranks. Measured (CPU, 2 cores):
 max rel loss diff 9.5e-8 on every layout against the tolerance's 1e-5, mtp_loss within 2e-7;
-about 15 s wall for the whole comparison. Negative control, by hand (not kept: another launch):
+tp=2 and the 4-rank layout 9.5e-8 too; the whole comparison about 30 CPU s (pytest's
+accounting; 33 s wall on the 2-core host at load 7.7). Negative controls, by hand (not kept: more launches):
 with the all-reduce of the embedding copies' gradients removed, pp=2 leaves the tolerance at
-step 2 (max rel loss diff 4.2e-5, grad norm 7.0e-5), while one process is unchanged.
+step 2 (max rel loss diff 4.2e-5, grad norm 7.0e-5), while one process is unchanged; with the
+main and MTP normed states concatenated rank-locally under tp=2 (``to_local()`` before the cat:
+each rank's sequence shards side by side instead of the global sequence order) tp=2 DIVERGED at
+step 1 (max rel loss diff 9.9e-3, grad norm 0.20).
+
+Depth D = 2 (the chain of two MTP modules, each fed the previous depth's output) trains through
+train.py on one process in a launch of its own (test_depth_two_trains_on_one_process, about
+5 s); its math against the report's equations is tests/unit/test_mtp.py.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import pytest
 from .helpers import read_metrics
 from .test_compare_loss import MATRIX, STEPS, _assert_all_agree, compare_loss
 
-LAYOUTS = ["single", "fsdp=2,ep=2", "pp=2", "cp=2"]
+LAYOUTS = ["single", "fsdp=2,ep=2", "pp=2", "cp=2", "tp=2", "fsdp=2,tp=2,ep=2,etp=2"]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +67,8 @@ def mtp_comparison(tmp_path_factory):
 
 
 def test_mtp_layouts_match_one_process(mtp_comparison):
-    """fsdp=2 x ep=2, pp=2 and cp=2 give the one-process loss (main + MTP) and grad norm within
-    compare_loss's default tolerance on every step."""
+    """fsdp=2 x ep=2, pp=2, cp=2, tp=2 and fsdp=2 x tp=2 x ep=2 x etp=2 give the one-process
+    loss (main + MTP) and grad norm within compare_loss's default tolerance on every step."""
     proc, out = mtp_comparison
     _assert_all_agree(proc, out, LAYOUTS)
 
@@ -78,3 +90,40 @@ def test_mtp_loss_reported_and_layout_invariant(mtp_comparison):
             assert abs(rec["mtp_loss"] - ref) <= 1e-5 + 1e-5 * abs(ref), (name, step, rec["mtp_loss"], ref)
     log = (out / "01-single" / "train.log").read_text()
     assert "mtp_loss" in log
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_depth_two_trains_on_one_process(tmp_path):
+    """model.mtp_layers = 2 through train.py on one process, 2 steps: every row reports
+    mtp_loss (the two depths' mean cross-entropy, near ln(vocab) at the start, a share of the
+    logged objective main + 0.3 x mtp_loss), the loss falls, and the saved checkpoint holds both
+    depths' embedding copies bitwise equal to tok_embeddings after the optimizer steps (their
+    gradients summed with the embedding's, models/parallel/pipeline/tied.py)."""
+    import math
+
+    import torch
+
+    from tests.unit.test_mtp import _dcp_tensors
+
+    from .helpers import run_forked
+
+    out = tmp_path / "run"
+    res = run_forked(
+        1,
+        *("--config", "train_configs/deepseek_v3.toml", "--model.n_layers", "2", "--model.mtp_layers", "2"),
+        *("--training.steps", "2", "--training.seq_len", "32", "--training.global_batch_size", "4"),
+        *("--training.local_batch_size", "4", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
+        *("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(out)),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_metrics(out)
+    assert sorted(rows) == [1, 2]
+    for rec in rows.values():
+        assert 0.3 * rec["mtp_loss"] < rec["loss"] and math.isfinite(rec["mtp_loss"])
+    assert abs(rows[1]["mtp_loss"] - math.log(2048)) < 1.0
+    assert rows[2]["loss"] < rows[1]["loss"]
+    saved = _dcp_tensors(out / "checkpoint" / "step-2")
+    emb = saved["tok_embeddings.weight"]
+    assert not torch.equal(emb, torch.zeros_like(emb))
+    for k in (0, 1):
+        assert torch.equal(saved[f"mtp.{k}.embed_tokens.weight"], emb), k

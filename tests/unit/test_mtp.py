@@ -89,6 +89,57 @@ def test_mtp_module_matches_the_report_equations():
     assert (ours[:, s:] - wrong).abs().max() > 1e-2
 
 
+def _paper_chain_logits(model, tokens: torch.Tensor, chained: bool = True) -> list[torch.Tensor]:
+    """Every depth's logits from the report's equations (section 2.2, eq. 21-23): depth k
+    combines the PREVIOUS depth's output h^{k-1} (h^0: the main model's last block output) with
+    Emb(t_{i+k}) (token 0 past the row's end). ``chained=False`` (negative control) feeds every
+    depth h^0 instead."""
+    eps = model.args.norm_eps
+    outs = []
+    with torch.no_grad():
+        h0, rope, mask = model.trunk(tokens)
+        h = h0
+        for k, block in enumerate(model.mtp.values(), start=1):
+            nxt = torch.zeros_like(tokens)
+            nxt[:, :-k] = tokens[:, k:]
+            emb = model.tok_embeddings.weight[nxt]
+            prev = h if chained else h0
+            x = torch.cat([_rms(emb, block.enorm.weight, eps), _rms(prev, block.hnorm.weight, eps)], -1)
+            h = TransformerBlock.forward(block, x @ block.eh_proj.weight.T, rope, mask)
+            outs.append(_rms(h, block.shared_head.norm.weight, eps) @ model.output.weight.T)
+    return outs
+
+
+def test_depth_two_chains_the_depths_and_weights_their_loss():
+    """D = 2: depth 2's logits equal the equations on the same weights with depth 1's output as
+    its hidden input and t_{i+2} embedded (fp32, tolerance 1e-5 as above; negative control:
+    depth 2 fed the main model's states instead is off by > 1e-2); the loss over mtp_batch's
+    depth-2 targets is CE_main + 0.3 / 2 x (CE_1 + CE_2) (each a token sum), and ``take`` hands
+    the depths' sum CE_1 + CE_2 for the metrics (trainer/train.py divides by D x tokens)."""
+    model = _model(2)
+    s = 24
+    tokens = torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(4))
+    labels = torch.roll(tokens, -1, 1)
+    mtp_tokens, targets = mtp_batch(tokens, labels, 2)
+    with torch.no_grad():
+        ours = model(tokens, mtp_tokens=mtp_tokens)
+    assert ours.shape == (2, 3 * s, 256)
+    ref1, ref2 = _paper_chain_logits(model, tokens)
+    torch.testing.assert_close(ours[:, s : 2 * s], ref1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[:, 2 * s :], ref2, rtol=1e-5, atol=1e-5)
+    assert (ours[:, 2 * s :] - _paper_chain_logits(model, tokens, chained=False)[1]).abs().max() > 1e-2
+
+    # depth 2 at position i predicts t_{i+3} = labels[i + 2]; its last two positions have none
+    assert torch.equal(targets[:, : s - 2, 2], labels[:, 2:])
+    assert (targets[:, s - 2 :, 2] == IGNORE_INDEX).all()
+    loss = MTPLoss(cross_entropy_sum, 2, 0.3)
+    total = loss(ours, targets)
+    ce = [cross_entropy_sum(ours[:, k * s : (k + 1) * s], targets[..., k]) for k in range(3)]
+    torch.testing.assert_close(total, ce[0] + 0.15 * (ce[1] + ce[2]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss.take(torch.device("cpu")), ce[1] + ce[2], rtol=1e-6, atol=0)
+    assert loss.take(torch.device("cpu")) == 0  # reset after take
+
+
 def test_mtp_batch_shifts_stay_in_the_row_and_the_document():
     """Depth k embeds t_{i+k} and predicts t_{i+k+1}; past the row's end the input is token 0 and
     the target IGNORE; with an EOS among t_i..t_{i+k} the target is IGNORE (block-causal)."""
@@ -321,8 +372,8 @@ def _plan(*argv: str):
 
 
 def test_mtp_refused_where_unsupported():
-    """model.mtp_layers asked of Llama 3 / Qwen3, or with tp > 1 or pp > 2: one line naming the
-    problem and the fix (ConfigError: exit 2 from train.py, trainer/cli_errors.py)."""
+    """model.mtp_layers asked of Llama 3 / Qwen3: one line naming the problem and the fix
+    (ConfigError: exit 2 from train.py, trainer/cli_errors.py); tp = 2 and pp = 2 plan."""
     from trainer.config.errors import ConfigError
 
     for name in ("llama3", "qwen3"):
@@ -330,8 +381,7 @@ def test_mtp_refused_where_unsupported():
             _plan("--config", f"{name}.toml", "--model.mtp_layers", "1")
         msg = str(info.value)
         assert "\n" not in msg and "model.mtp_layers=1" in msg and "DeepSeek-V3" in msg, msg
-    with pytest.raises(ConfigError, match="tp=2 is not supported yet"):
-        _plan("--config", "deepseek_v3.toml", "--model.mtp_layers", "1", "--parallelism.tensor_parallel_degree", "2")
+    _plan("--config", "deepseek_v3.toml", "--model.mtp_layers", "1", "--parallelism.tensor_parallel_degree", "2")
     _plan("--config", "deepseek_v3.toml", "--model.mtp_layers", "1", "--parallelism.pipeline_parallel_degree", "2")
     with pytest.raises(ValueError, match="mtp_loss_weight must be >= 0"):
         _plan("--config", "deepseek_v3.toml", "--model.mtp_layers", "1", "--training.mtp_loss_weight", "-1")
@@ -351,3 +401,61 @@ def test_mtp_flops_count_the_depth():
     active_block -= routed * (1 - a.n_activated_experts / a.n_routed_experts)
     extra = 6 * (active_block + a.vocab_size * a.dim) + 12 * a.attention_dim * 64
     assert on.flops_per_token(64) == pytest.approx(off.flops_per_token(64) + extra, rel=1e-12)
+
+
+def _dcp_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every ``model.<fqn>`` tensor of a DCP folder, read in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.hf_write import dcp_model_meta
+
+    state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in dcp_model_meta(str(folder)).items()}
+    dcp.load({"model": state}, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    return state
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_hf_cli_mtp_layers(tmp_path):
+    """scripts/convert_hf.py with MTP: ``to-hf`` of a checkpoint holding one MTP depth writes it
+    (layer ``n_layers`` and num_nextn_predict_layers = 1, read off the checkpoint's keys, no flag);
+    ``to-dcp`` of that folder takes it back by default (config.json's num_nextn_predict_layers),
+    every tensor bit for bit; ``--mtp-layers 0`` drops it (the main tensors unchanged), and a
+    to-hf of that has no MTP layer; ``--mtp-layers`` for Llama 3 is one line, exit 2."""
+    import sys
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import convert_hf
+
+    shape = dict(n_layers=2, vocab_size=256)
+    model = build_model("deepseek_v3", "debugmodel", device="cpu", mtp_layers=1, **shape)
+    model.init_weights(3)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
+    flags = ["--model", "deepseek_v3", "--flavor", "debugmodel", "--n-layers", "2", "--vocab-size", "256"]
+
+    assert convert_hf.main(["to-hf", str(tmp_path / "ours"), str(tmp_path / "hf"), *flags, "--dtype", "float32"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 2
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    hf_keys = {k for f in (tmp_path / "hf").glob("*.safetensors") for k in safetensors_torch.load_file(str(f))}
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.embed_tokens.weight"} <= hf_keys
+
+    assert convert_hf.main(["to-dcp", str(tmp_path / "hf"), str(tmp_path / "back"), *flags]) == 0
+    back = _dcp_tensors(tmp_path / "back")
+    assert set(back) == set(sd) and any(k.startswith("mtp.0.") for k in back)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+    assert convert_hf.main(["to-dcp", str(tmp_path / "hf"), str(tmp_path / "main"), *flags, "--mtp-layers", "0"]) == 0
+    main = _dcp_tensors(tmp_path / "main")
+    assert set(main) == {k for k in sd if not k.startswith("mtp.")}
+    assert all(torch.equal(main[k], sd[k]) for k in main)
+    assert convert_hf.main(["to-hf", str(tmp_path / "main"), str(tmp_path / "hf0"), *flags]) == 0
+    assert json.loads((tmp_path / "hf0" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+    rc = convert_hf.main(
+        ["to-dcp", str(tmp_path / "hf"), str(tmp_path / "bad"), "--model", "llama3", "--mtp-layers", "1"]
+    )
+    assert rc == 2 and not (tmp_path / "bad").exists()

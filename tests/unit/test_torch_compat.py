@@ -141,7 +141,7 @@ def _torch_names(tree: ast.Module) -> set[str]:
 
 
 # torch's documented extension point: a custom ParallelStyle implements ``_apply``
-EXTENSION_POINTS = {("models.parallel.tensor_parallel", "_ReplicatedOnTokenShards", "_apply")}
+EXTENSION_POINTS = {("models.parallel.tensor_parallel", "_ReplicatedOnShards", "_apply")}
 
 
 def _private(expr: str) -> bool:

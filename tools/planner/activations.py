@@ -35,7 +35,9 @@ and the MLP; ``a`` bytes per activation element (the FSDP compute dtype); 4 = fl
   with an integer option N every N-th block holds what full AC holds and the others what no AC
   holds.
 * Outside the blocks: the final norm and its output, the logits (``a T V/tp``, kept by the
-  train step) and the float32 log-softmax of the loss (``4 T V/tp``).
+  train step) and the float32 log-softmax of the loss (``4 T V/tp``). DeepSeek-V3's MTP depths
+  are blocks like the others (on the stage with the head) plus, each, three norms and
+  ``eh_proj``'s ``[Tn, 2D]`` input; the head then runs on ``(1 + D) T`` tokens.
 """
 
 from __future__ import annotations
@@ -155,10 +157,33 @@ def layer_bytes(args, layer: int, b: int, seq_len: int, tp: int, cp: int, etp: i
 
 
 def head_bytes(args, b: int, seq_len: int, tp: int, cp: int, sp: bool, a: int) -> int:
+    """The final norm, the head's input, the logits and the loss's log-softmax; with
+    DeepSeek-V3's MTP depths (``mtp_layers`` = D, their blocks counted as layers) also what each
+    depth holds outside its decoder block (:func:`_mtp_extra`), and the head runs on the main
+    and every depth's states: ``(1 + D) x`` its input, logits and log-softmax."""
     t = b * (seq_len // cp)
     tn = t // tp if (sp and tp > 1) else t
     v = args.vocab_size // tp
-    return _norm(tn, args.dim, a) + a * t * args.dim + a * t * v + 4 * t * v
+    passes = 1 + getattr(args, "mtp_layers", 0)
+    return _norm(tn, args.dim, a) + passes * (a * t * args.dim + a * t * v + 4 * t * v)
+
+
+def _mtp_extra(tn: int, d: int, a: int, ac: str, shares_input: bool) -> int:
+    """What one MTP depth (``models/deepseek_v3/mtp.py``) holds beyond :func:`layer_bytes` of
+    its block. Its input ``h`` (the previous depth's output) is also the input of the previous
+    final norm (``norm`` / ``shared_head.norm``), which in float32 keeps that very tensor when it
+    runs outside a checkpoint (``shares_input``: the main ``norm``, or a previous depth without
+    AC): the ``4 Tn D`` that both count is one storage (measured), so it is taken off once. Without AC:
+    ``enorm``, ``hnorm`` and ``shared_head.norm`` (three RMSNorms) and ``eh_proj``'s input, the
+    concatenation ``[Tn, 2D]``. Under AC the whole depth is one checkpointed block: full AC
+    keeps only its input (in ``layer_bytes``); selective AC also saves ``eh_proj``'s output
+    (a matmul, ``a Tn D``)."""
+    shared = 4 * tn * d if a == 4 and shares_input else 0
+    if ac == "full":
+        return -shared
+    if ac == "selective":
+        return a * tn * d - shared
+    return 3 * _norm(tn, d, a) + a * tn * 2 * d - shared
 
 
 def activation_bytes(
@@ -178,6 +203,17 @@ def activation_bytes(
             mode = "full" if k % selective_every == 0 else "none"
         kinds.setdefault((first_moe is not None and i >= first_moe, mode), []).append(i)
     total = recompute = 0
+    # DeepSeek-V3's MTP depths: blocks n_layers .. n_layers + D - 1 (with the head, stage_layers)
+    # plus what each holds outside its block
+    tn = b * (seq_len // cp) // (tp if (sp and tp > 1) else 1)
+    previous = "none"  # the main final norm runs outside any checkpoint
+    for k, i in enumerate(layers):
+        if i >= args.n_layers:
+            mode = ac
+            if ac == "selective" and selective_every:
+                mode = "full" if k % selective_every == 0 else "none"
+            total += _mtp_extra(tn, args.dim, act_bytes, mode, previous == "none")
+            previous = mode
     for (_, mode), members in kinds.items():
         total += len(members) * layer_bytes(args, members[0], b, seq_len, tp, cp, etp, sp, act_bytes, mode)
         if mode == "full":

@@ -55,12 +55,19 @@ def grad_accum_steps(choice: LayoutChoice, degrees) -> int:
 
 
 def stage_layers(params_args, degrees, choice: LayoutChoice, rank: int, layout):
-    """[(layers, has_embed, has_head)] of the pipeline stages ``rank`` runs."""
+    """[(layers, has_embed, has_head)] of the pipeline stages ``rank`` runs. DeepSeek-V3's MTP
+    depths (``mtp_layers`` = D) are blocks ``n_layers .. n_layers + D - 1`` of the stage with
+    the head (the last; models/parallel/pipeline keeps them there)."""
     n_layers = params_args.n_layers
+    depth = getattr(params_args, "mtp_layers", 0)
     if degrees.pp == 1:
-        return [(range(n_layers), True, True)], None
-    return _stages(n_layers, degrees.pp, choice.schedule, choice.n_microbatches, choice.local_batch,
-                   layout.coordinate("pp", rank))  # fmt: skip
+        return [(range(n_layers + depth), True, True)], None
+    stages, plan = _stages(n_layers, degrees.pp, choice.schedule, choice.n_microbatches, choice.local_batch,
+                           layout.coordinate("pp", rank))  # fmt: skip
+    if depth:
+        stages = [(range(layers.start, layers.stop + depth) if head else layers, embed, head)
+                  for layers, embed, head in stages]  # fmt: skip
+    return stages, plan
 
 
 @lru_cache(maxsize=65536)

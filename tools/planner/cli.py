@@ -74,6 +74,10 @@ def _parse(argv):
         required=True,
         help="the model's size: " + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in models.items()),
     )
+    p.add_argument(
+        "--mtp-layers", type=int, default=0,
+        help="DeepSeek-V3 multi-token prediction depths (model.mtp_layers; default 0: none)",
+    )  # fmt: skip
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
@@ -122,7 +126,9 @@ def _parse(argv):
 
 
 def _job(args) -> Job:
-    from models.registry import flavor_names, model_names
+    import dataclasses
+
+    from models.registry import flavor_names, get_model_spec, model_names
 
     if args.model not in model_names():
         raise ValueError(f"unknown model {args.model!r}; valid models: {', '.join(model_names())}")
@@ -134,6 +140,15 @@ def _job(args) -> Job:
     for name in ("world_size", "gpus_per_node", "seq_len", "global_batch", "top"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.mtp_layers < 0:
+        raise ValueError(f"--mtp-layers must be >= 0, got {args.mtp_layers}")
+    if args.mtp_layers and "mtp_layers" not in {
+        f.name for f in dataclasses.fields(get_model_spec(args.model, args.flavor).args)
+    }:
+        raise ValueError(
+            f"--mtp-layers {args.mtp_layers}: multi-token prediction is a DeepSeek-V3 feature, and --model {args.model} "
+            "has none; drop --mtp-layers or use --model deepseek_v3"
+        )
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     if args.profile and not os.path.isfile(args.profile):
@@ -169,6 +184,7 @@ def _job(args) -> Job:
     job = Job(
         args.model, args.flavor, args.world_size, args.gpus_per_node, args.seq_len, args.global_batch, hw,
         args.efficiency, args.param_dtype, args.reduce_dtype, float8=float8, lora=lora,
+        model_overrides=(("mtp_layers", args.mtp_layers),) if args.mtp_layers else (),
     )  # fmt: skip
     if args.float8_experts:
         _check_float8_experts(job)
@@ -207,6 +223,11 @@ def toml_snippet(e: Estimate, job: Job) -> str:
         f"# layout planner: {job.model}/{job.flavor} on {job.world_size} x {job.hardware.name} "
         f"({job.gpus_per_node} per node), seq_len {job.seq_len}, global batch {job.global_batch}",
         f"# estimate: {e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {e.memory['total'] / GIB:.1f} GiB per GPU",
+    ]
+    depth = dict(job.model_overrides).get("mtp_layers", 0)
+    if depth:
+        lines.append(f"# with [model] mtp_layers = {depth}")
+    lines += [
         "[parallelism]",
     ]
     lines += [f"{a.config_key} = {getattr(d, a.name)}" for a in AXES]
@@ -320,8 +341,9 @@ def main(argv=None) -> int:
             "model": job.model, "flavor": job.flavor, "world_size": job.world_size,
             "gpus_per_node": job.gpus_per_node, "gpu": hw.name, "seq_len": job.seq_len,
             "global_batch": job.global_batch, "efficiency": job.efficiency,
-            "float8": job.float8.describe() if job.float8 else None, "layouts": result.layouts,
+            "float8": job.float8.describe() if job.float8 else None,
             "lora": job.lora.describe() if job.lora else None,
+            "mtp_layers": dict(job.model_overrides).get("mtp_layers", 0), "layouts": result.layouts,
             "fitting": len(fitting), "assumptions": _ASSUMPTIONS,
             "top": [e.as_json() for e in top], "losing_reasons": dict(reasons.most_common()),
         }, indent=1))  # fmt: skip

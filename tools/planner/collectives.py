@@ -107,7 +107,7 @@ def predict_collectives(
 ):
     """Collectives ``rank`` issues in one optimizer step (see the module docstring), as a list
     of records sorted by mesh, kind and bytes."""
-    from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
+    from .inventory import block_group, cached_layout, fsdp_meshes, model_inventory, stage_summary
 
     _, args = model_inventory(model, flavor, **overrides)
     layout = layout or cached_layout(degrees)
@@ -129,7 +129,10 @@ def predict_collectives(
     stage_ids = plan.rank_stages[layout.coordinate("pp", rank)] if plan is not None else (0,)
     for stage_id, (layers, embed, head) in zip(stage_ids, stages):
         groups = stage_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head)
-        last_block = f"layers.{max(layers)}" if len(layers) else None
+        last_block = block_group(args, max(layers)) if len(layers) else None
+        # DeepSeek-V3's MTP depths on this stage (with the head): each embeds like the first
+        # stage, and the head (its input all-gather, the loss) runs on 1 + D times the tokens
+        mtp = sum(1 for i in layers if i >= args.n_layers)
         ckpt = fully_checkpointed(choice, layers)  # their forward collectives run twice
         # FSDP float8 all-gather: the converted linears' weights gathered at 1 byte per element
         f8_gathered = {}
@@ -197,12 +200,19 @@ def predict_collectives(
                     # (attention.tp_grad_syncs, models/parallel/tensor_parallel.py)
                     if hasattr(args, "qk_rope_head_dim"):
                         rec[("all_reduce", "tp", a * t * args.qk_rope_head_dim)] += forwards
-                if embed:  # Rowwise embedding: RS forward, AG backward
-                    rec[("reduce_scatter", "tp", full)] += forwards
+                if embed or mtp:  # Rowwise embedding (and MTP's copies): RS forward, AG backward
+                    rec[("reduce_scatter", "tp", full)] += forwards * (int(embed) + mtp)
+                    rec[("all_gather", "tp", full)] += forwards * (int(embed) + mtp)
+                if head and not mtp:  # Colwise output on sequence-sharded input: AG forward, RS backward
                     rec[("all_gather", "tp", full)] += forwards
-                if head:  # Colwise output on sequence-sharded input: AG forward, RS backward
-                    rec[("all_gather", "tp", full)] += forwards
                     rec[("reduce_scatter", "tp", full)] += forwards
+                elif head:
+                    # MTP: the main and each depth's normed states, sequence-sharded DTensors,
+                    # are concatenated along the sequence (DeepSeekV3.forward): DTensor gathers
+                    # each one (forward), and the head's replicated input gets its Partial
+                    # gradient all-reduced (backward; the gathers' backward is a local slice)
+                    rec[("all_gather", "tp", full)] += forwards * (1 + mtp)
+                    rec[("all_reduce", "tp", full * (1 + mtp))] += forwards
                 # pipeline stage boundaries carry each tp rank's own sequence shard (sent to
                 # the same tp rank of the next stage): no tp collective there
             else:
@@ -218,16 +228,17 @@ def predict_collectives(
                         else:
                             for width in widths:
                                 rec[("all_reduce", "tp", a * t * width)] += forwards
-                if embed:  # Rowwise embedding: its Partial output all-reduced forward
-                    rec[("all_reduce", "tp", full)] += forwards
+                if embed or mtp:  # Rowwise embedding (and MTP's copies): Partial output all-reduced forward
+                    rec[("all_reduce", "tp", full)] += forwards * (int(embed) + mtp)
                 if head:  # Colwise output on a replicated input: its input gradient all-reduced
-                    rec[("all_reduce", "tp", full)] += forwards
+                    rec[("all_reduce", "tp", full * (1 + mtp))] += forwards
             if head and not choice.loss_parallel:
                 # the vocab-sharded logits all-gathered forward (backward takes a local chunk)
-                rec[("all_gather", "tp", a * t * args.vocab_size)] += forwards
+                rec[("all_gather", "tp", a * t * (1 + mtp) * args.vocab_size)] += forwards
             if head and choice.loss_parallel:
-                # loss parallel: max, sum-exp and target-logit all-reduces over [tokens] fp32
-                rec[("all_reduce", "tp", 4 * t)] += forwards * 3
+                # loss parallel: max, sum-exp and target-logit all-reduces over [tokens] fp32,
+                # per cross entropy (the main one and each MTP depth's, trainer/mtp.py)
+                rec[("all_reduce", "tp", 4 * t)] += forwards * 3 * (1 + mtp)
             # replicated weights fed sequence-sharded tokens (SP norms, the MoE router gate):
             # their Partial gradients are all-reduced once per gradient sync (FSDP2's
             # post-backward redistributes them before reducing; without FSDP finalize_grads
@@ -297,12 +308,28 @@ def predict_collectives(
 
     # once per step
     loss_size = d.dp_replicate * d.dp_shard * d.cp
+    # DeepSeek-V3's MTP depths under pp: the first stage's embedding gradient and the last
+    # stage's copies' summed gradient are all-reduced over the embedding group (pp = 2,
+    # models/parallel/pipeline/tied.py), this rank's local fp32 shard, once per step; a rank
+    # holding both ends (a V schedule) sums them locally
+    if pp and getattr(args, "mtp_layers", 0):
+        holds_embed = any(e for _, e, _ in stages)
+        holds_copies = any(i >= args.n_layers for layers, _, _ in stages for i in layers)
+        if holds_embed != holds_copies:
+            from .inventory import rank_shards
+
+            params, _ = model_inventory(model, flavor, **overrides)
+            emb = [s for s in rank_shards(params, d, layout, rank, choice.mixed, (), True, False)
+                   if s.info.group == "tok_embeddings"]  # fmt: skip
+            rec[("all_reduce", "pp", 4 * emb[0].local_numel)] += 1
+    # (with MTP depths the loss travels with the MTP loss: two float32, trainer/train.py)
+    loss_bytes = 8 if getattr(args, "mtp_layers", 0) else 4
     if loss_size > 1:
-        rec[("all_reduce", "loss", 4)] += 1
+        rec[("all_reduce", "loss", loss_bytes)] += 1
     # the grad norm's sums of squares are float64 (trainer/grad_clip.py), the loss float32
     if pp:
         rec[("all_reduce", "pp", 8)] += 1  # grad-norm squares over stages
-        rec[("all_reduce", "pp", 4)] += 1  # loss sum over stages
+        rec[("all_reduce", "pp", loss_bytes)] += 1  # loss sum over stages
     for mesh in grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
         rec[("all_reduce", mesh, 8)] += 1
     if has_moe:

@@ -26,7 +26,11 @@ with the real shards of :mod:`tools.planner.inventory`:
   the rank's heads (``n_heads / tp``); under CP its two load-balanced query chunks, each against
   the key prefix it can see (:func:`_pairs`); MLA's v is padded to the q/k head dim
   (``models/deepseek_v3``), so both dims are the q/k dim;
-* the output projection on the last stage (vocabulary split by TP under loss parallel);
+* the output projection on the last stage (vocabulary split by TP under loss parallel), run on
+  the main and every MTP depth's states (DeepSeek-V3 ``mtp_layers`` = D: ``(1 + D) x tokens``);
+* DeepSeek-V3's MTP depths: blocks like any other on the last stage (``stage_layers``), their
+  embedding copies lookups (no FLOPs), their ``eh_proj`` (``tp_roles``: ``replicated_linear``) one
+  whole weight on the rank's sequence shard (``tokens / tp`` under sequence parallelism);
 * backward = 2 x forward for every matmul (input and weight gradients), and attention's backward
   2 x its forward; full AC adds one forward of every block (not of the head) except the block's
   last projection (the feed-forward's, or under MoE the shared experts', row-wise output
@@ -36,7 +40,8 @@ with the real shards of :mod:`tools.planner.inventory`:
   save tensors after the shared experts, so their last projection is recomputed too); the
   combine's bmm is recomputed only when something after it in the block saves a tensor (the
   shared experts, the aux loss; without them its saved operands are the block's last ones and
-  the recomputation stops as it packs them, before the kernel runs); selective AC's
+  the recomputation stops as it packs them, before the kernel runs); an MTP depth's block ends
+  with ``shared_head.norm``, which saves its input, so full AC recomputes all of its forward; selective AC's
   per-op policy saves every matmul (the combine's bmm included) and attention output
   (``tests/unit/test_activation_checkpoint.py``), so it adds none; its every-N-th-block option
   fully checkpoints every N-th block of each stage chunk, which adds what full AC adds for
@@ -124,8 +129,9 @@ def _stage_weights(
     """Weight sums of one stage of ``rank`` (cached: they do not depend on batch, AC or dtype):
     (TP-local numel of the blocks' weights read by the whole sequence, router numel, routed
     expert numel per token (top_k experts), numel of the blocks' last projections, head
-    numel, the float8-converted part of the first and of the fourth, and the float8 routed
-    expert numel per token); ``f8``: the linear converter's ``filter_fqns``, None when no linear
+    numel, the float8-converted part of the first and of the fourth, the float8 routed
+    expert numel per token, and the numel of the replicated linears read by the rank's
+    sequence shard (MTP's ``eh_proj``, ``tp_roles``) with its float8-converted part); ``f8``: the linear converter's ``filter_fqns``, None when no linear
     converts; ``f8_experts``: the expert converter's ``moe_fqns``, None when no expert does."""
     params, args = model_inventory(model, flavor, **dict(key))
     top_k = getattr(args, "n_activated_experts", 0)
@@ -137,12 +143,15 @@ def _stage_weights(
     # the MoE's sequence aux loss saves tensors after the shared experts, so full AC recomputes
     # their last projection too
     aux = getattr(args, "aux_loss_coeff", 0) > 0
-    whole = router = experts = last = head_numel = whole8 = last8 = experts8 = 0
+    whole = router = experts = last = head_numel = whole8 = last8 = experts8 = replicated = replicated8 = 0
     for s in rank_shards(params, degrees, cached_layout(degrees), rank, False, layers, embed, head):
         info = s.info
-        if len(info.shape) < 2 or info.group == "tok_embeddings":
-            continue
-        if info.expert:
+        if len(info.shape) < 2 or info.group == "tok_embeddings" or info.role == "embedding":
+            continue  # embedding lookups (the MTP depths' copies too): no matmul
+        if info.role == "replicated_linear":  # MTP's eh_proj: the whole weight on the rank's sequence shard
+            replicated += info.numel
+            replicated8 += info.numel if info.fqn in converted else 0
+        elif info.expert:
             per_token = top_k * (info.numel // info.shape[0])
             experts += per_token
             experts8 += per_token if info.fqn in converted_experts else 0
@@ -152,15 +161,19 @@ def _stage_weights(
             head_numel += s.tp_local_numel
         else:
             whole += s.tp_local_numel
-            is_last = info.tp_dim == 1 and (
-                ".feed_forward." in info.fqn or (".shared_experts." in info.fqn and not aux)
+            # (an MTP depth's block norms its output after it, shared_head.norm, which saves
+            # its input: its last projection is recomputed like the rest)
+            is_last = (
+                info.tp_dim == 1
+                and info.group.startswith("layers.")
+                and (".feed_forward." in info.fqn or (".shared_experts." in info.fqn and not aux))
             )
             if is_last:
                 last += s.tp_local_numel
             if info.fqn in converted:
                 whole8 += s.tp_local_numel
                 last8 += s.tp_local_numel if is_last else 0
-    return whole, router, experts, last, head_numel, whole8, last8, experts8
+    return whole, router, experts, last, head_numel, whole8, last8, experts8, replicated, replicated8
 
 
 @lru_cache(maxsize=65536)
@@ -171,6 +184,10 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
     # every micro-batch of the step: local_batch sequences per accumulation step, CP-local
     tokens = choice.local_batch * grad_accum_steps(choice, d) * choice.seq_len // d.cp
     moe_tokens = tokens // d.tp  # the sequence-parallel shard the router and experts read
+    # MTP's eh_proj (a replicated weight on the blocks' layout): the sequence shard under SP
+    shard_tokens = tokens // d.tp if choice.sequence_parallel else tokens
+    # DeepSeek-V3's MTP depths: the output projection runs on the main and each depth's states
+    head_passes = 1 + getattr(args, "mtp_layers", 0)
     heads, head_dim = _attention_dims(args)
     pairs = _pairs(choice, d)
     blocks = head = recompute = linear8 = expert8 = recompute8 = 0.0
@@ -189,23 +206,24 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
     def moe_layers(layers) -> int:
         return 0 if first_moe is None else sum(1 for i in layers if i >= first_moe)
 
-    def block_flops(whole, router, experts, layers):
+    def block_flops(whole, router, experts, layers, replicated):
         # Q K^T and P V: b * heads/tp * (query, key) pairs * (qk + v dims)
         attention = len(layers) * 2 * pairs * (heads // d.tp) * 2 * head_dim
         return (
             2 * tokens * whole
             + 2 * moe_tokens * (router + experts)
+            + 2 * shard_tokens * replicated
             + attention
             + moe_tokens * combine * moe_layers(layers)
         )
 
     for layers, embed, has_head in stages:
         stage = _stage_weights(model, flavor, key, d, rank, layers, embed, has_head, f8, f8_experts)
-        whole, router, experts, last, head_numel, whole8, last8, experts8 = stage
-        blocks += block_flops(whole, router, experts, layers)
-        linear8 += 2 * tokens * whole8
+        whole, router, experts, last, head_numel, whole8, last8, experts8, replicated, replicated8 = stage
+        blocks += block_flops(whole, router, experts, layers, replicated)
+        linear8 += 2 * tokens * whole8 + 2 * shard_tokens * replicated8
         expert8 += 2 * moe_tokens * experts8
-        head += 2 * tokens * head_numel
+        head += 2 * tokens * head_numel * head_passes
         if lora is not None:
             lo = stage_lora_weights(model, flavor, key, d, rank, layers, embed, has_head, lora, f8)
             n_adapters, _, _, entry_base, entry_a, merge = lo
@@ -226,19 +244,19 @@ def _rank_flops(model, flavor, degrees, choice: LayoutChoice, rank: int, key: tu
         if redo:
             if len(redo) < len(layers):
                 stage = _stage_weights(model, flavor, key, d, rank, tuple(redo), False, False, f8, f8_experts)
-                whole, router, experts, last, _, whole8, last8, experts8 = stage
+                whole, router, experts, last, _, whole8, last8, experts8, replicated, replicated8 = stage
             # a float8 last projection is recomputed: its saved tensors are packed only once its
             # autograd Function's forward, GEMM included, has returned
-            recompute += block_flops(whole, router, experts, redo) - 2 * tokens * (last - last8)
+            recompute += block_flops(whole, router, experts, redo, replicated) - 2 * tokens * (last - last8)
             if lora is not None:
                 # the adapter GEMMs after an adapted last projection save tensors, so its base GEMM
                 # and A are recomputed; nothing saves B's output
                 lo = stage_lora_weights(model, flavor, key, d, rank, tuple(redo), False, False, lora, f8)
                 n_adapters, last_b, last_base, _, _, merge = lo
                 recompute += 2 * tokens * (n_adapters - last_b + last_base) + 2 * forwards * merge
-            if not combine_redone:
-                recompute -= moe_tokens * combine * moe_layers(redo)
-            recompute8 += 2 * tokens * whole8 + 2 * moe_tokens * experts8
+            if not combine_redone:  # (an MTP block's shared_head.norm saves after the combine)
+                recompute -= moe_tokens * combine * moe_layers([i for i in redo if i < args.n_layers])
+            recompute8 += 2 * tokens * whole8 + 2 * moe_tokens * experts8 + 2 * shard_tokens * replicated8
     forward = blocks + head
     backward = 2 * forward - skipped + adapters_bwd + 2 * merges
     forward += adapters + merges

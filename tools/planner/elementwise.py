@@ -156,6 +156,9 @@ def elementwise_bytes(
             if _moe_layer(args, i) and not _combine_bmm_recomputed(args, fully):
                 total -= tn * _combine_bmm(args, a)
     if head:
-        total += (1 + BACKWARD_FACTOR) * a * tn * _norm(args.dim)
-        total += t * loss_bytes_per_token(args.vocab_size // tp, a)
+        # DeepSeek-V3's MTP depths: each adds three norms (enorm, hnorm, shared_head.norm) and
+        # one more pass of the loss over its logits (its block is one of ``layers``)
+        depth = getattr(args, "mtp_layers", 0)
+        total += (1 + BACKWARD_FACTOR) * a * tn * _norm(args.dim) * (1 + 3 * depth)
+        total += (1 + depth) * t * loss_bytes_per_token(args.vocab_size // tp, a)
     return total

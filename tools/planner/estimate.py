@@ -79,7 +79,7 @@ class Job:
     reduce_dtype: str = "float32"
     tf32: bool = False  # float32 matmuls on TF32 tensor cores (training.enable_tf32)
     # model args a trainer config changes ((name, value) pairs: n_layers, vocab_size,
-    # max_seq_len; trainer.plan.model_overrides), over the flavor's
+    # max_seq_len, mtp_layers; trainer.plan.model_overrides), over the flavor's
     model_overrides: tuple = ()
     # model.converters "float8" / "float8_experts": models.parallel.float8.Float8Options (None: off)
     float8: object = None

@@ -58,6 +58,8 @@ def estimate_from_config(
     if flavor == HF_FLAVOR:  # sizes from a config.json: the first preset with every arg overridden
         flavor = flavor_names(cfg.model.name)[0]
         overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    elif getattr(args, "mtp_layers", 0):
+        overrides["mtp_layers"] = args.mtp_layers
     job = Job(
         cfg.model.name, flavor, world_size, gpus_per_node, choice.seq_len, choice.global_batch, hardware,
         efficiency, choice.param_dtype, choice.reduce_dtype, tf32=bool(cfg.training.enable_tf32),

@@ -23,7 +23,16 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["GroupSummary", "ParamInfo", "ParamShard", "chunk_len", "model_inventory", "rank_shards", "stage_summary"]
+__all__ = [
+    "GroupSummary",
+    "ParamInfo",
+    "ParamShard",
+    "block_group",
+    "chunk_len",
+    "model_inventory",
+    "rank_shards",
+    "stage_summary",
+]
 
 # models/parallel/expert_parallel.py apply_expert_parallel: the etp-sharded dim of each weight
 # the hidden dim etp splits; LoRA's expert adapters (models/parallel/lora_experts.py): w1/w3's B
@@ -44,11 +53,14 @@ def chunk_len(n: int, k: int, i: int) -> int:
 class ParamInfo:
     fqn: str
     shape: tuple[int, ...]
-    layer: int | None  # transformer layer, None for embeddings / head
-    group: str  # FSDP group: "layers.<i>", "layers.<i>.experts", "tok_embeddings", "head"
+    layer: int | None  # transformer layer (an MTP depth k: n_layers + k), None for embeddings / head
+    group: str  # FSDP group: "layers.<i>", "layers.<i>.experts", "mtp.<k>", "tok_embeddings", "head"
     tp_dim: int | None  # dimension TP splits (None: replicated over tp)
     expert: bool  # a routed expert weight (ep/etp sharded, expert FSDP mesh)
     moe_layer: bool  # lives in a MoE block
+    # the TP role a block declares for the module (``block.tp_roles``: "embedding", "norm",
+    # "replicated_linear"; models/parallel/tensor_parallel.py), None for the block's own modules
+    role: str | None = None
 
     @property
     def numel(self) -> int:
@@ -76,6 +88,42 @@ class ParamShard:
         return self.padded_numel * self.fsdp_size
 
 
+def _block_infos(prefix: str, i: int, block) -> list[ParamInfo]:
+    """The parameters of one block (``prefix``: its module path, also its FSDP group)."""
+    tp_dims: dict[str, int] = {}
+    att = block.attention
+    for n in att.tp_colwise:
+        tp_dims[f"attention.{n}.weight"] = 0
+    tp_dims[f"attention.{att.tp_rowwise}.weight"] = 1
+    ffns = []
+    if block.moe_enabled:
+        if block.moe.shared_experts is not None:
+            ffns.append(("moe.shared_experts", block.moe.shared_experts))
+    else:
+        ffns.append(("feed_forward", block.feed_forward))
+    for ffn_prefix, ffn in ffns:
+        for n in ffn.tp_colwise:
+            tp_dims[f"{ffn_prefix}.{n}.weight"] = 0
+        tp_dims[f"{ffn_prefix}.{ffn.tp_rowwise}.weight"] = 1
+    # modules around the block with a TP role (tensor_parallel._role_plan): the embedding copy is
+    # vocabulary-sharded (dim 0) like tok_embeddings; norms and replicated linears stay whole
+    roles = getattr(block, "tp_roles", {})
+    infos = []
+    for name, p in block.named_parameters():
+        expert = block.moe_enabled and name.startswith("moe.experts.")
+        role = roles.get(name.rsplit(".", 1)[0])
+        tp_dim = None if expert else (0 if role == "embedding" else tp_dims.get(name))
+        group = f"{prefix}.experts" if expert else prefix
+        infos.append(ParamInfo(f"{prefix}.{name}", tuple(p.shape), i, group, tp_dim, expert, block.moe_enabled, role))
+    return infos
+
+
+def block_group(args, layer: int) -> str:
+    """The FSDP group (module path) of block ``layer``: ``layers.<i>``, or ``mtp.<k>`` for
+    DeepSeek-V3's MTP depth ``k`` (layer ``n_layers + k``)."""
+    return f"layers.{layer}" if layer < args.n_layers else f"mtp.{layer - args.n_layers}"
+
+
 @lru_cache(maxsize=16)
 def _inventory(model: str, flavor: str, overrides: tuple) -> tuple[tuple[ParamInfo, ...], object]:
     import dataclasses
@@ -93,36 +141,11 @@ def _inventory(model: str, flavor: str, overrides: tuple) -> tuple[tuple[ParamIn
     for name, p in m.tok_embeddings.named_parameters():
         infos.append(ParamInfo(f"tok_embeddings.{name}", tuple(p.shape), None, "tok_embeddings", 0, False, False))
     for lid, block in m.layers.items():
-        i = int(lid)
-        tp_dims: dict[str, int] = {}
-        att = block.attention
-        for n in att.tp_colwise:
-            tp_dims[f"attention.{n}.weight"] = 0
-        tp_dims[f"attention.{att.tp_rowwise}.weight"] = 1
-        ffns = []
-        if block.moe_enabled:
-            if block.moe.shared_experts is not None:
-                ffns.append(("moe.shared_experts", block.moe.shared_experts))
-        else:
-            ffns.append(("feed_forward", block.feed_forward))
-        for prefix, ffn in ffns:
-            for n in ffn.tp_colwise:
-                tp_dims[f"{prefix}.{n}.weight"] = 0
-            tp_dims[f"{prefix}.{ffn.tp_rowwise}.weight"] = 1
-        for name, p in block.named_parameters():
-            expert = block.moe_enabled and name.startswith("moe.experts.")
-            group = f"layers.{i}.experts" if expert else f"layers.{i}"
-            infos.append(
-                ParamInfo(
-                    f"layers.{i}.{name}",
-                    tuple(p.shape),
-                    i,
-                    group,
-                    None if expert else tp_dims.get(name),
-                    expert,
-                    block.moe_enabled,
-                )
-            )
+        infos.extend(_block_infos(f"layers.{lid}", int(lid), block))
+    # DeepSeek-V3's MTP depths: blocks of layer id n_layers + k after the main ones (an FSDP
+    # group each, on the last pipeline stage, stage_layers), with their own modules' TP roles
+    for k, block in (getattr(m, "mtp", None) or {}).items():
+        infos.extend(_block_infos(f"mtp.{k}", args.n_layers + int(k), block))
     for name, p in m.norm.named_parameters():
         infos.append(ParamInfo(f"norm.{name}", tuple(p.shape), None, "head", None, False, False))
     for name, p in m.output.named_parameters():

@@ -154,8 +154,12 @@ def measure_activations(
     m.to(getattr(torch, dtype))
     apply_activation_checkpointing(m, ac_mode, ac_option)
     tokens = torch.randint(0, m.args.vocab_size, (batch, seq_len))
-    labels = torch.randint(0, m.args.vocab_size, (batch, seq_len))
-    before = {t.untyped_storage().data_ptr() for t in [*m.parameters(), *m.buffers(), tokens, labels]}
+    # DeepSeek-V3's MTP depths: their token ids, and labels for the main and every depth's logits
+    depth = getattr(m.args, "mtp_layers", 0)
+    mtp_tokens = torch.randint(0, m.args.vocab_size, (batch, seq_len, depth)) if depth else None
+    labels = torch.randint(0, m.args.vocab_size, (batch, (1 + depth) * seq_len))
+    inputs = [tokens, labels] + ([mtp_tokens] if depth else [])
+    before = {t.untyped_storage().data_ptr() for t in [*m.parameters(), *m.buffers(), *inputs]}
 
     class Track(TorchDispatchMode):
         def __init__(self):
@@ -171,7 +175,7 @@ def measure_activations(
 
     track = Track()
     with track:
-        logits = m(tokens)
+        logits = m(tokens, mtp_tokens=mtp_tokens) if depth else m(tokens)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
     alive = {}
     for ref in track.refs:

@@ -21,7 +21,8 @@ def tp_colwise_modules(model, flavor, key, layer: int) -> tuple[tuple[bool, tupl
     """The TP-split modules of transformer layer ``layer`` (attention, dense or shared-expert
     feed-forward): whether its input stays a DTensor (every weight of the module TP-split:
     tensor_parallel._input_stays_dtensor) and the input width of each column-wise projection."""
-    params = [p for p in _params(model, flavor, key) if p.layer == layer and not p.expert]
+    # (the modules with a declared TP role around a block, MTP's, are not TP-split projections)
+    params = [p for p in _params(model, flavor, key) if p.layer == layer and not p.expert and p.role is None]
     out = []
     for prefix in sorted({p.fqn.rsplit(".", 2)[0] for p in params if p.tp_dim == 0}):
         inside = [p for p in params if p.fqn.startswith(prefix + ".")]
@@ -32,9 +33,12 @@ def tp_colwise_modules(model, flavor, key, layer: int) -> tuple[tuple[bool, tupl
 
 def _replicated_on_tp(p, sp: bool) -> bool:
     """Weights models/parallel/tensor_parallel.py makes Replicate DTensors on tp: the norms
-    under sequence parallel (SequenceParallel), the MoE router gate."""
+    under sequence parallel (SequenceParallel), the MoE router gate, and under sequence parallel
+    the modules a block declares as ``norm`` or ``replicated_linear`` (MTP's)."""
     if p.tp_dim is not None or p.expert:
         return False
+    if p.role is not None:
+        return sp and p.role in ("norm", "replicated_linear")
     name = p.fqn.rsplit(".", 1)[0]
     norm = name == "norm" or name.endswith(".attention_norm") or name.endswith(".ffn_norm")
     return (sp and norm) or name.endswith(".moe.router.gate")
