@@ -20,9 +20,7 @@ from typing import Any
 
 from trainer.config import ConfigError
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["RowFiles", "row_format"]
+__all__ = ["FileCycle", "RowFiles", "row_format"]
 
 _BLOCK = 256  # rows read at once from a save_to_disk dataset
 
@@ -37,7 +35,32 @@ def row_format(path: str) -> str:
     return "parquet" if path.endswith(".parquet") else "jsonl"
 
 
-class RowFiles:
+class FileCycle:
+    """A source that reads its ``files`` in order and starts over (a new epoch) after the last:
+    :meth:`_next_file` is the position ``[epoch, file index, 0]`` after file ``index``. Needs
+    ``files``, ``path``, ``log_epochs`` and ``_epoch_said`` (shared by :class:`RowFiles` and
+    ``trainer.data.sources.FileSource``)."""
+
+    files: list[str]
+    path: str
+    log_epochs: bool
+    _epoch_said: int
+
+    def _next_file(self, epoch: int, index: int) -> list[int]:
+        if index + 1 < len(self.files):
+            return [epoch, index + 1, 0]
+        # said once per epoch: a loader may read the same stretch again (a resumed step), and
+        # every rank reads the same stream
+        if self.log_epochs and epoch > self._epoch_said:
+            self._epoch_said = epoch
+            # under the source's own module's logger (trainer.data.sources for FileSource)
+            logging.getLogger(type(self).__module__).warning(
+                "dataset '%s' exhausted after epoch %d; starting over", self.path, epoch
+            )
+        return [epoch + 1, 0, 0]
+
+
+class RowFiles(FileCycle):
     """The rows of a dataset path; ``read(cursor)`` returns (the row's ``column`` value, where
     the row is in words, the next cursor). ``column``: the field each row must have."""
 
@@ -126,14 +149,6 @@ class RowFiles:
 
     def start(self) -> list[int]:
         return [0, 0, 0]
-
-    def _next_file(self, epoch: int, index: int) -> list[int]:
-        if index + 1 < len(self.files):
-            return [epoch, index + 1, 0]
-        if self.log_epochs and epoch > self._epoch_said:
-            self._epoch_said = epoch
-            logger.warning("dataset '%s' exhausted after epoch %d; starting over", self.path, epoch)
-        return [epoch + 1, 0, 0]
 
     def _value(self, index: int, row: int) -> Any:
         cached = self._cache

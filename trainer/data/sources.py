@@ -6,15 +6,13 @@ checkpointed. ``training.dataset = "synthetic"`` reads :class:`SyntheticSource`,
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Protocol
 
 from trainer.config import ConfigError
 from trainer.config.schema import TEXT_DOCUMENTS
+from trainer.data.rows import FileCycle
 from trainer.data.synthetic import synthetic_document
-
-logger = logging.getLogger(__name__)
 
 
 class DocumentSource(Protocol):
@@ -83,7 +81,7 @@ def describe_text_documents(documents: str) -> str:
     }[documents]
 
 
-class FileSource:
+class FileSource(FileCycle):
     """``.txt`` files or ``.jsonl`` files (one document per line, field ``text``). Files are
     visited in sorted path order and the stream wraps around (next epoch) when they are
     exhausted.
@@ -167,16 +165,6 @@ class FileSource:
             self._fh = open(self.files[index], "rb")
             self._fh_index = index
         return self._fh
-
-    def _advance_file(self, epoch: int, index: int) -> list[int]:
-        if index + 1 < len(self.files):
-            return [epoch, index + 1, 0]
-        # said once per epoch: a loader may read the same stretch again (a resumed step), and
-        # every rank reads the same stream
-        if self.log_epochs and epoch > self._epoch_said:
-            self._epoch_said = epoch
-            logger.warning("dataset '%s' exhausted after epoch %d; starting over", self.path, epoch)
-        return [epoch + 1, 0, 0]
 
     def _decode(self, data: bytes, index: int, offset: int, *, cut_ok: bool) -> tuple[str, bytes]:
         """``data`` as text, and the bytes that make it: a multi-byte character cut at the end of
@@ -280,16 +268,16 @@ class FileSource:
                 unit = read(fh, epoch, index, offset)
                 if unit is not None:
                     return unit
-                epoch, index, offset = self._advance_file(epoch, index)
+                epoch, index, offset = self._next_file(epoch, index)
                 continue
             fh.seek(offset)
             data = fh.read(self.CHUNK_BYTES)
             if not data:  # offset at EOF: only reachable from a cursor saved at a file end
-                epoch, index, offset = self._advance_file(epoch, index)
+                epoch, index, offset = self._next_file(epoch, index)
                 continue
             if not data.endswith(b"\n"):
                 data += fh.readline(self.CHUNK_BYTES)
             text, data = self._decode(data, index, offset, cut_ok=True)
             end = offset + len(data)
             at_eof = end >= os.path.getsize(self.files[index])
-            return text, at_eof, (self._advance_file(epoch, index) if at_eof else [epoch, index, end])
+            return text, at_eof, (self._next_file(epoch, index) if at_eof else [epoch, index, end])
