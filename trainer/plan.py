@@ -286,7 +286,6 @@ def plan_job(
         )
         if opts.float8 is not None and opts.float8.moe_fqns:
             attempt(lambda: _check_float8_experts(spec, cfg.model.name, opts.float8, pd.etp))
-        attempt(lambda: _check_mtp_layout(spec.args, pd))
         if opts.lora is not None:
             attempt(lambda: check_lora(spec.model_cls, spec.args, opts.lora))
     batch = None
@@ -353,17 +352,6 @@ def _check_float8_experts(spec: ModelSpec, name: str, opts: Float8Options, etp: 
     with torch.device("meta"):
         model = spec.model_cls(spec.args)
     check_float8_experts(model, name, opts, etp)
-
-
-def _check_mtp_layout(args, pd: ParallelDims) -> None:
-    """DeepSeek-V3 MTP depths: pipelines of two ranks (the embedding group, as for tied
-    embeddings)."""
-    depth = getattr(args, "mtp_layers", 0)
-    if depth and pd.pp > 2:
-        raise ConfigError(
-            f"model.mtp_layers={depth} with pp={pd.pp} is not supported yet (the MTP depths' embedding copies on the "
-            "last stage sum their gradients with the first stage's over a group built for pp = 2); use pp <= 2"
-        )
 
 
 def _model_spec(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:

@@ -25,6 +25,15 @@ main and MTP normed states concatenated rank-locally under tp=2 (``to_local()`` 
 each rank's sequence shards side by side instead of the global sequence order) tp=2 DIVERGED at
 step 1 (max rel loss diff 9.9e-3, grad norm 0.20).
 
+A deeper pipeline (test_mtp_deep_pipeline_matches_one_process, a second launch: 4 main blocks,
+one process against pp=4, the MTP depth and its embedding copy on rank 3, summed with rank 0's
+embedding over the embedding group of the first and last stage ranks). Measured: bitwise equal
+to one process over 3 steps; negative control by hand: with the embedding group's all-reduce
+removed pp=4 DIVERGED at step 2 (max rel loss diff 4.8e-5, grad norm 7.0e-5). Also run by hand
+(not kept: a launch per schedule, which is global to a launch): pp=2 with ZBVZeroBubble (a V
+schedule: rank 0 holds the first and the last stage, the copy's gradient summed locally) and with
+Interleaved1F1B, both 9.1e-8.
+
 Depth D = 2 (the chain of two MTP modules, each fed the previous depth's output) trains through
 train.py on one process in a launch of its own (test_depth_two_trains_on_one_process, about
 5 s); its math against the report's equations is tests/unit/test_mtp.py.
@@ -33,8 +42,14 @@ train.py on one process in a launch of its own (test_depth_two_trains_on_one_pro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from .helpers import read_metrics
 from .test_compare_loss import MATRIX, STEPS, _assert_all_agree, compare_loss
@@ -127,3 +142,28 @@ def test_depth_two_trains_on_one_process(tmp_path):
     assert not torch.equal(emb, torch.zeros_like(emb))
     for k in (0, 1):
         assert torch.equal(saved[f"mtp.{k}.embed_tokens.weight"], emb), k
+
+
+DEEP_PP_LAYOUTS = ["single", "pp=4"]
+
+
+def test_mtp_deep_pipeline_matches_one_process(tmp_path):
+    """MTP on pp=4 (the embedding group joins the first and the last of four stage ranks) gives
+    the one-process curve within compare_loss's default tolerance (4 main blocks, one per stage;
+    local batch 8: the pipeline's 4 micro-batches of 2)."""
+    out = tmp_path / "cmp"
+    proc = compare_loss(
+        "--config", "train_configs/deepseek_v3.toml", "--steps", str(STEPS), "--out", str(out),
+        "--timeout", "300", "--launcher", "fork", "--layouts", *DEEP_PP_LAYOUTS,
+        "--", *MATRIX, "--model.n_layers", "4", "--model.mtp_layers", "1",
+        "--training.local_batch_size", "8",  # four pipeline micro-batches of 2
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"] and (summary["rtol"], summary["atol"], summary["grad_norm_rtol"]) == (1e-5, 1e-5, 1e-4)
+    assert [r["status"] for r in summary["runs"]] == ["baseline", "ok"], summary["runs"]
+    for run in summary["runs"]:  # each run trained the model and layout asked for
+        with open(Path(run["folder"]) / "config.toml", "rb") as f:
+            config = tomllib.load(f)
+        assert (config["model"]["n_layers"], config["model"]["mtp_layers"]) == (4, 1), run["layout"]
+        assert config["parallelism"]["pipeline_parallel_degree"] == (4 if run["nproc"] == 4 else 1), run["layout"]

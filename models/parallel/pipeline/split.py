@@ -71,11 +71,6 @@ def split_model(model: nn.Module | Callable[[], nn.Module], stages: StagePlan, p
         raise ValueError(
             f"the stage plan is for pp={stages.pp}, the layout has pp={pd.pp}; plan the stages for this layout"
         )
-    if getattr(getattr(model, "args", None), "mtp_layers", 0) and pd.pp > 2:
-        raise ValueError(
-            f"pp={pd.pp} with MTP (mtp_layers > 0) is not supported yet (proven on pp=2 only: the MTP "
-            "depths and their embedding copies on the last stage); use pp=2 or pp=1"
-        )
     num_stages, n_layers = stages.num_stages, stages.n_layers
     ranges = list(stages.layer_ranges)
     indices = stages.stages_for_rank(pd.coordinate("pp"))
