@@ -300,6 +300,10 @@ class ForkedTrain:
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"train.py on {len(self.procs)} forked ranks", timeout)
             live = [s for s, p in sentinels.items() if p.exitcode is None]
+            if not live:
+                # every rank ended between poll() and here: poll again (waiting on no sentinel
+                # would sleep out the whole timeout)
+                continue
             wait_for_any(live, timeout=left)
         return self.returncode
 
