@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from models.registry import build_model
+from tests.hf_published import LLAMA32_1B
 
 pytestmark = pytest.mark.unit
 
@@ -61,40 +62,8 @@ def test_bad_tie_value_is_refused():
 # ---------------------------------------------------------------------------------------------
 # Hugging Face: a small random Llama-3.2-shaped tied model (RoPE scaling factor 32), fp32
 
-# Llama 3.2 1B's published config.json (meta-llama/Llama-3.2-1B), written here as test data
-LLAMA32_1B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 8192,
-    "max_position_embeddings": 131072,
-    "mlp_bias": False,
-    "model_type": "llama",
-    "num_attention_heads": 32,
-    "num_hidden_layers": 16,
-    "num_key_value_heads": 8,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "factor": 32.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.45.0.dev0",
-    "use_cache": True,
-    "vocab_size": 128256,
-}
+# Llama 3.2 1B's published config.json (meta-llama/Llama-3.2-1B): tests/hf_published.py
+LLAMA32_1B_CONFIG = LLAMA32_1B
 LLAMA32_1B_PARAMS = 1_235_814_400
 
 # ours as overrides of llama3/debugmodel; head_dim 16 with theta 5e5 puts RoPE frequencies on
