@@ -197,7 +197,12 @@ class PerRankLoader:
         ]
 
     def state_dict(self) -> dict[str, Any]:
-        return self.first.state_dict()
+        from trainer.data.striped import merge_states
+
+        states = [loader.state_dict() for loader in self.loaders.values()]
+        if "slot_range" in states[0]:  # rows read in stripes: each loader knows its own
+            return merge_states(states)
+        return states[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for loader in self.loaders.values():

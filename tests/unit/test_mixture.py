@@ -110,8 +110,9 @@ def test_resume_on_another_batch_degree_continues_the_same_samples(mixture_cfg):
 
 
 def test_hf_rows_give_the_jsonl_token_stream(mixture_cfg, tmp_path):
-    """``dataset = "hf"`` (parquet with several row groups; a save_to_disk folder) packs the
-    same texts into the same windows as a .jsonl file of them (the existing streaming path)."""
+    """``dataset = "hf"`` read as one stream (``row_reading = "sequential"``; parquet with several
+    row groups; a save_to_disk folder) packs the same texts into the same windows as a .jsonl file
+    of them (the existing streaming path). Striped reading: tests/unit/test_striped_rows.py."""
     import datasets
 
     _cfg, texts, folder = mixture_cfg
@@ -124,6 +125,7 @@ def test_hf_rows_give_the_jsonl_token_stream(mixture_cfg, tmp_path):
         cfg = load_config(
             ["--config", "llama3.toml", "--training.seq_len", "32", "--training.dataset", kind]
             + ["--training.dataset_path", str(path), "--training.global_batch_size", "8"]
+            + ["--training.row_reading", "sequential"]
         )
         loader = build_dataloader(cfg, tok, batch_rank=0, batch_degree=1)
         windows[str(path)] = torch.cat([x for _ in range(3) for x, _y in loader.next_step()])

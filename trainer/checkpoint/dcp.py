@@ -58,6 +58,7 @@ from trainer.checkpoint.state import (
     stored_optimizer_keys,
     to_blob,
 )
+from trainer.data.striped import complete_state
 
 __all__ = ["EXCLUDABLE", "CheckpointFolder", "load_checkpoint", "save_seed_checkpoint"]
 
@@ -139,17 +140,29 @@ def load_checkpoint(
     return dict(train_state.get("extra") or {})
 
 
-def train_state_blob(step: int, lr_scheduler=None, dataloader=None, extra: dict[str, Any] | None = None) -> bytes:
+def train_state_blob(
+    step: int, lr_scheduler=None, data_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
+) -> bytes:
     """The ``train_state`` entry of a step-N checkpoint: step and extra, the lr schedule, the
-    data position and the RNG state (rank 0's; the same on every rank)."""
+    data position (``data_state``: the loader's whole position, :func:`data_position`) and the
+    RNG state (rank 0's; the same on every rank)."""
     return to_blob(
         {
             "extra": {"step": step, **(extra or {})},
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "dataloader": dataloader.state_dict() if dataloader is not None else None,
+            "dataloader": data_state,
             "rng": rng_state(),
         }
     )
+
+
+def data_position(dataloader, process_group=None) -> dict[str, Any] | None:
+    """The loader's position as a checkpoint holds it; collective (every rank calls it): a
+    loader reading rows in stripes knows only its own stripes' positions, merged here over the
+    ranks (trainer/data/striped.py)."""
+    if dataloader is None:
+        return None
+    return complete_state(dataloader.state_dict(), process_group)
 
 
 class CheckpointFolder:
@@ -203,8 +216,9 @@ class CheckpointFolder:
         state: dict[str, Any] = {"model": checkpoint_state_dict(model_parts, self.select)}
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
+        data_state = data_position(dataloader, self.process_group)  # collective
         if rank(self.process_group) == 0:  # identical on all ranks, or rank 0's by definition
-            state["train_state"] = train_state_blob(step, lr_scheduler, dataloader, extra)
+            state["train_state"] = train_state_blob(step, lr_scheduler, data_state, extra)
         return state
 
     def save(

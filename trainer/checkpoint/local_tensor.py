@@ -91,7 +91,8 @@ class LocalTensorFolder(CheckpointFolder):
         if optimizer is not None:
             state["optimizer"] = {k: full_value(v) for k, v in optimizer.state_dict().items()}
         with host_side():  # host objects: the same for every simulated rank, rank 0's by definition
-            state["train_state"] = train_state_blob(step, lr_scheduler, dataloader, extra)
+            data = dataloader.state_dict() if dataloader is not None else None  # every rank's (PerRankLoader)
+            state["train_state"] = train_state_blob(step, lr_scheduler, data, extra)
         return state
 
     def save_state(self, step: int, state: dict[str, Any]) -> str:

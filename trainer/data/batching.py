@@ -21,6 +21,7 @@ import torch
 from trainer.config import ConfigError, gradient_accumulation_steps, resolve_global_batch_size
 from trainer.data.packing import IGNORE_INDEX, PackedStream
 from trainer.data.sources import DocumentSource
+from trainer.data.striped import StripedStream
 from trainer.data.token_shards import TokenDataset
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,19 @@ class PackedDataLoader:
                 f"data loader state is for dataset '{state.get('dataset')}' but this run uses "
                 f"'{self.source_name}'; to start the new dataset from its beginning set "
                 f'checkpoint.exclude_from_loading = ["dataloader"]'
+            )
+        striped = isinstance(self._stream, StripedStream)
+        if striped != ("stripes" in state):
+            how = (
+                ("in stripes of rows", "as one stream")
+                if "stripes" in state
+                else ("as one stream", "in stripes of rows")
+            )
+            setting = "'striped'" if "stripes" in state else "'sequential'"
+            raise ValueError(
+                f"data loader state was written reading the rows {how[0]}, but this run reads them {how[1]} "
+                f"(training.row_reading); set training.row_reading = {setting} to continue the same samples, or "
+                'start the data from its beginning with checkpoint.exclude_from_loading = ["dataloader"]'
             )
         if state.get("seq_len") != self.seq_len:
             logger.warning(

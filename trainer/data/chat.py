@@ -21,6 +21,7 @@ same on every rank and every layout: every rank reads the rows in the same order
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,13 @@ class ChatSource:
     @property
     def description(self) -> str:
         return f"chat conversations in {self.rows.description}; template: {self.template.where}"
+
+    def with_rows(self, rows) -> ChatSource:
+        """This source over other rows (a :class:`~trainer.data.rows.RowStripe` of its own),
+        the template and tokens shared."""
+        clone = copy.copy(self)
+        clone.rows = rows
+        return clone
 
     def start(self) -> list[int]:
         return self.rows.start()

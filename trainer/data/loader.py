@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from trainer.config import JobConfig
+from trainer.config import ConfigError, JobConfig, resolve_global_batch_size
 from trainer.data.batching import PackedDataLoader
 from trainer.data.chat import ChatSource, ChatStream
-from trainer.data.mixture import MixtureStream
+from trainer.data.mixture import MixtureSchedule, MixtureStream
 from trainer.data.packing import PackedStream
 from trainer.data.prefetch import BackgroundLoader, SyncLoader
 from trainer.data.sources import DocumentSource, FileSource, RowTextSource, SyntheticSource
+from trainer.data.striped import StripedStream, Stripes
 from trainer.data.token_shards import TokenDataset
 from trainer.data.tokenizer import DEFAULT_TOKENIZER_PATH
 
@@ -57,6 +58,14 @@ def _source_stream(cfg: JobConfig, entry: dict, tokenizer, seq_len: int, log_epo
     return PackedStream(source, tokenizer, seq_len)
 
 
+def _mixture_description(entries: list[dict], shares: list[float]) -> str:
+    return "mixture of " + "; ".join(
+        f"{e['name']} ({e['kind']}{', ' + e['path'] if e['path'] else ''}): weight {e['weight']:g}, "
+        f"{p:.1%} of the samples and tokens expected"
+        for e, p in zip(entries, shares)
+    )
+
+
 def mixture_stream(cfg: JobConfig, tokenizer, seq_len: int, log_epochs: bool = True) -> MixtureStream:
     """``training.sources``: the sources' streams under the seeded schedule (trainer/data/mixture.py)."""
     entries = cfg.training.sources
@@ -69,12 +78,94 @@ def mixture_stream(cfg: JobConfig, tokenizer, seq_len: int, log_epochs: bool = T
         masked=any(e["kind"] == "chat" for e in entries),
     )
     mix.name = "mixture"
-    mix.description = "mixture of " + "; ".join(
-        f"{e['name']} ({e['kind']}{', ' + e['path'] if e['path'] else ''}): weight {e['weight']:g}, "
-        f"{p:.1%} of the samples and tokens expected"
-        for e, p in zip(entries, mix.shares)
-    )
+    mix.description = _mixture_description(entries, mix.shares)
     return mix
+
+
+def _stripes(cfg: JobConfig, kind: str, path: str, option: str, tokenizer, seq_len: int, slots: int, log_epochs: bool):
+    """A ``hf`` or ``chat`` dataset read in ``slots`` stripes (trainer/data/striped.py), or the
+    reason it is not: (Stripes, None) or (None, why)."""
+    if kind not in ("hf", "chat"):
+        return None, f"'{kind}' data is read as one stream"
+    t = cfg.training
+    if kind == "chat":
+        base = ChatSource(path, tokenizer, DEFAULT_TOKENIZER_PATH, option=option, log_epochs=False)
+
+        def make(i: int):
+            rows = base.rows.stripe(i, slots, log_epochs=log_epochs and i == 0)
+            return ChatStream(base.with_rows(rows), seq_len, packing=t.chat_packing, too_long=t.chat_too_long)
+    else:
+        base = RowTextSource(path, option=option, log_epochs=False)
+
+        def make(i: int):
+            return PackedStream(
+                base.with_rows(base.rows.stripe(i, slots, log_epochs=log_epochs and i == 0)), tokenizer, seq_len
+            )
+
+    if not base.rows.addressable:
+        return None, f"{path} holds .jsonl rows, which are not counted ahead"
+    n_rows = base.rows.n_rows
+    if n_rows < slots:
+        return None, (
+            f"{path} has {n_rows} rows, fewer than the {slots} stripes (one per sample of the global batch); "
+            "lower training.global_batch_size or set training.row_reading = 'sequential'"
+        )
+    return Stripes(make, base.description), None
+
+
+def striped_stream(
+    cfg: JobConfig,
+    tokenizer,
+    seq_len: int,
+    global_batch_size: int,
+    batch_rank: int,
+    batch_degree: int,
+    log_epochs: bool,
+) -> StripedStream | None:
+    """The training data read in stripes (``training.row_reading``: 'auto' where the rows allow
+    it, 'striped' everywhere or an error naming why not), or None (one stream, every rank reads
+    every row)."""
+    t = cfg.training
+    if t.row_reading == "sequential":
+        return None
+    entries = t.sources or [{"kind": t.dataset, "path": t.dataset_path, "name": t.dataset, "weight": 1.0}]
+    option = "training.dataset_path" if not t.sources else None
+    sources, reasons = [], []
+    for e in entries:
+        where = option or f"training.sources '{e['name']}' path"
+        stripes, why = _stripes(cfg, e["kind"], e["path"], where, tokenizer, seq_len, global_batch_size, log_epochs)
+        sources.append(stripes if stripes is not None else e)
+        if why is not None:
+            reasons.append(why)
+    if not any(isinstance(s, Stripes) for s in sources):
+        if t.row_reading == "striped":
+            raise ConfigError(
+                f"training.row_reading = 'striped' needs parquet or save_to_disk rows of 'hf' or 'chat' data: "
+                f"{'; '.join(reasons)}; set training.row_reading = 'auto' or 'sequential'"
+            )
+        return None
+    per_rank = global_batch_size // batch_degree
+    owned = range(batch_rank * per_rank, (batch_rank + 1) * per_rank)
+    stripes_note = (
+        f"read in {global_batch_size} stripes of rows, one per sample of the global batch (training.row_reading)"
+    )
+    if not t.sources:
+        base = sources[0]
+        return StripedStream(
+            [base], [t.dataset], slots=global_batch_size, owned=owned, window=seq_len + 1, masked=t.dataset == "chat",
+            name=t.dataset, description=f"{base.description}; {stripes_note}",
+        )  # fmt: skip
+    streams = [
+        s if isinstance(s, Stripes) else _source_stream(cfg, e, tokenizer, seq_len, log_epochs)
+        for s, e in zip(sources, entries)
+    ]
+    schedule = MixtureSchedule([e["weight"] for e in entries], t.seed)
+    striped = ", ".join(e["name"] for s, e in zip(sources, entries) if isinstance(s, Stripes))
+    return StripedStream(
+        streams, [e["name"] for e in entries], slots=global_batch_size, owned=owned, window=seq_len + 1,
+        masked=any(e["kind"] == "chat" for e in entries), name="mixture", schedule=schedule,
+        description=f"{_mixture_description(entries, schedule.shares)}; {striped} {stripes_note}",
+    )  # fmt: skip
 
 
 def document_separator(cfg: JobConfig, tokenizer) -> int | None:
@@ -141,8 +232,13 @@ def build_dataloader(
         raise TypeError("build_dataloader needs the job plan's batch plan or a batch_degree")
     else:
         global_batch_size, local_batch_size, seq_len = t.global_batch_size, t.local_batch_size, t.seq_len
-    stream = None
-    if t.sources:
+    stream = striped_stream(
+        cfg, tokenizer, seq_len, resolve_global_batch_size(global_batch_size, local_batch_size, batch_degree),
+        batch_rank, batch_degree, log_epochs,
+    )  # fmt: skip
+    if stream is not None:
+        source = stream
+    elif t.sources:
         source = stream = mixture_stream(cfg, tokenizer, seq_len, log_epochs)
     elif t.dataset == "chat":
         source, stream = chat_stream(cfg, t.dataset_path, tokenizer, seq_len, "training.dataset_path", log_epochs)

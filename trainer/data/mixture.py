@@ -23,24 +23,20 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "MixtureStream"]
+__all__ = ["BLOCK", "MixtureSchedule", "MixtureStream", "mixture_notes"]
 
 BLOCK = 4096
 
 
-class MixtureStream:
-    """The :class:`~trainer.data.packing.PackedStream` interface over several streams.
-    ``take`` returns windows, or (windows, targets) when any source is masked (a pre-training
-    source's windows are all targets)."""
+class MixtureSchedule:
+    """Which source each global sample comes from: (seed, weights) -> ``choices(start, n)``, the
+    same for every rank, layout and resume (the module docstring's schedule)."""
 
-    def __init__(self, streams: list[Any], names: list[str], weights: list[float], seed: int, *, masked: bool) -> None:
-        self.streams, self.names, self.seed, self.masked = streams, names, seed, masked
-        self.weights = [float(w) for w in weights]
-        self.window = streams[0].window
+    def __init__(self, weights: list[float], seed: int) -> None:
+        self.weights, self.seed = [float(w) for w in weights], seed
         self._cum = np.cumsum(self.weights) / sum(self.weights)
         self._cum[-1] = 1.0
         self._blocks: dict[int, np.ndarray] = {}
-        self.sample_index = 0
 
     @property
     def shares(self) -> list[float]:
@@ -70,12 +66,26 @@ class MixtureStream:
     def counts(self, end: int) -> list[int]:
         """Samples drawn from each source among global samples ``[0, end)``."""
         full, rest = divmod(end, BLOCK)
-        total = np.zeros(len(self.streams), dtype=np.int64)
+        total = np.zeros(len(self.weights), dtype=np.int64)
         for b in range(full):
-            total += np.bincount(self._block(b), minlength=len(self.streams))
+            total += np.bincount(self._block(b), minlength=len(self.weights))
         if rest:
-            total += np.bincount(self._block(full)[:rest], minlength=len(self.streams))
+            total += np.bincount(self._block(full)[:rest], minlength=len(self.weights))
         return total.tolist()
+
+
+class MixtureStream:
+    """The :class:`~trainer.data.packing.PackedStream` interface over several streams.
+    ``take`` returns windows, or (windows, targets) when any source is masked (a pre-training
+    source's windows are all targets)."""
+
+    def __init__(self, streams: list[Any], names: list[str], weights: list[float], seed: int, *, masked: bool) -> None:
+        self.streams, self.names, self.seed, self.masked = streams, names, seed, masked
+        self.schedule = MixtureSchedule(weights, seed)
+        self.weights = self.schedule.weights
+        self.window = streams[0].window
+        self.sample_index = 0
+        self.shares, self.choices, self.counts = self.schedule.shares, self.schedule.choices, self.schedule.counts
 
     def take(self, n_samples: int):
         toks = np.empty((n_samples, self.window), dtype=np.int64)
@@ -103,28 +113,43 @@ class MixtureStream:
         }
 
     def restore(self, state: dict[str, Any]) -> None:
-        saved = state.get("mixture")
-        if saved != [[name, w] for name, w in zip(self.names, self.weights)]:
-            raise ValueError(
-                f"data loader state is for the mixture {saved} but this run's training.sources are "
-                f"{[[n, w] for n, w in zip(self.names, self.weights)]} (name, weight); to start the new mixture "
-                'from its beginning set checkpoint.exclude_from_loading = ["dataloader"]'
-            )
+        check_mixture_state(state, self.names, self.weights)
         for name, stream in zip(self.names, self.streams):
             stream.restore(state["sources"][name])
         self.sample_index = int(state["sample_index"])
 
     def notes(self) -> str:
         """The first step's data line: each source's share of the windows so far."""
-        got = self.counts(self.sample_index)
-        shares = ", ".join(
-            f"{name} {c / max(self.sample_index, 1):.1%} (weight share {p:.1%})"
-            for name, c, p in zip(self.names, got, self.shares)
-        )
         chats = [s.notes() for s in self.streams if hasattr(s, "notes")]
-        return f"mixture: {shares} of {self.sample_index} windows" + "".join("; " + c for c in chats)
+        return mixture_notes(self.names, self.schedule, self.sample_index, chats)
 
     def source_metrics(self, sample_index: int) -> dict[str, int]:
         """Tokens (window positions) each source gave up to ``sample_index``: the metrics row."""
-        seq_len = self.window - 1
-        return {f"tokens_{name}": c * seq_len for name, c in zip(self.names, self.counts(sample_index))}
+        return mixture_tokens(self.names, self.schedule, sample_index, self.window - 1)
+
+
+def check_mixture_state(state: dict[str, Any], names: list[str], weights: list[float]) -> None:
+    """A checkpoint's data position is for this mixture (the same names and weights)."""
+    saved = state.get("mixture")
+    if saved != [[name, w] for name, w in zip(names, weights)]:
+        raise ValueError(
+            f"data loader state is for the mixture {saved} but this run's training.sources are "
+            f"{[[n, w] for n, w in zip(names, weights)]} (name, weight); to start the new mixture "
+            'from its beginning set checkpoint.exclude_from_loading = ["dataloader"]'
+        )
+
+
+def mixture_notes(names: list[str], schedule: MixtureSchedule, sample_index: int, chats: list[str]) -> str:
+    """The first step's data line of a mixture: each source's share of the windows so far, and
+    what its chat sources say."""
+    got = schedule.counts(sample_index)
+    shares = ", ".join(
+        f"{name} {c / max(sample_index, 1):.1%} (weight share {p:.1%})"
+        for name, c, p in zip(names, got, schedule.shares)
+    )
+    return f"mixture: {shares} of {sample_index} windows" + "".join("; " + c for c in chats)
+
+
+def mixture_tokens(names: list[str], schedule: MixtureSchedule, sample_index: int, seq_len: int) -> dict[str, int]:
+    """Tokens (window positions) each source gave up to ``sample_index``: the metrics row."""
+    return {f"tokens_{name}": c * seq_len for name, c in zip(names, schedule.counts(sample_index))}

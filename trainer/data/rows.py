@@ -13,6 +13,7 @@ a row index in a parquet file or the ``save_to_disk`` dataset (one "file").
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from typing import Any
 
 from trainer.config import ConfigError
 
-__all__ = ["FileCycle", "RowFiles", "row_format"]
+__all__ = ["FileCycle", "RowFiles", "RowStripe", "row_format"]
 
 _BLOCK = 256  # rows read at once from a save_to_disk dataset
 
@@ -150,19 +151,27 @@ class RowFiles(FileCycle):
     def start(self) -> list[int]:
         return [0, 0, 0]
 
+    def _block(self, index: int, row: int) -> tuple[int, list[Any]]:
+        """The rows read together with row ``row`` of file ``index``: (the first one's row
+        number, their values): a parquet row group, or :data:`_BLOCK` rows of a save_to_disk
+        dataset."""
+        if self.format == "arrow":
+            first = row - row % _BLOCK
+            return first, self._ds[first : first + _BLOCK][self.column]
+        starts = self._groups[index]
+        g = max(i for i, s in enumerate(starts) if s <= row)
+        return starts[g], self._pq[index].read_row_group(g, columns=[self.column]).column(0).to_pylist()
+
     def _value(self, index: int, row: int) -> Any:
         cached = self._cache
         if cached is None or cached[0] != index or not cached[1] <= row < cached[1] + len(cached[2]):
-            if self.format == "arrow":
-                first = row - row % _BLOCK
-                values = self._ds[first : first + _BLOCK][self.column]
-            else:
-                starts = self._groups[index]
-                g = max(i for i, s in enumerate(starts) if s <= row)
-                first = starts[g]
-                values = self._pq[index].read_row_group(g, columns=[self.column]).column(0).to_pylist()
-            self._cache = cached = (index, first, values)
+            self._cache = cached = (index, *self._block(index, row))
         return cached[2][row - cached[1]]
+
+    def stripe(self, index: int, count: int, *, log_epochs: bool = False) -> RowStripe:
+        """Stripe ``index`` of ``count``: a contiguous ``count``-th of the rows, read as a
+        dataset of its own (trainer/data/striped.py); parquet and save_to_disk data only."""
+        return RowStripe(self, index, count, log_epochs=log_epochs)
 
     @property
     def addressable(self) -> bool:
@@ -210,3 +219,64 @@ class RowFiles(FileCycle):
             where = f"{self.files[index]} (row {pos})"
             self.rows_read += 1
             return self._value(index, pos), where, [epoch, index, pos + 1]
+
+
+class RowStripe:
+    """Rows ``[lo, hi)`` of a :class:`RowFiles` (row numbers counted over its files in order),
+    read like a dataset of their own: :meth:`read` wraps from the last of them to the first (the
+    stripe's next epoch). Stripe ``index`` of ``count`` holds rows ``[index * R // count,
+    (index + 1) * R // count)`` of the R rows. Cursors are the parent's ``[epoch, file index,
+    row]`` (so a row is named as the parent names it); the parent's opened files are shared,
+    while each stripe keeps its own block of rows (one parquet row group's column) cached."""
+
+    addressable = True
+
+    def __init__(self, parent: RowFiles, index: int, count: int, *, log_epochs: bool = False):
+        if not parent.addressable:
+            raise ValueError(f"{parent.path}: .jsonl rows cannot be striped (they are not counted ahead)")
+        total = sum(parent.rows)
+        self.parent, self.index, self.count, self.log_epochs = parent, index, count, log_epochs
+        self.lo, self.hi = index * total // count, (index + 1) * total // count
+        if self.hi <= self.lo:
+            raise ValueError(f"stripe {index} of {count} of {parent.path} ({total} rows) holds no row")
+        self.path, self.format, self.files = parent.path, parent.format, parent.files
+        self._starts = [sum(parent.rows[:i]) for i in range(len(parent.rows))]
+        self._cache: tuple[int, int, list[Any]] | None = None
+        self._epoch_said = -1
+        self.rows_read = 0  # instrumentation: rows read by read()
+
+    @property
+    def n_rows(self) -> int:
+        return self.hi - self.lo
+
+    def _locate(self, epoch: int, flat: int) -> list[int]:
+        index = bisect.bisect_right(self._starts, flat) - 1
+        return [epoch, index, flat - self._starts[index]]
+
+    def start(self) -> list[int]:
+        return self._locate(0, self.lo)
+
+    def advance(self, cursor: list[int], n: int) -> list[int]:
+        """The cursor ``n`` rows after ``cursor`` within the stripe (nothing read)."""
+        epoch, index, pos = cursor
+        flat = self._starts[index] + pos - self.lo + n
+        return self._locate(epoch + flat // self.n_rows, self.lo + flat % self.n_rows)
+
+    def read(self, cursor: list[int]) -> tuple[Any, str, list[int]]:
+        epoch, index, pos = cursor
+        flat = self._starts[index] + pos
+        if flat >= self.hi:
+            if self.log_epochs and epoch > self._epoch_said:
+                self._epoch_said = epoch
+                logging.getLogger(__name__).warning(
+                    "dataset '%s': stripe %d of %d (rows %d-%d) exhausted after epoch %d; starting over "
+                    "(each stripe at its own pace)",
+                    self.path, self.index, self.count, self.lo, self.hi - 1, epoch,
+                )  # fmt: skip
+            epoch, index, pos = self._locate(epoch + 1, self.lo)
+            flat = self.lo
+        cached = self._cache
+        if cached is None or cached[0] != index or not cached[1] <= pos < cached[1] + len(cached[2]):
+            self._cache = cached = (index, *self.parent._block(index, pos))
+        self.rows_read += 1
+        return cached[2][pos - cached[1]], f"{self.files[index]} (row {pos})", self._locate(epoch, flat + 1)

@@ -5,6 +5,7 @@ checkpointed. ``training.dataset = "synthetic"`` reads :class:`SyntheticSource`,
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from typing import Protocol
@@ -43,6 +44,12 @@ class RowTextSource:
     @property
     def description(self) -> str:
         return f"{self.rows.description}, one document per row (column 'text')"
+
+    def with_rows(self, rows) -> RowTextSource:
+        """This source over other rows (a :class:`~trainer.data.rows.RowStripe` of its own)."""
+        clone = copy.copy(self)
+        clone.rows = rows
+        return clone
 
     def start(self) -> list[int]:
         return self.rows.start()
