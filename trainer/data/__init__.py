@@ -35,6 +35,8 @@ Modules (one concern each):
 - :mod:`~trainer.data.chat_template`, :mod:`~trainer.data.chat`: chat conversations -> windows with
   assistant-only targets (``training.dataset = "chat"``);
 - :mod:`~trainer.data.mixture`: weighted mixtures of sources (``[[training.sources]]``);
+- :mod:`~trainer.data.striped`: parquet / save_to_disk rows read in stripes, one per sample of
+  the global batch (``training.row_reading``), so each rank reads only its own rows;
 - :mod:`~trainer.data.prefetch`: the background prefetch thread;
 - :mod:`~trainer.data.loader`: building the loaders the trainer uses from the config.
 
