@@ -226,3 +226,25 @@ def test_what_striped_reading_refuses(data, tmp_path):
         seq.load_state_dict(state)
     with pytest.raises(ValueError, match="written reading the rows as one stream.*row_reading = 'sequential'"):
         ld.load_state_dict(seq.state_dict())
+
+
+def test_local_tensor_mode_merges_every_simulated_rank(data):
+    """comm.mode = local_tensor: one process holds a loader per batch coordinate
+    (trainer/local_tensor.py PerRankLoader); its state is every coordinate's stripes merged."""
+    from trainer.local_tensor import PerRankLoader
+
+    class Dims:  # 4 simulated ranks: batch degree 2 x tp 2
+        def coordinate(self, name, rank):
+            return rank // 2
+
+    tok = load_tokenizer("")
+    cfg = _cfg("--training.dataset", "hf", "--training.dataset_path", data["web"])
+    ref = _steps(_loaders(cfg, 1, tok), 3)
+    per = PerRankLoader(lambda c: build_dataloader(cfg, tok, batch_rank=c, batch_degree=2), Dims(), 4)
+    for ld in per.loaders.values():
+        ld.next_step(), ld.next_step()
+    state = per.state_dict()
+    assert "slot_range" not in state and set(state["sources"]["hf"]["stripes"]) == {str(i) for i in range(G)}
+    (one,) = _loaders(cfg, 1, tok)
+    one.load_state_dict(state)
+    assert torch.equal(_steps([one], 1)[0][0], ref[2][0])
