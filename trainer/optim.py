@@ -19,6 +19,7 @@ and placements) so the multi-tensor kernels apply to every layout: ``optimizer.i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -245,4 +246,16 @@ def build_optimizer(
 ) -> Optimizers:
     if isinstance(model_parts, nn.Module):
         raise TypeError("build_optimizer expects a list of model parts, e.g. [model]")
-    return Optimizers(model_parts, cfg.optimizer if isinstance(cfg, JobConfig) else cfg, all_params)
+    opt_cfg = cfg.optimizer if isinstance(cfg, JobConfig) else cfg
+    local = isinstance(cfg, JobConfig) and cfg.comm.mode == "local_tensor"
+    if local and opt_cfg.name == "Muon" and opt_cfg.muon_distribution == "round_robin":
+        # one process runs every rank: round_robin's point-to-point exchange cannot be simulated,
+        # while gather's all-gathers can, and the two give the same update bitwise
+        # (tests/distributed/test_muon_round_robin.py)
+        opts = Optimizers(model_parts, dataclasses.replace(opt_cfg, muon_distribution="gather"), all_params)
+        opts.summary.append(
+            "Muon: comm.mode = local_tensor simulates the ranks in one process, where round_robin's "
+            "point-to-point exchange cannot run: muon_distribution = gather (the same update, bitwise)"
+        )
+        return opts
+    return Optimizers(model_parts, opt_cfg, all_params)

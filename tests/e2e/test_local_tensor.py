@@ -37,7 +37,8 @@ FP32_REDUCTION_ORDER = 1e-6
 SMALL = ["--model.n_layers", "2"]  # module docstring
 
 
-def _both(tmp_path, config: str, world: int, steps: int, *layout: str) -> tuple[dict, dict]:
+def _both(tmp_path, config: str, world: int, steps: int, *layout: str, said: list | None = None) -> tuple[dict, dict]:
+    """The real processes' and the simulation's metrics (``said``: gets the simulation's stdout)."""
     args = ["--config", config, *FAST, *SMALL, "--training.steps", str(steps), "--checkpoint.enable", "false"]
     args += layout
     real = run_forked(world, *args, "--job.dump_folder", str(tmp_path / "real"))
@@ -54,6 +55,8 @@ def _both(tmp_path, config: str, world: int, steps: int, *layout: str) -> tuple[
     )
     assert local.returncode == 0, local.stderr[-3000:]
     assert f"all {world} ranks of the layout run in this one process" in local.stdout
+    if said is not None:
+        said.append(local.stdout)
     return read_metrics(tmp_path / "real"), read_metrics(tmp_path / "local")
 
 
@@ -252,3 +255,22 @@ def test_float8_moe_layout_is_bitwise_the_real_processes(tmp_path):
     assert sorted(real) == sorted(local) == [1, 2]
     for step in real:
         assert (local[step]["loss"], local[step]["grad_norm"]) == (real[step]["loss"], real[step]["grad_norm"]), step
+
+
+def test_muon_on_fsdp_x_tp_matches_the_real_processes(tmp_path):
+    """Muon (docs/optimizers.md) on dp_shard=2 x tp=2, 4 simulated ranks: each hidden matrix
+    assembled whole over the FSDP and TP shards for Newton-Schulz. The real processes run
+    round_robin (point-to-point to each matrix's owner rank), which one process cannot simulate;
+    the simulation runs gather instead (its start-up line says so), the same update bitwise
+    (tests/distributed/test_muon_round_robin.py). 3 steps: the momentum of two steps carried
+    into a third. Measured bitwise (losses and grad norms, every step); asserted within the
+    module's fp32 reduction-order tolerance, as the 4-rank layouts above."""
+    said: list[str] = []
+    layout = ("--parallelism.tp", "2", "--parallelism.dp_shard", "2", "--optimizer.name", "Muon")
+    real, local = _both(tmp_path, "llama3.toml", 4, 3, *layout, said=said)
+    assert sorted(real) == sorted(local) == [1, 2, 3]
+    for step in real:
+        print(step, {k: (real[step][k], local[step][k]) for k in ("loss", "grad_norm")})
+        for key in ("loss", "grad_norm"):
+            assert abs(local[step][key] - real[step][key]) <= FP32_REDUCTION_ORDER * abs(real[step][key]), (step, key)
+    assert "muon_distribution = gather (the same update, bitwise)" in said[0]
