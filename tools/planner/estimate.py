@@ -87,6 +87,9 @@ class Job:
     lora: object = None
     # optimizer.name, and Muon's optimizer.muon_distribution / muon_ns_steps (tools/planner/muon.py)
     optimizer: str = "AdamW"
+    # the [[optimizer.param_groups]] routing: (pattern, optimizer or None) per table, in order
+    # (trainer.optim_groups.choose; () = the default: Muon takes the hidden matrices)
+    param_groups: tuple = ()
     muon_distribution: str = "round_robin"
     muon_ns_steps: int = 5
 
@@ -244,13 +247,13 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
         recompute = max(recompute, est.recompute)
     layers_factor, logits_held = _in_flight(choice, d.pp, plan)
     activations = held_layers * layers_factor + head_b * logits_held + recompute
+    # AdamW: 2 fp32 states; Muon: 1 (its momentum) for the matrices routed to it
     muon_local = _muon(job, d, choice, rank).local_numel if job.optimizer == "Muon" else 0
-    # AdamW: 2 fp32 states; Muon: 1 (its momentum) for the matrices it takes
     params_b, grads_b, optimizer_b = 4 * padded, 4 * padded, 8 * local - 4 * muon_local
-    if job.lora is not None:  # frozen base: gradients and AdamW state of the adapters only (Muon: not modelled)
+    if job.lora is not None:  # frozen base: gradients and optimizer state of the adapters only
         a_padded, a_local, a_groups = _adapter_shards(job, d, choice, rank, stages, layout)
         frozen_b = DTYPE_BYTES[job.lora.frozen_dtype]
-        params_b, grads_b, optimizer_b = frozen_b * padded + 4 * a_padded, 4 * a_padded, 8 * a_local
+        params_b, grads_b, optimizer_b = frozen_b * padded + 4 * a_padded, 4 * a_padded, 8 * a_local - 4 * muon_local
         gathered += sum(a_groups.values()) * pb if cast and keeps_all else 0
         biggest_a = sorted(a_groups.values(), reverse=True)
         grads_unsharded = sum(biggest_a[:2]) * pb if sharded else 0
@@ -453,8 +456,9 @@ def _muon(job: Job, d, choice: LayoutChoice, rank: int):
         model_inventory(job.model, job.flavor, **job.overrides)[1], d, choice, rank, cached_layout(d)
     )
     return muon_cost(
-        job.model, job.flavor, job.overrides, d, rank, choice.mixed, stages, job.muon_distribution, job.muon_ns_steps
-    )
+        job.model, job.flavor, job.overrides, d, rank, choice.mixed, stages, job.muon_distribution, job.muon_ns_steps,
+        job.param_groups, job.lora,
+    )  # fmt: skip
 
 
 def _muon_comm_seconds(cost, crossing: dict, per_node: dict, hw: Hardware) -> float:

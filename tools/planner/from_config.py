@@ -1,6 +1,6 @@
 """The planner's estimate of the job a trainer config describes: the config resolved by the
 trainer's own job plan (``trainer.plan.plan_job``: layout, batch split, schedule, AC, dtypes,
-model overrides, float8, LoRA, the optimizer), turned into the planner's :class:`Job` and
+model overrides, float8, LoRA, the optimizer and its parameter-group routing), turned into the planner's :class:`Job` and
 :class:`LayoutChoice` and priced by :func:`tools.planner.estimate.estimate`."""
 
 from __future__ import annotations
@@ -66,5 +66,6 @@ def estimate_from_config(
         model_overrides=tuple(sorted(overrides.items())), float8=choice.float8, lora=plan.parallelize.lora,
         optimizer=cfg.optimizer.name, muon_distribution=cfg.optimizer.muon_distribution,
         muon_ns_steps=cfg.optimizer.muon_ns_steps,
+        param_groups=tuple((t["pattern"], t.get("optimizer")) for t in cfg.optimizer.param_groups),
     )  # fmt: skip
     return estimate(job, plan.parallel_dims.degrees, choice)

@@ -4,9 +4,12 @@
   ``split_model`` for pp, the model's parallelize function, materialized on CPU) on torch's
   ``fake`` backend (collectives move no data, so values are garbage but every tensor training
   keeps exists with its real shape, dtype and storage); one forward/backward and one AdamW
-  step (``foreach=False``). Reports, in bytes, the distinct storages behind the parameters
-  (FSDP2's padded chunks), behind the gradients (FSDP2's padded reduce-scatter output
-  buffers) and behind AdamW's two states. Run it in a fresh interpreter per layout
+  step (``foreach=False``), or with ``optimizer`` (keys of the config's ``[optimizer]``
+  section: name, param_groups, ...) one step of the trainer's own optimizer
+  (``trainer.optim.build_optimizer``, for-loop AdamW beside Muon). Reports, in bytes, the
+  distinct storages behind the parameters (FSDP2's padded chunks), behind the gradients
+  (FSDP2's padded reduce-scatter output buffers) and behind the optimizer state (AdamW's two
+  moments, Muon's momentum buffer), and the local elements of Muon's parameters. Run it in a fresh interpreter per layout
   (:func:`measure_in_subprocess`): DTensor caches keyed by equal-looking meshes would leak
   shard shapes from one fake world into the next.
 * :func:`measure_activations`: one process, no parallelism: the bytes of the tensors created
@@ -46,7 +49,7 @@ def _storage_bytes(tensors) -> int:
 
 def measure_training_state(
     model: str, flavor: str, degrees: dict, rank: int, param_dtype: str = "float32", reduce_dtype: str = "float32",
-    schedule: str = "1F1B", seq_len: int = 64, lora: dict | None = None,
+    schedule: str = "1F1B", seq_len: int = 64, lora: dict | None = None, optimizer: dict | None = None,
 ) -> dict:  # fmt: skip
     import torch
     import torch.distributed as dist
@@ -107,14 +110,26 @@ def measure_training_state(
                     if pg is not None:
                         size = pg.mesh_info.shard_mesh_size
                         groups.append([sum(fp._sharded_param_data.numel() for fp in pg.fsdp_params) * size, size])
-        optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-        optimizer.step()
-        states = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        if optimizer is None:
+            optimizers = [torch.optim.AdamW(params, lr=1e-3, foreach=False)]
+        else:
+            from trainer.config import Optimizer
+            from trainer.optim import build_optimizer
+
+            optimizers = build_optimizer(parts, Optimizer(**{"implementation": "for-loop", **optimizer})).optimizers
+        for opt in optimizers:
+            opt.step()
+        keys = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+        states = [s[k] for opt in optimizers for s in opt.state.values() for k in keys if k in s]
+        from torch.distributed.tensor import DTensor
+
+        muon = [p for opt in optimizers if type(opt).__name__ == "Muon" for g in opt.param_groups for p in g["params"]]
         return {
             "rank": rank,
             "params_bytes": _storage_bytes(params),
             "grads_bytes": _storage_bytes([p.grad for p in params if p.grad is not None]),
             "optimizer_bytes": _storage_bytes(states),
+            "muon_local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in muon),
             "fsdp_group_unsharded_numels": sorted(groups),
         }
     finally:

@@ -1,7 +1,9 @@
 """What ``optimizer.name = "Muon"`` adds to one rank's step and memory (trainer/muon.py,
-trainer/muon_dist.py, docs/optimizers.md): per parameter Muon takes by default (>= 2-D, outside
-the embedding and the head: ``trainer.optim_groups.is_hidden_matrix``; parameter-group routing is
-not modelled):
+trainer/muon_dist.py, docs/optimizers.md): per parameter Muon takes, decided by the trainer's own
+rule, ``trainer.optim_groups.choose`` over the config's ``[[optimizer.param_groups]]`` routing
+(the first table whose pattern matches; a table's ``optimizer`` key routes its parameters to
+Muon or AdamW; unmatched parameters: >= 2-D outside the embedding and the head). Only trainable
+parameters count: under LoRA the adapters (the frozen base has no optimizer state):
 
 * state: one float32 momentum buffer per local element (4 bytes), where AdamW keeps two (8);
 * Newton-Schulz FLOPs, ``trainer.muon_dist.ns_flops``: k (4 m^2 n + 2 m^3) per whole matrix
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from .inventory import _ETP_DIM, cached_layout, model_inventory, rank_shards
 
-__all__ = ["MuonCost", "muon_cost"]
+__all__ = ["MuonCost", "muon_cost", "muon_params", "routing_section"]
 
 
 @dataclass(frozen=True)
@@ -64,18 +66,48 @@ def _whole(shard) -> tuple[int, ...]:
     return (lead, *p.shape[1:])
 
 
-def muon_cost(model, flavor, overrides: dict, degrees, rank: int, mixed: bool, stages, scheme: str, ns_steps: int):
-    """:class:`MuonCost` of ``rank`` (its ``stages``: (layers, embed, head) tuples)."""
+def routing_section(param_groups: tuple = ()):
+    """The optimizer section ``trainer.optim_groups.choose`` reads for the routing, with
+    ``optimizer.name = "Muon"`` and the config's tables as ``(pattern, optimizer or None)``
+    pairs (:attr:`tools.planner.estimate.Job.param_groups`); the other keys are the defaults
+    (they choose hyperparameters, not the optimizer)."""
+    from trainer.config import Optimizer
+
+    tables = [{"pattern": p, **({"optimizer": o} if o else {})} for p, o in param_groups]
+    return Optimizer(name="Muon", param_groups=tables)
+
+
+def muon_params(params, param_groups: tuple = ()) -> frozenset[str]:
+    """The FQNs of ``params`` (:class:`ParamInfo`, the trainable ones) that the trainer gives to
+    Muon under the routing ``param_groups`` (``trainer.optim_groups.choose``, which raises the
+    trainer's error for a table that routes a 1-D parameter to Muon)."""
+    from trainer.optim_groups import choose
+
+    section = routing_section(param_groups)
+    return frozenset(p.fqn for p in params if choose(p.fqn, len(p.shape), section).optimizer == "Muon")
+
+
+def muon_cost(
+    model, flavor, overrides: dict, degrees, rank: int, mixed: bool, stages, scheme: str, ns_steps: int,
+    param_groups: tuple = (), lora=None,
+):  # fmt: skip
+    """:class:`MuonCost` of ``rank`` (its ``stages``: (layers, embed, head) tuples), the
+    parameters routed as ``param_groups`` says (:func:`muon_params`); with ``lora`` (a
+    :class:`~models.parallel.lora.LoRAOptions`) the adapters are the trainable parameters."""
     from trainer.muon_dist import ns_flops
-    from trainer.optim_groups import is_hidden_matrix
 
     params, _ = model_inventory(model, flavor, **overrides)
+    if lora is not None:
+        from .lora import adapter_infos
+
+        params = adapter_infos(params, model, flavor, tuple(sorted(overrides.items())), lora)
+    takes = muon_params(params, param_groups)
     layout = cached_layout(degrees)
     local = flops = 0
     buckets: dict[tuple[str, ...], list[tuple[int, int, int]]] = {}  # axes -> (flops, whole, local numel)
     for layers, embed, head in stages:
         for s in rank_shards(params, degrees, layout, rank, mixed, layers, embed, head):
-            if not is_hidden_matrix(s.info.fqn, len(s.info.shape)):
+            if s.info.fqn not in takes:
                 continue
             local += s.local_numel
             whole = _whole(s)
