@@ -12,7 +12,9 @@ every N-th block: TP), ``fsdp_reshard_after_forward`` ``never`` (HSDP x TP) and 
 stages, every schedule the planner enumerates (1F1B; GPipe, also with one micro-batch;
 Interleaved1F1B, LoopedBFS, InterleavedZeroBubble with two stages per rank; ZBVZeroBubble's
 V, whose turn stays on one rank), CP without TP, MoE experts replicated over TP (deepseek_v3
-tp=2 without EP), and three layouts on 8 ranks (HSDP x FSDP x TP; routed experts split over
+tp=2 without EP), LoRA under TP (llama3 tp=2 x fsdp=2; deepseek_v3 fsdp=2 x tp=2 x ep=2 x etp=2
+with expert adapters, whose factors replicated over etp get their gradients all-reduced over
+etp), and three layouts on 8 ranks (HSDP x FSDP x TP; routed experts split over
 etp and sharded over efsdp = 2; pp=4 x tp=2). Options share a layout where they do not
 interact, to keep the launches short, and a layout whose every planner branch another layout
 takes is not run: llama3 tp=2,fsdp=2 bf16 (bf16 gathers and compute under TP with resharding
@@ -217,6 +219,18 @@ LAYOUTS = {
     # ETP under full AC: the etp count all-gather and token all-to-alls re-issued
     "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 full AC fp32 params, bf16 reduce": Layout(
         "deepseek_v3", dict(dp_shard=2, tp=2, ep=2, etp=2), (*_FULL_AC, *_FP32_BF16, _TWO_LAYERS)
+    ),
+    # LoRA (default targets; the base frozen): FSDP gathers base and adapters and reduces the
+    # adapters only; no gradient of the frozen embedding's output (no backward all-gather) nor
+    # of layer 0's attention input; the adapter factors replicated over tp beside a TP-split
+    # base get Partial gradients (all-reduced), the frozen norms and router gate none
+    "llama3 tp=2,fsdp=2 LoRA": Layout("llama3", dict(dp_shard=2, tp=2), (("model.converters", "lora"),)),
+    # ... with per-expert adapters under etp (MLA, one dense, one MoE layer): the expert
+    # adapters' factors replicated over etp get their gradients all-reduced over etp in each backward
+    "deepseek_v3 fsdp=2,tp=2,ep=2,etp=2 LoRA expert adapters": Layout(
+        "deepseek_v3",
+        dict(dp_shard=2, tp=2, ep=2, etp=2),
+        (("model.converters", "lora"), ("lora.experts", "true"), _TWO_LAYERS),
     ),
     # 8 ranks (a second launch): HSDP x FSDP x TP with bf16 parameters, never resharded
     "llama3 dp_replicate=2,fsdp=2,tp=2 bf16 reshard never": Layout(

@@ -66,6 +66,17 @@ Grad-norm reductions: ``trainer/grad_clip.py`` sums the squares of the gradients
 the same groups (compared by ranks, whatever mesh object they carry) and all-reduces each such
 sum once per group: one 4-byte all-reduce per distinct (groups, group) pair.
 
+LoRA (``choice.lora``, checked on llama3 tp=2 x fsdp=2 and deepseek_v3 fsdp=2 x tp=2 x ep=2 x
+etp=2 with expert adapters): FSDP gathers base and adapters and reduces the adapters only; the
+frozen embedding's output gets no gradient (no backward all-gather under SP) and neither does
+layer 0's attention input on that stage (its input-gradient reduction is not issued: priced as
+if that attention is adapted, the default targets); the frozen norms and router gate have no
+gradient to all-reduce over tp, while the adapter factors replicated over tp beside a TP-split
+base (the column-wise base's ``A``, the row-wise base's ``B``) get Partial gradients, all-reduced
+like theirs; expert adapters under etp: the factor replicated over etp (w1/w3's ``A``, w2's
+``B``, ``[E/ep, r, dim]``) has its gradient all-reduced over etp in every backward, in the
+compute dtype.
+
 Float8 (``choice.float8``): with FSDP float8 all-gather (tensorwise) a dense group's all-gather
 carries its converted linears' weights at 1 byte per element and the rest in the compute dtype,
 routed experts' weights included, float8 experts or not (:mod:`tools.planner.float8`); the amax
@@ -89,7 +100,7 @@ from functools import lru_cache
 
 from .choice import DTYPE_BYTES, LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
 from .float8 import float8_all_gather, float8_gathered_numel
-from .param_groups import grad_norm_all_reduces, tp_colwise_modules, tp_partial_grads
+from .param_groups import grad_norm_all_reduces, tp_colwise_modules, tp_partial_adapter_grads, tp_partial_grads
 from .schedule_order import split_backward_casts
 
 __all__ = ["predict_collectives"]
@@ -171,6 +182,10 @@ def predict_collectives(
                 rec[("all_reduce", "dp_replicate", replicated * rb)] += syncs
 
         if d.tp > 1:
+            # LoRA: the frozen embedding's stage computes no input gradient of layer 0's
+            # attention projections that read the block's input (as tools/planner/compute.py)
+            lora_on = choice.lora is not None
+            frozen_entry = lora_on and embed
             s_local = choice.seq_len // d.cp
             t = mb * s_local
             full = a * t * args.dim
@@ -190,7 +205,7 @@ def predict_collectives(
                 rec[("all_gather", "tp", full)] += forwards * (4 * n + 2 * r)
                 rec[("reduce_scatter", "tp", full)] += forwards * (2 * n + r)
                 for i in layers:
-                    for stays_dtensor, widths in tp_colwise_modules(model, flavor, key, i):
+                    for stays_dtensor, widths in tp_colwise_modules(model, flavor, key, i, frozen_entry and i == 0):
                         if stays_dtensor:
                             rec[("reduce_scatter", "tp", full)] += forwards
                         else:
@@ -202,7 +217,8 @@ def predict_collectives(
                         rec[("all_reduce", "tp", a * t * args.qk_rope_head_dim)] += forwards
                 if embed or mtp:  # Rowwise embedding (and MTP's copies): RS forward, AG backward
                     rec[("reduce_scatter", "tp", full)] += forwards * (int(embed) + mtp)
-                    rec[("all_gather", "tp", full)] += forwards * (int(embed) + mtp)
+                    # (a frozen embedding's output needs no gradient: LoRA)
+                    rec[("all_gather", "tp", full)] += 0 if lora_on else forwards * (int(embed) + mtp)
                 if head and not mtp:  # Colwise output on sequence-sharded input: AG forward, RS backward
                     rec[("all_gather", "tp", full)] += forwards
                     rec[("reduce_scatter", "tp", full)] += forwards
@@ -222,7 +238,7 @@ def predict_collectives(
                 # column-wise projection (as above)
                 rec[("all_reduce", "tp", full)] += forwards * (2 * n + r)
                 for i in layers:
-                    for stays_dtensor, widths in tp_colwise_modules(model, flavor, key, i):
+                    for stays_dtensor, widths in tp_colwise_modules(model, flavor, key, i, frozen_entry and i == 0):
                         if stays_dtensor:
                             rec[("all_reduce", "tp", full)] += forwards
                         else:
@@ -257,7 +273,12 @@ def predict_collectives(
                     casts = split_backward_casts(plan.schedule, d.pp, plan.stages_per_rank, m)
                     gb = rb if casts is None or casts[stage_id] else pb
             partial_syncs = syncs if dense_size is not None else 1
-            for numel in tp_partial_grads(model, flavor, key, layers, head, choice.sequence_parallel):
+            partial = (
+                tp_partial_adapter_grads(model, flavor, key, tuple(layers), choice.lora)
+                if lora_on
+                else tp_partial_grads(model, flavor, key, layers, head, choice.sequence_parallel)
+            )
+            for numel in partial:
                 rec[("all_reduce", "tp", gb * numel)] += partial_syncs
 
         if d.cp > 1:
@@ -293,6 +314,14 @@ def predict_collectives(
             # (sizes depend on routing; ``etp`` x the rows this rank received over ep)
             etp_rows = d.etp * tn * args.n_activated_experts * a * args.dim
             rec[("all_to_all", "etp", etp_rows)] += forwards * (4 * n + 2 * r)
+            if choice.lora is not None and choice.lora.experts:
+                # LoRA expert adapters: the factor replicated over etp (w1/w3's A, w2's B) gets
+                # its partial gradient all-reduced over etp by each backward, in the compute dtype
+                # FSDP gathered it in (models/parallel/lora_experts.py)
+                from .lora import etp_replicated_factors
+
+                for numel in etp_replicated_factors(model, flavor, key, d, rank, tuple(moe_layers), choice.lora):
+                    rec[("all_reduce", "etp", pb * numel)] += forwards
 
         if pp and plan is not None:
             # the activations between stages: this tp rank's sequence shard under SP (sent to

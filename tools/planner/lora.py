@@ -7,7 +7,8 @@ under TP a column-wise base (``tp_dim`` 0) splits ``B`` along its rows and repli
 row-wise base (``tp_dim`` 1) splits ``A`` along its columns and replicates ``B``; FSDP shards
 each along dim 0 like any parameter. Expert adapters (``lora.experts``) are ``[E, r, in]`` and
 ``[E, out, r]`` split along the expert dimension by ep (and over etp like their weight's hidden
-dim: w1/w3's B, w2's A; the other factor replicated). Which linears are adapted is the
+dim: w1/w3's B, w2's A; the other factor replicated, its gradient all-reduced over etp in every
+backward: :func:`etp_replicated_factors`). Which linears are adapted is the
 converter's own rule (:func:`models.parallel.lora.lora_decisions` on a meta build).
 """
 
@@ -17,7 +18,7 @@ from functools import lru_cache
 
 from .inventory import ParamInfo
 
-__all__ = ["adapter_group_summary", "adapter_infos", "stage_lora_weights"]
+__all__ = ["adapter_group_summary", "adapter_infos", "etp_replicated_factors", "stage_lora_weights"]
 
 
 @lru_cache(maxsize=16)
@@ -73,6 +74,23 @@ def adapter_group_summary(model, flavor, overrides: tuple, degrees, rank, mixed,
         g[0] += s.padded_unsharded_numel
         g[1] += s.padded_numel
     return out
+
+
+@lru_cache(maxsize=4096)
+def etp_replicated_factors(model, flavor, overrides: tuple, degrees, rank, layers, opts) -> tuple[int, ...]:
+    """The EP-local element counts of the expert adapter factors replicated over etp that
+    ``rank`` holds in ``layers`` (w1/w3's ``A`` ``[E/ep, r, dim]``, w2's ``B`` ``[E/ep, dim, r]``):
+    each backward all-reduces each one's gradient over etp (its local gradient is a partial sum
+    over the etp rank's hidden slice; models/parallel/lora_experts.py ``_factor``). Empty
+    without expert adapters or etp."""
+    from .inventory import _ETP_DIM, _inventory, cached_layout, rank_shards
+
+    if not opts.experts or degrees.etp == 1:
+        return ()
+    params, _ = _inventory(model, flavor, overrides)
+    infos = [p for p in adapter_infos(params, model, flavor, overrides, opts) if p.expert]
+    shards = rank_shards(infos, degrees, cached_layout(degrees), rank, False, layers, False, False)
+    return tuple(s.tp_local_numel for s in shards if _ETP_DIM[s.info.fqn.rsplit(".", 1)[-1]] is None)
 
 
 # the linears that read a block's (normed) input first: in layer 0 on the stage that holds the

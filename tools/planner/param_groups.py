@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["grad_norm_all_reduces", "tp_colwise_modules", "tp_partial_grads"]
+__all__ = ["grad_norm_all_reduces", "tp_colwise_modules", "tp_partial_adapter_grads", "tp_partial_grads"]
 
 
 def _params(model, flavor, key):
@@ -17,17 +17,30 @@ def _params(model, flavor, key):
 
 
 @lru_cache(maxsize=4096)
-def tp_colwise_modules(model, flavor, key, layer: int) -> tuple[tuple[bool, tuple[int, ...]], ...]:
+def tp_colwise_modules(
+    model, flavor, key, layer: int, frozen_input: bool = False
+) -> tuple[tuple[bool, tuple[int, ...]], ...]:
     """The TP-split modules of transformer layer ``layer`` (attention, dense or shared-expert
-    feed-forward): whether its input stays a DTensor (every weight of the module TP-split:
-    tensor_parallel._input_stays_dtensor) and the input width of each column-wise projection."""
+    feed-forward) whose input gradient the backward computes: whether its input stays a DTensor
+    (every weight of the module TP-split: tensor_parallel._input_stays_dtensor) and the input
+    width of each column-wise projection. ``frozen_input`` (LoRA, layer 0 on the stage with the
+    frozen embedding): the attention's projections that read the block's input compute no input
+    gradient (tools/planner/lora.py ``_ENTRY``), so a module whose input stays a DTensor has no
+    input-gradient reduction and the others lose those projections' widths."""
+    from .lora import _ENTRY
+
     # (the modules with a declared TP role around a block, MTP's, are not TP-split projections)
     params = [p for p in _params(model, flavor, key) if p.layer == layer and not p.expert and p.role is None]
     out = []
     for prefix in sorted({p.fqn.rsplit(".", 2)[0] for p in params if p.tp_dim == 0}):
         inside = [p for p in params if p.fqn.startswith(prefix + ".")]
-        widths = tuple(p.shape[1] for p in inside if p.tp_dim == 0)
-        out.append((all(p.tp_dim is not None for p in inside), widths))
+        stays = all(p.tp_dim is not None for p in inside)
+        entry = [frozen_input and p.fqn.rsplit(".", 1)[0].endswith(_ENTRY) for p in inside]
+        if stays and any(entry):
+            continue
+        widths = tuple(p.shape[1] for p, e in zip(inside, entry) if p.tp_dim == 0 and not e)
+        if widths:
+            out.append((stays, widths))
     return tuple(out)
 
 
@@ -52,6 +65,29 @@ def tp_partial_grads(model, flavor, key, layers, head: bool, sp: bool) -> tuple[
         p.numel
         for p in _params(model, flavor, key)
         if _replicated_on_tp(p, sp) and ((p.layer in keep) if p.layer is not None else (head and p.group == "head"))
+    )
+
+
+@lru_cache(maxsize=4096)
+def tp_partial_adapter_grads(model, flavor, key, layers, opts) -> tuple[int, ...]:
+    """Under LoRA (the base frozen: its tp-replicated norms and router gate have no gradient):
+    element counts of this stage's adapter factors replicated over tp beside a TP-split base,
+    the column-wise base's ``A`` and the row-wise base's ``B``; their gradients come out Partial
+    (a product with the split factor's sharded activations) and are all-reduced like
+    :func:`tp_partial_grads`'. An adapter of a replicated base (MLA's ``wkv_a``) sees the whole
+    sequence and gets a whole gradient."""
+    from .lora import adapter_infos
+
+    params = _params(model, flavor, key)
+    base = {p.fqn: p.tp_dim for p in params}
+    keep = set(layers)
+    return tuple(
+        p.numel
+        for p in adapter_infos(params, model, flavor, key, opts)
+        if not p.expert
+        and p.layer in keep
+        and p.tp_dim is None
+        and base[p.fqn.rsplit(".", 1)[0] + ".weight"] is not None
     )
 
 
