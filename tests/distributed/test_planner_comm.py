@@ -132,6 +132,11 @@ LAYOUTS = {
     "deepseek_v3 pp=2,fsdp=2 mtp=1": Layout(
         "deepseek_v3", dict(dp_shard=2, pp=2), (("model.mtp_layers", "1"), _TWO_LAYERS)
     ),
+    # tp inside pipeline stages: the last stage's MTP block under tp, its vocabulary-sharded
+    # embedding copy's gradient over the embedding group (the pp mesh at each tp coordinate)
+    "deepseek_v3 pp=2,tp=2 mtp=1": Layout(
+        "deepseek_v3", dict(dp_shard=1, pp=2, tp=2), (("model.mtp_layers", "1"), _TWO_LAYERS)
+    ),
     # the options that change what a step issues
     "llama3 tp=2,fsdp=2 no SP, no loss parallel, full AC": Layout(
         "llama3",

@@ -14,7 +14,9 @@ micro-batches, full AC's recomputed forward, LoRA's frozen base and adapters (TP
 adapters, full AC), selective AC's none with the per-op policy and
 the fully checkpointed blocks' with its every-N-th-block option, one rank of a 64-rank job, and
 float8 (``model.converters``): the FLOPs of the converted linears and routed experts, which the
-census counts by their float8 operands. All layouts run one after another in one process (forked from
+census counts by their float8 operands, DeepSeek-V3's MTP depths included (the last stage of
+tp=2 x pp=2: their ``eh_proj`` on the rank's sequence shard, by hand a planner that priced it in
+high precision was short of the census by exactly its 6 x 64 tokens x 512 x 256 FLOPs). All layouts run one after another in one process (forked from
 tools/launcher.py's server; DTensor's caches are dropped between them), one optimizer step each.
 """
 
@@ -79,6 +81,12 @@ CASES = {
     "deepseek_v3 mtp=1 tp=2,fsdp=2": Case("deepseek_v3", dict(dp_shard=2, tp=2), 1, (("model.mtp_layers", "1"),)),
     "deepseek_v3 mtp=2 pp=2,fsdp=2 last stage full AC": Case(
         "deepseek_v3", dict(dp_shard=2, pp=2), 3, (("model.mtp_layers", "2"), *_AC_FULL),
+    ),
+    # and in float8 on the last stage of tp x pp: the depth's eh_proj (replicated, on the rank's
+    # sequence shard), its block's linears and routed experts float8, the shared head not
+    "deepseek_v3 mtp=1 pp=2,tp=2 last stage float8 + float8_experts": Case(
+        "deepseek_v3", dict(dp_shard=1, pp=2, tp=2), 3,
+        (("model.mtp_layers", "1"), ("model.converters", "float8,float8_experts")),
     ),
 }  # fmt: skip
 FLOAT8_CASES = [name for name in CASES if "float8" in name]

@@ -1,6 +1,7 @@
 """DeepSeek-V3 with multi-token prediction (``--model.mtp_layers 1``) through ``train.py``: the
-one-process loss curve over fsdp=2 x ep=2, pp=2, cp=2, tp=2 and fsdp=2 x tp=2 x ep=2 x etp=2
-(``tools.compare_loss``, its DEFAULT tolerance, block-causal attention), one shared launch.
+one-process loss curve over fsdp=2 x ep=2, pp=2, cp=2, tp=2, tp=2 x pp=2 and
+fsdp=2 x tp=2 x ep=2 x etp=2 (``tools.compare_loss``, its DEFAULT tolerance, block-causal
+attention), one shared launch.
 
 What each layout proves: fsdp x ep shards the MTP block and its routed experts like every other
 block (its experts on the ep mesh); pp=2 puts the MTP depth on the last stage with its copy of
@@ -9,21 +10,29 @@ cp=2 shards rows whose MTP inputs and targets were shifted before the shard (a s
 would read the wrong tokens at every chunk edge, trainer/mtp.py); tp=2 runs the MTP depth's TP
 plan (``MTPBlock.tp_roles``: its embedding copy vocabulary-sharded like the main one, its norms and
 ``eh_proj`` on this rank's sequence shard, the block through the DeepSeek plan, the main and MTP
-normed states concatenated along the global sequence for the vocabulary-parallel head and loss),
-and the 4-rank layout adds the MTP block's routed experts sharded over ep x etp with tp. The loss compared is the
-training objective (main + 0.3 x MTP), and the separately reported ``mtp_loss`` must agree too.
+normed states concatenated along the global sequence for the vocabulary-parallel head and loss);
+tp=2 x pp=2 runs that TP plan on the last stage, whose vocabulary-sharded embedding copy sums its
+gradient with the first stage's embedding shard of the same tp coordinate (the embedding group
+joins pp ranks at equal other coordinates, the local shards are the same rows);
+the fsdp x tp x ep x etp layout adds the MTP block's routed experts sharded over ep x etp with
+tp. The loss compared is the training objective (main + 0.3 x MTP), and the separately
+reported ``mtp_loss`` must agree too.
 
 Shapes as tests/e2e/test_compare_loss.py's matrices: 2 main blocks (dense, MoE) plus the MTP
 block (MoE, as the 671B's layer 61), seq_len 64, global batch 8 of local batch 2, 3 steps (step 3
 is the first that reads optimizer state carried over), forked ranks. Measured (CPU, 2 cores):
 max rel loss diff 9.5e-8 on every layout against the tolerance's 1e-5, mtp_loss within 2e-7;
-tp=2 and the 4-rank layout 9.5e-8 too; the whole comparison about 30 CPU s (pytest's
-accounting; 33 s wall on the 2-core host at load 7.7). Negative controls, by hand (not kept: more launches):
+tp=2 and the 4-rank layout 9.5e-8 too; tp=2 x pp=2 bitwise equal loss and grad norm
+over the 3 steps (mtp_loss within 6.5e-8); the whole comparison about 34 CPU s (pytest's
+accounting; 23.5 s wall on the 2-core host at load 1.9), of which tp=2 x pp=2 about 4 s wall
+and 6 CPU s. Negative controls, by hand (not kept: more launches):
 with the all-reduce of the embedding copies' gradients removed, pp=2 leaves the tolerance at
 step 2 (max rel loss diff 4.2e-5, grad norm 7.0e-5), while one process is unchanged; with the
 main and MTP normed states concatenated rank-locally under tp=2 (``to_local()`` before the cat:
 each rank's sequence shards side by side instead of the global sequence order) tp=2 DIVERGED at
-step 1 (max rel loss diff 9.9e-3, grad norm 0.20).
+step 1 (max rel loss diff 9.9e-3, grad norm 0.20); with the embedding copies' gradients
+all-reduced over the whole world instead of the embedding group (summing the other tp rank's
+vocabulary rows into each shard) tp=2 x pp=2 DIVERGED at step 1 (grad norm 1.0e-3).
 
 A deeper pipeline (test_mtp_deep_pipeline_matches_one_process, a second launch: 4 main blocks,
 one process against pp=4, the MTP depth and its embedding copy on rank 3, summed with rank 0's
@@ -36,7 +45,14 @@ Interleaved1F1B, both 9.1e-8.
 
 Depth D = 2 (the chain of two MTP modules, each fed the previous depth's output) trains through
 train.py on one process in a launch of its own (test_depth_two_trains_on_one_process, about
-5 s); its math against the report's equations is tests/unit/test_mtp.py.
+3 s wall), with float8 on (``--model.converters float8,float8_experts``: every MTP depth's
+``eh_proj``, block linears and routed experts in float8, the shared head not; which GEMMs run in
+float8 is counted in tests/unit/test_float8_mtp.py); its math against the report's equations is
+tests/unit/test_mtp.py. Float8 with MTP across layouts, by hand (not kept: another launch, and
+tests/e2e/test_float8_compare.py's docstring says why its float8 tolerances need 6 blocks):
+D = 1, 2 blocks, ``float8,float8_experts``, 2 steps against one process, max rel loss / grad
+norm diff within that test's float8 tolerances (1e-4 / 3.5e-4): tp=2 9.1e-6 / 1.6e-4, tp=2 x
+pp=2 6.8e-5 / 5.7e-5, fsdp=2 x ep=2 1.4e-6 / 1.2e-4; D = 1 on one process, 2 steps, trains.
 """
 
 from __future__ import annotations
@@ -54,7 +70,7 @@ except ModuleNotFoundError:  # Python 3.10
 from .helpers import read_metrics
 from .test_compare_loss import MATRIX, STEPS, _assert_all_agree, compare_loss
 
-LAYOUTS = ["single", "fsdp=2,ep=2", "pp=2", "cp=2", "tp=2", "fsdp=2,tp=2,ep=2,etp=2"]
+LAYOUTS = ["single", "fsdp=2,ep=2", "pp=2", "cp=2", "tp=2", "tp=2,pp=2", "fsdp=2,tp=2,ep=2,etp=2"]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +98,7 @@ def mtp_comparison(tmp_path_factory):
 
 
 def test_mtp_layouts_match_one_process(mtp_comparison):
-    """fsdp=2 x ep=2, pp=2, cp=2, tp=2 and fsdp=2 x tp=2 x ep=2 x etp=2 give the one-process
+    """fsdp=2 x ep=2, pp=2, cp=2, tp=2, tp=2 x pp=2 and fsdp=2 x tp=2 x ep=2 x etp=2 give the one-process
     loss (main + MTP) and grad norm within compare_loss's default tolerance on every step."""
     proc, out = mtp_comparison
     _assert_all_agree(proc, out, LAYOUTS)
@@ -109,7 +125,9 @@ def test_mtp_loss_reported_and_layout_invariant(mtp_comparison):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_depth_two_trains_on_one_process(tmp_path):
-    """model.mtp_layers = 2 through train.py on one process, 2 steps: every row reports
+    """model.mtp_layers = 2 with float8 linears and routed experts through train.py on one
+    process, 2 steps: the start-up line names the depths' linears and experts among the float8
+    ones (14 main + 8 per depth; 1 + 2 expert modules), every row reports
     mtp_loss (the two depths' mean cross-entropy, near ln(vocab) at the start, a share of the
     logged objective main + 0.3 x mtp_loss), the loss falls, and the saved checkpoint holds both
     depths' embedding copies bitwise equal to tok_embeddings after the optimizer steps (their
@@ -129,8 +147,12 @@ def test_depth_two_trains_on_one_process(tmp_path):
         *("--training.steps", "2", "--training.seq_len", "32", "--training.global_batch_size", "4"),
         *("--training.local_batch_size", "4", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
         *("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(out)),
+        *("--model.converters", "float8,float8_experts"),
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    float8 = next(line for line in res.stdout.splitlines() if line.startswith("float8: "))
+    assert "; 30 linear layers in float8;" in float8 and "3 routed-expert modules' grouped GEMMs in float8" in float8
+    assert "mtp.1.moe.router.gate" in float8 and "the output projection: output" in float8  # kept
     rows = read_metrics(out)
     assert sorted(rows) == [1, 2]
     for rec in rows.values():
