@@ -191,7 +191,7 @@ def test_what_striped_reading_refuses(data, tmp_path):
             tok,
         )
     small = write_parquet(tmp_path / "small.parquet", {"text": data["texts"][:5]})
-    with pytest.raises(ConfigError, match="has 5 rows, fewer than the 8 stripes"):
+    with pytest.raises(ConfigError, match="striped.: .*has 5 rows, fewer than the 8 stripes"):
         _loaders(
             _cfg("--training.dataset", "hf", "--training.dataset_path", small, "--training.row_reading", "striped"),
             1,

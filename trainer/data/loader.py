@@ -106,6 +106,11 @@ def _stripes(cfg: JobConfig, kind: str, path: str, option: str, tokenizer, seq_l
         return None, f"{path} holds .jsonl rows, which are not counted ahead"
     n_rows = base.rows.n_rows
     if n_rows < slots:
+        if t.row_reading == "striped":
+            raise ConfigError(
+                f"training.row_reading = 'striped': {path} has {n_rows} rows, fewer than the {slots} stripes (one per "
+                "sample of the global batch); lower training.global_batch_size or set training.row_reading = 'auto'"
+            )
         return None, (
             f"{path} has {n_rows} rows, fewer than the {slots} stripes (one per sample of the global batch); "
             "lower training.global_batch_size or set training.row_reading = 'sequential'"
@@ -123,8 +128,8 @@ def striped_stream(
     log_epochs: bool,
 ) -> StripedStream | None:
     """The training data read in stripes (``training.row_reading``: 'auto' where the rows allow
-    it, 'striped' everywhere or an error naming why not), or None (one stream, every rank reads
-    every row)."""
+    it; 'striped': every parquet / save_to_disk hf or chat source, an error where one has fewer
+    rows than stripes or no source can be), or None (one stream, every rank reads every row)."""
     t = cfg.training
     if t.row_reading == "sequential":
         return None
