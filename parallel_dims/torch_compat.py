@@ -22,6 +22,7 @@ sliced_mesh_flat_layout     parallel_dims.parallel_dims                  need*  
 schedule_compute_order      tools.planner.schedule_order                 ?      ?      need   need   ?
 local_tensor_fsdp_storage   trainer.local_tensor                         n/a    ?      need   ?      need*
 constant_result_marker      models.common.attention                      need   ?      need   ?      need
+cpu_scaled_mm_emulation     models.parallel.float8                       ?      ?      need   ?      ?
 ==========================  ===========================================  =====  =====  =====  =====  =====
 
 (need = needed, nr = not reached, no = not needed, ? = not checked, * = from the project's runs
@@ -29,6 +30,8 @@ on that torch, not from its source.) What each one fixes is in its row of :data:
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -46,6 +49,8 @@ __all__ = [
     "PipelineStageFixes",
     "as_flattened",
     "compute_order_only",
+    "emulate_cpu_scaled_mm",
+    "emulated_scaled_mm",
     "host_side",
     "install_local_tensor_fsdp_storage",
     "mark_constant_result",
@@ -383,3 +388,82 @@ def install_local_tensor_fsdp_storage() -> None:
     _fsdp_param.alloc_storage = alloc
     _fsdp_param.free_storage = free
     _fsdp_param_group.alloc_storage = alloc
+
+
+# cpu_scaled_mm_emulation: torch._scaled_mm's own CPU arithmetic, on every CPU
+_FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_scaled_mm_library: torch.library.Library | None = None  # the registration, while installed
+
+
+def emulated_scaled_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale_result: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` on CPU tensors, computed as torch's CPU kernel computes it wherever it
+    does not hand the GEMM to oneDNN: both float8 operands widened to float32 and multiplied by
+    their scale (one per tensor, or one per row of ``mat_a`` and per column of ``mat_b``), one
+    float32 GEMM, the bias added in float32, the result divided by ``scale_result`` for a float8
+    output, then cast to ``out_dtype`` (``mat_a``'s dtype when None). The same checks as torch's
+    (float8 operands, float32 scales of a supported shape); ``use_fast_accum`` is ignored on CPU
+    there too."""
+    if mat_a.dim() != 2 or mat_b.dim() != 2 or mat_a.shape[1] != mat_b.shape[0]:
+        raise RuntimeError(
+            f"_scaled_mm: mat_a {tuple(mat_a.shape)} and mat_b {tuple(mat_b.shape)} cannot be multiplied"
+        )
+    if mat_a.dtype not in _FLOAT8_DTYPES or mat_b.dtype not in _FLOAT8_DTYPES:
+        raise RuntimeError(f"_scaled_mm: mat_a and mat_b must be float8, got {mat_a.dtype} and {mat_b.dtype}")
+    tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
+    rowwise = tuple(scale_a.shape) == (mat_a.shape[0], 1) and tuple(scale_b.shape) == (1, mat_b.shape[1])
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32 or not (tensorwise or rowwise):
+        raise RuntimeError(
+            "_scaled_mm: invalid scaling configuration: float32 scales, one per tensor or "
+            f"[{mat_a.shape[0]}, 1] and [1, {mat_b.shape[1]}]; got {scale_a.dtype} {tuple(scale_a.shape)} "
+            f"and {scale_b.dtype} {tuple(scale_b.shape)}"
+        )
+    if tensorwise:  # a scalar multiplier, whatever the scales' shapes ([] or [1])
+        scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
+    out_dtype = mat_a.dtype if out_dtype is None else out_dtype
+    out = torch.matmul(mat_a.contiguous().to(torch.float32) * scale_a, mat_b.contiguous().to(torch.float32) * scale_b)
+    if bias is not None:
+        out.add_(bias)
+    if scale_result is not None and out_dtype in _FLOAT8_DTYPES:
+        out = out * (torch.ones((), dtype=torch.float32) / scale_result.to(torch.float32).reshape(()))
+    return out.to(out_dtype)
+
+
+def _emulated_scaled_mm_out(
+    mat_a, mat_b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, *, out
+):
+    if out_dtype is not None and out_dtype != out.dtype:
+        raise RuntimeError(f"_scaled_mm: out_dtype {out_dtype} must match the output's dtype {out.dtype}")
+    result = emulated_scaled_mm(mat_a, mat_b, scale_a, scale_b, bias, scale_result, out.dtype, use_fast_accum)
+    out.resize_(result.shape)
+    return out.copy_(result)
+
+
+def emulate_cpu_scaled_mm(enabled: bool) -> bool:
+    """Run every CPU ``torch._scaled_mm`` of this process as :func:`emulated_scaled_mm` (``True``)
+    or as torch's own kernel (``False``); returns whether it was emulated before. Process-wide (a
+    kernel registered for ``aten::_scaled_mm`` and its ``out`` form at the CPU dispatch key, so
+    eager calls, autograd's backward threads and compiled graphs, whose CPU lowering calls the
+    ``out`` form, all take it); CUDA tensors are not affected. See the
+    ``cpu_scaled_mm_emulation`` row for why."""
+    global _scaled_mm_library
+    before = _scaled_mm_library is not None
+    if enabled and not before:
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            library.impl("_scaled_mm", emulated_scaled_mm, "CPU")
+            library.impl("_scaled_mm.out", _emulated_scaled_mm_out, "CPU")
+        _scaled_mm_library = library
+    elif not enabled and before:
+        _scaled_mm_library._destroy()  # torch's own CPU kernels are the registered ones again
+        _scaled_mm_library = None
+    return before

@@ -32,6 +32,7 @@ _BUILDER = "parallel_dims.parallel_dims"
 _PLANNER = "tools.planner.schedule_order"
 _LOCAL_TENSOR = "trainer.local_tensor"
 _ATTENTION = "models.common.attention"
+_FLOAT8 = "models.parallel.float8"
 
 OVERRIDES: tuple[Override, ...] = (
     Override(
@@ -127,6 +128,19 @@ OVERRIDES: tuple[Override, ...] = (
         "one-line error. The marker dynamo reads is set directly; dynamo is imported only by a "
         "run that compiles.",
         {"2.11": "needed", "2.12": "not checked", "2.13": "needed", "2.14": "not checked", "2.15": "needed"},
+    ),
+    Override(
+        "cpu_scaled_mm_emulation",
+        "aten::_scaled_mm's CPU kernel (a Python kernel registered at the CPU dispatch key)",
+        ("emulate_cpu_scaled_mm",),
+        _FLOAT8,
+        "torch's CPU _scaled_mm hands tensorwise-scaled GEMMs to oneDNN on hosts with AMX-INT8 "
+        "(Intel Xeon since Sapphire Rapids), whose float8 kernel there takes 0.6-2 s for one "
+        "256x256x256 GEMM (a bf16 one: 0.1 ms); every other CPU, and rowwise scales everywhere, "
+        "get torch's own float32 emulation. float8 on a CPU (float8.cpu_gemm = 'emulated', the "
+        "default) registers that emulation as the CPU kernel: the same arithmetic on every host, "
+        "bitwise torch's where torch emulates.",
+        {"2.11": "not checked", "2.12": "not checked", "2.13": "needed", "2.14": "not checked", "2.15": "not checked"},
     ),
 )
 

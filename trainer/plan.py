@@ -233,6 +233,7 @@ def float8_options(cfg: JobConfig) -> Float8Options | None:
         or (f8.enable_fsdp_float8_all_gather and cfg.parallelism.tensor_parallel_degree > 1),
         filter_fqns=tuple(f8.filter_fqns),
         emulate=f8.emulate,
+        cpu_gemm=f8.cpu_gemm,
     )
 
 

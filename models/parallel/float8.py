@@ -39,6 +39,14 @@ torchao's ``torch._scaled_grouped_mm`` path on CUDA sm90+, one rowwise ``torch._
 expert elsewhere, CPU included). Their weights stay plain tensors in the master dtype (the cast
 happens inside the GEMM), so FSDP, EP/ETP and checkpoints see nothing new. Either converter can
 be used alone.
+
+On a CPU the float8 GEMMs are numerics, not speed, and torch's own CPU ``_scaled_mm`` is a
+float32 emulation everywhere but on hosts with AMX-INT8 (Intel Xeon), where it hands
+tensorwise-scaled GEMMs to oneDNN at seconds per small GEMM. ``float8.cpu_gemm = "emulated"``
+(the default) therefore runs every CPU ``_scaled_mm`` of the process as torch's emulation
+(``parallel_dims.torch_compat.emulated_scaled_mm``: the same quantization, scales, float32
+accumulation and output dtype, bitwise torch's kernel where torch emulates), eager and
+compiled alike; ``"scaled_mm"`` keeps torch's kernel. CUDA runs are not affected.
 """
 
 from __future__ import annotations
@@ -50,7 +58,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel_dims.torch_compat import emulate_cpu_scaled_mm
+
 __all__ = [
+    "CPU_GEMMS",
     "FLOAT8_CONVERTERS",
     "FLOAT8_EXPERT_CONVERTERS",
     "FLOAT8_RECIPES",
@@ -59,9 +70,11 @@ __all__ = [
     "check_float8_experts",
     "check_float8_support",
     "convert_to_float8",
+    "cpu_gemm_note",
     "float8_decisions",
     "float8_expert_decisions",
     "float8_startup_line",
+    "host_has_amx_int8",
     "import_torchao_float8",
     "plain_state_dict",
     "precompute_float8_scales",
@@ -71,6 +84,7 @@ __all__ = [
 FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # the linear layers
 FLOAT8_EXPERT_CONVERTERS = ("float8_experts", "quantize.grouped_mm.float8")  # the routed experts
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+CPU_GEMMS = ("emulated", "scaled_mm")  # float8.cpu_gemm: how CPU tensors run torch._scaled_mm
 TORCHAO_MIN = (0, 16)  # Float8LinearConfig.from_recipe_name with all three recipes, CPU _scaled_mm
 
 # always high precision, whatever filter_fqns says (module FQN suffixes)
@@ -88,6 +102,7 @@ class Float8Options:
     emulate: bool = False
     linears: bool = True  # model.converters has "float8": the linear layers convert
     moe_fqns: tuple[str, ...] = ()  # "float8_experts": routed-expert modules to convert (empty: none)
+    cpu_gemm: str = "emulated"  # CPU_GEMMS: torch._scaled_mm on CPU tensors emulated, or torch's kernel
 
     def describe(self) -> str:
         parts = [f"recipe {self.recipe}" if self.linears else "linear layers in the parameter dtype"]
@@ -99,6 +114,8 @@ class Float8Options:
             parts.append("kept high precision: " + ", ".join(self.filter_fqns))
         if self.emulate:
             parts.append("emulated GEMMs")
+        if self.cpu_gemm != "emulated":
+            parts.append(f"CPU GEMMs {self.cpu_gemm}")
         return "; ".join(parts)
 
 
@@ -289,8 +306,10 @@ def convert_to_float8(model: nn.Module, opts: Float8Options, *, fsdp_all_gather:
     ``Float8Linear`` in place (``opts.linears``), and mark the routed-expert modules that
     ``opts.moe_fqns`` selects to run their grouped GEMMs in float8. ``fsdp_all_gather``: the
     weights will be FSDP-sharded over more than one rank and ``opts`` asks for float8 all-gather
-    (tensorwise only); ``etp``: the expert tensor-parallel degree."""
+    (tensorwise only); ``etp``: the expert tensor-parallel degree. ``opts.cpu_gemm`` decides, for
+    the whole process, how CPU tensors run ``torch._scaled_mm`` (module docstring)."""
     report = Float8Report()
+    emulate_cpu_scaled_mm(opts.cpu_gemm == "emulated")
     if opts.linears:
         decisions = float8_decisions(model, opts)
         f8 = import_torchao_float8()
@@ -347,7 +366,31 @@ def float8_startup_line(model_parts: list[nn.Module], opts: Float8Options, devic
             experts += "; kept: " + _short([f"{f} ({why})" for f, why in report.experts_kept.items()])
     else:
         experts = "routed experts stay in the parameter dtype"
-    return f"float8: {opts.describe()}; {linears}; {experts}; MFU stays priced at the parameter dtype's peak"
+    where = ""
+    if (device or torch.device("cpu")).type == "cpu" and not opts.emulate:
+        where = "; " + cpu_gemm_note(opts.cpu_gemm)
+    return f"float8: {opts.describe()}; {linears}; {experts}{where}; MFU stays priced at the parameter dtype's peak"
+
+
+def host_has_amx_int8() -> bool:
+    """Whether this CPU has AMX-INT8 (Linux: /proc/cpuinfo), where torch's CPU ``_scaled_mm``
+    hands tensorwise-scaled GEMMs to oneDNN."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+def cpu_gemm_note(cpu_gemm: str) -> str:
+    """What the start-up line says of how this CPU runs the float8 GEMMs (``float8.cpu_gemm``)."""
+    if cpu_gemm == "emulated":
+        return (
+            "float8 GEMMs on this CPU emulated (torch._scaled_mm's float32 arithmetic: float8 operands "
+            "times their scales, float32 GEMM; float8.cpu_gemm = 'scaled_mm' runs torch's kernel)"
+        )
+    slow = " (oneDNN on this AMX host: about a second per small GEMM)" if host_has_amx_int8() else ""
+    return f"float8 GEMMs on this CPU by torch._scaled_mm{slow} (float8.cpu_gemm = 'scaled_mm')"
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:

@@ -110,7 +110,42 @@ def _probe(name: str) -> str:
         marks = "fn._dynamo_marked_constant = True" in inspect.getsource(decorators.assume_constant_result)
         imports = "import torch._dynamo" in inspect.getsource(torch.compiler.assume_constant_result)
         return "needed" if marks and imports else "not needed"
+    if name == "cpu_scaled_mm_emulation":
+        return _probe_cpu_scaled_mm()
     raise AssertionError(f"no probe for {name}")
+
+
+def _probe_cpu_scaled_mm() -> str:
+    """torch's CPU ``_scaled_mm`` hands tensorwise GEMMs to oneDNN where torch is built with it
+    and the host has AMX-INT8; on such a host that shows as other bits than torch's own
+    emulation (oneDNN off) gives. Elsewhere the probe can only read that the build has oneDNN
+    (the dispatch is there; this host does not reach it)."""
+    import warnings
+
+    from models.parallel.float8 import host_has_amx_int8
+    from parallel_dims.torch_compat import emulate_cpu_scaled_mm
+
+    if not torch.backends.mkldnn.is_available():
+        return "not needed"
+    if not host_has_amx_int8():
+        return "needed"
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 256, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(64, 256, generator=g).to(torch.float8_e4m3fn).t()
+    # scales that are not powers of two: float8 products and their sums are exact in float32
+    # otherwise, and any summation order gives the same bits
+    sa, sb = torch.tensor(0.7), torch.tensor(1.3)
+    was = emulate_cpu_scaled_mm(False)
+    try:
+        outs = []
+        for onednn in (True, False):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                with torch.backends.mkldnn.flags(enabled=onednn):
+                    outs.append(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32))
+    finally:
+        emulate_cpu_scaled_mm(was)
+    return "needed" if not torch.equal(*outs) else "not needed"
 
 
 @pytest.mark.parametrize("name", list(ROWS))

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
-from models.parallel.float8 import FLOAT8_RECIPES
+from models.parallel.float8 import CPU_GEMMS, FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
@@ -274,7 +274,15 @@ class Float8:
     emulate: bool = _opt(
         False,
         "Run the float8 GEMMs emulated in high precision (GPUs before sm89; eager only). Not needed "
-        "on CPU, which has float8 scaled matmuls.",
+        "on CPU: see cpu_gemm.",
+    )
+    cpu_gemm: str = _opt(
+        "emulated",
+        "How a run on CPU computes the float8 GEMMs (torch._scaled_mm): 'emulated' = torch's own "
+        "float32 arithmetic for them (float8 operands times their scales, one float32 GEMM, then the "
+        "output dtype) on every CPU; 'scaled_mm' = torch's CPU kernel, which on hosts with AMX-INT8 "
+        "(Intel Xeon) hands them to oneDNN at about a second per small GEMM. GPUs ignore it.",
+        choices=CPU_GEMMS,
     )
     moe_fqns: list[str] = _opt(
         ["experts"],
