@@ -48,6 +48,17 @@ SECTIONS: list[tuple[str, str, str]] = [
         "LoRA (rank 8; in bf16 with the frozen base stored in bf16); reference: full fine-tuning in the same run",
     ),
     (
+        "float8_cpu",
+        "Float8 on a CPU host",
+        "`make bench` section `float8_cpu` (also `python -m benchmarks.run --only float8_cpu --out "
+        "bench_results/float8_cpu.json`): wall time of `train.py` as one process (one thread), llama3 debug "
+        "model, the shipped config's batch, 3 steps, start-up included, median of 3, with float8 "
+        '(`float8.cpu_gemm = "emulated"`, the CPU default) and, where it is not oneDNN\'s (no AMX-INT8), '
+        'torch\'s own `_scaled_mm` (`"scaled_mm"`; on an AMX host priced from the GEMM figures instead of '
+        "run); and one 256^3 GEMM by each route, one thread; reference: the same run without float8, goal "
+        "float8 / reference <= 3",
+    ),
+    (
         "param_traffic",
         "Bytes moved per parameter per step (one rank)",
         "`make bench` section `param_traffic` (also `python -m benchmarks.param_traffic`): a census of "

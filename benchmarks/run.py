@@ -24,6 +24,7 @@ SECTIONS = [
     "local_tensor",
     "optimizer",
     "lora",
+    "float8_cpu",
 ]
 
 
@@ -36,8 +37,15 @@ def main(argv=None) -> int:
 
     import torch
 
+    from models.common.cpu_info import describe_cpu
+
     results = {
-        "host": {"python": platform.python_version(), "torch": torch.__version__, "cpus": __import__("os").cpu_count()},
+        "host": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": __import__("os").cpu_count(),
+            "cpu": describe_cpu(),
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     for name in args.only or SECTIONS:

@@ -18,9 +18,10 @@ what a file costs, refresh it from a full run:
     MESHTRAIN_TEST_TIMES=/tmp/times.json .venv/bin/python -m pytest -q -n 2 --dist loadfile tests
     .venv/bin/python tests/suite_budget.py /tmp/times.json      # rewrites tests/test_costs.json
 
-At the end of the session (on the xdist controller) it prints the total and the 25 most costly
-tests, and flags every test over the per-test budget (``PER_TEST_BUDGET_S``, wall). It does not
-fail the run on time: wall time depends on the host and what else runs on it, and a red suite
+At the end of the session (on the xdist controller) it prints the total, the host (CPU model and
+the flags that pick torch's CPU kernels: ``host_line``) and the 25 most costly tests, and flags
+every test over the per-test budget (``PER_TEST_BUDGET_S``, wall). It does not fail the run on
+time: wall time depends on the host and what else runs on it, and a red suite
 for a busy neighbour would teach people to ignore it. ``MESHTRAIN_TEST_TIMES=path.json`` also
 writes every test's figures to a JSON file (how docs/testing.md's table was made).
 """
@@ -154,6 +155,7 @@ class _Collector:
             f"CPU {cpu:.0f} s, {procs} processes started (budget: make test <= {SUITE_BUDGET_S // 60} min "
             f"on an idle 2-core host, no test over {PER_TEST_BUDGET_S:.0f} s)"
         )
+        tr.write_line(f"host: {host_line()}")
         tr.write_line(f"the {min(SHOWN, len(rows))} slowest (setup + call + teardown; a module fixture counts once):")
         tr.write_line(f"{'wall s':>7} {'CPU s':>7} {'procs':>5}  test")
         for nodeid, r in rows[:SHOWN]:
@@ -164,8 +166,24 @@ class _Collector:
         out = os.environ.get("MESHTRAIN_TEST_TIMES")
         if out:
             Path(out).write_text(
-                json.dumps({"wall_s": round(wall, 1), "tests": dict(rows)}, indent=1, sort_keys=False) + "\n"
+                json.dumps({"wall_s": round(wall, 1), "host": host_line(), "tests": dict(rows)}, indent=1) + "\n"
             )
+
+
+def host_line() -> str:
+    """The host the run's figures come from: the CPU model and the instruction-set flags that
+    decide torch's CPU kernels (models/common/cpu_info.py), the core count, torch's CPU
+    capability and the kernel variables the second lane sets (tests/kernel_lane.py), so a slow
+    run on a new kind of host is explainable from its log."""
+    import torch
+
+    from models.common.cpu_info import describe_cpu
+
+    lane = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR") if os.environ.get(k)]
+    return (
+        f"{describe_cpu()}, {os.cpu_count()} cores; torch {torch.__version__}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}" + (f" ({', '.join(lane)})" if lane else "")
+    )
 
 
 _costs: dict[str, float] | None = None

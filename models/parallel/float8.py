@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.common.cpu_info import has_amx_int8
 from parallel_dims.torch_compat import emulate_cpu_scaled_mm
 
 __all__ = [
@@ -74,10 +75,10 @@ __all__ = [
     "float8_decisions",
     "float8_expert_decisions",
     "float8_startup_line",
-    "host_has_amx_int8",
     "import_torchao_float8",
     "plain_state_dict",
     "precompute_float8_scales",
+    "set_cpu_gemm",
 ]
 
 # model.converters names: ours (torchtitan before 0.2) and torchtitan 0.2.2's, same meaning
@@ -309,7 +310,7 @@ def convert_to_float8(model: nn.Module, opts: Float8Options, *, fsdp_all_gather:
     (tensorwise only); ``etp``: the expert tensor-parallel degree. ``opts.cpu_gemm`` decides, for
     the whole process, how CPU tensors run ``torch._scaled_mm`` (module docstring)."""
     report = Float8Report()
-    emulate_cpu_scaled_mm(opts.cpu_gemm == "emulated")
+    set_cpu_gemm(opts.cpu_gemm)
     if opts.linears:
         decisions = float8_decisions(model, opts)
         f8 = import_torchao_float8()
@@ -372,14 +373,13 @@ def float8_startup_line(model_parts: list[nn.Module], opts: Float8Options, devic
     return f"float8: {opts.describe()}; {linears}; {experts}{where}; MFU stays priced at the parameter dtype's peak"
 
 
-def host_has_amx_int8() -> bool:
-    """Whether this CPU has AMX-INT8 (Linux: /proc/cpuinfo), where torch's CPU ``_scaled_mm``
-    hands tensorwise-scaled GEMMs to oneDNN."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and " amx_int8" in line for line in f)
-    except OSError:
-        return False
+def set_cpu_gemm(cpu_gemm: str) -> str:
+    """How this process runs ``torch._scaled_mm`` on CPU tensors from now on (``CPU_GEMMS``:
+    ``float8.cpu_gemm``); returns the previous choice. Process-wide; :func:`convert_to_float8`
+    sets it from its options."""
+    if cpu_gemm not in CPU_GEMMS:
+        raise ValueError(f"float8.cpu_gemm must be one of {', '.join(map(repr, CPU_GEMMS))}, got {cpu_gemm!r}")
+    return "emulated" if emulate_cpu_scaled_mm(cpu_gemm == "emulated") else "scaled_mm"
 
 
 def cpu_gemm_note(cpu_gemm: str) -> str:
@@ -389,7 +389,7 @@ def cpu_gemm_note(cpu_gemm: str) -> str:
             "float8 GEMMs on this CPU emulated (torch._scaled_mm's float32 arithmetic: float8 operands "
             "times their scales, float32 GEMM; float8.cpu_gemm = 'scaled_mm' runs torch's kernel)"
         )
-    slow = " (oneDNN on this AMX host: about a second per small GEMM)" if host_has_amx_int8() else ""
+    slow = " (oneDNN on this AMX host: about a second per small GEMM)" if has_amx_int8() else ""
     return f"float8 GEMMs on this CPU by torch._scaled_mm{slow} (float8.cpu_gemm = 'scaled_mm')"
 
 

@@ -1,5 +1,7 @@
 """Float8 training (``model.converters = ["float8"]``, torchao) through train.py on CPU, where
-``torch._scaled_mm`` really runs float8 GEMMs: the loss stays within a measured gap of the same
+the float8 GEMMs run as torch's own CPU arithmetic for ``torch._scaled_mm`` (``float8.cpu_gemm =
+"emulated"``, the default; against torch's kernel: tests/unit/test_float8_cpu_gemm.py, and below
+a run with ``"scaled_mm"``): the loss stays within a measured gap of the same
 run without float8 (and is not equal to it); checkpoints hold the float32 master weights as
 plain tensors (DCP and the Hugging Face export, readable without torchao); resume on the same
 layout is bitwise; float8 can be switched on and off at a resume; bad float8 setups stop with
@@ -103,6 +105,42 @@ def test_float8_loss_stays_close_to_the_high_precision_run(tmp_path):
     assert max(gaps) <= GAP_RTOL, gaps
     assert max(gaps) > 1e-4, "float8 changed nothing: were the linears converted?"
     assert a[GAP_STEPS]["loss"] < a[1]["loss"] - 1 and b[GAP_STEPS]["loss"] < b[1]["loss"] - 1  # both learn
+
+
+# one process, one block, one micro-batch of 2 x 16 tokens, one step: the GEMM route's run
+TINY = [*LLAMA[:2], "--model.n_layers", "1", "--training.seq_len", "16", "--training.global_batch_size", "2"]
+TINY += ["--training.local_batch_size", "2", "--training.steps", "1", "--checkpoint.enable", "false"]
+TINY += ["--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+
+
+def test_cpu_gemm_scaled_mm_runs_torchs_kernel_with_the_emulations_numerics(tmp_path):
+    """``float8.cpu_gemm = "scaled_mm"`` runs torch's own CPU ``_scaled_mm`` (oneDNN on an
+    AMX-INT8 host, which the start-up line says) and trains like the default emulation: step 1's
+    loss (the forward GEMMs) and grad norm (the input- and weight-gradient GEMMs) within 1e-6
+    relative. The two differ only in the float32 summation order of each GEMM (at most ~1e-7
+    relative per element: tests/unit/test_float8_cpu_gemm.py), and bitwise nowhere else but on
+    AMX hosts (elsewhere torch's kernel is the emulation). Measured (Intel Xeon, AMX): equal to
+    the last bit. Negative control: the same step without float8 is 8.5e-6 (loss) and 1.2e-4
+    (grad norm) away. One small step: torch's kernel there costs ~0.1 s per GEMM."""
+    runs = {}
+    for name, extra in (
+        ("emulated", FLOAT8),
+        ("scaled_mm", [*FLOAT8, "--float8.cpu_gemm", "scaled_mm"]),
+        ("no float8", []),
+    ):
+        res = _ok(run_forked(1, *TINY, *extra, "--job.dump_folder", str(tmp_path / name.replace(" ", "_"))))
+        runs[name] = read_metrics(tmp_path / name.replace(" ", "_"))[1]
+        if name == "emulated":
+            assert "float8 GEMMs on this CPU emulated" in res.stdout, res.stdout[-2000:]
+        if name == "scaled_mm":
+            assert "float8 GEMMs on this CPU by torch._scaled_mm" in res.stdout, res.stdout[-2000:]
+
+    def gap(a, b):
+        return max(abs(runs[a][k] - runs[b][k]) / abs(runs[b][k]) for k in ("loss", "grad_norm"))
+
+    print(f"\nscaled_mm vs emulated: {gap('scaled_mm', 'emulated'):.1e}; no float8: {gap('no float8', 'emulated'):.1e}")
+    assert gap("scaled_mm", "emulated") <= 1e-6, runs
+    assert gap("no float8", "emulated") > 1e-6, runs
 
 
 # ---------------------------------------------------------------- checkpoints

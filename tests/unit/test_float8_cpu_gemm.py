@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.parallel.float8 import Float8Options, convert_to_float8, cpu_gemm_note, float8_decisions
+from models.parallel.float8 import Float8Options, convert_to_float8, cpu_gemm_note, float8_decisions, set_cpu_gemm
 from models.registry import build_model
 from parallel_dims import torch_compat
 from parallel_dims.torch_compat import emulate_cpu_scaled_mm, emulated_scaled_mm
@@ -239,6 +239,9 @@ def test_convert_sets_the_process_wide_choice_and_the_startup_line_says_it():
         assert emulate_cpu_scaled_mm(True) is True
         convert_to_float8(nn.Linear(32, 32), Float8Options(linears=False, cpu_gemm="scaled_mm"), fsdp_all_gather=False)
         assert emulate_cpu_scaled_mm(False) is False
+        assert set_cpu_gemm("emulated") == "scaled_mm" and set_cpu_gemm("scaled_mm") == "emulated"
+        with pytest.raises(ValueError, match="float8.cpu_gemm must be one of 'emulated', 'scaled_mm', got 'onednn'"):
+            set_cpu_gemm("onednn")
     finally:
         emulate_cpu_scaled_mm(was)
     assert "emulated" in cpu_gemm_note("emulated") and "float8.cpu_gemm = 'scaled_mm'" in cpu_gemm_note("emulated")

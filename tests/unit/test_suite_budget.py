@@ -58,6 +58,11 @@ def test_the_table_counts_children_and_forked_ranks_and_flags_slow_tests(tmp_pat
     assert child["cpu_s"] >= 0.6 and child["processes"] == 1
     assert forked["cpu_s"] >= 1.2 and forked["processes"] == 2  # both ranks' CPU, though not our children
     assert sleeper["wall_s"] >= 0.3 and sleeper["cpu_s"] < 0.2 and sleeper["processes"] == 0
+    # the host is named, in the table and the file: CPU model, kernel flags, cores, torch's capability
+    from models.common.cpu_info import cpu_model
+
+    host = json.loads(times.read_text())["host"]
+    assert f"host: {host}" in proc.stdout and host.startswith(cpu_model()) and "CPU capability" in host
     assert "over budget: test_sample.py::test_sleeps" in proc.stdout  # 0.3 s > the 0.25 s budget here
 
 

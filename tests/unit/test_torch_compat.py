@@ -122,12 +122,12 @@ def _probe_cpu_scaled_mm() -> str:
     (the dispatch is there; this host does not reach it)."""
     import warnings
 
-    from models.parallel.float8 import host_has_amx_int8
+    from models.common.cpu_info import has_amx_int8
     from parallel_dims.torch_compat import emulate_cpu_scaled_mm
 
     if not torch.backends.mkldnn.is_available():
         return "not needed"
-    if not host_has_amx_int8():
+    if not has_amx_int8():
         return "needed"
     g = torch.Generator().manual_seed(0)
     a = torch.randn(64, 256, generator=g).to(torch.float8_e4m3fn)
