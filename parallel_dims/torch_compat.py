@@ -393,6 +393,17 @@ def install_local_tensor_fsdp_storage() -> None:
 # cpu_scaled_mm_emulation: torch._scaled_mm's own CPU arithmetic, on every CPU
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _scaled_mm_library: torch.library.Library | None = None  # the registration, while installed
+_WIDEN: dict[torch.dtype, torch.Tensor] = {}  # float8 dtype -> float32 value of each of its 256 bytes
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """A CPU float8 tensor as float32, contiguous: each byte looked up in a table of torch's own
+    cast of all 256 (the same bits as ``t.contiguous().to(torch.float32)``, 2-3x faster on CPU,
+    where the elementwise cast from float8 is not vectorized)."""
+    table = _WIDEN.get(t.dtype)
+    if table is None:
+        table = _WIDEN[t.dtype] = torch.arange(256, dtype=torch.uint8).view(t.dtype).to(torch.float32)
+    return table.take(t.contiguous().view(torch.uint8).long())
 
 
 def emulated_scaled_mm(
@@ -429,7 +440,7 @@ def emulated_scaled_mm(
     if tensorwise:  # a scalar multiplier, whatever the scales' shapes ([] or [1])
         scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
     out_dtype = mat_a.dtype if out_dtype is None else out_dtype
-    out = torch.matmul(mat_a.contiguous().to(torch.float32) * scale_a, mat_b.contiguous().to(torch.float32) * scale_b)
+    out = torch.matmul(_widened(mat_a) * scale_a, _widened(mat_b) * scale_b)
     if bias is not None:
         out.add_(bias)
     if scale_result is not None and out_dtype in _FLOAT8_DTYPES:
