@@ -28,7 +28,7 @@ The points of the run around them:
              SIGINT or SIGTERM reaches any rank (the ranks agree again every 10 ms, so every
              rank leaves at the same agreement), then the run stops at that step as any stopped
              run does (a checkpoint of it, the one line, 128 + the signal). It never trains its
-             last step, so a signal sent at any moment after the run started stops it. A gate,
+             last step, so a signal sent at any moment once the loop trains stops it. A gate,
              not a kill point: it takes no ``:<rank>`` nor ``@<step>`` (a rank held alone would
              wait in a collective its peers never join).
 ``exit``     every rank (or the one named), main thread, after a run that ended normally: the
