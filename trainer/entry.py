@@ -20,6 +20,7 @@ import torch.distributed as dist
 from parallel_dims.torch_compat import host_side
 from trainer.checkpoint.async_save import CheckpointWriteFailed
 from trainer.checkpoint.dcp import save_seed_checkpoint
+from trainer.checkpoint.drill import drill_point
 from trainer.cli_errors import EXIT_BAD_INPUT, error_line, user_error
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.console import say_once
@@ -88,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.rank == 0 and cfg.job.print_config:
             print("resolved config:\n" + cfg.to_toml(), flush=True)
         trainer.train()
-        return 0 if trainer.stopped_by is None else exit_code(trainer.stopped_by)
+        if trainer.stopped_by is not None:
+            return exit_code(trainer.stopped_by)
+        drill_point("exit", trainer.step, trainer.rank)  # tests only: held, not exiting (trainer/checkpoint/drill.py)
+        return 0
     except KeyboardInterrupt:  # Ctrl-C before the training loop (which stops at a step instead)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print("interrupted (SIGINT) before training began: nothing to save", file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ from parallel_dims.process_groups import host_group
 from parallel_dims.torch_compat import host_side
 from trainer.build import build_model_parts, build_pipeline
 from trainer.checkpoint.dcp import CheckpointFolder
+from trainer.checkpoint.drill import hold_until_stopped, stop_gate
 from trainer.checkpoint.local_tensor import LocalTensorFolder
 from trainer.checkpoint.manager import CheckpointManager, check_initial_load
 from trainer.config import JobConfig
@@ -304,6 +305,8 @@ class Trainer:
         ``stop_after`` without changing the schedule (to retrace a run up to one step)."""
         cfg = self.cfg
         last_step = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
+        # tests only: hold before the last step until a stop is requested (trainer/checkpoint/drill.py)
+        gate = stop_gate()
         resumed = self.ckpt.resume()
         if resumed is not None:
             self.step = resumed
@@ -376,6 +379,8 @@ class Trainer:
                 steps_since_log += 1
                 # a SIGINT or SIGTERM on any rank: every rank stops after this step, with a save
                 stopping = stop.agreed() if self.step < cfg.training.steps else None
+                if gate and stopping is None and self.step == cfg.training.steps - 1:
+                    stopping = hold_until_stopped(stop.agreed, self.step, self.rank)
                 # checkpointing first (a finished background save published, the save or export
                 # due now), so its numbers are in this step's line; its time is not step time
                 ckpt = self.ckpt.after_step(

@@ -144,7 +144,7 @@ class Job:
     """train.py started in the background (in its own session), its output drained by a
     thread, and its worker processes visible, so that a test can crash it for real."""
 
-    def __init__(self, nproc: int, *args: str):
+    def __init__(self, nproc: int, *args: str, env: dict | None = None):
         self.nproc = nproc
         self.proc = subprocess.Popen(
             train_cmd(nproc, *args),
@@ -152,7 +152,7 @@ class Job:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=_env(),
+            env=env or _env(),
             start_new_session=True,
         )
         self._start_reader(self.proc.stdout)
@@ -307,11 +307,20 @@ class Job:
             self._finish()
 
 
-def run_until(nproc: int, marker: str, *args: str, timeout: float = 600) -> str:
+def drill_env(spec: str) -> dict:
+    """The run's environment with ``MESHTRAIN_CHECKPOINT_DRILL=spec``: the run holds at that
+    state (trainer/checkpoint/drill.py), so a test that kills or stops it waits for a state,
+    never for a time, and finds it there however slow the machine is."""
+    return dict(_env(), MESHTRAIN_CHECKPOINT_DRILL=spec)
+
+
+def run_until(nproc: int, marker: str, *args: str, hold: str, timeout: float = 600) -> str:
     """Start a run and, as soon as ``marker`` appears in its output, SIGKILL every one of its
     nproc workers and then torchrun (a crash, not a clean exit); return once all of them are
-    gone, with the output so far."""
-    job = Job(nproc, *args)
+    gone, with the output so far. ``hold``: the drill point where the run waits to be killed
+    (``begin:@N``: before the save of step N), after ``marker`` is printed, so the kill always
+    finds every worker alive and no later state on disk."""
+    job = Job(nproc, *args, env=drill_env(hold))
     try:
         if job.wait_for_output(marker, timeout):
             killed = job.kill()

@@ -181,7 +181,10 @@ def test_kill_resume_is_bitwise_and_another_base_is_refused(lora_run):
     root, base, run = lora_run
     resumed = root / "resumed"
     # the same job under torchrun, both workers SIGKILLed once the step-2 checkpoint is reported
-    run_until(2, "saved checkpoint", *LORA, *RUN, "--job.dump_folder", str(resumed), *HF_LOAD, str(base))
+    # (held before the step-3 save until then: the drill's begin point)
+    run_until(
+        2, "saved checkpoint", *LORA, *RUN, "--job.dump_folder", str(resumed), *HF_LOAD, str(base), hold="begin:@3"
+    )
     assert sorted(os.listdir(resumed / "checkpoint")) == ["step-2"]
     res = run_forked(2, *LORA, *RUN, "--job.dump_folder", str(resumed), *HF_LOAD, str(base))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

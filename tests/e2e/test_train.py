@@ -22,7 +22,19 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import FAST, ROOT, ForkedJob, Job, _env, metric_records, read_metrics, run_forked, run_train, run_until
+from .helpers import (
+    FAST,
+    ROOT,
+    ForkedJob,
+    Job,
+    _env,
+    drill_env,
+    metric_records,
+    read_metrics,
+    run_forked,
+    run_train,
+    run_until,
+)
 
 LLAMA = ["--config", "llama3.toml", *FAST]
 TWO_LAYERS = ["--model.n_layers", "2"]
@@ -130,11 +142,12 @@ def crash_job_reference(tmp_path_factory):
 
 def test_kill_and_resume_is_bitwise_identical(tmp_path, crash_job_reference):
     """SIGKILL both torchrun workers (then torchrun) right after the step-4 checkpoint is
-    reported (4 more steps before the next save: the kill lands between saves); the resumed run
+    reported (4 more steps before the next save: the kill lands between saves; the run holds at
+    the drill's ``begin`` point of the step-8 save, so a late kill still does); the resumed run
     loads step 4 and its steps 5-8 are bitwise those of the uninterrupted run."""
     crash = tmp_path / "crash"
     # run_until returns once they are all gone, so nothing of this run overlaps the resume
-    run_until(2, "saved checkpoint", *CRASH_JOB, "--job.dump_folder", str(crash))
+    run_until(2, "saved checkpoint", *CRASH_JOB, "--job.dump_folder", str(crash), hold="begin:@8")
     assert sorted(os.listdir(crash / "checkpoint")) == ["step-4"]
     logged = len(metric_records(crash))
     res = run_forked(2, *CRASH_JOB, "--job.dump_folder", str(crash))
@@ -156,25 +169,19 @@ def test_rank_killed_while_a_checkpoint_is_written(tmp_path, crash_job_reference
     from trainer.checkpoint.dcp import CheckpointFolder
     from trainer.checkpoint.export import export_checkpoint
 
-    common = CRASH_JOB  # saves at 4 and 8 (the last step)
+    common = CRASH_JOB  # saves at 4 and 8 (the last step), synchronously
     run = tmp_path / "run"
     ckpt, tmp = run / "checkpoint", run / "checkpoint" / "step-8.tmp"
 
-    job = Job(2, *common, "--job.dump_folder", str(run))
+    # Rank 1 holds in the middle of the step-8 save, at the drill's write point: its shard
+    # files written and fsynced, DCP's .metadata not (rank 0 writes it after gathering every
+    # rank's write results, so it waits for rank 1 there). The kill lands in that state
+    # whatever the load (it used to be timed: a poll for the first shard file and a kill within
+    # the ~40 ms the write takes, which a loaded machine could miss).
+    job = Job(2, *common, "--job.dump_folder", str(run), env=drill_env("write:1@8"))
     try:
-        assert job.wait_for_output("saved checkpoint", 600), job.output[-3000:]  # step-4 is complete
+        assert job.wait_for_output("checkpoint drill: write step 8 rank 1", 600), job.output[-3000:]
         pid = job.workers()[1]
-        # Wait for rank 0 to create step-8.tmp, then for the first shard file in it, and kill
-        # rank 1 at once. From the first shard file to DCP's .metadata the ranks write the 2
-        # layers' model and Adam state (~30 MB) and gather the write results: measured 40 ms
-        # on 2 shared cores (6 layers: 110 ms). This loop looks every 0.2 ms and the kill is one
-        # system call (rank 1's pid looked up beforehand), so it lands mid-write (asserted
-        # below: no .metadata).
-        deadline = time.monotonic() + 600
-        while not (tmp.is_dir() and any(n.endswith(".distcp") for n in os.listdir(tmp))):
-            assert job.proc.poll() is None, f"the run ended before step-8 was written:\n{job.output[-3000:]}"
-            assert time.monotonic() < deadline, "no step-8 save within 600 s"
-            time.sleep(0.0002)
         os.killpg(pid, signal.SIGKILL)  # torchrun started it in a session (process group) of its own
         # torchrun notices the dead rank, tears down rank 0 and reaps both before it exits
         job.proc.wait(timeout=120)
@@ -282,14 +289,18 @@ def test_pipeline_with_activation_checkpointing_is_bitwise_unchanged(tmp_path, p
 # ---------------------------------------------------------------- stopping (trainer/stop.py)
 # SIGINT / SIGTERM stop every rank at a step boundary with a checkpoint there; the resumed run
 # continues the uninterrupted curve bitwise (the crash job's reference). The step a signal
-# lands in is random (the assertion messages name it): every step must work.
+# lands in is random (the assertion messages name it): every step must work. The runs hold
+# before their last step until a stop is requested (the drill's ``last`` gate,
+# trainer/checkpoint/drill.py): a signal that a loaded machine delivers late still stops the
+# run (at step 7 at the latest) instead of landing after the last step or in it.
 _STOPPED = re.compile(r"stopped at step (\d+) by (SIGINT|SIGTERM); checkpoint step-(\d+) saved in (\S+); "
                       r"run the same command to resume")  # fmt: skip
 
 
 def _signal_after_step(job, first: int, signum: int, **kw) -> None:
     """Once step ``first`` is printed, send ``signum`` (torchrun: to torchrun alone, as a
-    terminal's Ctrl-C reaches it; forked ranks: to every rank, as a scheduler does)."""
+    terminal's Ctrl-C reaches it; forked ranks: to every rank, as a scheduler does). The job
+    runs with the ``last`` gate (``drill_env("last")``), so it cannot finish first."""
     assert job.wait_for_output(f"step {first}/8", 300), job.output[-3000:]
     if isinstance(job, ForkedJob):
         job.signal(signum, **kw)
@@ -314,7 +325,7 @@ def test_ctrl_c_under_torchrun_stops_at_a_step_with_a_checkpoint(tmp_path, crash
     command resumes bitwise."""
     first = random.randint(1, 5)
     run = tmp_path / "run"
-    job = Job(2, *CRASH_JOB, "--job.dump_folder", str(run))
+    job = Job(2, *CRASH_JOB, "--job.dump_folder", str(run), env=drill_env("last"))
     try:
         _signal_after_step(job, first, signal.SIGINT)
         job.proc.wait(timeout=120)
@@ -339,7 +350,9 @@ def test_sigterm_to_every_rank_finishes_the_background_save(tmp_path, crash_job_
     before the exit, one line, exit code 143 (128 + SIGTERM), and the resumed run is bitwise."""
     first = random.randint(1, 5)
     run = tmp_path / "run"
-    job = ForkedJob(2, *CRASH_JOB, "--checkpoint.async_mode", "async", "--job.dump_folder", str(run))
+    job = ForkedJob(
+        2, *CRASH_JOB, "--checkpoint.async_mode", "async", "--job.dump_folder", str(run), env=drill_env("last")
+    )
     try:
         _signal_after_step(job, first, signal.SIGTERM)
         code = job.wait(timeout=120)
@@ -365,7 +378,9 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path):
     from trainer.stop import REPEAT_WINDOW_S
 
     run = tmp_path / "run"
-    env = dict(_env(), MESHTRAIN_CHECKPOINT_DRILL="write")  # every save holds once its files are written
+    # every save holds once its files are written; the run cannot reach its last step (and that
+    # step's save) before the first SIGINT stops it, so the save held is the stop's
+    env = drill_env("write,last")
     job = ForkedJob(2, *_checkpointed_job(8, 100), "--job.dump_folder", str(run), env=env)
     try:
         _signal_after_step(job, 2, signal.SIGINT)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from .helpers import FAST, ROOT, _descendants, _env, run_train
+from .helpers import FAST, ROOT, _descendants, _env, drill_env, run_train
 
 LLAMA = ["--config", "llama3.toml", *FAST, "--model.n_layers", "2", "--training.steps", "8"]
 
@@ -109,7 +109,10 @@ def test_every_user_error_is_one_line_first_under_torchrun(tmp_path, kind, nproc
 def _signalled_launch(run, until, then=None, env=None) -> tuple[int, str]:
     """``python train.py --nproc_per_node 2`` on LLAMA with checkpoints (none due before the
     last step) in the background; ``until(line, pid)`` sees each output line (and may signal the
-    launcher) until it returns True, then ``then(pid)`` runs; the exit code and all output."""
+    launcher) until it returns True, then ``then(pid)`` runs; the exit code and all output.
+    ``env`` holds the drill (trainer/checkpoint/drill.py): with its ``last`` gate the workers
+    wait before their last step until the signal has reached them, so a Ctrl-C this process
+    sends late (a loaded machine) still stops them at a step, never after the run."""
     cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *LLAMA, "--job.dump_folder", str(run),
            "--checkpoint.enable", "true", "--checkpoint.interval", "100"]  # fmt: skip
     proc = subprocess.Popen(
@@ -142,7 +145,7 @@ def test_ctrl_c_to_the_launcher_stops_the_workers_at_a_step(tmp_path):
     after a step with a checkpoint there and their one line, the launcher exits 130 with
     nothing of its own (no torchrun traceback)."""
     run = tmp_path / "run"
-    code, out = _signalled_launch(run, _ctrl_c_at_step_2)
+    code, out = _signalled_launch(run, _ctrl_c_at_step_2, env=drill_env("last"))
     assert code == 130, (code, out[-3000:])
     stops = [line for line in out.splitlines() if line.startswith("stopped at step")]
     assert len(stops) == 1 and "by SIGINT; checkpoint step-" in stops[0], out[-3000:]
@@ -169,7 +172,9 @@ def test_a_second_ctrl_c_to_the_launcher_stops_the_workers_at_once(tmp_path):
         os.kill(pid, signal.SIGINT)
 
     run = tmp_path / "run"
-    env = dict(_env(), MESHTRAIN_CHECKPOINT_DRILL="write")  # every save holds once its files are written
+    # every save holds once its files are written; the workers cannot reach their last step (and
+    # its save) before the first Ctrl-C stops them, so the save held is the stop's
+    env = drill_env("write,last")
     code, out = _signalled_launch(run, held_mid_write, again, env)
     assert code == 130, (code, out[-3000:])
     assert out.count("stopped at once by a second signal (SIGTERM)") == 2, out[-3000:]  # each worker, one line

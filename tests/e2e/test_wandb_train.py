@@ -65,7 +65,11 @@ def _wandb_processes_of(pids: list[int]) -> list[int]:
 
 def _launch(run, env, stop_after: int | None = None) -> tuple[int, str, list[int], list[int]]:
     """(exit code, output, the ranks' pids, the wandb processes of each rank while it trained
-    (with ``stop_after``: looked up once that step is printed, then SIGTERM to every rank))."""
+    (with ``stop_after``: looked up once that step is printed, then SIGTERM to every rank; the
+    ranks hold before their last step until it arrives, the drill's ``last`` gate
+    (trainer/checkpoint/drill.py), so the run is still training however late this process looks))."""
+    if stop_after is not None:
+        env = dict(env, MESHTRAIN_CHECKPOINT_DRILL="last")
     job = ForkedJob(2, *JOB, "--job.dump_folder", str(run), env=env)
     during: list[int] = []
     try:

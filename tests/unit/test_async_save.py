@@ -1,7 +1,8 @@
 """Background checkpoint saves (trainer/checkpoint/async_save.py, ``checkpoint.async_mode``) in
 one gloo process: the staged copy is isolated from training, at most one save is in flight,
-retention purges only complete checkpoints, the kill-drill spec parser, the one-line failure
-messages, and the config checks of the new options."""
+retention purges only complete checkpoints, the kill-drill spec parser and the ``last`` gate
+(trainer/checkpoint/drill.py), the one-line failure messages, and the config checks of the new
+options."""
 
 from __future__ import annotations
 
@@ -175,6 +176,14 @@ def test_keep_latest_k_purges_only_complete_checkpoints(gloo, tmp_path, monkeypa
         ("write:@4", "write", 6, 3, False),
         ("publish:0@10", "publish", 10, 0, True),
         ("stage", "staging", 4, 0, False),  # names match whole, not by prefix
+        ("begin:@8", "begin", 8, 1, True),
+        ("begin:@8", "begin", 4, 1, False),
+        ("exit", "exit", 5, 0, True),
+        ("write,last", "write", 3, 1, True),  # several points, comma-separated
+        ("write,last", "last", 7, 0, True),
+        ("write,last", "publish", 3, 0, False),
+        ("staging:1@4, exit", "exit", 5, 1, True),
+        ("staging:1@4, exit", "staging", 4, 0, False),
     ],
 )
 def test_drill_spec(spec, point, step, rank, wanted):
@@ -182,13 +191,100 @@ def test_drill_spec(spec, point, step, rank, wanted):
 
 
 def test_drill_point_does_nothing_when_unset(monkeypatch):
-    from trainer.checkpoint.drill import drill_point
+    from trainer.checkpoint.drill import drill_point, stop_gate
 
     monkeypatch.delenv("MESHTRAIN_CHECKPOINT_DRILL", raising=False)
     drill_point("write", 4, 0)  # returns at once
+    drill_point("exit", 8, 0)
+    assert stop_gate() is False
     monkeypatch.setenv("MESHTRAIN_CHECKPOINT_DRILL", "write:1@4")
     drill_point("write", 4, 0)  # another rank's drill
     drill_point("publish", 4, 1)
+    drill_point("exit", 8, 1)
+    assert stop_gate() is False
+
+
+@pytest.mark.parametrize(
+    "spec, gate",
+    [("last", True), ("write,last", True), (" write , last ", True), ("write", False), ("lastly", False)],
+)
+def test_stop_gate_spec(monkeypatch, spec, gate):
+    from trainer.checkpoint.drill import stop_gate
+
+    monkeypatch.setenv("MESHTRAIN_CHECKPOINT_DRILL", spec)
+    assert stop_gate() is gate
+
+
+@pytest.mark.parametrize("spec", ["last:1", "last:@7", "write,last:0@7"])
+def test_stop_gate_refuses_a_rank_or_step(monkeypatch, spec):
+    """A gate held by some ranks only would leave them in a collective the others never join."""
+    from trainer.checkpoint.drill import stop_gate
+
+    monkeypatch.setenv("MESHTRAIN_CHECKPOINT_DRILL", spec)
+    with pytest.raises(ValueError, match="'last' holds every rank"):
+        stop_gate()
+
+
+def test_the_last_gate_releases_every_rank_at_the_same_agreement(capfd):
+    """Two ranks (threads) at the ``last`` gate, agreeing as trainer/stop.py does (a max over the
+    ranks: here a barrier per agreement); the signal reaches rank 1 alone, after a few
+    agreements. Both ranks leave at the same agreement with rank 1's signal, having run the same
+    number of agreements (a rank that left earlier would leave the other in a collective alone)."""
+    import signal as signals
+
+    from trainer.checkpoint.drill import hold_until_stopped
+
+    flags = [0, 0]  # each rank's noted signal (StopSignals.signum)
+    seen = [0, 0]
+    calls = [0, 0]
+    barrier = threading.Barrier(2, action=lambda: seen.__setitem__(slice(None), [max(flags)] * 2))
+
+    def agreed(rank):
+        def agree():
+            calls[rank] += 1
+            if rank == 1 and calls[rank] == 5:
+                flags[1] = int(signals.SIGTERM)
+            barrier.wait(timeout=30)
+            code = seen[rank]
+            barrier.wait(timeout=30)  # every rank read this agreement's result
+            return code or None
+
+        return agree
+
+    out: dict[int, int] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: out.__setitem__(r, hold_until_stopped(agreed(r), 7, r))) for r in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert out == {0: signals.SIGTERM, 1: signals.SIGTERM}
+    assert calls == [5, 5]
+    err = capfd.readouterr().err
+    assert "checkpoint drill: last step 7 rank 0" in err and "checkpoint drill: last step 7 rank 1" in err
+
+
+def test_the_last_gate_waits_for_the_stop_signal_itself():
+    """One process (no peers, trainer/stop.py's StopSignals without a group): the gate holds
+    until a SIGTERM, sent by another thread a few agreements in, is noted; then it gives that
+    signal, as the trainer's agreement at a step would."""
+    import signal as signals
+
+    from trainer.checkpoint.drill import hold_until_stopped
+    from trainer.stop import StopSignals
+
+    calls = []
+    with StopSignals(None) as stop:
+
+        def agreed():
+            calls.append(1)
+            if len(calls) == 3:
+                threading.Thread(target=os.kill, args=(os.getpid(), signals.SIGTERM)).start()
+            return stop.agreed()
+
+        assert hold_until_stopped(agreed, 7, 0) == signals.SIGTERM
+    assert len(calls) >= 3 and stop.signum == signals.SIGTERM  # held through the agreements before it
 
 
 def _full(path):

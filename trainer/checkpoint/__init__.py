@@ -5,7 +5,7 @@ manager.py      :class:`CheckpointManager`, the trainer's checkpoint policy: res
                 load (DCP or Hugging Face), periodic saves, Hugging Face exports, the end
 dcp.py          DCP step folders ``<folder>/step-N``: save, load, retention, seed checkpoint
 async_save.py   ``checkpoint.async_mode``: background saves, their completion and failure
-drill.py        fault-injection points of the kill drills (``MESHTRAIN_CHECKPOINT_DRILL``)
+drill.py        test-only hold points of the kill drills and stop tests (``MESHTRAIN_CHECKPOINT_DRILL``)
 state.py        what a DCP checkpoint holds (model parts, RNG, train-state blob), process helpers
 folders.py      publishing a folder written under ``<final>.tmp`` (keeps ``<final>.old`` until done)
 export.py       consolidated ``.pt`` / ``.safetensors`` weights (from the live model or a DCP

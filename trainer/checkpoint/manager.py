@@ -33,12 +33,14 @@ from models import registry
 from models.parallel.lora import LORA_CONVERTERS, LoRAOptions, is_adapter_key
 from trainer.checkpoint.async_save import DISABLED, BackgroundSaver, CheckpointWriteFailed, SaveDone, failure_line
 from trainer.checkpoint.dcp import CheckpointFolder, load_checkpoint
+from trainer.checkpoint.drill import drill_point
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.export import export_consolidated
 from trainer.checkpoint.hf_live import export_model_to_hf
 from trainer.checkpoint.hf_load import load_hf_into_model
 from trainer.checkpoint.hf_reader import HFCheckpoint, validate_hf_checkpoint
 from trainer.checkpoint.lora_base import base_identity
+from trainer.checkpoint.state import rank
 
 __all__ = ["CheckpointManager", "check_initial_load"]
 
@@ -248,6 +250,7 @@ class CheckpointManager:
         if self.saver is not None and self.saver.in_flight is not None:
             out.update(self._finish(self.saver.poll()))
         if self.should_save(step, last) or (stopping and self.config.enable):
+            drill_point("begin", step, rank())  # tests only (trainer/checkpoint/drill.py)
             with phase(f"checkpoint save at step {step}"):
                 if self.saver is not None and self.saver.in_flight is not None:
                     # at most one in flight: the wait is the previous save's (its poll stall)
