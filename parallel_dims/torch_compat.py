@@ -23,10 +23,13 @@ schedule_compute_order      tools.planner.schedule_order                 ?      
 local_tensor_fsdp_storage   trainer.local_tensor                         n/a    ?      need   ?      need*
 constant_result_marker      models.common.attention                      need   ?      need   ?      need
 cpu_scaled_mm_emulation     models.parallel.float8                       ?      ?      need   ?      ?
+cpu_flash_attention_pack    models.common.attention                      ?      ?      need   ?      ?
 ==========================  ===========================================  =====  =====  =====  =====  =====
 
 (need = needed, nr = not reached, no = not needed, ? = not checked, * = from the project's runs
 on that torch, not from its source.) What each one fixes is in its row of :data:`OVERRIDES` (the table itself: parallel_dims/torch_overrides.py).
+One row's implementation has a module of its own for length, re-exported here:
+``cpu_flash_attention_pack`` (parallel_dims/torch_compat_flash.py).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from .builders import MESH_BUILDER_ENV
+from .torch_compat_flash import flash_attention_pack_fails, guard_cpu_flash_attention
 from .torch_overrides import OVERRIDES, TORCH_VERSIONS, Override, render_table
 
 __all__ = [
@@ -51,6 +55,8 @@ __all__ = [
     "compute_order_only",
     "emulate_cpu_scaled_mm",
     "emulated_scaled_mm",
+    "flash_attention_pack_fails",
+    "guard_cpu_flash_attention",
     "host_side",
     "install_local_tensor_fsdp_storage",
     "mark_constant_result",

@@ -142,6 +142,22 @@ OVERRIDES: tuple[Override, ...] = (
         "bitwise torch's where torch emulates.",
         {"2.11": "not checked", "2.12": "not checked", "2.13": "needed", "2.14": "not checked", "2.15": "not checked"},
     ),
+    Override(
+        "cpu_flash_attention_pack",
+        "aten::_scaled_dot_product_flash_attention_for_cpu's CPU kernel (a Python kernel registered "
+        "at the CPU dispatch key around torch's own)",
+        ("guard_cpu_flash_attention",),
+        _ATTENTION,
+        "torch's CPU flash attention packs bfloat16 (float16: AMX-FP16) inputs for oneDNN's AMX "
+        "GEMMs whenever oneDNN may use AMX on the host (Intel Xeon since Sapphire Rapids), with a "
+        "helper (pack_vnni2) that only ATen's AVX-512 build has: under ATEN_CPU_CAPABILITY=default "
+        "or avx2 (the test suite's second-kernel lane) bfloat16 attention of 64 or more "
+        "queries and keys (torch 2.13's packing heuristic) raises 'pack_vnni2 is only supported when avx512 is supported' (training, the "
+        "planner's measurements, the benchmarks, torchtitan's model too). Where it fails, those "
+        "dtypes run the same kernel with oneDNN disabled for the call (no packing); elsewhere "
+        "nothing is registered.",
+        {"2.11": "not checked", "2.12": "not checked", "2.13": "needed", "2.14": "not checked", "2.15": "not checked"},
+    ),
 )
 
 

@@ -20,6 +20,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # already read by the OpenMP runtime: set it the way it still takes
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# Inductor's caches (the FX graph cache, the compiled kernels) are keyed without the vector ISA
+# it generates C++ for, and it follows ATEN_CPU_CAPABILITY: a run under ``default`` (the kernel
+# lane) found the vectorized kernels a native run had cached and failed to build them against
+# the scalar headers ("'at::vec' has not been declared"). A session that sets the capability
+# gets a cache folder of its own, named after it, inherited by every process it starts
+# (tests/distributed/inductor_probe.py; a folder the caller chose is kept).
+from tests.distributed.inductor_probe import capability_cache_dir
+
+if capability_cache_dir() and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = capability_cache_dir()
+
 pytest_plugins = ["tests.suite_budget"]  # the per-test cost table printed after every run
 
 TIERS = ("unit", "distributed", "e2e")

@@ -18,8 +18,9 @@ Why: a rank started by torchrun is a new interpreter that imports torch, the tra
 first optimizer step) torch._dynamo, about 1.5 CPU seconds before its first line of work; the
 launcher itself imports torch too. On the 2 cores of a CI host that is most of a short run
 (measured: llama3 tp=2 x fsdp=2, 3 steps, 13.6 CPU s under torchrun). A child of the forkserver
-starts with all of it imported (preloaded in the server, which runs no torch op and starts no
-thread, so forking it is safe).
+starts with all of it imported (preloaded in the server, which starts no thread and runs no
+torch op but, under an ATen build below AVX-512, the one-thread probe of the models' CPU flash
+attention guard, parallel_dims/torch_compat.py; so forking it is safe).
 
 What a forked rank does NOT share with a torchrun worker: torchrun's supervision (its
 rendezvous, restarts, its failure summary and exit code 1 for any failed worker: here the

@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.common.documents import ATTN_MASK_TYPES, ATTN_TYPES, Documents
-from parallel_dims.torch_compat import mark_constant_result
+from parallel_dims.torch_compat import guard_cpu_flash_attention, mark_constant_result
 
 __all__ = [
     "AttentionCore",
@@ -60,6 +60,13 @@ __all__ = [
     "value_head_plan",
     "varlen_layout",
 ]
+
+# Where torch's CPU flash attention cannot run bfloat16 (an ATen build below AVX-512 on an AMX
+# host, e.g. ATEN_CPU_CAPABILITY=default: the cpu_flash_attention_pack row of
+# parallel_dims/torch_compat.py), it runs without oneDNN's packing; elsewhere nothing changes.
+# At import, so every process that builds a model has it before its first attention, the
+# launcher's forked ranks included (inherited from the server, which imported the models).
+guard_cpu_flash_attention()
 
 
 def block_causal_mask(docs: Documents, q_start: int, n_q: int) -> torch.Tensor:

@@ -30,6 +30,29 @@ def _capability() -> str:
     return f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}"
 
 
+def capability_cache_dir() -> str | None:
+    """Inductor's cache folder for a process whose ``ATEN_CPU_CAPABILITY`` is set: beside
+    inductor's default one (``<tmp>/torchinductor_<user>``), named after the capability, so
+    kernels generated for one vector ISA are never handed to a run that generates for another
+    (tests/conftest.py sets it); None when the variable is unset (the default folder, shared by
+    every run on the host's own ISA). Computed without importing inductor, whose import sets
+    ``TORCHINDUCTOR_CACHE_DIR`` to its default folder."""
+    import re
+    import tempfile
+
+    capability = re.sub(r"[^a-z0-9]", "_", os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower())
+    if not capability:
+        return None
+    try:
+        import getpass
+
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_aten_cpu_capability_{capability}")
+
+
 @functools.cache
 def inductor_cpu_unavailable() -> str | None:
     """None when inductor can build the CPU kernels of a compiled model here; otherwise why not,
@@ -37,20 +60,25 @@ def inductor_cpu_unavailable() -> str | None:
 
     * inductor generates scalar code here although the host has vector ISAs (an
       ``ATEN_CPU_CAPABILITY`` below the host's: inductor follows it) while its FX graph cache
-      is on: that cache is shared with runs that vectorize, and torch 2.13 does not key it by
+      is on in a folder shared with runs that vectorize: torch 2.13 does not key that cache by
       the vector ISA, so it hands back vectorized kernels, which then fail to build against the
-      scalar headers (seen: the kernel lane after the main suite; with a clean cache, or with
-      ``TORCHINDUCTOR_FX_GRAPH_CACHE=0``, the same tests pass under the scalar capability);
+      scalar headers (seen: the kernel lane after the main suite; with a clean cache, with
+      ``TORCHINDUCTOR_FX_GRAPH_CACHE=0``, or in the folder of :func:`capability_cache_dir`,
+      which tests/conftest.py gives such a session, the same tests pass under the scalar
+      capability);
     * inductor does not build and run a small vectorizable kernel in this process (no working
       compiler, broken headers)."""
     import torch
     from torch._inductor import config, cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    if not cpu_vec_isa.pick_vec_isa() and cpu_vec_isa.valid_vec_isa_list() and config.fx_graph_cache:
+    own_cache = capability_cache_dir() is not None and cache_dir() == os.path.abspath(capability_cache_dir())
+    if not cpu_vec_isa.pick_vec_isa() and cpu_vec_isa.valid_vec_isa_list() and config.fx_graph_cache and not own_cache:
         return (
             f"inductor generates scalar CPU code here ({_capability()}) and its FX graph cache, shared "
             "with runs that vectorize and not keyed by the vector ISA, hands back vectorized kernels that "
-            "do not build against the scalar headers (TORCHINDUCTOR_FX_GRAPH_CACHE=0 runs this test here)"
+            "do not build against the scalar headers (TORCHINDUCTOR_FX_GRAPH_CACHE=0, or a cache folder of "
+            "its own as tests/conftest.py gives a session that sets the capability, runs this test here)"
         )
     try:
         x = torch.linspace(-2.0, 2.0, 67)  # not a multiple of any vector width: a tail loop too

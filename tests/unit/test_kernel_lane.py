@@ -82,6 +82,12 @@ def test_this_process_runs_the_lane_kernels_when_in_the_lane():
     from parallel_dims.builders import resolve_mesh_builder
 
     assert resolve_mesh_builder() == "portable"
+    # inductor caches in a folder of the capability's own (tests/conftest.py): no kernel a
+    # native run cached is handed to this one
+    from tests.distributed.inductor_probe import capability_cache_dir
+
+    assert capability_cache_dir() is not None
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == capability_cache_dir()
 
 
 def test_lane_files_exist():

@@ -112,6 +112,8 @@ def _probe(name: str) -> str:
         return "needed" if marks and imports else "not needed"
     if name == "cpu_scaled_mm_emulation":
         return _probe_cpu_scaled_mm()
+    if name == "cpu_flash_attention_pack":
+        return _probe_cpu_flash_attention_pack()
     raise AssertionError(f"no probe for {name}")
 
 
@@ -146,6 +148,52 @@ def _probe_cpu_scaled_mm() -> str:
     finally:
         emulate_cpu_scaled_mm(was)
     return "needed" if not torch.equal(*outs) else "not needed"
+
+
+# torch's own CPU flash attention kernel on bfloat16 inputs it packs (64 queries and keys, 4 heads
+# of 64), in a process of its own: only torch imported, the guard not installed
+_FLASH_PACK_PROBE = r"""
+import torch
+q = torch.zeros(1, 4, 64, 64, dtype=torch.bfloat16)
+try:
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)
+    print("runs")
+except RuntimeError as exc:
+    print("pack_vnni" if "pack_vnni" in str(exc) else f"other error: {exc}")
+"""
+
+
+def _host_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+def _probe_cpu_flash_attention_pack() -> str:
+    """torch's CPU flash attention packs bfloat16 inputs for oneDNN's AMX GEMMs on hosts with
+    AMX-BF16 and then needs ATen's AVX-512 build. On such a host the probe runs the kernel under
+    ATen's DEFAULT build: in this process when it already runs one (through torch's own kernel,
+    around the guard), else in a process under ``ATEN_CPU_CAPABILITY=default``. Elsewhere no
+    kernel packs and the probe can only read that the build has oneDNN (the packing is there;
+    this host does not reach it)."""
+    import os
+    import subprocess
+    import sys
+
+    if not torch.backends.mkldnn.is_available():
+        return "not needed"
+    if not _host_has_amx_bf16():
+        return "needed"
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
+        return "needed" if torch_compat.flash_attention_pack_fails(torch.bfloat16) else "not needed"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FLASH_PACK_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() in ("runs", "pack_vnni"), proc.stdout + proc.stderr
+    return "needed" if proc.stdout.strip() == "pack_vnni" else "not needed"
 
 
 @pytest.mark.parametrize("name", list(ROWS))
