@@ -28,6 +28,13 @@ the outputs of each op on fixed inputs, tests/unit/test_kernel_lane.py):
   ``ONEDNN_MAX_CPU_ISA`` (bfloat16 matmuls on CPUs without AVX-512 BF16 run ATen's own
   kernel, which neither variable changes; on AVX-512 BF16 hosts oneDNN runs them).
 
+On a host with AMX (Intel Xeon) torch 2.13's bf16 CPU flash attention cannot run under these
+kernels (it packs for oneDNN's AMX GEMMs with a helper only ATen's AVX-512 build has): the models
+guard it there (the ``cpu_flash_attention_pack`` row of parallel_dims/torch_compat.py, proven by
+tests/unit/test_torch_compat_flash.py, which runs here too). Inductor's cache does not record the
+vector ISA it compiled for, so a session that sets ``ATEN_CPU_CAPABILITY`` compiles into a cache
+folder of its own (tests/conftest.py).
+
 The lane sets ``MESHTRAIN_KERNEL_LANE=portable`` so a test can tell where it runs
 (tests/unit/test_kernel_lane.py checks that the kernels really are the scalar/compatible ones).
 Child processes (the gloo ranks of the distributed tests) inherit the environment.
@@ -60,6 +67,7 @@ NUMERICS_TESTS = [
     "tests/unit/test_activation_checkpoint.py",
     "tests/unit/test_document_masking.py",
     "tests/unit/test_kernel_choice.py",
+    "tests/unit/test_torch_compat_flash.py",
     "tests/distributed/test_mixed_precision.py",
     "tests/distributed/test_context_parallel.py",
 ]
