@@ -77,6 +77,24 @@ def _context():
     return _CTX
 
 
+def start_server() -> None:
+    """Start this process's forkserver now (with its preloaded imports) if it has none: a caller
+    that will run a tool in-process, such as the comparison tool, keeps the server that tool
+    would otherwise start and stop for itself."""
+    from multiprocessing import forkserver
+
+    _context()  # the preload list
+    forkserver.ensure_running()
+
+
+def server_running() -> bool:
+    """Whether this process has a live forkserver (one a launch started and nothing stopped)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    return getattr(server, "_forkserver_pid", None) is not None
+
+
 def stop_server() -> None:
     """End this process's forkserver, if it started one, and wait for it. The server reaps the
     ranks it forked, so their CPU time is this process's children's (``RUSAGE_CHILDREN``) only
@@ -367,4 +385,4 @@ def run_train(
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
-__all__ = ["ForkedTrain", "run_distributed", "run_train", "stop_server"]
+__all__ = ["ForkedTrain", "run_distributed", "run_train", "server_running", "start_server", "stop_server"]

@@ -66,6 +66,36 @@ def run_forked(nproc: int, *args: str, timeout: float = 600, env: dict | None = 
     return run_train_forked(nproc, list(args), env=env or _env(), cwd=ROOT, timeout=timeout)
 
 
+def run_compare_loss(*args: str) -> subprocess.CompletedProcess:
+    """``python -m tools.compare_loss ARGS --launcher fork`` run in this process: what the tool
+    prints captured as a subprocess's output would be, its layouts' ranks forked from this
+    worker's launcher server (started here if there is none, and left running for the next
+    forked run). That saves the tool's own interpreter, torch import and server (~5 CPU s a
+    call). For the comparisons whose claim is the math; tests/e2e/test_compare_loss.py proves
+    the tool as a process (its entry point, exit codes, torchrun launcher)."""
+    import contextlib
+    import io
+
+    from tools.compare_loss.cli import main
+    from tools.launcher import server_running, start_server
+
+    assert "--launcher" in args and args[args.index("--launcher") + 1] == "fork", "in-process runs fork their ranks"
+    start_server()
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the tool resolves its paths as `python -m` from the repository does
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse's own errors
+                code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        os.chdir(cwd)
+    assert server_running(), "the tool stopped its caller's launcher server"  # it stops only its own
+    return subprocess.CompletedProcess(["tools.compare_loss", *args], code, out.getvalue(), err.getvalue())
+
+
 # ------------------------------------------------------------------ processes via /proc
 #
 # torchrun starts every worker with start_new_session=True, so killing torchrun's process

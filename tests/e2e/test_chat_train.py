@@ -26,8 +26,8 @@ import pytest
 
 from tests.chat_data import conversations, write_jsonl, write_parquet
 
-from .helpers import FAST, metric_records, run_forked, validation_records
-from .test_compare_loss import MATRIX, STEPS, _explain, compare_loss
+from .helpers import FAST, metric_records, run_compare_loss, run_forked, validation_records
+from .test_compare_loss import MATRIX, STEPS, _explain
 
 CHAT_LAYOUTS = ["single", "fsdp=2", "tp=2", "cp=2", "pp=2", "dp_replicate=2,fsdp=2"]
 
@@ -68,7 +68,7 @@ def _validation_args(path: str) -> list[str]:
 @pytest.fixture(scope="module")
 def chat_comparison(tmp_path_factory, chat_files):
     out = tmp_path_factory.mktemp("chatcmp") / "cmp"
-    proc = compare_loss(
+    proc = run_compare_loss(
         "--config", "train_configs/llama3.toml", "--steps", str(STEPS), "--out", str(out), "--timeout", "300",
         "--launcher", "fork", "--layouts", *CHAT_LAYOUTS,
         "--", *MATRIX, *_chat_args(chat_files["jsonl"]), *_validation_args(chat_files["jsonl"]),

@@ -9,7 +9,11 @@ repeated layout of the deepseek matrix. The matrices run with ``--launcher fork`
 ranks forked from one server that imported torch and the trainer once, instead of a torchrun
 launch per layout that starts an interpreter per rank (~1.5 CPU s each); the launcher is not
 part of what the matrices prove, and forked ranks give bitwise the torchrun results
-(tests/e2e/test_launcher.py). The tool's default torchrun path stays proven end to end by
+(tests/e2e/test_launcher.py). The matrices (and every other test file's comparisons) run the
+tool in the test's own process (``helpers.run_compare_loss``: no interpreter, torch import and
+launcher server of its own, ~2-5 CPU s a call); the tool as a process (``python -m
+tools.compare_loss``) stays proven by ``test_bad_layout_is_rejected_before_anything_runs`` and
+the local_tensor comparison, and its default torchrun path end to end by
 ``test_grad_dump_matches_across_layouts`` (its one-process dump goes through torchrun).
 
 What the small shapes keep:
@@ -65,7 +69,7 @@ import pytest
 
 from trainer.config import PARALLELISM_ALIASES
 
-from .helpers import read_metrics
+from .helpers import read_metrics, run_compare_loss
 
 try:
     import tomllib
@@ -221,7 +225,7 @@ def _assert_all_agree(proc: subprocess.CompletedProcess, out: Path, layouts: lis
 @pytest.fixture(scope="module")
 def llama3_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama3") / "cmp"
-    proc = compare_loss(
+    proc = run_compare_loss(
         "--config",
         "train_configs/llama3.toml",
         "--steps",
@@ -243,7 +247,7 @@ def llama3_comparison(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepseek_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepseek") / "cmp"
-    proc = compare_loss(
+    proc = run_compare_loss(
         "--config",
         "train_configs/deepseek_v3.toml",
         "--steps",

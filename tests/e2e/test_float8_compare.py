@@ -95,8 +95,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.e2e.helpers import read_metrics, run_forked
-from tests.e2e.test_compare_loss import TINY, _explain, compare_loss
+from tests.e2e.helpers import read_metrics, run_compare_loss, run_forked
+from tests.e2e.test_compare_loss import TINY, _explain
 
 STEPS = 3
 F8 = ["--model.converters", "float8"]
@@ -115,7 +115,7 @@ def _rel(a: float, b: float) -> float:
 def _compare(model: str, steps: int, layouts: list[str], out: Path, converters=F8) -> tuple[dict, dict]:
     """The comparison tool over ``layouts`` with float8 on and the float8 tolerances; its
     summary and every run's metrics by layout, after checking it passed with every layout."""
-    proc = compare_loss(
+    proc = run_compare_loss(
         *("--config", f"train_configs/{model}.toml", "--steps", str(steps), "--out", str(out)),
         *("--rtol", str(F8_RTOL), "--grad-norm-rtol", str(F8_GNORM_RTOL), "--timeout", "300", "--launcher", "fork"),
         *("--layouts", *layouts, "--", *TINY, *converters),

@@ -27,8 +27,7 @@ import json
 
 import pytest
 
-from .helpers import read_metrics, run_forked
-from .test_compare_loss import compare_loss
+from .helpers import read_metrics, run_compare_loss, run_forked
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +50,7 @@ COMMON = [
 
 def _compare(tmp_path, config: str, layouts: list[str], extra: list[str]) -> dict:
     out = tmp_path / "cmp"
-    proc = compare_loss(
+    proc = run_compare_loss(
         "--config",
         f"train_configs/{config}",
         "--steps",

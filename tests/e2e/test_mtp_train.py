@@ -67,8 +67,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .helpers import read_metrics
-from .test_compare_loss import MATRIX, STEPS, _assert_all_agree, compare_loss
+from .helpers import read_metrics, run_compare_loss
+from .test_compare_loss import MATRIX, STEPS, _assert_all_agree
 
 LAYOUTS = ["single", "fsdp=2,ep=2", "pp=2", "cp=2", "tp=2", "tp=2,pp=2", "fsdp=2,tp=2,ep=2,etp=2"]
 
@@ -76,7 +76,7 @@ LAYOUTS = ["single", "fsdp=2,ep=2", "pp=2", "cp=2", "tp=2", "tp=2,pp=2", "fsdp=2
 @pytest.fixture(scope="module")
 def mtp_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("mtp") / "cmp"
-    proc = compare_loss(
+    proc = run_compare_loss(
         "--config",
         "train_configs/deepseek_v3.toml",
         "--steps",
@@ -174,7 +174,7 @@ def test_mtp_deep_pipeline_matches_one_process(tmp_path):
     the one-process curve within compare_loss's default tolerance (4 main blocks, one per stage;
     local batch 8: the pipeline's 4 micro-batches of 2)."""
     out = tmp_path / "cmp"
-    proc = compare_loss(
+    proc = run_compare_loss(
         "--config", "train_configs/deepseek_v3.toml", "--steps", str(STEPS), "--out", str(out),
         "--timeout", "300", "--launcher", "fork", "--layouts", *DEEP_PP_LAYOUTS,
         "--", *MATRIX, "--model.n_layers", "4", "--model.mtp_layers", "1",

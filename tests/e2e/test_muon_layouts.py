@@ -22,8 +22,8 @@ import os
 
 import pytest
 
-from .helpers import FAST, read_metrics, run_forked
-from .test_compare_loss import MATRIX, STEPS, _assert_all_agree, _explain, compare_loss
+from .helpers import FAST, read_metrics, run_compare_loss, run_forked
+from .test_compare_loss import MATRIX, STEPS, _assert_all_agree, _explain
 from .test_train import _copy_checkpoint, _near
 
 GROUPS = "[{pattern = 'norm', lr_mult = 2.0}, {pattern = 'attention.wo', weight_decay = 0.0}]"
@@ -37,7 +37,7 @@ def _compare(out, config, layouts, env=None):
     if env:
         os.environ.update(env)
     try:
-        return compare_loss(*args, "--layouts", *layouts, "--", *MATRIX, *MUON)
+        return run_compare_loss(*args, "--layouts", *layouts, "--", *MATRIX, *MUON)
     finally:
         for k in env or {}:
             os.environ.pop(k)

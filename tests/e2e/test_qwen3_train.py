@@ -25,8 +25,8 @@ import math
 
 import pytest
 
-from .helpers import FAST, read_metrics, run_forked
-from .test_compare_loss import MATRIX, STEPS, _assert_all_agree, compare_loss
+from .helpers import FAST, read_metrics, run_compare_loss, run_forked
+from .test_compare_loss import MATRIX, STEPS, _assert_all_agree
 
 QWEN3_MOE_LAYOUTS = [
     "single",
@@ -74,7 +74,7 @@ def test_qwen3_moe_layouts_match_one_process(tmp_path):
 
     assert qwen3_flavors["debugmodel_moe"].aux_loss_coeff > 0  # the runs train with the aux loss
     out = tmp_path / "cmp"
-    proc = compare_loss(
+    proc = run_compare_loss(
         "--config",
         "train_configs/qwen3_moe.toml",
         "--steps",

@@ -41,8 +41,8 @@ import pytest
 
 from tools.launcher import run_train
 
-from .helpers import _env, read_metrics
-from .test_compare_loss import ROOT, _explain, compare_loss
+from .helpers import _env, read_metrics, run_compare_loss
+from .test_compare_loss import ROOT, _explain
 
 STEPS = 5
 LAYOUTS = ["single", "fsdp=2", "tp=2", "pp=2", "pp=4"]
@@ -87,7 +87,7 @@ def _stored_keys(step_dir: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tied")
-    proc = compare_loss(
+    proc = run_compare_loss(
         "--config",
         "train_configs/llama3.toml",
         "--steps",

@@ -159,11 +159,11 @@ def _agree(got: torch.Tensor, real: torch.Tensor, bound: torch.Tensor) -> torch.
 
 
 def _bumped(a: torch.Tensor) -> torch.Tensor:
-    """``a`` with one element, row 0's largest, one float8 step larger in magnitude: the smallest
+    """``a`` with one element, row 0's largest, one float8 step smaller in magnitude: the smallest
     change of a float8 operand."""
     bits = a.view(torch.uint8).clone()
     k = a[0].float().abs().argmax()
-    bits[0, k] -= 1  # the largest e4m3 (448) has no successor: one step down, to 416
+    bits[0, k] -= 1  # sign and magnitude: one code down is one step toward zero (448 -> 416)
     return bits.view(a.dtype)
 
 

@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    # a fork server this process had before the tool started is its caller's: left running
+    callers_server = runner.fork_server_running()
     try:
         plan, layouts, baseline = _prepare(args, extra)
     except ValueError as exc:  # UsageError and the config's ConfigError: before anything runs or is written
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     finally:
-        if plan.launcher == "fork":
+        if plan.launcher == "fork" and not callers_server:
             runner.stop_fork_server()
 
 

@@ -154,6 +154,16 @@ def run_forked_streaming(
         return rc
 
 
+def fork_server_running() -> bool:
+    """Whether this process already has the fork launcher's server (a caller that ran the tool
+    in its own process after launching forked ranks itself: a test worker)."""
+    if "tools.launcher" not in sys.modules:
+        return False
+    from tools.launcher import server_running
+
+    return server_running()
+
+
 def stop_fork_server() -> None:
     """End the fork launcher's server, if this process started one, and wait for it: no process
     outlives the tool, and the ranks' CPU time (the server reaps them) is counted among this
