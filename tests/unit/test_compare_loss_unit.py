@@ -477,7 +477,8 @@ def test_cli_rejects_bad_layouts_before_running(tmp_path, monkeypatch, capsys):
 
 def test_launcher_option_reaches_every_run(tmp_path, recorded_runs, monkeypatch, capsys):
     """``--launcher`` defaults to torchrun (the behaviour without the option) and is carried to
-    the runs (Plan.launcher); with fork the tool stops the fork server at the end."""
+    the runs (Plan.launcher); with fork the tool stops the fork server at the end, if it started
+    it (not a server its caller already had: a test worker that runs it in-process)."""
     seed, _ = recorded_runs
     launchers: list[str] = []
     stops: list[bool] = []
@@ -486,6 +487,7 @@ def test_launcher_option_reaches_every_run(tmp_path, recorded_runs, monkeypatch,
         runner, "run_layouts", lambda plan, layouts, t: launchers.append(plan.launcher) or fake(plan, layouts, t)
     )
     monkeypatch.setattr(runner, "stop_fork_server", lambda: stops.append(True))
+    monkeypatch.setattr(runner, "fork_server_running", lambda: False)  # as in its own process
     assert _main(tmp_path / "default", seed, "--layouts", "fsdp=4", "fsdp=4") == 0
     assert "ranks forked" not in capsys.readouterr().out and stops == []
     assert _main(tmp_path / "torchrun", seed, "--launcher", "torchrun", "--layouts", "fsdp=4", "fsdp=4") == 0
@@ -494,6 +496,10 @@ def test_launcher_option_reaches_every_run(tmp_path, recorded_runs, monkeypatch,
     out = capsys.readouterr().out
     assert "ranks forked (--launcher fork)" in out and "bitwise equality (--assert-equal)" in out
     assert launchers == ["torchrun", "torchrun", "fork"] and stops == [True]
+    # a caller's server is the caller's: left running
+    monkeypatch.setattr(runner, "fork_server_running", lambda: True)
+    assert _main(tmp_path / "fork2", seed, "--launcher", "fork", "--layouts", "fsdp=4", "fsdp=4") == 0
+    assert launchers[-1] == "fork" and stops == [True]
 
 
 def test_launcher_refusals_and_bad_values(tmp_path, monkeypatch, capsys):
