@@ -17,6 +17,7 @@ benchmarks.run --only float8_cpu --out bench_results/float8_cpu.json``).
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ TOKENS = 3 * 16 * 128  # 3 steps of the shipped config's global batch (16 x 128 
 
 
 def _wall(extra: list[str]) -> float:
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         out = subprocess.run(

@@ -262,6 +262,10 @@ def _one_clean_line(res, message: str) -> None:
             "float8.enable_fsdp_float8_all_gather needs tensorwise scaling",
         ),
         (
+            ["--float8.cpu_gemm", "onednn"],
+            "float8.cpu_gemm must be one of 'emulated', 'scaled_mm', got 'onednn'",
+        ),
+        (
             ["--float8.emulate", "true", "--compile.enable", "true"],
             "float8.emulate = true does not work under torch.compile (torchao's emulated GEMM is eager only): "
             "set compile.enable = false or float8.emulate = false",

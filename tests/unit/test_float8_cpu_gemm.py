@@ -112,7 +112,11 @@ def test_shapes_are_the_debug_models_gemms():
 def test_emulation_is_torchs_own_cpu_arithmetic_bitwise(shape):
     """Every case on every test shape, and the ``out=`` form inductor's CPU lowering calls:
     bitwise what torch's CPU kernel computes where it emulates (oneDNN off), which is what every
-    CPU without AMX-INT8, and every CPU for rowwise scales, runs by default."""
+    CPU without AMX-INT8, and every CPU for rowwise scales, runs by default. Bitwise is right
+    here, on any host: both sides run the same kernels on the same shapes and strides (an exact
+    widening of float8 to float32, one IEEE multiply by the scale, the same float32 matmul of
+    row-major operands, the same cast); a different widening, scale order or operand layout
+    shows as other bits (the agreement test below is the tolerance check against oneDNN)."""
     cases = _cases(*shape)
     with _torch_kernel(onednn=False):
         ref = {name: torch._scaled_mm(a, b, **kw) for name, (a, b, kw) in cases.items()}
