@@ -26,7 +26,7 @@ from models.parallel.mixed_precision import apply_compute_copies
 from models.parallel.tensor_parallel import apply_tensor_parallel
 from parallel_dims import ParallelDims
 
-__all__ = ["ParallelizeOptions", "parallelize_model"]
+__all__ = ["ParallelizeOptions", "apply_converters", "parallelize_model"]
 
 # How mixed precision runs where no parameter is sharded over data-parallel ranks and there is
 # no pipeline: "compute_copies" (models/parallel/mixed_precision.py) or "fsdp" (FSDP2 on the
@@ -49,10 +49,11 @@ class ParallelizeOptions:
     lora: LoRAOptions | None = None  # model.converters = ["lora"] (models/parallel/lora.py)
 
 
-def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
-    """Apply every enabled parallelism to ``model`` (a :class:`~models.common.decoder.Decoder`,
-    whole or one pipeline stage) in place and return it. Works on meta-device models:
-    initialize weights afterwards."""
+def apply_converters(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
+    """The converters of ``model.converters`` (float8, then LoRA) applied to ``model`` in place,
+    before any parallelism: what decides which parameters exist and which train. The trainer
+    also runs them on a meta copy of the whole model, so the optimizer's groups are checked and
+    summarised over the parameters that really train (trainer/build.py ``trainable_params``)."""
     pd = parallel_dims
     if opts.float8 is not None:
         # float8 all-gather only where FSDP really shards the dense weights (not on the size-1
@@ -63,6 +64,15 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
         convert_to_float8(model, opts.float8, fsdp_all_gather=all_gather, etp=pd.etp)
     if opts.lora is not None:  # adapters on the (float8 or plain) linears; the base frozen
         convert_to_lora(model, opts.lora)
+    return model
+
+
+def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
+    """Apply every enabled parallelism to ``model`` (a :class:`~models.common.decoder.Decoder`,
+    whole or one pipeline stage) in place and return it. Works on meta-device models:
+    initialize weights afterwards."""
+    pd = parallel_dims
+    apply_converters(model, pd, opts)
     if pd.tp > 1:
         apply_tensor_parallel(
             model,

@@ -8,19 +8,22 @@ Everything about the layout comes from the :class:`~trainer.plan.JobPlan`; nothi
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from models.common.init import canonical_fqn
 from models.parallel.pipeline import split_model
+from models.parallelize import apply_converters
 from trainer.forward import LossFn
 
 if TYPE_CHECKING:
     from models.parallel.pipeline import Pipeline
     from trainer.plan import JobPlan
 
-__all__ = ["build_model_parts", "build_pipeline"]
+__all__ = ["build_model_parts", "build_pipeline", "trainable_params"]
 
 
 def build_model_parts(plan: JobPlan, model: nn.Module, device: torch.device, seed: int) -> list[nn.Module]:
@@ -34,6 +37,25 @@ def build_model_parts(plan: JobPlan, model: nn.Module, device: torch.device, see
         with torch.no_grad():
             part.init_weights(seed)
     return parts
+
+
+Params = list[tuple[str, tuple[int, ...]]]
+
+
+def trainable_params(plan: JobPlan, model: nn.Module) -> tuple[Params, Params]:
+    """(trainable, frozen) parameters of the whole model (every pipeline stage) as they are after
+    every converter of ``model.converters`` (LoRA adds adapters and freezes the base; float8
+    keeps names and shapes): FQN and global shape, for the optimizer's group check and start-up
+    summary. ``model``: the unconverted model on the meta device (left as it is: a copy is
+    converted). The meshes must be built."""
+    opts = plan.parallelize
+    if opts.float8 is not None or opts.lora is not None:
+        model = apply_converters(copy.deepcopy(model), plan.parallel_dims, opts)
+    trainable: Params = []
+    frozen: Params = []
+    for name, p in model.named_parameters():
+        (trainable if p.requires_grad else frozen).append((canonical_fqn(name), tuple(p.shape)))
+    return trainable, frozen
 
 
 def build_pipeline(

@@ -103,15 +103,17 @@ def resolve_implementation(implementation: str, params: Iterable[torch.Tensor]) 
 
 class Optimizers:
     """One AdamW (and with ``optimizer.name = "Muon"`` one Muon) per model part, driven as one
-    optimizer. ``all_params``: (FQN, shape) of every parameter of the whole model (every
-    pipeline stage), for the check that each parameter group gets a parameter and for the
-    start-up summary (:attr:`summary`); defaults to the given parts."""
+    optimizer. ``all_params``: (FQN, shape) of every trainable parameter of the whole model
+    (every pipeline stage, after the converters: with LoRA the adapters), for the check that
+    each parameter group gets a parameter and for the start-up summary (:attr:`summary`);
+    ``frozen_params`` the others (named in both). Both default to the given parts'."""
 
     def __init__(
         self,
         model_parts: list[nn.Module],
         cfg: OptimizerConfig,
         all_params: list[tuple[str, tuple[int, ...]]] | None = None,
+        frozen_params: list[tuple[str, tuple[int, ...]]] | None = None,
     ):
         if cfg.name not in ("AdamW", "Muon"):
             raise ValueError(f"optimizer.name '{cfg.name}' is not supported; use 'AdamW' or 'Muon'")
@@ -123,11 +125,12 @@ class Optimizers:
             if not any(p.requires_grad for p in part.parameters()):
                 raise ValueError(f"model part {type(part).__name__} has no trainable parameters")
         if all_params is None:
-            all_params = [
-                (canonical_fqn(n), tuple(p.shape)) for part in self.model_parts for n, p in part.named_parameters()
-            ]
-        check_patterns([n for n, _ in all_params], cfg)
-        self.summary = summary_lines(all_params, cfg)
+            named = [(canonical_fqn(n), p) for part in self.model_parts for n, p in part.named_parameters()]
+            all_params = [(n, tuple(p.shape)) for n, p in named if p.requires_grad]
+            frozen_params = [(n, tuple(p.shape)) for n, p in named if not p.requires_grad]
+        frozen_params = frozen_params or []
+        check_patterns([n for n, _ in all_params], cfg, frozen=[n for n, _ in frozen_params])
+        self.summary = summary_lines(all_params, cfg, frozen=frozen_params)
         self.signature = grouping_signature(cfg)
         impl = resolve_implementation(cfg.implementation, [p for part in self.model_parts for p in part.parameters()])
         self.implementation = impl
@@ -243,6 +246,7 @@ def build_optimizer(
     model_parts: list[nn.Module],
     cfg: JobConfig | OptimizerConfig,
     all_params: list[tuple[str, tuple[int, ...]]] | None = None,
+    frozen_params: list[tuple[str, tuple[int, ...]]] | None = None,
 ) -> Optimizers:
     if isinstance(model_parts, nn.Module):
         raise TypeError("build_optimizer expects a list of model parts, e.g. [model]")
@@ -252,10 +256,12 @@ def build_optimizer(
         # one process runs every rank: round_robin's point-to-point exchange cannot be simulated,
         # while gather's all-gathers can, and the two give the same update bitwise
         # (tests/distributed/test_muon_round_robin.py)
-        opts = Optimizers(model_parts, dataclasses.replace(opt_cfg, muon_distribution="gather"), all_params)
+        opts = Optimizers(
+            model_parts, dataclasses.replace(opt_cfg, muon_distribution="gather"), all_params, frozen_params
+        )
         opts.summary.append(
             "Muon: comm.mode = local_tensor simulates the ranks in one process, where round_robin's "
             "point-to-point exchange cannot run: muon_distribution = gather (the same update, bitwise)"
         )
         return opts
-    return Optimizers(model_parts, opt_cfg, all_params)
+    return Optimizers(model_parts, opt_cfg, all_params, frozen_params)

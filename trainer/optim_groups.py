@@ -89,16 +89,22 @@ def choose(fqn: str, ndim: int, cfg: Any) -> GroupChoice:
     return GroupChoice(i, optimizer, table.get("lr_mult", 1.0), decay, betas, table.get("eps", cfg.eps))
 
 
-def check_patterns(fqns: Iterable[str], cfg: Any) -> None:
-    """Every table must get at least one parameter of the whole model (all pipeline stages):
-    one that matches no name, or whose every match an earlier table took, is an error naming it."""
-    fqns = list(fqns)
+def check_patterns(fqns: Iterable[str], cfg: Any, frozen: Iterable[str] = ()) -> None:
+    """Every table must get at least one trainable parameter of the whole model (all pipeline
+    stages, after the converters): one that matches no name, only frozen ones (``frozen``: the
+    base of a LoRA model), or whose every match an earlier table took, is an error naming it."""
+    fqns, frozen = list(fqns), list(frozen)
     taken = {_match(f, cfg.param_groups) for f in fqns}
     for i, t in enumerate(cfg.param_groups):
         if i in taken:
             continue
         if any(re.search(t["pattern"], f) for f in fqns):
             why = "every parameter it matches is taken by an earlier group (the first match wins)"
+        elif any(re.search(t["pattern"], f) for f in frozen):
+            why = (
+                f"it matches frozen parameters only (model.converters froze them; the trainable ones look like "
+                f"{', '.join(fqns[:3])})"
+            )
         else:
             why = f"it matches no parameter (names look like {', '.join(fqns[:3])})"
         raise ValueError(
@@ -106,15 +112,23 @@ def check_patterns(fqns: Iterable[str], cfg: Any) -> None:
         )
 
 
-def summary_lines(params: Iterable[tuple[str, Sequence[int]]], cfg: Any) -> list[str]:
-    """One start-up log line per group of the whole model (``params``: FQN and global shape):
-    its pattern, optimizer, parameter count (tensors and elements), lr and weight decay."""
+def _numel(shape: Sequence[int]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel
+
+
+def summary_lines(
+    params: Iterable[tuple[str, Sequence[int]]], cfg: Any, frozen: Iterable[tuple[str, Sequence[int]]] = ()
+) -> list[str]:
+    """One start-up log line per group of the whole model (``params``: FQN and global shape of
+    every trainable parameter): its pattern, optimizer, parameter count (tensors and elements),
+    lr and weight decay; then, when some are frozen (``frozen``), one line counting them."""
     stats: dict[tuple[int, str, float], list[int]] = {}
     for fqn, shape in params:
         c = choose(fqn, len(shape), cfg)
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = _numel(shape)
         s = stats.setdefault((c.index, c.optimizer, c.weight_decay), [0, 0, c.lr_mult])
         s[0] += 1
         s[1] += numel
@@ -125,6 +139,13 @@ def summary_lines(params: Iterable[tuple[str, Sequence[int]]], cfg: Any) -> list
         lines.append(
             f"optimizer group {name}{pattern}: {opt}, {tensors} tensors, {numel:,} parameters, "
             f"lr {cfg.lr * mult:g} (x{mult:g}), weight_decay {wd:g}"
+        )
+    frozen = list(frozen)
+    if frozen:
+        trained = sum(s[1] for s in stats.values())
+        lines.append(
+            f"optimizer: {trained:,} trainable parameters in the groups above; {len(frozen)} frozen tensors, "
+            f"{sum(_numel(s) for _, s in frozen):,} parameters, in no group (model.converters)"
         )
     return lines
 

@@ -34,7 +34,7 @@ from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
 from parallel_dims import default_device_type
 from parallel_dims.process_groups import host_group
 from parallel_dims.torch_compat import host_side
-from trainer.build import build_model_parts, build_pipeline
+from trainer.build import build_model_parts, build_pipeline, trainable_params
 from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.drill import hold_until_stopped, stop_gate
 from trainer.checkpoint.local_tensor import LocalTensorFolder
@@ -124,9 +124,6 @@ class Trainer:
         with torch.device("meta"):
             model = plan.model.model_cls(plan.model.args)
         self.num_params = sum(p.numel() for p in model.parameters())
-        # every parameter of the whole model (all stages): the optimizer's groups are checked and
-        # summarised against it (trainer/optim_groups.py)
-        all_params = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
         self.flops_per_token = training_flops_per_token(model, plan.batch.seq_len)
 
         with host_side():  # the meshes are the same for every simulated rank (built as rank 0's)
@@ -154,6 +151,10 @@ class Trainer:
             self.mtp_loss = MTPLoss(self.loss_fn, depth, cfg.training.mtp_loss_weight)
             val_loss_fn = MTPLoss(self.loss_fn, depth, 0.0)
             self.loss_fn = self.mtp_loss
+        # every parameter of the whole model (all stages) after the converters (LoRA trains its
+        # adapters only): the optimizer's groups are checked and summarised against the trainable
+        # ones (trainer/optim_groups.py)
+        all_params, frozen_params = trainable_params(plan, model)
         self.model_parts = build_model_parts(plan, model, self.device, cfg.training.seed)
         self.float8_precompute = False
         self._float8_scales_due = False  # precomputed float8 scales are missing or stale
@@ -191,7 +192,7 @@ class Trainer:
             self.validator = Validator(
                 cfg, self.tokenizer, plan, self.model_parts, val_loss_fn, self.device, loss_parallel=self.loss_parallel
             )
-        self.optimizer = build_optimizer(self.model_parts, cfg, all_params=all_params)
+        self.optimizer = build_optimizer(self.model_parts, cfg, all_params=all_params, frozen_params=frozen_params)
         for line in self.optimizer.summary:
             _log(line)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)

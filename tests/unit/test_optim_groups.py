@@ -130,3 +130,62 @@ def test_a_resume_under_another_grouping_is_refused_in_one_line():
     build_optimizer([Tiny()], cfg()).load_state_dict(legacy)  # a checkpoint from before groups: plain AdamW
     with pytest.raises(ValueError, match="another parameter grouping"):
         build_optimizer([Tiny()], cfg("--optimizer.name", "Muon")).load_state_dict(legacy)
+
+
+# ------------------------------------------------------------------ LoRA+ through the trainer
+
+LORA_ARGV = [
+    "--config", "llama3.toml", "--model.n_layers", "2", "--model.converters", "lora",
+    "--training.seq_len", "32", "--training.global_batch_size", "4", "--training.local_batch_size", "2",
+    "--training.steps", "1", "--training.prefetch", "false",
+    "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
+    "--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.pipeline_parallel_schedule", "GPipe",
+    "--comm.mode", "fake_backend", "--comm.fake_world_size", "4", "--comm.fake_rank", "1",
+]  # fmt: skip
+
+
+def _lora_trainer(tmp_path, groups: str):
+    import torch.distributed as dist
+
+    import trainer.train as train_mod
+
+    c = load_config([*LORA_ARGV, "--optimizer.param_groups", groups, "--job.dump_folder", str(tmp_path)])
+    try:
+        return train_mod.Trainer(c)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.fake_backend
+def test_lora_plus_groups_the_adapters_built_by_the_converter(tmp_path):
+    """LoRA+ (``pattern = 'lora_b'``, its own lr): the trainer checks and summarises the groups over
+    the parameters after the converters, so the pattern is accepted, every ``lora_b`` of this rank
+    (pp stage 0 of 2 under dp_shard 2, fake backend) sits in an optimizer group at 16 x lr and
+    ``lora_a`` at lr, no frozen parameter is in any group, and the summary counts the whole model's
+    adapters (both stages), not the frozen base. A pattern matching frozen weights only is refused
+    naming why. Before, the groups were checked against the unconverted model: 'lora_b' matched
+    nothing, and the summary described the frozen base."""
+    lr = load_config(LORA_ARGV).optimizer.lr
+    t = _lora_trainer(tmp_path, "[{pattern = 'lora_b', lr_mult = 16.0}]")
+    names = {id(p): n for part in t.model_parts for n, p in part.named_parameters()}
+    grouped = {names[id(p)]: g["lr"] for g in t.optimizer.param_groups for p in g["params"]}
+    assert any(".lora_b" in n for n in grouped) and any(".lora_a" in n for n in grouped)
+    for name, group_lr in grouped.items():
+        assert group_lr == pytest.approx((16.0 if name.endswith("lora_b") else 1.0) * lr, rel=1e-12), name
+    assert all(n.endswith(("lora_a", "lora_b")) for n in grouped)  # the frozen base is in no group
+    # the whole model's adapters: 2 blocks x 7 linears, rank 8; debug dims 256, ffn hidden from the model
+    from models.parallel.lora import LoRAOptions, convert_to_lora
+    from models.registry import build_model
+
+    whole = build_model("llama3", "debugmodel", device="meta", n_layers=2)
+    convert_to_lora(whole, LoRAOptions())
+    b = sum(p.numel() for n, p in whole.named_parameters() if n.endswith("lora_b"))
+    a = sum(p.numel() for n, p in whole.named_parameters() if n.endswith("lora_a"))
+    frozen = sum(p.numel() for p in whole.parameters() if not p.requires_grad)
+    assert t.optimizer.summary[0].startswith(f"optimizer group param_groups[0] 'lora_b': AdamW, 14 tensors, {b:,} par")
+    assert t.optimizer.summary[1].startswith(f"optimizer group default: AdamW, 14 tensors, {a:,} parameters")
+    assert f"optimizer: {a + b:,} trainable parameters" in t.optimizer.summary[2]
+    assert f"{frozen:,} parameters, in no group" in t.optimizer.summary[2]
+    with pytest.raises(ValueError, match=r"param_groups\[0\].pattern 'norm': it matches frozen parameters only"):
+        _lora_trainer(tmp_path / "frozen", "[{pattern = 'norm'}]")
