@@ -17,7 +17,7 @@ every ``INTERVAL`` steps, every step logged (``metrics.log_freq = 1``). From met
   loop's stall there is the whole write in both modes.
 * ``async`` step time: the steps a background write overlaps (after the save step up to the
   step its end was noticed) against the steps of the same run with no write in flight (the
-  first ``WARMUP`` steps left out), and against the ``disabled`` run's steps; ``elapsed_s`` of
+  first ``WARMUP`` steps left out), and against the ``disabled`` run's steps; ``interval_s`` of
   a step excludes the checkpoint phases but includes the per-step completion checks.
 * the background write time (``checkpoint_write_s`` of ``async``: from the start of the save to
   the end of the write on rank 0) against the synchronous save (``disabled``'s stall).
@@ -114,13 +114,13 @@ def overlapping_steps(records: list[dict]) -> set[int]:
 
 
 def step_times(records: list[dict], warmup: int = WARMUP) -> dict[str, list[float]]:
-    """``elapsed_s`` of the steps after ``warmup``, split into ``overlap`` (a background write
+    """``interval_s`` of the steps after ``warmup``, split into ``overlap`` (a background write
     in flight) and ``clear`` (none)."""
     over = overlapping_steps(records)
     out: dict[str, list[float]] = {"overlap": [], "clear": []}
     for r in step_records(records):
         if r["step"] > warmup:
-            out["overlap" if r["step"] in over else "clear"].append(r["elapsed_s"])
+            out["overlap" if r["step"] in over else "clear"].append(r["interval_s"])
     return out
 
 

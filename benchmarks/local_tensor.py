@@ -8,7 +8,7 @@ one process with ``--comm.mode local_tensor --comm.fake_world_size 4``. One intr
 process in both (``OMP_NUM_THREADS=1``): the real run's 4 processes share the machine's cores,
 the simulation is one thread.
 
-* step time: the median ``elapsed_s`` (metrics.jsonl, rank 0) of the steps after the first
+* step time: the median ``interval_s`` (metrics.jsonl, rank 0) of the steps after the first
   ``WARMUP``;
 * peak memory: each process's peak resident set (``VmHWM`` of ``/proc/self/status``, written
   at exit by :func:`train_recording_usage`, the wrapper both runs start ``train.py`` through):
@@ -135,7 +135,7 @@ def mode_figures(run: dict, warmup: int = WARMUP) -> dict:
     """One run's row: median step time after ``warmup``, peak RSS (sum and largest process, MiB),
     the last step's loss."""
     steps = sorted((r for r in run["records"] if "loss" in r), key=lambda r: r["step"])
-    timed = [r["elapsed_s"] for r in steps if r["step"] > warmup]
+    timed = [r["interval_s"] for r in steps if r["step"] > warmup]
     if not timed:
         raise ValueError(f"no step after the {warmup} warm-up steps in the records")
     peaks = run["peak_rss_bytes"]

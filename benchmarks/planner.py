@@ -110,7 +110,7 @@ def _train(nproc: int, settings: dict, fake_rank: int | None = None) -> dict:
         (path,) = Path(d).rglob("metrics.jsonl")
         records = [json.loads(line) for line in path.open() if line.strip()]
     steps = [r for r in records if r["step"] > WARMUP]
-    key = "fake_step_time_s" if fake_rank is not None else "elapsed_s"
+    key = "fake_step_time_s" if fake_rank is not None else "interval_s"
     times = [r[key] for r in steps]
     out = {"median": statistics.median(times), "min": min(times)}
     if fake_rank is not None:

@@ -129,8 +129,8 @@ def framework(steps: int, warmup: int) -> float:
         )
         records = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
     timed = [r for r in records if r["step"] > warmup]
-    tokens = sum(r["tps"] * r["elapsed_s"] for r in timed)
-    return tokens / sum(r["elapsed_s"] for r in timed)
+    tokens = sum(r["tps"] * r["interval_s"] for r in timed)
+    return tokens / sum(r["interval_s"] for r in timed)
 
 
 def _env():

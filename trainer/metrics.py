@@ -8,8 +8,12 @@ Only rank 0 writes (the trainer reduces loss/grad-norm across ranks before loggi
 N ranks do not produce N copies. The JSONL file is flushed after every line: when a run
 crashes or is killed, the file still holds every step logged so far and stays parseable.
 
-Throughput is reported per device (global tokens / world size / seconds), the number that
-is comparable across cluster sizes; MFU = achieved model FLOP/s per device / peak FLOP/s.
+Throughput is reported per device (global tokens / world size / seconds: ``tps`` in the
+records, ``tok/s/dev`` on the console line), the number that is comparable across cluster sizes;
+MFU = achieved model FLOP/s per device / peak FLOP/s. Times in a record: ``interval_s``, the
+training seconds of the interval since the previous step record (what ``tps`` divides by;
+checkpoint saves and validation left out), and ``elapsed_s``, wall seconds since this launch's
+logger started (everything included; it restarts at 0 in a resumed launch).
 """
 
 from __future__ import annotations
@@ -218,7 +222,7 @@ class MetricsLogger:
         self._tb = None
         self._jsonl = None
         self._wandb = None
-        self._last_time = time.perf_counter()
+        self._last_time = self._started = time.perf_counter()
         self._excluded = 0.0  # seconds to leave out of the interval being timed (checkpoint saves)
         if rank != 0:
             return
@@ -227,13 +231,26 @@ class MetricsLogger:
             from trainer.wandb_log import start_wandb_run
 
             self._wandb = start_wandb_run(mcfg, run_folder, cfg if isinstance(cfg, JobConfig) else None, resumed)
+        self._committed = False  # the writers below open at the first record (:meth:`commit`)
+
+    def commit(self) -> None:
+        """The run goes on (the trainer calls it after its first step; the first record calls it
+        too): metrics.jsonl and TensorBoard's event file are opened and a new W&B run's id is
+        stored. Until then the logger has written nothing into the run folder, so a run that
+        fails at start-up leaves the folder it resumed byte-identical. Rank 0 only writes."""
+        if self._committed or self.rank != 0:
+            return
+        self._committed = True
+        mcfg = self.cfg
+        if self._wandb is not None:
+            self._wandb.commit()
         if mcfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             tb_dir = mcfg.save_tb_folder
-            self._tb = SummaryWriter(log_dir=tb_dir if os.path.isabs(tb_dir) else os.path.join(run_folder, tb_dir))
+            self._tb = SummaryWriter(log_dir=tb_dir if os.path.isabs(tb_dir) else os.path.join(self.run_folder, tb_dir))
         if mcfg.enable_jsonl:
-            self._jsonl = open(os.path.join(run_folder, "metrics.jsonl"), "a", buffering=1)
+            self._jsonl = open(self.jsonl_path, "a", buffering=1)
 
     @property
     def jsonl_path(self) -> str:
@@ -294,7 +311,8 @@ class MetricsLogger:
             "grad_norm": float(grad_norm),
             "lr": float(lr),
             "tps": tps,
-            "elapsed_s": elapsed,
+            "interval_s": elapsed,
+            "elapsed_s": now - self._started,
             mem_name + "_gib": mem,
             "time": time.time(),
         }
@@ -316,7 +334,7 @@ class MetricsLogger:
             where = f"step {step:6d}"
         line = (
             f"{where}  loss {record['loss']:8.4f}  grad_norm {record['grad_norm']:8.4f}  "
-            f"lr {record['lr']:.3e}  tps {tps:10,.0f}  {mem_name} {mem:6.2f}GiB"
+            f"lr {record['lr']:.3e}  tok/s/dev {tps:10,.0f}  {mem_name} {mem:6.2f}GiB"
         )
         if "mtp_loss" in record:
             line += f"  mtp_loss {record['mtp_loss']:8.4f}"
@@ -377,6 +395,7 @@ class MetricsLogger:
         return record
 
     def _write(self, step: int, record: dict[str, Any]) -> None:
+        self.commit()
         if self._jsonl is not None:
             self._jsonl.write(
                 json.dumps(

@@ -62,6 +62,7 @@ from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.precision import apply_precision_policy
 from trainer.run_mode import RunMode
+from trainer.run_summary import RunTotals, commit_run, summary_lines
 from trainer.step import (
     StepResult,
     TrainingDiverged,
@@ -90,6 +91,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+        self.totals = RunTotals(time.perf_counter())  # the end-of-run summary's figures
         self.mode = RunMode.from_config(cfg)
         mode_notes = self.mode.prepare(cfg)
         # training.deterministic and training.enable_tf32 (trainer/precision.py), first: before
@@ -320,11 +322,10 @@ class Trainer:
                 f"new length); to start over, delete {run_folder} or choose another --job.dump_folder"
             )
             return
-        if self.rank == 0:
-            os.makedirs(run_folder, exist_ok=True)
-            with open(os.path.join(run_folder, "config.toml"), "w") as f:
-                f.write(cfg.to_toml())
-        _log(f"config: {os.path.join(run_folder, 'config.toml')} (the resolved config; --job.print_config prints it)")
+        _log(
+            f"config: {os.path.join(run_folder, 'config.toml')} (the resolved config, written once the first step "
+            "is done; --job.print_config prints it)"
+        )
         started: ValueError | None = None
         try:
             metrics = MetricsLogger(
@@ -356,6 +357,7 @@ class Trainer:
         )
         _log(f"dataset: {self.data.description}")  # (the first step's "data:" line describes its batch)
         _log(kernels_line(self.model_parts, self.device, getattr(torch, self.plan.parallelize.param_dtype)))
+        self.totals.begin(self.step, self.data.tokens_per_step)
         steps_since_log = 0
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False
@@ -374,9 +376,11 @@ class Trainer:
                     _log(document_stats_line(first, self.doc_separator, cfg.model.attn_mask_type) + self.data.notes())
                 result, step_extra = instruments.run_step(self.step + 1, self.train_step, microbatches)
                 self.step += 1
+                self.totals.step(self.step, result.loss)
                 if not timeout_applied:
                     apply_train_timeout(cfg.comm.train_timeout_seconds)
                     timeout_applied = True
+                    commit_run(cfg, self.rank, metrics)  # config.toml, metrics files, W&B id
                 steps_since_log += 1
                 # a SIGINT or SIGTERM on any rank: every rank stops after this step, with a save
                 stopping = stop.agreed() if self.step < cfg.training.steps else None
@@ -420,12 +424,21 @@ class Trainer:
                         self.step, loss=val.loss, steps=val.steps, tokens=val.tokens, seconds=val.seconds
                     )
                     metrics.reset_timer()
+                    self.totals.validated(self.step, val.loss)
                 self.watchdog.disarm()
             # the end of training (also of a run stopped early): the save in flight is finished
             # and published before the process may exit
             done = self.ckpt.close(phase=lambda what: self._long_phase(what, metrics))
             if done:
                 metrics.log_checkpoint(self.step, done)
+        for line in summary_lines(
+            self.totals,
+            run_folder=run_folder,
+            total_steps=cfg.training.steps,
+            checkpoint_folder=self.ckpt.folder if os.path.isdir(self.ckpt.folder) else None,
+            metrics_file=metrics.jsonl_path if cfg.metrics.enable_jsonl else None,
+        ):
+            _log(line)
         if self.stopped_by is not None:
             name = signal.Signals(self.stopped_by).name
             if cfg.checkpoint.enable:

@@ -14,7 +14,7 @@ it is set, else to ``<job.dump_folder>/wandb``. ``WANDB_MODE=offline`` writes th
 with no network (``wandb sync <dir>`` uploads it later).
 
 Resume: a new run's id is written to ``<checkpoint folder>/wandb_run_id`` (with checkpointing
-on). A run that resumed from a checkpoint and finds that file logs to the same W&B run
+on) once the run is committed to going on (:meth:`WandbRun.commit`, after the first step). A run that resumed from a checkpoint and finds that file logs to the same W&B run
 (``resume="allow"``: it continues the run, or creates it under that id when it was never
 uploaded); a run that starts at step 0 starts a new W&B run and replaces the file.
 ``WANDB_RUN_ID``, when set, names the run in every case.
@@ -39,7 +39,15 @@ from typing import Any
 
 from trainer.config.errors import ConfigError
 
-__all__ = ["RUN_ID_FILE", "WandbRun", "agree_on_start", "choose_run_id", "new_run_id", "start_wandb_run"]
+__all__ = [
+    "RUN_ID_FILE",
+    "WandbRun",
+    "agree_on_start",
+    "choose_run_id",
+    "new_run_id",
+    "start_wandb_run",
+    "store_run_id",
+]
 
 RUN_ID_FILE = "wandb_run_id"
 DEFAULT_PROJECT = "meshtrain"
@@ -51,25 +59,29 @@ def new_run_id() -> str:
     return "".join(secrets.choice(_ID_CHARS) for _ in range(8))
 
 
-def choose_run_id(id_folder: str | None, resumed: bool) -> tuple[str, bool]:
-    """(run id, whether to resume it). ``WANDB_RUN_ID`` wins; a resumed trainer takes the id
-    stored in ``id_folder``; otherwise a new id, stored there (``id_folder`` None: nowhere)."""
+def choose_run_id(id_folder: str | None, resumed: bool) -> tuple[str, bool, str | None]:
+    """(run id, whether to resume it, where to store it once the run is committed). ``WANDB_RUN_ID``
+    wins; a resumed trainer takes the id stored in ``id_folder``; otherwise a new id, to be stored
+    there by :func:`store_run_id` (``id_folder`` None: nowhere). Nothing is written here: a run
+    that fails before its first step leaves the folder it resumed as it was."""
     path = os.path.join(id_folder, RUN_ID_FILE) if id_folder else None
     env_id = os.environ.get("WANDB_RUN_ID", "").strip()
     if env_id:
-        return env_id, True
+        return env_id, True, None
     if resumed and path and os.path.isfile(path):
         with open(path) as f:
             stored = f.read().strip()
         if stored:
-            return stored, True
-    run_id = new_run_id()
-    if path:
-        os.makedirs(id_folder, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            f.write(run_id + "\n")
-        os.replace(path + ".tmp", path)
-    return run_id, False
+            return stored, True, None
+    return new_run_id(), False, path
+
+
+def store_run_id(path: str, run_id: str) -> None:
+    """Write ``run_id`` to ``path`` (atomically: a temporary file renamed)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(run_id + "\n")
+    os.replace(path + ".tmp", path)
 
 
 def start_wandb_run(mcfg: Any, run_folder: str, job: Any | None, resumed: bool) -> WandbRun:
@@ -141,7 +153,7 @@ class WandbRun:
         import wandb  # the optional extra: imported only for a run that asks for it
 
         self._wandb = wandb
-        run_id, resume = choose_run_id(id_folder, resumed)
+        run_id, resume, self._id_path = choose_run_id(id_folder, resumed)
         name = mcfg.wandb_run_name or os.environ.get("WANDB_NAME") or os.path.basename(os.path.abspath(run_folder))
         self.run = wandb.init(
             project=mcfg.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
@@ -159,6 +171,14 @@ class WandbRun:
     @property
     def active(self) -> bool:
         return self.run is not None
+
+    def commit(self) -> None:
+        """The trainer goes on (its first step is done): a new run's id is stored in the
+        checkpoint folder, where a resume finds it. Before, a run that fails (W&B refusing to
+        start, bad data in the first step) leaves no id behind."""
+        if self._id_path is not None:
+            store_run_id(self._id_path, self.run_id)
+            self._id_path = None
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         """One metrics record at its training step (merged with the step's other records)."""

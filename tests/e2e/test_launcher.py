@@ -29,8 +29,8 @@ def test_forked_ranks_train_bitwise_like_torchrun(tmp_path):
     assert sorted(a) == sorted(b) == [1, 2, 3]
     assert [(a[s]["loss"], a[s]["grad_norm"]) for s in a] == [(b[s]["loss"], b[s]["grad_norm"]) for s in a]
     assert "mesh: world=2 pp=1 dp_replicate=1 dp_shard=1 cp=1 tp=2" in forked.stdout
-    lines = [l.split("  tps")[0] for l in forked.stdout.splitlines() if l.startswith("step ")]
-    assert lines == [l.split("  tps")[0] for l in real.stdout.splitlines() if l.startswith("step ")]
+    lines = [l.split("  tok/s/dev")[0] for l in forked.stdout.splitlines() if l.startswith("step ")]
+    assert lines == [l.split("  tok/s/dev")[0] for l in real.stdout.splitlines() if l.startswith("step ")]
     assert len(lines) == 3
 
 

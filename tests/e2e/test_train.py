@@ -366,6 +366,9 @@ def test_sigterm_to_every_rank_finishes_the_background_save(tmp_path, crash_job_
     assert first <= stopped < 8, first
     assert "Traceback" not in out and "error:" not in out, out[-3000:]
     assert f"step-{stopped}" in os.listdir(run / "checkpoint")
+    # the end-of-run summary is printed at a stop too, once, before the stop line
+    assert out.count("run summary (") == 1 and out.index("run summary (") < out.index(lines[0].group(0)), out[-3000:]
+    assert f"  steps        1-{stopped} of 8 ({stopped} this launch)" in out, out[-3000:]
     _resumes_bitwise(run, stopped, crash_job_reference)
 
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _step(step, elapsed=1.0, **ckpt):
-    return {"step": step, "loss": 5.0, "elapsed_s": elapsed, **ckpt}
+    return {"step": step, "loss": 5.0, "interval_s": elapsed, **ckpt}
 
 
 # disabled: saves at 3 and 6 (6 = the last step); the stall is the write, on the save's record

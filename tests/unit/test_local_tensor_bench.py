@@ -21,7 +21,7 @@ MIB = 2**20
 
 
 def _records(times: list[float], last_loss: float) -> list[dict]:
-    out = [{"step": i + 1, "loss": 7.0 - i * 0.1, "elapsed_s": t} for i, t in enumerate(times)]
+    out = [{"step": i + 1, "loss": 7.0 - i * 0.1, "interval_s": t} for i, t in enumerate(times)]
     out[-1]["loss"] = last_loss
     return out + [{"step": len(times), "checkpoint_write_s": 1.0}]  # a record without a loss is no step
 

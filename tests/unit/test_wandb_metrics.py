@@ -191,6 +191,20 @@ def test_wandb_refusing_to_start_is_one_line(offline, monkeypatch):
     assert "WANDB_MODE=offline" in str(info.value) and "metrics.enable_wandb = false" in str(info.value)
     assert wandb_children() == []
     assert not (dump / "metrics.jsonl").exists()  # nothing else was opened
+    assert not (dump / "checkpoint" / RUN_ID_FILE).exists()  # no id of a run that never started
+
+
+def test_the_run_id_is_stored_once_the_run_goes_on(offline):
+    """A new run's id reaches the checkpoint folder at the first record (the trainer commits after
+    its first step), not when W&B starts: a launch that fails before leaves no id, nor metrics
+    files (tests/e2e/test_run_summary.py checks a failed resume leaves its folder byte-identical)."""
+    needs_wandb()
+    dump = offline / "run"
+    with MetricsLogger(str(dump), 0, job(dump, "--metrics.enable_tensorboard", "true")) as m:
+        assert not (dump / "checkpoint").exists() and os.listdir(dump) in ([], ["wandb"])
+        log_steps(m, [1])
+        stored = (dump / "checkpoint" / RUN_ID_FILE).read_text().strip()
+        assert stored == m._wandb.run_id and (dump / "metrics.jsonl").exists() and (dump / "tb").is_dir()
 
 
 def test_missing_wandb_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
