@@ -224,6 +224,7 @@ class MetricsLogger:
         self._wandb = None
         self._last_time = self._started = time.perf_counter()
         self._excluded = 0.0  # seconds to leave out of the interval being timed (checkpoint saves)
+        self._committed = False  # the writers open at the first record (:meth:`commit`)
         if rank != 0:
             return
         os.makedirs(run_folder, exist_ok=True)
@@ -231,7 +232,6 @@ class MetricsLogger:
             from trainer.wandb_log import start_wandb_run
 
             self._wandb = start_wandb_run(mcfg, run_folder, cfg if isinstance(cfg, JobConfig) else None, resumed)
-        self._committed = False  # the writers below open at the first record (:meth:`commit`)
 
     def commit(self) -> None:
         """The run goes on (the trainer calls it after its first step; the first record calls it
