@@ -135,3 +135,7 @@ def test_wandb_refusing_to_start_stops_every_rank_with_one_line(tmp_path):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[0]] and "W&B could not start the run (No API key configured" in errors[0], res.stderr
     assert "Traceback" not in res.stderr and "step 1/" not in res.stdout, res.stderr[-3000:]
+    # nothing of the run that never started: no W&B id, no resolved config, no metrics
+    run = tmp_path / "run"
+    assert not (run / "checkpoint" / RUN_ID_FILE).exists() and not (run / "config.toml").exists()
+    assert not (run / "metrics.jsonl").exists()
