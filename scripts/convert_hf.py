@@ -280,7 +280,9 @@ def _export_args(ns, meta=None):
             raise UsageError("pass --flavor or --hf-config, not both: --hf-config gives every size")
         what = f"{ns.model} sized by {ns.hf_config}"
         args = _overridden(_derived_spec(ns.model, read_hf_config(ns.hf_config), ns.hf_config).args, ns, what)
-        return ns.model, HF_FLAVOR, args, record_for_folder(ns.model, args, ns.hf_config, tokenizer)
+        sized = record_for_folder(ns.model, args, ns.hf_config, tokenizer)
+        sized.seq_len = record.seq_len if record is not None else 0
+        return ns.model, HF_FLAVOR, args, sized
     if ns.flavor is None and record is not None:
         if record.model != ns.model:
             raise UsageError(

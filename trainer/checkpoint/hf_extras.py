@@ -17,8 +17,8 @@ the recorded path).
   including eos lists like Llama 3.1 Instruct's ``[128001, 128008, 128009]``; the sliding-window
   fields; the rope parameters, as one group, in the source's spelling); a field we do not write
   (``layer_types``, ...) is kept as is unless it lists one entry per layer and the run changed
-  the depth. ``max_position_embeddings`` is the source's, or the run's sequence length when that
-  is longer. ``torch_dtype``/``dtype`` are the export's.
+  the depth. ``max_position_embeddings`` is the source's, or the run's ``training.seq_len`` when
+  that is longer. ``torch_dtype``/``dtype`` are the export's.
 * ``generation_config.json``: the source folder's, carried as is (sampling defaults included);
   else derived from the tokenizer: ``bos``/``pad`` and, as ``eos_token_id``, the token that ends
   an assistant turn in the chat template (plus the tokenizer's eos when it differs).
@@ -91,6 +91,7 @@ class ModelRecord:
     source_generation: dict[str, Any] | None = None  # its generation_config.json
     # model.tokenizer_path, absolute ('' the shipped tokenizer, 'bytes'); None: no tokenizer files
     tokenizer: str | None = ""
+    seq_len: int = 0  # training.seq_len: the longest sequence the run trained on
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -157,6 +158,7 @@ def record_for_run(cfg, model_args, source: str = "") -> ModelRecord:
         source_config=config,
         source_generation=generation,
         tokenizer=abs_tokenizer(cfg.model.tokenizer_path),
+        seq_len=int(cfg.training.seq_len),
     )
 
 
@@ -197,8 +199,7 @@ def carry_config(ours: Mapping[str, Any], record: ModelRecord | None, ids: Mappi
             out.update({k: source[k] for k in _ROPE if k in source})
         mpe = source.get("max_position_embeddings")
         if isinstance(mpe, int) and not isinstance(mpe, bool):
-            run_len = int(record.args.get("max_seq_len") or 0)
-            out["max_position_embeddings"] = max(mpe, run_len)
+            out["max_position_embeddings"] = max(mpe, int(record.seq_len or 0))
     for k in _IDS:
         if (not source or source.get(k) is None) and ids and ids.get(k) is not None:
             out[k] = ids[k]
