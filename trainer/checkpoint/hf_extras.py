@@ -152,7 +152,7 @@ def record_for_run(cfg, model_args, source: str = "") -> ModelRecord:
     generation = _read_json(os.path.join(folder, GENERATION_CONFIG_FILE)) if folder else None
     return ModelRecord(
         model=cfg.model.name,
-        args=dataclasses.asdict(model_args),
+        args=dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else {},
         flavor=cfg.model.flavor,
         source=folder if config is not None else "",
         source_config=config,
