@@ -254,7 +254,7 @@ def _export_args(ns, meta=None):
     """(model, flavor label, args, record) of a checkpoint to export: ``--hf-config`` (every size
     from that config.json), else ``--flavor``, else the model the checkpoint records, else (to-hf
     only, ``meta`` given) the flavor whose shapes match."""
-    from trainer.checkpoint.hf_extras import abs_tokenizer, record_for_folder
+    from trainer.checkpoint.hf_extras import ModelRecord, abs_tokenizer, record_for_folder
 
     record = _step_record(ns)
     if ns.model is None:
@@ -304,6 +304,8 @@ def _export_args(ns, meta=None):
         args = _args(ns.model, flavor, ns)
     if record is not None:
         record = dataclasses.replace(record, model=ns.model, args=dataclasses.asdict(args), tokenizer=tokenizer)
+    elif tokenizer is not None:
+        record = ModelRecord(model=ns.model, args=dataclasses.asdict(args), flavor=flavor, tokenizer=tokenizer)
     return ns.model, flavor, args, record
 
 

@@ -74,9 +74,13 @@ TOKENIZER_FILES = (
 )
 _IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _ROPE = ("rope_theta", "rope_scaling", "rope_parameters")
+# the export's own, or what describes files and code it does not hold
 _NOT_CARRIED = frozenset(
-    {"torch_dtype", "dtype", "transformers_version", "_name_or_path", "architectures", "model_type"}
-)
+    {
+        "torch_dtype", "dtype", "transformers_version", "_name_or_path", "architectures", "model_type", "auto_map",
+        "quantization_config",
+    }
+)  # fmt: skip
 
 
 @dataclass
