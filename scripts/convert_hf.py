@@ -1,14 +1,21 @@
 """Convert weights between Hugging Face folders and our DCP checkpoints, offline, one process.
 
     python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR [--model llama3] [--flavor 8B]
-    python scripts/convert_hf.py to-hf DCP_STEP_DIR OUT_DIR --model llama3 [--flavor 8B | --hf-config HF_DIR]
-    python scripts/convert_hf.py lora-peft STEP_DIR OUT_DIR --model llama3 --flavor 8B
-    python scripts/convert_hf.py lora-merge STEP_DIR OUT_DIR --model llama3 --flavor 8B [--base DIR] [--dtype bfloat16]
+    python scripts/convert_hf.py to-hf DCP_STEP_DIR OUT_DIR [--model llama3] [--flavor 8B | --hf-config HF_DIR]
+    python scripts/convert_hf.py lora-peft STEP_DIR OUT_DIR [--model llama3] [--flavor 8B | --hf-config HF_DIR]
+    python scripts/convert_hf.py lora-merge STEP_DIR OUT_DIR [--flavor 8B | --hf-config HF_DIR] [--base DIR]
 
 ``lora-peft`` / ``lora-merge`` read a LoRA run's step checkpoint (adapters, options, the base's
 identity; trainer/checkpoint/lora_offline.py) and write a PEFT adapter folder, or the base with
 the adapters merged as a Hugging Face folder (the base from the folder the run recorded, or
-``--base``, its fingerprint checked). ``--flavor`` is required for both.
+``--base``, its fingerprint checked).
+
+The model's sizes: ``--hf-config`` (a model sized by a config.json, any size), else ``--flavor``
+(with the run's overrides), else the record every step checkpoint of a run holds (model, args,
+the Hugging Face folder it started from, its tokenizer: trainer/checkpoint/hf_extras.py), else
+(``to-hf`` only) the flavor inferred from the stored shapes. Every Hugging Face folder written
+holds the tokenizer files (``--tokenizer``, default the run's), a generation_config.json and the
+config.json fields of the folder the run started from (or of ``--hf-config``).
 
 ``to-dcp`` reads a Hugging Face folder (config.json + model.safetensors, or
 model.safetensors.index.json + shards) and writes a DCP folder that
@@ -236,59 +243,105 @@ def _infer_flavor_from_dcp(ns, meta) -> tuple[str, dict]:
     return matches[0], extra
 
 
-def to_hf(ns) -> str:
+def _step_record(ns):
+    """The model record the step checkpoint stores (trainer/checkpoint/hf_extras.py), or None."""
+    from trainer.checkpoint.lora_offline import read_step_record
+
+    return read_step_record(getattr(ns, "dcp_dir", None) or ns.step_dir)
+
+
+def _export_args(ns, meta=None):
+    """(model, flavor label, args, record) of a checkpoint to export: ``--hf-config`` (every size
+    from that config.json), else ``--flavor``, else the model the checkpoint records, else (to-hf
+    only, ``meta`` given) the flavor whose shapes match."""
+    from trainer.checkpoint.hf_extras import ModelRecord, abs_tokenizer, record_for_folder
+
+    record = _step_record(ns)
     if ns.model is None:
-        if ns.hf_config is None:
-            raise UsageError("to-hf needs --model (or --hf-config, whose architecture names the model)")
-        where = ns.hf_config
-        try:
-            ns.model = model_for_hf_config(read_hf_config(ns.hf_config))
-        except ValueError as exc:
-            raise UsageError(f"{where}: {exc}") from None
+        if ns.hf_config is not None:
+            try:
+                ns.model = model_for_hf_config(read_hf_config(ns.hf_config))
+            except ValueError as exc:
+                raise UsageError(f"{ns.hf_config}: {exc}") from None
+        elif record is not None:
+            ns.model = record.model
+        else:
+            raise UsageError(
+                f"{ns.command} needs --model (or --hf-config, whose architecture names the model): "
+                f"{getattr(ns, 'dcp_dir', None) or ns.step_dir} records no model"
+            )
     _check_model_and_flavor(ns)
     _adapter_cls(ns.model)
+    tokenizer = record.tokenizer if record is not None else None
+    if ns.tokenizer is not None:
+        tokenizer = abs_tokenizer(ns.tokenizer)
+    if ns.hf_config is not None:
+        if ns.flavor is not None:
+            raise UsageError("pass --flavor or --hf-config, not both: --hf-config gives every size")
+        what = f"{ns.model} sized by {ns.hf_config}"
+        args = _overridden(_derived_spec(ns.model, read_hf_config(ns.hf_config), ns.hf_config).args, ns, what)
+        sized = record_for_folder(ns.model, args, ns.hf_config, tokenizer)
+        sized.seq_len = record.seq_len if record is not None else 0
+        return ns.model, HF_FLAVOR, args, sized
+    if ns.flavor is None and record is not None:
+        if record.model != ns.model:
+            raise UsageError(
+                f"{ns.command}: the checkpoint records model {record.model!r}, not {ns.model!r}: drop --model"
+            )
+        args = _overridden(record.model_args(), ns, f"{ns.model} as the checkpoint records it")
+        flavor = record.flavor or "recorded"
+    elif ns.flavor is None and meta is None:
+        raise UsageError(
+            f"{ns.command} needs --flavor (one of {', '.join(flavor_names(ns.model))}) or --hf-config (a model "
+            f"sized by a config.json), and the run's overrides: {ns.step_dir} records no model (saved by an older "
+            "run)"
+        )
+    elif meta is not None:
+        flavor, extra = _infer_flavor_from_dcp(ns, meta)
+        args = _args(ns.model, flavor, ns, **extra)
+    else:
+        flavor = ns.flavor
+        args = _args(ns.model, flavor, ns)
+    if record is not None:
+        record = dataclasses.replace(record, model=ns.model, args=dataclasses.asdict(args), tokenizer=tokenizer)
+    elif tokenizer is not None:
+        record = ModelRecord(model=ns.model, args=dataclasses.asdict(args), flavor=flavor, tokenizer=tokenizer)
+    return ns.model, flavor, args, record
+
+
+def to_hf(ns) -> str:
+    if ns.model is not None:
+        _check_model_and_flavor(ns)
+        _adapter_cls(ns.model)
     _check_out_dir(ns.out_dir)
     try:
         max_shard = parse_size(ns.max_shard_size)
     except ValueError as exc:
         raise UsageError(f"--max-shard-size: {exc}") from None
     meta = dcp_model_meta(ns.dcp_dir)
-    if ns.hf_config is not None:
-        if ns.flavor is not None:
-            raise UsageError("pass --flavor or --hf-config, not both: --hf-config gives every size")
-        flavor = HF_FLAVOR
-        args = _overridden(
-            _derived_spec(ns.model, read_hf_config(ns.hf_config), ns.hf_config).args,
-            ns,
-            f"{ns.model} sized by {ns.hf_config}",
-        )
-    else:
-        flavor, extra = _infer_flavor_from_dcp(ns, meta)
-        args = _args(ns.model, flavor, ns, **extra)
+    model, flavor, args, record = _export_args(ns, meta)
     say = _progress(time.monotonic())
-    say(f"{ns.dcp_dir} -> {ns.out_dir}: {ns.model}/{flavor}, {len(meta)} tensors, {ns.dtype}")
+    say(f"{ns.dcp_dir} -> {ns.out_dir}: {model}/{flavor}, {len(meta)} tensors, {ns.dtype}")
     out = export_dcp_to_hf(
-        ns.dcp_dir, ns.out_dir, ns.model, args, dtype=ns.dtype, max_shard_bytes=max_shard, progress=say
+        ns.dcp_dir, ns.out_dir, model, args, dtype=ns.dtype, max_shard_bytes=max_shard, progress=say, record=record
     )
     say(f"done: {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     return out
 
 
 def _lora_args(ns):
-    _check_model_and_flavor(ns)
-    _adapter_cls(ns.model)
-    if ns.flavor is None:
-        raise UsageError(
-            f"{ns.command} needs --flavor (one of {', '.join(flavor_names(ns.model))}) and the run's overrides"
-        )
+    if ns.model is not None:
+        _check_model_and_flavor(ns)
+        _adapter_cls(ns.model)
     _check_out_dir(ns.out_dir)
-    return _args(ns.model, ns.flavor, ns)
+    return _export_args(ns)
 
 
 def lora_peft(ns) -> str:
     from trainer.checkpoint.lora_offline import peft_from_step
 
-    out = peft_from_step(ns.step_dir, ns.out_dir, ns.model, _lora_args(ns), ns.dtype)
+    model, _, args, record = _lora_args(ns)
+    out = peft_from_step(ns.step_dir, ns.out_dir, model, args, ns.dtype, record)
     print(f"done: {out} (peft.PeftModel.from_pretrained(base, '{out}') loads it)", file=sys.stderr)
     return out
 
@@ -296,14 +349,22 @@ def lora_peft(ns) -> str:
 def lora_merge(ns) -> str:
     from trainer.checkpoint.lora_offline import merged_from_step
 
-    args = _lora_args(ns)
+    model, _, args, record = _lora_args(ns)
     try:
         max_shard = parse_size(ns.max_shard_size)
     except ValueError as exc:
         raise UsageError(f"--max-shard-size: {exc}") from None
     say = _progress(time.monotonic())
     out = merged_from_step(
-        ns.step_dir, ns.out_dir, ns.model, args, base=ns.base, dtype=ns.dtype, max_shard_bytes=max_shard, progress=say
+        ns.step_dir,
+        ns.out_dir,
+        model,
+        args,
+        base=ns.base,
+        dtype=ns.dtype,
+        max_shard_bytes=max_shard,
+        progress=say,
+        record=record,
     )
     say(f"done: {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     return out
@@ -337,6 +398,20 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-seq-len", type=int, default=None, help="training.seq_len of the run, if above the flavor's"
         )
 
+    def export_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--hf-config",
+            default=None,
+            help="Hugging Face folder (or its config.json) giving every size: for a model trained with "
+            "model.flavor = 'hf'; its config.json fields and generation_config.json are carried into the export",
+        )
+        p.add_argument(
+            "--tokenizer",
+            default=None,
+            help="tokenizer to put in the folder (a tokenizer.json or its folder; '' the shipped one); default: "
+            "the one the run recorded in the checkpoint",
+        )
+
     p = sub.add_parser("to-dcp", help="Hugging Face folder -> DCP folder for checkpoint.initial_load_path")
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
@@ -347,11 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dcp_dir", metavar="DCP_STEP_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     common(p)
-    p.add_argument(
-        "--hf-config",
-        default=None,
-        help="Hugging Face folder (or its config.json) giving every size: for a model trained with model.flavor = 'hf'",
-    )
+    export_options(p)
     p.add_argument(
         "--dtype",
         default="bfloat16",
@@ -374,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("step_dir", metavar="STEP_DIR")
         p.add_argument("out_dir", metavar="OUT_DIR")
         common(p)
+        export_options(p)
         p.add_argument("--dtype", default="float32" if name == "lora-peft" else "bfloat16",
                        choices=("float32", "bfloat16", "float16"), help="dtype of the written weights")  # fmt: skip
         if name == "lora-merge":

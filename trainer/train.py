@@ -315,6 +315,8 @@ class Trainer:
             self.step = resumed
         run_folder = cfg.job.dump_folder
         if self.step >= cfg.training.steps:
+            # checkpoint.last_save_in_hf asked for after the run ended: the export of the final weights
+            self.ckpt.export_missing(self.step)
             _log(
                 f"nothing to train: the run in {run_folder} is already complete (step {self.step} "
                 f"of training.steps = {cfg.training.steps}, resumed from {self.ckpt.folder}). To train on, "

@@ -98,7 +98,14 @@ def rope_config(config: Mapping[str, Any]) -> tuple[float | None, dict[str, Any]
     scaling = config.get("rope_scaling")
     if isinstance(params, Mapping):
         theta = params.get("rope_theta", theta)
-        scaling = dict(params)
+        legacy = scaling if isinstance(scaling, Mapping) else {}
+        # a scaling in rope_scaling beside default rope_parameters still scales (never dropped)
+        if params.get("rope_type", params.get("type", "default")) == "default" and legacy.get(
+            "rope_type", legacy.get("type", "default")
+        ) not in (None, "default"):
+            scaling = dict(legacy)
+        else:
+            scaling = dict(params)
     if not isinstance(scaling, Mapping):
         return theta, None
     scaling = dict(scaling)
@@ -232,6 +239,18 @@ class HFConfigCheck:
             out = [
                 (f, config[f], None, "not modeled here; it may change the math") for f in unknown_fields(config, read)
             ]
+        for field in ("rope_scaling", "rope_parameters"):
+            value = config.get(field)
+            if value is not None and not isinstance(value, Mapping):
+                out.append(
+                    (
+                        field,
+                        value,
+                        None,
+                        'not a rope setting: it must be an object with a "rope_type" (and its factors) of a scaling '
+                        f"our {cls.model_name} implements, or null",
+                    )
+                )
         for field, default, want in cls.required_values:
             value = config.get(field, default)
             if not same_value(value, want):

@@ -8,8 +8,9 @@ size from its config.json and starts from its weights (``initial_load_in_hf``):
 * its step-1 loss is transformers' loss on the same batch (rtol 1e-5): the sizes, the eps and
   the weights all came through;
 * its Hugging Face export (``last_save_in_hf``) writes the same sizes back (config.json);
-* bad input: ``model.flavor = 'hf'`` with no folder to size it, and a folder of an unsupported
-  architecture: one ``error:`` line, exit 2, no traceback.
+* bad input: ``model.flavor = 'hf'`` with no folder to size it, a folder of an unsupported
+  architecture, and a config.json whose ``rope_scaling`` is the string ``"linear"``: one
+  ``error:`` line, exit 2, no traceback.
 """
 
 from __future__ import annotations
@@ -109,3 +110,9 @@ def test_bad_input_is_one_line(hf_dir, tmp_path):
     )
     res = _train("--model.flavor", "hf", "--model.hf_config", str(other), "--job.dump_folder", str(tmp_path / "b"))
     _one_clean_line(res, "MistralForCausalLM", "LlamaForCausalLM (model 'llama3')")
+    # a rope_scaling that is not a rope setting (a string) is refused, not trained as plain RoPE
+    linear = tmp_path / "linear"
+    linear.mkdir()
+    (linear / "config.json").write_text(json.dumps({**config, "rope_scaling": "linear"}))
+    res = _train("--model.flavor", "hf", "--model.hf_config", str(linear), "--job.dump_folder", str(tmp_path / "c"))
+    _one_clean_line(res, "rope_scaling='linear' in config.json", "rope_type")

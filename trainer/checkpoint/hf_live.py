@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from models import registry
+from trainer.checkpoint.hf_extras import ModelRecord
 from trainer.checkpoint.hf_format import DEFAULT_MAX_SHARD_BYTES
 from trainer.checkpoint.hf_write import HFFolderWriter, plan_hf_export, write_hf_folder
 from trainer.checkpoint.live import LiveModel
@@ -50,6 +51,7 @@ def export_model_to_hf(
     process_group=None,
     extra_keys: Callable[[Sequence[str], Sequence[str]], list[str]] | None = None,
     transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
+    record: ModelRecord | None = None,
 ) -> str:
     """Write the weights of ``model_parts`` (this rank's stages of the model built from
     ``model_args``) as a Hugging Face folder ``out_dir``; returns its absolute path.
@@ -63,7 +65,9 @@ def export_model_to_hf(
 
     ``extra_keys(group_keys, all_keys)``: more of the model's keys to fetch with a layer group
     (e.g. its LoRA adapters), and ``transform`` turns the fetched group into the adapter's keys
-    before ``to_hf`` (e.g. merges them: trainer/checkpoint/lora_export.py)."""
+    before ``to_hf`` (e.g. merges them: trainer/checkpoint/lora_export.py). ``record``: the
+    run's source folder and tokenizer, for config.json's carried fields, generation_config.json
+    and the tokenizer files (trainer/checkpoint/hf_extras.py)."""
     say = progress or (lambda _m: None)
     adapter = registry.get_hf_adapter(model_name, model_args)
     live = LiveModel(model_parts, process_group)
@@ -75,7 +79,7 @@ def export_model_to_hf(
             f"the model parts do not match {model_name} with these args: missing {missing[:3]}, "
             f"wrong shapes {wrong[:3]}"
         )
-    plan = plan_hf_export(adapter, {k: live.meta[k] for k in ours}, dtype, max_shard_bytes)
+    plan = plan_hf_export(adapter, {k: live.meta[k] for k in ours}, dtype, max_shard_bytes, record)
     names = plan.names
 
     def write_shards(writer: HFFolderWriter) -> None:

@@ -5,7 +5,8 @@ the live model (:mod:`trainer.checkpoint.hf_live`): :class:`HFExportPlan`, :func
 ``to_hf`` per group of tensors (a layer), shards of at most ``max_shard_bytes`` named
 ``model-0000i-of-0000N.safetensors`` (or one ``model.safetensors``), the index with
 ``metadata.total_size`` and ``weight_map``, ``config.json`` from ``adapter.hf_config(dtype)``
-and a ``generation_config.json``. Everything is written into ``<out>.tmp`` (each file through
+with the source folder's fields, a ``generation_config.json`` and the tokenizer files
+(:mod:`trainer.checkpoint.hf_extras`, from the run's :class:`ModelRecord`). Everything is written into ``<out>.tmp`` (each file through
 :mod:`trainer.files`) and renamed to ``<out>`` last (:func:`~trainer.checkpoint.folders.publish_folder`),
 so an interrupted save never leaves a folder under the final name.
 """
@@ -29,13 +30,8 @@ from models import registry
 from models.parallel.pipeline.tied import EMBEDDING_KEY, HEAD_KEY
 from trainer.checkpoint.errors import CheckpointError, read_failure
 from trainer.checkpoint.folders import publish_folder
-from trainer.checkpoint.hf_format import (
-    CONFIG_FILE,
-    DEFAULT_MAX_SHARD_BYTES,
-    GENERATION_CONFIG_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
-)
+from trainer.checkpoint.hf_extras import ModelRecord, carry_config, tokenizer_ids, write_extras
+from trainer.checkpoint.hf_format import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE
 from trainer.checkpoint.state import EXPORT_DTYPES, export_dtype
 from trainer.cli_errors import unwrap_dcp
 from trainer.files import atomic_path, atomic_write, fsync_dir
@@ -121,7 +117,11 @@ class HFFolderWriter:
         config: Mapping[str, Any],
         files: Sequence[Sequence[str]],
         total_size: int,
+        record: ModelRecord | None = None,
+        ids: Mapping[str, Any] | None = None,
     ) -> str:
+        """``record``: the tokenizer files and generation_config.json to add
+        (trainer/checkpoint/hf_extras.py); ``ids`` the tokenizer's bos/eos/pad."""
         names = shard_names(len(files))
         if len(files) > 1:
             index = {
@@ -129,9 +129,7 @@ class HFFolderWriter:
                 "weight_map": {k: name for name, keys in zip(names, files) for k in sorted(keys)},
             }
             self._write_json(INDEX_FILE, index)
-        gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-        if gen:
-            self._write_json(GENERATION_CONFIG_FILE, {"_from_model_config": True, **gen})
+        write_extras(self.tmp, record, config, ids)
         self._write_json(CONFIG_FILE, dict(config))
         fsync_dir(self.tmp)
         return publish_folder(self.tmp, self.final)
@@ -228,6 +226,7 @@ class HFExportPlan:
     group_of: dict[str, str]  # Hugging Face key -> layer group
     dtypes: dict[str, torch.dtype]  # Hugging Face key -> stored dtype
     total_size: int
+    record: ModelRecord | None = None  # the run's source folder and tokenizer (hf_extras.py)
 
     @property
     def names(self) -> list[str]:
@@ -245,8 +244,12 @@ class HFExportPlan:
         """Shard file ``i``'s tensors, in their stored dtypes, from its groups' Hugging Face tensors."""
         return {h: prepare_tensor(hf_groups[self.group_of[h]][h], self.dtypes[h]) for h in self.files[i]}
 
-    def config(self) -> dict:
-        return self.adapter.hf_config(_dtype_name(self.dtype))
+    def tokenizer_ids(self) -> dict[str, Any]:
+        return tokenizer_ids(self.record.tokenizer) if self.record is not None else {}
+
+    def config(self, ids: Mapping[str, Any] | None = None) -> dict:
+        """config.json: the adapter's, with the source folder's fields the run did not change."""
+        return carry_config(self.adapter.hf_config(_dtype_name(self.dtype)), self.record, ids)
 
 
 def plan_hf_export(
@@ -254,6 +257,7 @@ def plan_hf_export(
     meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     dtype: str | torch.dtype,
     max_shard_bytes: int,
+    record: ModelRecord | None = None,
 ) -> HFExportPlan:
     """The plan of the folder for our full tensors of shapes and dtypes ``meta`` (every key of
     ``adapter.our_keys()``, checked by the caller)."""
@@ -281,6 +285,7 @@ def plan_hf_export(
         group_of={h: g for g, h, _ in hf_meta},
         dtypes=dtypes,
         total_size=sum(n for _, n in sizes),
+        record=record,
     )
 
 
@@ -306,7 +311,8 @@ def write_hf_folder(
     if distributed:
         dist.barrier(group=process_group)
     if rank == 0:
-        writer.commit(plan.config(), plan.files, plan.total_size)
+        ids = plan.tokenizer_ids()
+        writer.commit(plan.config(ids), plan.files, plan.total_size, plan.record, ids)
     if distributed:
         dist.barrier(group=process_group)
     return os.path.abspath(out_dir)
@@ -322,6 +328,7 @@ def export_dcp_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: Callable[[str], None] | None = None,
     process_group=None,
+    record: ModelRecord | None = None,
 ) -> str:
     """Write the model weights of a DCP checkpoint (``model.<fqn>`` keys: a run's step-N or a
     convert_hf.py to-dcp folder) as a Hugging Face folder.
@@ -352,7 +359,7 @@ def export_dcp_to_hf(
             f"checkpoint {dcp_dir}: {k} has shape {list(got)}, expected {list(want)} for {model_name} with these args: "
             f"pick the flavor (and model.n_layers / vocab_size) it was trained with"
         )
-    plan = plan_hf_export(adapter, meta, dtype, max_shard_bytes)
+    plan = plan_hf_export(adapter, meta, dtype, max_shard_bytes, record)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     world = dist.get_world_size(process_group) if distributed else 1

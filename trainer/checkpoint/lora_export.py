@@ -3,8 +3,9 @@
 with the adapters merged (``W + scale * B @ A``) as a plain Hugging Face folder.
 
 PEFT folder: ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``, ``lora_dropout``,
-``target_modules`` as a regular expression matching exactly the adapted modules' Hugging Face
-names) and ``adapter_model.safetensors`` with ``base_model.model.<hf module>.lora_A.weight``
+``target_modules`` the list of the adapted modules' names, or a regular expression of their full
+Hugging Face names where a list would adapt more, ``base_model_name_or_path`` a portable name of
+the base, not a path of the training host), the tokenizer files of the run and ``adapter_model.safetensors`` with ``base_model.model.<hf module>.lora_A.weight``
 (``[r, in]``) and ``.lora_B.weight`` (``[out, r]``). Names come from the model's Hugging Face
 adapter (``models/*/hf_adapter.py``): the base weight ``X.weight`` is stored as ``H.weight`` and
 its adapters become ``H.lora_A`` / ``H.lora_B``. Where the adapter permutes the base's rows
@@ -34,6 +35,7 @@ from models import registry
 from models.common.hf_adapter import Plain, RopeRows, interleaved_to_half_split
 from models.parallel.lora import LoRAOptions, is_adapter_key
 from trainer.checkpoint.folders import publish_folder
+from trainer.checkpoint.hf_extras import ModelRecord, write_extras
 from trainer.files import atomic_path, atomic_write, fsync_dir
 
 __all__ = [
@@ -42,10 +44,12 @@ __all__ = [
     "adapter_base_keys",
     "export_merged_from_live",
     "export_peft_from_live",
+    "hf_weight_modules",
     "merge_adapters",
     "peft_config",
     "peft_refusal",
     "peft_tensors",
+    "target_modules",
     "write_peft_folder",
 ]
 
@@ -135,9 +139,31 @@ def peft_tensors(adapters: Mapping[str, Tensor], hf_adapter) -> dict[str, Tensor
     return out
 
 
-def peft_config(opts: LoRAOptions, hf_modules: Sequence[str], base_model: str = "") -> dict:
-    """``adapter_config.json`` for the adapted Hugging Face modules ``hf_modules``."""
-    pattern = "^(" + "|".join(re.escape(m) for m in sorted(hf_modules)) + ")$"
+def target_modules(hf_modules: Sequence[str], all_modules: Sequence[str] | None = None) -> list[str] | str:
+    """PEFT's ``target_modules`` for exactly the adapted modules ``hf_modules``: the list of their
+    module names (``["k_proj", "q_proj", ...]``, PEFT's usual form: a name matches every module
+    whose dotted name ends with it) when that list adapts nothing else among ``all_modules``
+    (every module of the base with a weight), else a regular expression of the full names."""
+    names = sorted({m.rsplit(".", 1)[-1] for m in hf_modules})
+    if all_modules is not None:
+        matched = {m for m in all_modules if m.rsplit(".", 1)[-1] in names}
+        if matched == set(hf_modules):
+            return names
+    return "^(" + "|".join(re.escape(m) for m in sorted(hf_modules)) + ")$"
+
+
+def hf_weight_modules(hf_adapter) -> list[str]:
+    """Every module of the Hugging Face model with a ``.weight`` (from the adapter's keys)."""
+    return [k[: -len(".weight")] for k in hf_adapter.hf_keys() if k.endswith(".weight")]
+
+
+def peft_config(
+    opts: LoRAOptions, hf_modules: Sequence[str], base_model: str | None = "", all_modules: Sequence[str] | None = None
+) -> dict:
+    """``adapter_config.json`` for the adapted Hugging Face modules ``hf_modules``
+    (``all_modules``: every module of the base with a weight, see :func:`target_modules`);
+    ``base_model``: a portable name of the base (trainer/checkpoint/hf_extras.py
+    ``peft_base_name``)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -145,7 +171,7 @@ def peft_config(opts: LoRAOptions, hf_modules: Sequence[str], base_model: str = 
         "r": opts.rank,
         "lora_alpha": opts.alpha,
         "lora_dropout": opts.dropout,
-        "target_modules": pattern,
+        "target_modules": target_modules(hf_modules, all_modules),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -159,8 +185,11 @@ def peft_config(opts: LoRAOptions, hf_modules: Sequence[str], base_model: str = 
     }
 
 
-def write_peft_folder(out_dir: str, tensors: Mapping[str, Tensor], config: Mapping, dtype: torch.dtype) -> str:
-    """Write the folder under ``<out>.tmp`` and publish it as ``out_dir``."""
+def write_peft_folder(
+    out_dir: str, tensors: Mapping[str, Tensor], config: Mapping, dtype: torch.dtype, record: ModelRecord | None = None
+) -> str:
+    """Write the folder under ``<out>.tmp`` (with the tokenizer files of ``record``) and publish
+    it as ``out_dir``."""
     from safetensors.torch import save_file
 
     final = os.path.abspath(out_dir)
@@ -171,6 +200,7 @@ def write_peft_folder(out_dir: str, tensors: Mapping[str, Tensor], config: Mappi
     with atomic_path(os.path.join(tmp, ADAPTER_WEIGHTS)) as path:
         save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
     atomic_write(os.path.join(tmp, ADAPTER_CONFIG), json.dumps(dict(config), indent=2) + "\n")
+    write_extras(tmp, record, None)
     fsync_dir(tmp)
     return publish_folder(tmp, final)
 
@@ -187,8 +217,9 @@ def export_peft_from_live(
     opts: LoRAOptions,
     *,
     dtype: str | torch.dtype = "float32",
-    base_model: str = "",
+    base_model: str | None = "",
     process_group=None,
+    record: ModelRecord | None = None,
 ) -> str:
     """The PEFT folder of the live, sharded model (collective): every adapter gathered whole on
     rank 0, which writes the folder. Returns its path."""
@@ -202,8 +233,10 @@ def export_peft_from_live(
     keys = [k for k in live.order if is_adapter_key(k)]
     full = live.fetch(keys, 0)
     if live.rank == 0:
-        tensors = peft_tensors(full, registry.get_hf_adapter(model_name, model_args))
-        write_peft_folder(out_dir, tensors, peft_config(opts, _hf_modules(tensors), base_model), target)
+        hf_adapter = registry.get_hf_adapter(model_name, model_args)
+        tensors = peft_tensors(full, hf_adapter)
+        config = peft_config(opts, _hf_modules(tensors), base_model, hf_weight_modules(hf_adapter))
+        write_peft_folder(out_dir, tensors, config, target, record)
     if live.distributed:
         dist.barrier(group=process_group)
     return os.path.abspath(out_dir)
@@ -218,6 +251,7 @@ def export_merged_from_live(
     *,
     dtype: str | torch.dtype = "float32",
     process_group=None,
+    record: ModelRecord | None = None,
 ) -> str:
     """The base with the adapters merged, as a plain Hugging Face folder, from the live model
     (collective; the same plan and writer as the plain live export, each layer group fetched
@@ -237,4 +271,5 @@ def export_merged_from_live(
         process_group=process_group,
         extra_keys=with_adapters,
         transform=lambda state: merge_adapters(state, opts.scale),
+        record=record,
     )

@@ -19,12 +19,19 @@ from torch import Tensor
 from models import registry
 from models.parallel.lora import LoRAOptions, is_adapter_key
 from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.hf_extras import ModelRecord, peft_base_name
 from trainer.checkpoint.hf_write import HFFolderWriter, _dcp_read, dcp_model_meta, plan_hf_export, write_hf_folder
 from trainer.checkpoint.lora_base import fingerprint_folder
-from trainer.checkpoint.lora_export import merge_adapters, peft_config, peft_tensors, write_peft_folder
-from trainer.checkpoint.state import export_dtype, from_blob, run_dcp
+from trainer.checkpoint.lora_export import (
+    hf_weight_modules,
+    merge_adapters,
+    peft_config,
+    peft_tensors,
+    write_peft_folder,
+)
+from trainer.checkpoint.state import checkpoint_keys, export_dtype, from_blob, run_dcp
 
-__all__ = ["merged_from_step", "peft_from_step", "read_lora_step"]
+__all__ = ["merged_from_step", "peft_from_step", "read_lora_step", "read_step_record"]
 
 
 def read_lora_step(step_dir: str) -> tuple[dict[str, Tensor], dict]:
@@ -43,18 +50,37 @@ def read_lora_step(step_dir: str) -> tuple[dict[str, Tensor], dict]:
     return state["model"], extra
 
 
+def read_step_record(step_dir: str) -> ModelRecord | None:
+    """The :class:`ModelRecord` a run stored in its step checkpoint (the model, its args, the
+    source folder's config files, the tokenizer path), or None (a checkpoint without one: written
+    by an older run, or a ``convert_hf.py to-dcp`` folder)."""
+    dcp_model_meta(step_dir)  # a missing or incomplete folder: one line
+    if not any(k == "train_state" or k.startswith("train_state.") for k in checkpoint_keys(step_dir)):
+        return None
+    state = {"train_state": b""}
+    run_dcp(dcp.load, state, checkpoint_id=step_dir)
+    record = (from_blob(state["train_state"]).get("extra") or {}).get("model")
+    return ModelRecord.from_dict(record) if isinstance(record, dict) else None
+
+
 def _options(extra: dict) -> LoRAOptions:
     lo = dict(extra["lora"])
     lo["target_modules"] = tuple(lo["target_modules"])
     return LoRAOptions(**lo)
 
 
-def peft_from_step(step_dir: str, out_dir: str, model_name: str, args, dtype: str = "float32") -> str:
+def peft_from_step(
+    step_dir: str, out_dir: str, model_name: str, args, dtype: str = "float32", record: ModelRecord | None = None
+) -> str:
+    """The PEFT folder of a step's adapters (``record``: the tokenizer files and the base's
+    portable name; trainer/checkpoint/hf_extras.py)."""
     adapters, extra = read_lora_step(step_dir)
-    tensors = peft_tensors(adapters, registry.get_hf_adapter(model_name, args))
+    hf_adapter = registry.get_hf_adapter(model_name, args)
+    tensors = peft_tensors(adapters, hf_adapter)
     modules = sorted({k[len("base_model.model.") : -len(".lora_A.weight")] for k in tensors if "lora_A" in k})
-    config = peft_config(_options(extra), modules, extra["lora_base"]["path"])
-    return write_peft_folder(out_dir, tensors, config, export_dtype(dtype))
+    base = peft_base_name(record, extra["lora_base"]["path"])
+    config = peft_config(_options(extra), modules, base, hf_weight_modules(hf_adapter))
+    return write_peft_folder(out_dir, tensors, config, export_dtype(dtype), record)
 
 
 def base_of(step_dir: str, base: str | None) -> str:
@@ -103,6 +129,7 @@ def merged_from_step(
     dtype: str = "bfloat16",
     max_shard_bytes: int,
     progress: Callable[[str], None] | None = None,
+    record: ModelRecord | None = None,
 ) -> str:
     say = progress or (lambda _m: None)
     path = base_of(step_dir, base)
@@ -111,7 +138,7 @@ def merged_from_step(
     say(f"reading the base {path}")
     merged = merge_adapters({**_read_base(path, adapter), **adapters}, _options(extra).scale)
     meta = {k: (tuple(v.shape), v.dtype) for k, v in merged.items()}
-    plan = plan_hf_export(adapter, meta, dtype, max_shard_bytes)
+    plan = plan_hf_export(adapter, meta, dtype, max_shard_bytes, record)
 
     def write_all(writer: HFFolderWriter) -> None:
         cache = {g: plan.to_hf({k: merged[k] for k in keys}) for g, keys in plan.group_keys.items()}

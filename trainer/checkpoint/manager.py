@@ -36,6 +36,7 @@ from trainer.checkpoint.dcp import CheckpointFolder, load_checkpoint
 from trainer.checkpoint.drill import drill_point
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.export import export_consolidated
+from trainer.checkpoint.hf_extras import peft_base_name, record_for_run
 from trainer.checkpoint.hf_live import export_model_to_hf
 from trainer.checkpoint.hf_load import load_hf_into_model
 from trainer.checkpoint.hf_reader import HFCheckpoint, validate_hf_checkpoint
@@ -99,6 +100,9 @@ class CheckpointManager:
         self.optimizer, self.lr_scheduler, self.dataloader = optimizer, lr_scheduler, dataloader
         self.model_args = model_args
         self.initial_hf = initial_hf
+        # what the exports are written from (source folder's config.json and generation_config.json,
+        # the tokenizer), also stored in every step checkpoint for scripts/convert_hf.py
+        self.record = record_for_run(cfg, model_args)
         self.log = log
         self.folder = cfg.resolve_path(self.config.folder)
         # the run's step-N folders (local_tensor mode: trainer/checkpoint/local_tensor.py)
@@ -219,8 +223,8 @@ class CheckpointManager:
         return self.config.enable and (last or step % self.config.interval == 0)
 
     def should_export_hf(self, step: int, last: bool = False) -> bool:
-        """A Hugging Face folder is due: ``last_save_in_hf`` at the last step, and every
-        ``save_in_hf_every`` steps."""
+        """A Hugging Face folder is due: ``last_save_in_hf`` at the last step (and at a step the
+        run stops at, SIGINT/SIGTERM: ``last`` then), and every ``save_in_hf_every`` steps."""
         every = self.config.save_in_hf_every
         return (last and self.config.last_save_in_hf) or (every > 0 and step % every == 0)
 
@@ -260,7 +264,7 @@ class CheckpointManager:
                 out["checkpoint_stall_s"] = time.monotonic() - t0
                 if not background:
                     out["checkpoint_write_s"] = out["checkpoint_stall_s"]
-        if self.should_export_hf(step, last):
+        if self.should_export_hf(step, last or stopping):
             with phase(f"Hugging Face export at step {step}"):
                 t0 = time.monotonic()
                 self._save_hf(step)
@@ -320,7 +324,7 @@ class CheckpointManager:
             export_consolidated(self.model_parts, path, c.export_dtype)
             self.log(f"exported consolidated weights to {path}")
             return False
-        extra = {"step": step}
+        extra = {"step": step, "model": self.record.to_dict()}
         if self.lora is not None:  # what scripts/convert_hf.py lora-peft / lora-merge read back
             extra["lora_base"] = dict(self.base)
             extra["lora"] = dataclasses.asdict(self.lora)
@@ -360,6 +364,15 @@ class CheckpointManager:
             f"and run the same command again to resume"
         )
 
+    def export_missing(self, step: int) -> str | None:
+        """A finished run started again with ``last_save_in_hf``: write ``step-N-hf`` (and the
+        PEFT folder of a LoRA run) from the resumed weights when it is not there yet (collective).
+        Returns its path, or None when nothing was due."""
+        out = os.path.join(self.folder, f"step-{step}-hf")
+        if not self.config.last_save_in_hf or os.path.isdir(out):
+            return None
+        return self._save_hf(step)
+
     def _save_hf(self, step: int) -> str:
         """The weights as a Hugging Face folder ``<checkpoint.folder>/step-N-hf``, written from
         the live sharded model (every rank writes the files it is given; no temporary DCP)."""
@@ -374,6 +387,7 @@ class CheckpointManager:
             self.model_args,
             dtype=c.export_dtype,
             progress=lambda msg: logger.info("hf export: %s", msg),
+            record=self.record,
         )
         self.log(f"wrote Hugging Face folder {out} ({c.export_dtype})")
         return out
@@ -385,7 +399,13 @@ class CheckpointManager:
 
         c = self.config
         args = (self.model_parts,)
-        kw = dict(model_name=self.cfg.model.name, model_args=self.model_args, opts=self.lora, dtype=c.export_dtype)
+        kw = dict(
+            model_name=self.cfg.model.name,
+            model_args=self.model_args,
+            opts=self.lora,
+            dtype=c.export_dtype,
+            record=self.record,
+        )
         export_merged_from_live(*args, out_dir=out, **kw)
         keys = [k for part in self.model_parts for k, _ in part.named_parameters() if is_adapter_key(k)]
         why = peft_refusal(keys, self.model_args)
@@ -393,6 +413,6 @@ class CheckpointManager:
             self.log(f"wrote the merged Hugging Face folder {out} ({c.export_dtype}); no PEFT folder: {why}")
             return out
         peft = os.path.join(self.folder, f"step-{step}-peft")
-        export_peft_from_live(*args, out_dir=peft, base_model=self.base["path"], **kw)
+        export_peft_from_live(*args, out_dir=peft, base_model=peft_base_name(self.record, self.base["path"]), **kw)
         self.log(f"wrote the merged Hugging Face folder {out} and the PEFT adapter folder {peft} ({c.export_dtype})")
         return out
