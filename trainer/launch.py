@@ -103,38 +103,6 @@ def _parse_launch(launch: list[str]):
     return args, min_nodes * nproc
 
 
-def preflight(cfg, world_size: int) -> None:
-    """Every check of a worker's start that needs no process group, for ``world_size`` ranks:
-    the job plan (degrees, batch, model vs layout), the tokenizer, the training and validation
-    data, the Hugging Face folder to start from. Raises the worker's own ValueError."""
-    from trainer.checkpoint.manager import check_initial_load
-    from trainer.config import ConfigError
-    from trainer.data.loader import build_source
-    from trainer.data.tokenizer import load_tokenizer
-    from trainer.plan import plan_job
-
-    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
-        raise ConfigError(
-            "--checkpoint.create_seed_checkpoint runs on one process: use --nproc_per_node 1 (or plain python train.py)"
-        )
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    if cfg.checkpoint.create_seed_checkpoint:
-        return
-    plan = plan_job(cfg, world_size, tokenizer.vocab_size, tokenizer_eos=tokenizer.eos_id, device_type=_device_type())
-    build_source(cfg, log_epochs=False)
-    if cfg.validation.enable and cfg.validation.dataset != "synthetic":
-        from trainer.data.loader import build_validation_dataloader
-
-        build_validation_dataloader(cfg, tokenizer, batch_rank=0, batch_degree=plan.batch.batch_degree)
-    check_initial_load(cfg, plan.model.args)
-
-
-def _device_type() -> str:
-    from parallel_dims import default_device_type
-
-    return default_device_type()
-
-
 def _quiet_agent() -> None:
     """The elastic agent's own warnings (closing signals, restarts; its "failed (exitcode: 2)"
     report too: the launcher says what a failure means, once) are not the user's news. torch
@@ -201,6 +169,7 @@ def _failure_line(exc) -> tuple[str | None, int]:
 
 def run(launch: list[str], rest: list[str]) -> int:
     from trainer.config import load_config
+    from trainer.startup import preflight
 
     try:
         args, world_size = _parse_launch(launch)

@@ -11,12 +11,14 @@ from typing import Any
 
 from trainer.config.errors import ConfigError
 
-__all__ = ["DATASETS", "SOURCE_KEYS", "TEXT_DOCUMENTS", "opt", "source_entries"]
+__all__ = ["DATASETS", "SOURCE_KEYS", "TEXT_DOCUMENTS", "TOKENIZER_FILES", "opt", "source_entries"]
 
 # what one document of a .txt file is (trainer/data/sources.py FileSource)
 TEXT_DOCUMENTS = ("file", "blank_line", "line")
 DATASETS = ("synthetic", "text", "jsonl", "tokens", "hf", "chat")
 SOURCE_KEYS = ("path", "kind", "weight", "name")
+# what a tokenizer folder holds, in the order model.tokenizer_path looks (trainer/data/tokenizer.py)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
 
 
 def opt(default: Any, help: str, *, choices: tuple | None = None) -> Any:
