@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         drill_point("exit", trainer.step, trainer.rank)  # tests only: held, not exiting (trainer/checkpoint/drill.py)
         return 0
     except KeyboardInterrupt:  # Ctrl-C before the training loop (which stops at a step instead)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if _rank() == 0:  # every rank got it (the launcher sends it to each): one speaks
             print("interrupted (SIGINT) before training began: nothing to save", file=sys.stderr, flush=True)
         return exit_code(signal.SIGINT)
     except TrainingDiverged as exc:  # every rank has the same reduced loss and norm

@@ -114,9 +114,10 @@ def _quiet_agent() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _forward_to_children(signum: int) -> None:
-    """Send ``signum`` to this process's children (the workers), found in /proc (Linux)."""
-    me = os.getpid()
+def _forward_to_children(signum: int) -> int:
+    """Send ``signum`` to this process's children (the workers), found in /proc (Linux); how
+    many there were."""
+    me, sent = os.getpid(), 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -128,8 +129,10 @@ def _forward_to_children(signum: int) -> None:
         if int(fields[1]) == me:
             try:
                 os.kill(int(entry), signum)
+                sent += 1
             except ProcessLookupError:
                 pass
+    return sent
 
 
 def _wait_for_children(timeout: float) -> None:
@@ -169,8 +172,10 @@ def _failure_line(exc) -> tuple[str | None, int]:
 
 def run(launch: list[str], rest: list[str]) -> int:
     from trainer.config import load_config
+    from trainer.start_signals import hand_over, workers_start_blocked
     from trainer.startup import preflight
 
+    hand_over()  # a Ctrl-C from here is this function's (one line)
     try:
         args, world_size = _parse_launch(launch)
         cfg = load_config(rest)
@@ -202,7 +207,15 @@ def run(launch: list[str], rest: list[str]) -> int:
     _quiet_agent()
     config, cmd, cmd_args = config_from_args(args)
     try:
-        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        with workers_start_blocked():  # a signal to a starting worker waits for its first line
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except KeyboardInterrupt:
+        # before the agent took SIGINT over (its rendezvous, the workers' start) or after it gave
+        # it back: the workers that exist stop with their own line; with none, this is the line
+        if not _forward_to_children(signal.SIGINT):
+            print("interrupted (SIGINT) before the workers started: nothing to save", file=sys.stderr, flush=True)
+        _wait_for_children(getattr(args, "shutdown_timeout", 30))
+        return 128 + signal.SIGINT
     except ChildFailedError as exc:
         line, code = _failure_line(exc)
         if line is not None:
