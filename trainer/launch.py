@@ -155,9 +155,29 @@ def _wait_for_children(timeout: float) -> None:
             time.sleep(0.05)
 
 
+def _cause(exc):
+    """The failure that ended the job: ``(rank, failure)``. After one rank fails the others
+    end as a consequence (their collectives fail on the gone peer: exit code 4; the agent's
+    SIGTERM: 143), possibly within the same second, which torch's first-failure timestamp does
+    not tell apart; so bad input (2) first, then any other failure (a bug, a kill), then a
+    stop signal, then a rank whose peer was gone; the earliest within each."""
+    from trainer.distributed_init import EXIT_PEER_GONE
+
+    def priority(code: int) -> int:
+        if code == EXIT_BAD_INPUT:
+            return 0
+        if code == EXIT_PEER_GONE:
+            return 3
+        return 2 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else 1
+
+    first = exc.get_first_failure()[0]
+    ranked = sorted(exc.failures.items(), key=lambda kv: (priority(kv[1].exitcode), kv[1].timestamp, kv[0] != first))
+    return ranked[0]
+
+
 def _failure_line(exc) -> tuple[str | None, int]:
     """What to print for a failed job (None: the workers said it) and the exit code."""
-    rank, failure = exc.get_first_failure()
+    rank, failure = _cause(exc)
     code = failure.exitcode
     if code < 0:  # killed by a signal
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"

@@ -7,7 +7,9 @@ masking flag (packed chat picks block-causal masking):
   X.parquet``, the form docs/fine_tuning.md shows, which the launcher's pre-start check used
   to refuse (``FileSource kind must be 'text' or 'jsonl', got 'chat'``);
 * torchrun with a mixture (chat .jsonl + pre-training .jsonl);
-* one process (``python train.py``) with the same parquet file.
+* one process (``python train.py``) with the same parquet file;
+* a bad row that only rank 1 reads (striped): rank 1's one line is what the user sees, rank 0
+  (whose collective then fails on the gone peer) ends quietly (issue 50, item 10a).
 
 Each run trains one step and says what it trains (qwen3 sized by the folder, its weights,
 block-causal masking). Every kind x every launcher's start-up, in-process:
@@ -47,6 +49,9 @@ def files(tmp_path_factory):
     Qwen3ForCausalLM(Qwen3Config(**QWEN3)).save_pretrained(folder)
     tokenizer_folder(folder, "qwen3")  # tokenizer.json + tokenizer_config.json with the chat template
     write_parquet(d / "chat.parquet", {"messages": conversations(16)})
+    bad = conversations(16)
+    bad[12] = [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]  # rank 1's stripe 3
+    write_parquet(d / "bad_row.parquet", {"messages": bad})
     write_jsonl(d / "chat.jsonl", conversations(16, seed=1))
     with open(d / "web.jsonl", "w") as f:
         for i in range(16):
@@ -83,3 +88,19 @@ def test_chat_parquet_in_one_process(files, tmp_path):
                     "--training.dataset_path", str(files / "chat.parquet"), "--job.dump_folder", str(tmp_path / "run"),
                     timeout=300)  # fmt: skip
     _check(res)
+
+
+def test_a_bad_row_only_one_rank_reads_is_that_ranks_line(files, tmp_path):
+    """Striped reading (16 rows, 4 stripes): row 12 opens stripe 3, which only rank 1 of 2
+    reads. Rank 1 stops on it (one line, after rank 0's grace: trainer/console.py); rank 0,
+    waiting in the step's all-reduce, then fails on gloo's "Connection closed by peer" and ends
+    quietly (exit code 4, no traceback), and the launcher ends with rank 1's exit code 2."""
+    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *SMALL, "--training.dataset", "chat",
+           "--training.dataset_path", str(files / "bad_row.parquet"), "--job.dump_folder", str(tmp_path / "run")]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1: "), out[-3000:]
+    assert "(row 12)" in errors[0] and "wizard" in errors[0], out[-3000:]
+    assert "Traceback" not in out and "Connection closed" not in out and out.rstrip().endswith(errors[0]), out[-3000:]
