@@ -5,14 +5,17 @@ It takes torchrun's own flags (its parser: ``--nproc_per_node``, ``--nnodes``, `
 ``--rdzv_*``, ``--master_*``, ``--max_restarts``, ...; every flag without a dot is a launcher
 flag, every ``--section.key`` a config key) and then:
 
-1. checks before any worker starts what can be checked without one: the config, the layout
-   against the world size (``nnodes x nproc_per_node``; an elastic node range is checked at
-   its smallest), the tokenizer, the data path, the Hugging Face folder to start from. Most
-   user errors end here: one ``error:`` line, exit code 2, no worker started;
+1. checks before any worker starts what can be checked without one, with the workers' own
+   start-up functions (trainer/startup.py ``preflight``): the config, the layout against the
+   world size (``nnodes x nproc_per_node``; an elastic node range is checked at its smallest),
+   the tokenizer, the Hugging Face folder to start from, and the training and validation
+   loaders as batch rank 0 builds them (every dataset kind, mixtures, striped rows). Most user
+   errors end here: one ``error:`` line, exit code 2, no worker started;
 2. runs torch's elastic agent in this process (what torchrun runs), the workers being
    ``train.py`` with the config arguments only;
 3. ends as the job ended, in one line at most: a worker's user error was already printed by
-   rank 0 (exit code 2); a run stopped by SIGINT / SIGTERM printed its stop line (exit code
+   the rank that met it (exit code 2; ranks whose collectives then failed on the gone peer end
+   quietly with exit code 4, and the launcher reports the cause, not them); a run stopped by SIGINT / SIGTERM printed its stop line (exit code
    128 + the signal, trainer/stop.py); a worker that crashed or was killed gets one line naming
    the rank, its exit code or signal, and that its output is above.
 
@@ -21,7 +24,9 @@ to 1 for several workers when unset), the agent's warnings, the ``ChildFailedErr
 traceback. A signal to the launcher (a terminal's Ctrl-C, ``scancel``) reaches the workers
 through the agent, which waits ``--shutdown_timeout`` (default here: the checkpoint save's
 bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; on a second
-Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once.
+Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once. The workers
+start with SIGINT and SIGTERM blocked until train.py's first line (trainer/start_signals.py), so
+a Ctrl-C while they start is one line too.
 """
 
 from __future__ import annotations
