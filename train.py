@@ -4,7 +4,12 @@ Every config key can be overridden on the command line (``--parallelism.tp 2``);
 ``python train.py --help`` for the list.
 """
 
-import gc
+# first: a Ctrl-C while torch imports is one line, not a traceback (trainer/start_signals.py)
+from trainer.start_signals import quiet_start
+
+quiet_start()
+
+import gc  # noqa: E402
 
 # Start-up (every rank pays it): importing torch and the trainer creates about a million
 # objects that live as long as the process. The cyclic garbage collector would scan them over
@@ -32,5 +37,7 @@ if __name__ == "__main__":
     if code is not None:
         sys.exit(code)
     from trainer.shutdown import run_and_exit
+    from trainer.start_signals import hand_over
 
+    hand_over()  # from here a Ctrl-C is trainer/entry.py's (one line; at a step in the loop)
     run_and_exit(main)

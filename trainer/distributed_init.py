@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_dims import default_backend, default_device_type
+from trainer.cli_errors import dcp_failures
 from trainer.comm_watchdog import (
     EXIT_COMM_TIMEOUT,
     JobWatchdog,
@@ -185,6 +186,19 @@ def is_collective_timeout(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, dist.DistBackendError)) and (
         "Timed out" in text or "timed out" in text or "Watchdog caught collective operation timeout" in text
     )
+
+
+# gloo's words when the other end of a pair is gone (trainer/entry.py: a peer's exit, not this
+# rank's failure); NCCL's peers are watched by the step watchdog instead
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# a rank whose collective failed because a peer rank had ended first (its own line says why)
+EXIT_PEER_GONE = 4
+
+
+def is_peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (or every exception DCP's wrapper holds) is a collective that failed
+    because the process at the other end is gone."""
+    return all(isinstance(f, RuntimeError) and any(words in str(f) for words in PEER_GONE) for f in dcp_failures(exc))
 
 
 def _free_port() -> int:

@@ -26,8 +26,10 @@ from trainer.config import ConfigError, JobConfig, load_config
 from trainer.console import say_once
 from trainer.data.tokenizer import load_tokenizer
 from trainer.distributed_init import (
+    EXIT_PEER_GONE,
     init_distributed,
     is_collective_timeout,
+    is_peer_gone,
     report_collective_timeout,
     require_writable_folder,
 )
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         drill_point("exit", trainer.step, trainer.rank)  # tests only: held, not exiting (trainer/checkpoint/drill.py)
         return 0
     except KeyboardInterrupt:  # Ctrl-C before the training loop (which stops at a step instead)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if _rank() == 0:  # every rank got it (the launcher sends it to each): one speaks
             print("interrupted (SIGINT) before training began: nothing to save", file=sys.stderr, flush=True)
         return exit_code(signal.SIGINT)
     except TrainingDiverged as exc:  # every rank has the same reduced loss and norm
@@ -107,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         signum = getattr(getattr(trainer, "stop_signals", None), "signum", None)
+        if isinstance(exc, Exception) and is_peer_gone(exc):
+            # a peer rank ended first (a user error only it met, e.g. a bad row of its own
+            # stripe; a crash; a kill) and this rank's collective failed on it: the peer's line
+            # (or the launcher's, for a crash) is the one the user needs; nothing from this rank
+            return exit_code(signum) if signum is not None else EXIT_PEER_GONE
         if signum is not None and isinstance(exc, Exception):
             # a signal came first: the job is being taken down (torchrun and the launcher send
             # SIGTERM to the ranks left after one failed), and this rank's step failed on a peer

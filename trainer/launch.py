@@ -5,14 +5,17 @@ It takes torchrun's own flags (its parser: ``--nproc_per_node``, ``--nnodes``, `
 ``--rdzv_*``, ``--master_*``, ``--max_restarts``, ...; every flag without a dot is a launcher
 flag, every ``--section.key`` a config key) and then:
 
-1. checks before any worker starts what can be checked without one: the config, the layout
-   against the world size (``nnodes x nproc_per_node``; an elastic node range is checked at
-   its smallest), the tokenizer, the data path, the Hugging Face folder to start from. Most
-   user errors end here: one ``error:`` line, exit code 2, no worker started;
+1. checks before any worker starts what can be checked without one, with the workers' own
+   start-up functions (trainer/startup.py ``preflight``): the config, the layout against the
+   world size (``nnodes x nproc_per_node``; an elastic node range is checked at its smallest),
+   the tokenizer, the Hugging Face folder to start from, and the training and validation
+   loaders as batch rank 0 builds them (every dataset kind, mixtures, striped rows). Most user
+   errors end here: one ``error:`` line, exit code 2, no worker started;
 2. runs torch's elastic agent in this process (what torchrun runs), the workers being
    ``train.py`` with the config arguments only;
 3. ends as the job ended, in one line at most: a worker's user error was already printed by
-   rank 0 (exit code 2); a run stopped by SIGINT / SIGTERM printed its stop line (exit code
+   the rank that met it (exit code 2; ranks whose collectives then failed on the gone peer end
+   quietly with exit code 4, and the launcher reports the cause, not them); a run stopped by SIGINT / SIGTERM printed its stop line (exit code
    128 + the signal, trainer/stop.py); a worker that crashed or was killed gets one line naming
    the rank, its exit code or signal, and that its output is above.
 
@@ -21,7 +24,9 @@ to 1 for several workers when unset), the agent's warnings, the ``ChildFailedErr
 traceback. A signal to the launcher (a terminal's Ctrl-C, ``scancel``) reaches the workers
 through the agent, which waits ``--shutdown_timeout`` (default here: the checkpoint save's
 bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; on a second
-Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once.
+Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once. The workers
+start with SIGINT and SIGTERM blocked until train.py's first line (trainer/start_signals.py), so
+a Ctrl-C while they start is one line too.
 """
 
 from __future__ import annotations
@@ -103,38 +108,6 @@ def _parse_launch(launch: list[str]):
     return args, min_nodes * nproc
 
 
-def preflight(cfg, world_size: int) -> None:
-    """Every check of a worker's start that needs no process group, for ``world_size`` ranks:
-    the job plan (degrees, batch, model vs layout), the tokenizer, the training and validation
-    data, the Hugging Face folder to start from. Raises the worker's own ValueError."""
-    from trainer.checkpoint.manager import check_initial_load
-    from trainer.config import ConfigError
-    from trainer.data.loader import build_source
-    from trainer.data.tokenizer import load_tokenizer
-    from trainer.plan import plan_job
-
-    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
-        raise ConfigError(
-            "--checkpoint.create_seed_checkpoint runs on one process: use --nproc_per_node 1 (or plain python train.py)"
-        )
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    if cfg.checkpoint.create_seed_checkpoint:
-        return
-    plan = plan_job(cfg, world_size, tokenizer.vocab_size, tokenizer_eos=tokenizer.eos_id, device_type=_device_type())
-    build_source(cfg, log_epochs=False)
-    if cfg.validation.enable and cfg.validation.dataset != "synthetic":
-        from trainer.data.loader import build_validation_dataloader
-
-        build_validation_dataloader(cfg, tokenizer, batch_rank=0, batch_degree=plan.batch.batch_degree)
-    check_initial_load(cfg, plan.model.args)
-
-
-def _device_type() -> str:
-    from parallel_dims import default_device_type
-
-    return default_device_type()
-
-
 def _quiet_agent() -> None:
     """The elastic agent's own warnings (closing signals, restarts; its "failed (exitcode: 2)"
     report too: the launcher says what a failure means, once) are not the user's news. torch
@@ -146,9 +119,10 @@ def _quiet_agent() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _forward_to_children(signum: int) -> None:
-    """Send ``signum`` to this process's children (the workers), found in /proc (Linux)."""
-    me = os.getpid()
+def _forward_to_children(signum: int) -> int:
+    """Send ``signum`` to this process's children (the workers), found in /proc (Linux); how
+    many there were."""
+    me, sent = os.getpid(), 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -160,8 +134,10 @@ def _forward_to_children(signum: int) -> None:
         if int(fields[1]) == me:
             try:
                 os.kill(int(entry), signum)
+                sent += 1
             except ProcessLookupError:
                 pass
+    return sent
 
 
 def _wait_for_children(timeout: float) -> None:
@@ -184,9 +160,29 @@ def _wait_for_children(timeout: float) -> None:
             time.sleep(0.05)
 
 
+def _cause(exc):
+    """The failure that ended the job: ``(rank, failure)``. After one rank fails the others
+    end as a consequence (their collectives fail on the gone peer: exit code 4; the agent's
+    SIGTERM: 143), possibly within the same second, which torch's first-failure timestamp does
+    not tell apart; so bad input (2) first, then any other failure (a bug, a kill), then a
+    stop signal, then a rank whose peer was gone; the earliest within each."""
+    from trainer.distributed_init import EXIT_PEER_GONE
+
+    def priority(code: int) -> int:
+        if code == EXIT_BAD_INPUT:
+            return 0
+        if code == EXIT_PEER_GONE:
+            return 3
+        return 2 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else 1
+
+    first = exc.get_first_failure()[0]
+    ranked = sorted(exc.failures.items(), key=lambda kv: (priority(kv[1].exitcode), kv[1].timestamp, kv[0] != first))
+    return ranked[0]
+
+
 def _failure_line(exc) -> tuple[str | None, int]:
     """What to print for a failed job (None: the workers said it) and the exit code."""
-    rank, failure = exc.get_first_failure()
+    rank, failure = _cause(exc)
     code = failure.exitcode
     if code < 0:  # killed by a signal
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
@@ -201,7 +197,10 @@ def _failure_line(exc) -> tuple[str | None, int]:
 
 def run(launch: list[str], rest: list[str]) -> int:
     from trainer.config import load_config
+    from trainer.start_signals import hand_over, workers_start_blocked
+    from trainer.startup import preflight
 
+    hand_over()  # a Ctrl-C from here is this function's (one line)
     try:
         args, world_size = _parse_launch(launch)
         cfg = load_config(rest)
@@ -233,7 +232,15 @@ def run(launch: list[str], rest: list[str]) -> int:
     _quiet_agent()
     config, cmd, cmd_args = config_from_args(args)
     try:
-        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        with workers_start_blocked():  # a signal to a starting worker waits for its first line
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except KeyboardInterrupt:
+        # before the agent took SIGINT over (its rendezvous, the workers' start) or after it gave
+        # it back: the workers that exist stop with their own line; with none, this is the line
+        if not _forward_to_children(signal.SIGINT):
+            print("interrupted (SIGINT) before the workers started: nothing to save", file=sys.stderr, flush=True)
+        _wait_for_children(getattr(args, "shutdown_timeout", 30))
+        return 128 + signal.SIGINT
     except ChildFailedError as exc:
         line, code = _failure_line(exc)
         if line is not None:

@@ -38,6 +38,7 @@ from trainer.config import (
     gradient_accumulation_steps,
     resolve_global_batch_size,
 )
+from trainer.config.derived import attn_mask_type
 from trainer.model_spec import config_model_spec
 
 __all__ = [
@@ -116,21 +117,22 @@ def model_overrides(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | N
                 f"model.name={m.name!r} has none; remove model.mtp_layers or use model.name = 'deepseek_v3'"
             )
         overrides["mtp_layers"] = m.mtp_layers
-    if m.document_positions and m.attn_mask_type != "block_causal":
+    mask = attn_mask_type(cfg)  # 'auto' resolved (trainer/config/derived.py)
+    if m.document_positions and mask != "block_causal":
         raise ConfigError(
             "model.document_positions = true restarts RoPE positions at each document start, which only "
             "makes sense when documents cannot see each other; set model.attn_mask_type = 'block_causal' too"
         )
-    if m.attn_type == "varlen" and m.attn_mask_type != "block_causal":
+    if m.attn_type == "varlen" and mask != "block_causal":
         raise ConfigError(
             "model.attn_type = 'varlen' runs one attention per document, so it needs "
             "model.attn_mask_type = 'block_causal'; use 'sdpa' or 'flex' for plain causal attention"
         )
-    overrides.update(attn_mask_type=m.attn_mask_type, attn_type=m.attn_type, document_positions=m.document_positions)
-    if m.attn_mask_type == "block_causal" or m.document_positions:
+    overrides.update(attn_mask_type=mask, attn_type=m.attn_type, document_positions=m.document_positions)
+    if mask == "block_causal" or m.document_positions:
         if tokenizer_eos is None:
             raise ConfigError(
-                f"model.attn_mask_type={m.attn_mask_type!r} needs the tokenizer's EOS token, which ends each "
+                f"model.attn_mask_type={mask!r} needs the tokenizer's EOS token, which ends each "
                 "packed document, and this tokenizer has none; use a tokenizer with an EOS token or "
                 "model.attn_mask_type = 'causal'"
             )

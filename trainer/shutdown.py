@@ -93,8 +93,9 @@ def run_and_exit(main: Callable[[], object]) -> None:
         code = main()
     except SystemExit as exc:
         code = exc.code
-    except KeyboardInterrupt:
-        traceback.print_exc()
+    except KeyboardInterrupt:  # a Ctrl-C that main() did not end itself: one line, from rank 0
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted (SIGINT)", file=sys.stderr, flush=True)
         code = 130
     except BaseException:
         traceback.print_exc()

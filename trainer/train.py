@@ -38,12 +38,11 @@ from trainer.build import build_model_parts, build_pipeline, trainable_params
 from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.drill import hold_until_stopped, stop_gate
 from trainer.checkpoint.local_tensor import LocalTensorFolder
-from trainer.checkpoint.manager import CheckpointManager, check_initial_load
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import JobConfig
 from trainer.console import configure_console
 from trainer.data.doc_stats import document_stats_line
-from trainer.data.loader import build_dataloader, document_separator, wrap_loader
-from trainer.data.tokenizer import load_tokenizer
+from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.distributed_init import (
     apply_train_timeout,
     init_distributed,
@@ -63,6 +62,7 @@ from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  #
 from trainer.precision import apply_precision_policy
 from trainer.run_mode import RunMode
 from trainer.run_summary import RunTotals, commit_run, summary_lines
+from trainer.startup import plan_startup
 from trainer.step import (
     StepResult,
     TrainingDiverged,
@@ -108,21 +108,14 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
 
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        self.doc_separator = document_separator(cfg, self.tokenizer)  # ends each packed document
-        # every check that needs no process group, in one place (trainer/plan.py); from here on
-        # the layout and the batch come from the plan, never from cfg.parallelism
-        self.plan = plan = plan_job(
-            cfg,
-            self.world_size,
-            self.tokenizer.vocab_size,
-            tokenizer_eos=self.doc_separator,
-            device_type=self.device.type,
-        )
+        # every check that needs no process group, the same as the launcher's pre-start check
+        # (trainer/startup.py); from here on the layout and the batch come from the plan, never
+        # from cfg.parallelism
+        startup = plan_startup(cfg, self.world_size, self.device.type)
+        self.tokenizer, self.doc_separator = startup.tokenizer, startup.doc_separator
+        self.plan = plan = startup.plan
         self.pd = plan.parallel_dims
-        # a Hugging Face folder to start from is checked (config.json against the flavor and
-        # overrides, every tensor's shape from the headers) before anything is built
-        initial_hf = check_initial_load(cfg, self.plan.model.args)
+        initial_hf = startup.initial_hf
         with torch.device("meta"):
             model = plan.model.model_cls(plan.model.args)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -375,7 +368,10 @@ class Trainer:
                 data_wait += self.data.wait_s
                 if not timeout_applied:  # the first step of this run (also after a resume)
                     first = [(rank0_view(x), rank0_view(y)) for x, y in microbatches]  # rank 0's, as printed
-                    _log(document_stats_line(first, self.doc_separator, cfg.model.attn_mask_type) + self.data.notes())
+                    _log(
+                        document_stats_line(first, self.doc_separator, self.plan.model.args.attn_mask_type)
+                        + self.data.notes()
+                    )
                 result, step_extra = instruments.run_step(self.step + 1, self.train_step, microbatches)
                 self.step += 1
                 self.totals.step(self.step, result.loss)

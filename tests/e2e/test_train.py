@@ -444,6 +444,7 @@ _LATE_JOINER = textwrap.dedent(
     import torch.distributed as dist
     from parallel_dims import ParallelDims
     import trainer.checkpoint.async_save as async_save
+    import trainer.startup as ts
     import trainer.train as tt
     from trainer.checkpoint.manager import CheckpointManager
 
@@ -471,7 +472,7 @@ _LATE_JOINER = textwrap.dedent(
     dist.init_process_group = late(dist.init_process_group, "joined")
     ParallelDims.build_mesh = late(ParallelDims.build_mesh, "meshes")
     async_save.host_group = late(async_save.host_group, "writer", every=2)  # after the second
-    tt.plan_job = noting(tt.plan_job, "at the job plan, rank 1 had joined", "joined")
+    ts.plan_job = noting(ts.plan_job, "at the job plan, rank 1 had joined", "joined")
     tt.build_model_parts = noting(tt.build_model_parts, "at the model build, rank 1 had built its groups", "meshes")
     CheckpointManager.resume = noting(CheckpointManager.resume, "at the resume, rank 1 had its writer's groups", "writer")
     from trainer.entry import main

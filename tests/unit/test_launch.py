@@ -52,8 +52,8 @@ def test_world_size_is_nodes_times_processes_at_the_smallest_node_count():
 
 
 def _failed(code: int):
-    failure = SimpleNamespace(exitcode=code, pid=4242)
-    return SimpleNamespace(get_first_failure=lambda: (3, failure))
+    failure = SimpleNamespace(exitcode=code, pid=4242, timestamp=0)
+    return SimpleNamespace(get_first_failure=lambda: (3, failure), failures={3: failure})
 
 
 def test_what_the_launcher_says_of_a_failed_job():
@@ -65,3 +65,35 @@ def test_what_the_launcher_says_of_a_failed_job():
     assert code == 137 and line.startswith("error: rank 3 (pid 4242) was ended by SIGKILL")
     line, code = _failure_line(_failed(1))
     assert code == 1 and line.startswith("rank 3 (pid 4242) exited with code 1")
+
+
+def _job(*failures):
+    """A failed job of ``(rank, exit code, timestamp)`` failures, torch's first by timestamp."""
+    found = {rank: SimpleNamespace(exitcode=code, pid=1000 + rank, timestamp=t) for rank, code, t in failures}
+    first = min(found, key=lambda r: found[r].timestamp)
+    return SimpleNamespace(failures=found, get_first_failure=lambda: (first, found[first]))
+
+
+def test_the_launcher_names_the_cause_not_the_ranks_that_ended_after_it():
+    """Rank 1 met bad input only it reads (its line printed) and rank 0's collective then
+    failed on the gone peer (exit 4, quiet), in the same second: the job ends with rank 1's
+    code 2 and no line of the launcher's, whichever torch lists first. A crash is still named,
+    ahead of the ranks stopped or left without their peer."""
+    assert _failure_line(_job((0, 4, 100), (1, 2, 100))) == (None, 2)
+    assert _failure_line(_job((0, 143, 100), (1, 2, 101))) == (None, 2)
+    line, code = _failure_line(_job((0, 4, 100), (1, -9, 100), (2, 143, 100)))
+    assert code == 137 and line.startswith("error: rank 1 (pid 1001) was ended by SIGKILL")
+    line, code = _failure_line(_job((0, 4, 99), (1, 1, 100)))
+    assert code == 1 and line.startswith("rank 1 (pid 1001) exited with code 1")
+
+
+def test_a_collective_that_failed_on_a_gone_peer_is_told_apart_from_a_bug():
+    import torch.distributed as dist
+
+    from trainer.distributed_init import is_peer_gone
+
+    gloo = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33965. This is typically caused"
+    assert is_peer_gone(RuntimeError(gloo)) and is_peer_gone(dist.DistBackendError(gloo))
+    assert is_peer_gone(RuntimeError("[pair.cc:598] Read error [127.0.0.1]:1: Connection reset by peer"))
+    assert not is_peer_gone(RuntimeError("shape mismatch in all_reduce"))  # a bug keeps its traceback
+    assert not is_peer_gone(ValueError(gloo))  # bad input is its own line

@@ -119,6 +119,7 @@ def _no_process_group():
 def _build(tmp_path, monkeypatch, *, plan_argv=(), poison_before_plan=False):
     """A Trainer of ARGV whose plan_job returns the plan of ARGV + ``plan_argv`` and whose
     cfg.parallelism is poisoned right after planning (or, the negative control, before)."""
+    import trainer.startup as startup_mod  # the Trainer plans through trainer.startup.plan_startup
     import trainer.train as train_mod
     from trainer.config import load_config
     from trainer.plan import plan_job as real_plan_job
@@ -135,9 +136,9 @@ def _build(tmp_path, monkeypatch, *, plan_argv=(), poison_before_plan=False):
         planned["plan"] = plan
         return plan
 
-    monkeypatch.setattr(train_mod, "plan_job", plan_then_poison)
+    monkeypatch.setattr(startup_mod, "plan_job", plan_then_poison)
     if poison_before_plan:
-        monkeypatch.setattr(train_mod, "plan_job", real_plan_job)
+        monkeypatch.setattr(startup_mod, "plan_job", real_plan_job)
         cfg.parallelism = _Poison()
     return train_mod.Trainer(cfg), planned.get("plan")
 

@@ -6,17 +6,69 @@ error."""
 
 from __future__ import annotations
 
+import difflib
+import re
+from collections.abc import Sequence
 from dataclasses import field
 from typing import Any
 
 from trainer.config.errors import ConfigError
 
-__all__ = ["DATASETS", "SOURCE_KEYS", "TEXT_DOCUMENTS", "opt", "source_entries"]
+__all__ = [
+    "DATASETS",
+    "SOURCE_KEYS",
+    "TEXT_DOCUMENTS",
+    "TOKENIZER_FILES",
+    "did_you_mean",
+    "nearest",
+    "opt",
+    "source_entries",
+]
 
 # what one document of a .txt file is (trainer/data/sources.py FileSource)
 TEXT_DOCUMENTS = ("file", "blank_line", "line")
 DATASETS = ("synthetic", "text", "jsonl", "tokens", "hf", "chat")
 SOURCE_KEYS = ("path", "kind", "weight", "name")
+# what a tokenizer folder holds, in the order model.tokenizer_path looks (trainer/data/tokenizer.py)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
+
+
+def _words(name: str) -> set[str]:
+    return {w for w in re.split(r"[._\-]+", name.lower()) if w}
+
+
+def nearest(name: str, candidates: Sequence[str]) -> tuple[str | None, bool]:
+    """The candidate nearest ``name`` and whether it is close (difflib's ratio >= 0.6): else the
+    one sharing the rarest words with it (``shard_degree`` -> ``data_parallel_shard_degree``),
+    ties by that ratio. ``(None, False)`` when there are no candidates."""
+    if not candidates:
+        return None, False
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    if close:
+        return close[0], True
+    # a shared word counts by its rarity among the candidates ("degree" ends seven keys)
+    words = _words(name)
+    counts: dict[str, int] = {}
+    for c in candidates:
+        for w in _words(c):
+            counts[w] = counts.get(w, 0) + 1
+
+    def score(c: str) -> tuple[float, float]:
+        shared = sum(1 / counts[w] for w in words & _words(c))
+        return shared, difflib.SequenceMatcher(None, name.lower(), c.lower()).ratio()
+
+    best = max(candidates, key=score)
+    return best, False
+
+
+def did_you_mean(name: str, candidates: Sequence[str], prefix: str = "", listing: str = "") -> str:
+    """``did you mean 'PREFIX<nearest>'?``, followed by ``listing`` (the legal names) when the
+    nearest is not close."""
+    best, close = nearest(name, candidates)
+    if best is None:
+        return listing
+    hint = f"did you mean '{prefix}{best}'?"
+    return hint if close or not listing else f"{hint} ({listing})"
 
 
 def opt(default: Any, help: str, *, choices: tuple | None = None) -> Any:
@@ -50,7 +102,8 @@ def source_entries(key: str, value: Any) -> list[dict[str, Any]]:
             raise ConfigError(f"{where} must be a table with path, kind and weight, got {entry!r}")
         unknown = sorted(set(entry) - set(SOURCE_KEYS))
         if unknown:
-            raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}; its keys are {', '.join(SOURCE_KEYS)}")
+            hint = did_you_mean(unknown[0], SOURCE_KEYS, listing=f"its keys are {', '.join(SOURCE_KEYS)}")
+            raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}; {hint}")
         kind = entry.get("kind")
         if kind not in DATASETS:
             raise ConfigError(f"{where}.kind must be one of {', '.join(DATASETS)}, got {kind!r}")

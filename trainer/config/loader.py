@@ -9,7 +9,6 @@ instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import sys
 import types
@@ -17,7 +16,7 @@ import typing
 from typing import Any
 
 from trainer.config.errors import ConfigError
-from trainer.config.fields import source_entries
+from trainer.config.fields import did_you_mean, nearest, source_entries
 from trainer.config.optim_schema import TABLE_KEYS
 from trainer.config.schema import (
     ALIASES,
@@ -146,8 +145,7 @@ def _coerce_tables(key: str, value: Any, from_cli: bool, bad: Any) -> list[dict[
         item = {}
         for k, v in table.items():
             if k not in spec:
-                close = difflib.get_close_matches(k, list(spec), n=1, cutoff=0.6)
-                hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(spec)}"
+                hint = did_you_mean(k, list(spec), listing=f"valid keys: {', '.join(spec)}")
                 raise ConfigError(f"unknown key '{k}' in {key}[{i}]; {hint}")
             item[k] = _coerce(f"{key}[{i}].{k}", spec[k], v, from_cli=False)
         out.append(item)
@@ -166,8 +164,8 @@ def _all_keys() -> list[str]:
 def _leaf_hint(name: str, prefix: str = "") -> str:
     """Suggest section.key for a key given without its section."""
     keys = _all_keys()
-    close = difflib.get_close_matches(name, [k.split(".", 1)[1] for k in keys], n=1, cutoff=0.6)
-    full = [k for k in keys if close and k.endswith("." + close[0])]
+    leaf, _close = nearest(name, [k.split(".", 1)[1] for k in keys])
+    full = [k for k in keys if leaf is not None and k.endswith("." + leaf)]
     return f"; did you mean '{prefix}{full[0]}'?" if full else ""
 
 
@@ -197,18 +195,17 @@ def _resolve_key(section: str, key: str) -> tuple[str, str]:
             section, renames = _NESTED_SECTIONS[nested]
             key = renames.get(leaf, leaf)
     if section not in SECTIONS:
-        close = difflib.get_close_matches(section, list(SECTIONS), n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}.{key}'?" if close else f"valid sections: {', '.join(SECTIONS)}"
+        best, close = nearest(section, list(SECTIONS))
+        hint = f"did you mean '{best}.{key}'?"
+        if not close:  # the key may name the section better than the misspelled section does
+            leaf = _leaf_hint(key)
+            hint = leaf[2:] if leaf else f"{hint} (valid sections: {', '.join(SECTIONS)})"
         raise ConfigError(f"unknown section '{section}'; {hint}")
     key = ALIASES.get(section, {}).get(key, key)
     names = [f.name for f in dataclasses.fields(SECTIONS[section])]
     if key not in names:
         candidates = names + list(ALIASES.get(section, {}))
-        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-        if close:
-            hint = f"did you mean '{section}.{close[0]}'?"
-        else:
-            hint = f"valid keys in [{section}]: {', '.join(names)}"
+        hint = did_you_mean(key, candidates, f"{section}.", listing=f"valid keys in [{section}]: {', '.join(names)}")
         raise ConfigError(f"unknown key '{section}.{key}'; {hint}")
     return section, key
 

@@ -30,7 +30,8 @@ from trainer.config.toml_writer import dump_toml
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_DIR = os.path.join(REPO_ROOT, "train_configs")
 
-PARALLELISM_ALIASES: dict[str, str] = {a.name: a.config_key for a in AXES}
+# every axis by its short name, and the names users also write (fsdp = dp_shard)
+PARALLELISM_ALIASES: dict[str, str] = {alias: a.config_key for a in AXES for alias in (a.name, *a.layout_aliases)}
 ALIASES: dict[str, dict[str, str]] = {"parallelism": PARALLELISM_ALIASES}
 
 
@@ -62,6 +63,13 @@ class Model:
         "With model.flavor = 'hf': the Hugging Face folder (or its config.json) whose sizes the model takes; "
         "'' = checkpoint.initial_load_path (initial_load_in_hf = true).",
     )
+    hf_path: str = _opt(
+        "",
+        "Start from a Hugging Face model folder, in one option: its config.json picks model.name (from "
+        "'architectures') and every size (model.flavor = 'hf'), its weights are the starting point "
+        "(checkpoint.initial_load_path, initial_load_in_hf = true) and its tokenizer the run's (unless "
+        "model.tokenizer_path is set).",
+    )
     tokenizer_path: str = _opt(
         "",
         "'' = the tokenizer shipped in assets/tokenizer, 'bytes' = byte-level tokenizer, "
@@ -75,10 +83,12 @@ class Model:
         "few layers for benchmarks); none = the flavor's.",
     )
     attn_mask_type: str = _opt(
-        "causal",
+        "auto",
         "causal = every token attends to every earlier token of its packed row; block_causal = only "
-        "to the earlier tokens of its own document (documents end at the tokenizer's EOS token).",
-        choices=("causal", "block_causal"),
+        "to the earlier tokens of its own document (documents end at the tokenizer's EOS token); "
+        "auto = block_causal when the training data packs chat conversations (training.dataset = 'chat' "
+        "or a chat source, chat_packing = 'packed'), else causal.",
+        choices=("auto", "causal", "block_causal"),
     )
     attn_type: str = _opt(
         "sdpa",

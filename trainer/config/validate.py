@@ -20,6 +20,7 @@ import torch
 from models.parallel.float8 import FLOAT8_CONVERTERS, FLOAT8_EXPERT_CONVERTERS
 from models.parallel.lora import LORA_CONVERTERS
 from models.registry import HF_FLAVOR, flavor_names, has_experts
+from trainer.config.derived import apply_hf_path, attn_mask_type
 from trainer.config.errors import ConfigError
 from trainer.config.schema import (
     SECTIONS,
@@ -36,6 +37,7 @@ def validate_config(cfg: JobConfig) -> None:
             value = getattr(section, f.name)
             if choices is not None and value not in choices:
                 raise ConfigError(_choice_message(f"{name}.{f.name}", value, choices))
+    apply_hf_path(cfg)  # model.hf_path: the family, sizes, weights and tokenizer of one folder
     _validate_values(cfg)
 
 
@@ -146,11 +148,11 @@ def _validate_values(cfg: JobConfig) -> None:
         "training.sources (a mixture) replaces training.dataset and training.dataset_path; leave those unset",
     )
     chat = t.dataset == "chat" or any(src["kind"] == "chat" for src in t.sources)
-    need(
-        not chat or t.chat_packing == "padded" or cfg.model.attn_mask_type == "block_causal",
+    need(  # only an explicit 'causal' (the default, 'auto', picks block_causal here)
+        not chat or t.chat_packing == "padded" or attn_mask_type(cfg) == "block_causal",
         "training.chat_packing = 'packed' puts several conversations in one window, where causal attention "
-        "lets each see the ones before it; set model.attn_mask_type = 'block_causal' (one document per "
-        "conversation) or training.chat_packing = 'padded'",
+        "lets each see the ones before it; set model.attn_mask_type = 'block_causal' or 'auto' (one document "
+        "per conversation) or training.chat_packing = 'padded'",
     )
 
     need(o.lr >= 0 and math.isfinite(o.lr), f"optimizer.lr must be a finite number >= 0, got {o.lr}")

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from trainer.config import REPO_ROOT, ConfigError
+from trainer.config.fields import TOKENIZER_FILES
 
 DEFAULT_TOKENIZER_PATH = os.path.join(REPO_ROOT, "assets", "tokenizer", "tokenizer.json")
 
@@ -275,7 +276,7 @@ def _read_tokenizer_config(folder: str) -> dict:
 
 # Looked for in this order inside a folder: a Hugging Face repo has tokenizer.json at the top
 # and Meta's tiktoken file under original/; Meta's own downloads have tokenizer.model only.
-_FOLDER_CANDIDATES = ("tokenizer.json", "tokenizer.model", os.path.join("original", "tokenizer.model"))
+_FOLDER_CANDIDATES = TOKENIZER_FILES
 
 
 def _is_json_file(path: str) -> bool:
