@@ -88,6 +88,7 @@ def start_wandb_run(mcfg: Any, run_folder: str, job: Any | None, resumed: bool) 
     """The W&B run of a job (``job``: its JobConfig, or None when only ``[metrics]`` is known):
     the resolved config logged, the id kept in the checkpoint folder. W&B refusing to start
     (no API key in online mode, a bad entity...) is bad input: a ConfigError naming the fixes."""
+    check_wandb_mode()
     config = job.to_dict() if job is not None else None
     id_folder = job.resolve_path(job.checkpoint.folder) if job is not None and job.checkpoint.enable else None
     try:
@@ -103,6 +104,30 @@ def start_wandb_run(mcfg: Any, run_folder: str, job: Any | None, resumed: bool) 
             f"WANDB_API_KEY), or run offline with WANDB_MODE=offline (wandb sync uploads it later), or set "
             f"metrics.enable_wandb = false"
         ) from None
+
+
+def wandb_modes() -> tuple[str, ...]:
+    """The values W&B accepts for its ``mode`` setting (``WANDB_MODE``), read from the installed
+    wandb's settings model."""
+    import typing
+
+    from wandb.sdk.wandb_settings import Settings
+
+    return typing.get_args(Settings.model_fields["mode"].annotation)
+
+
+def check_wandb_mode() -> None:
+    """``WANDB_MODE``, when set, must be one of :func:`wandb_modes` (W&B itself reports a bad
+    one as a several-line pydantic validation error)."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        return
+    modes = wandb_modes()
+    if modes and mode not in modes:
+        raise ConfigError(
+            f"environment variable WANDB_MODE={mode!r} is not a W&B mode; set it to one of {', '.join(modes)} "
+            "(offline: no account needed) or unset it"
+        )
 
 
 def agree_on_start(error: BaseException | None, device: Any, peers: bool) -> None:

@@ -123,7 +123,10 @@ def _units_filesource(spec: InputSpec, start: list[int] | None) -> Iterator[tupl
         raise BadInput(f"input '{spec.spec}': {str(exc).replace('training.dataset_path ', '')}") from None
     cursor = list(start) if start else src.start()
     while True:
-        text, ends_doc, nxt = src.read(cursor)
+        try:
+            text, ends_doc, nxt = src.read(cursor)
+        except ConfigError as exc:  # files of blank lines only: nothing to read
+            raise BadInput(f"input '{spec.spec}': {str(exc).replace('training.dataset_path ', '')}") from None
         # a jsonl (or line / blank_line text) read that ran past the last file returns a
         # document of the next epoch
         if nxt[0] > cursor[0] and (spec.kind == "jsonl" or spec.documents != "file"):

@@ -42,23 +42,46 @@ _PROBE = [
 ]
 
 
+def _probe(template: ChatTemplate) -> list[dict[str, str]]:
+    """The probe conversation the template renders (:data:`_PROBE`, without its system turn
+    for a template that refuses system turns); a ConfigError naming the template when it fails
+    on both."""
+    try:
+        template.render(_PROBE)
+        return _PROBE
+    except ChatError:  # a template without system turns
+        try:
+            template.render(_PROBE[1:])
+            return _PROBE[1:]
+        except ChatError as exc:
+            raise ConfigError(
+                f"the chat template ({template.where}) fails on a user/assistant conversation: {exc}; fix the template"
+            ) from None
+
+
+def check_renders_targets(template: ChatTemplate) -> None:
+    """Refuse (one line, at start-up) a template under which an assistant turn has no token to
+    train on: every label would be ignored and the run would train at loss 0, the weights moved
+    by weight decay alone. Tried on :data:`_PROBE`; a template that cannot locate the turns
+    there is left to fail on the first row, naming it."""
+    try:
+        _ids, targets = template.encode(_probe(template))
+    except ChatError:
+        return
+    if not any(targets):
+        raise ConfigError(
+            f"the chat template ({template.where}) renders no assistant tokens (a user/assistant conversation gives "
+            "no target token, so the loss would be 0 and nothing learned); fix the template so it writes "
+            "each assistant message's content"
+        )
+
+
 def chat_separator(template: ChatTemplate) -> int:
     """The token that ends each conversation (the model's document separator): the tokenizer's
     EOS, unless the template writes it inside conversations (an end-of-turn EOS, as Qwen3's
     ``<|im_end|>`` or Llama 3 Instruct's ``<|eot_id|>``); then its PAD token."""
-    import jinja2
-
     tok = template.tokenizer
-    try:
-        rendered = template.render(_PROBE)
-    except jinja2.TemplateError:  # a template without system turns
-        try:
-            rendered = template.render(_PROBE[1:])
-        except jinja2.TemplateError as exc:
-            raise ConfigError(
-                f"the chat template ({template.where}) fails on a user/assistant conversation: {exc}; fix the template"
-            ) from None
-    ids, _ = tok.encode_chat(rendered)
+    ids, _ = tok.encode_chat(template.render(_probe(template)))
     for candidate in (tok.eos_id, getattr(tok, "pad_id", None)):
         if candidate is not None and candidate not in ids:
             return candidate
@@ -84,6 +107,7 @@ class ChatSource:
         self.rows = RowFiles(path, "messages", option=option, log_epochs=log_epochs)
         self.template = load_chat_template(tokenizer, default_tokenizer_path)
         self.separator = chat_separator(self.template)
+        check_renders_targets(self.template)
         # padding: EOS when it is not the separator (the pads are then one trailing document),
         # else the PAD token if any; never a target either way
         pad = getattr(tokenizer, "pad_id", None)

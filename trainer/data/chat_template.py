@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Any
 
 from trainer.config import ConfigError
+from trainer.data.tokenizer import read_json_config
 
 __all__ = ["BUILTIN_TEMPLATE", "ROLES", "ChatTemplate", "load_chat_template"]
 
@@ -70,8 +71,7 @@ def _read_template(folder: str) -> tuple[str | None, str]:
             return f.read(), jinja_file
     config = os.path.join(folder, "tokenizer_config.json")
     if os.path.isfile(config):
-        with open(config, encoding="utf-8") as f:
-            template = json.load(f).get("chat_template")
+        template = read_json_config(config).get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
@@ -97,16 +97,33 @@ class ChatTemplate:
         self._specials = sorted(texts, key=len, reverse=True)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.special["bos"],
-            eos_token=self.special["eos"],
-            pad_token=self.special["pad"],
-        )
+        """The template's text for ``messages``; a :class:`ChatError` naming the template when
+        it fails. A template is code: besides ``jinja2.TemplateError`` (``raise_exception``,
+        undefined names, the sandbox's refusals) it can raise whatever Python raises (a
+        TypeError, a ZeroDivisionError, the sandbox's ``range`` limit, unbounded recursion),
+        all of them the template's failure on this input, not the trainer's."""
+        import jinja2
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.special["bos"],
+                eos_token=self.special["eos"],
+                pad_token=self.special["pad"],
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatError(f"the chat template ({self.where}) failed to render it: {exc}") from None
+        except Exception as exc:  # the template's own code failed (any Python error)
+            detail = " ".join(str(exc).split()).rstrip(".") or "no message"
+            raise ChatError(
+                f"the chat template ({self.where}) failed to render it: {type(exc).__name__}: {detail}; fix the template"
+            ) from None
 
     def _turn_end(self, full: str, start: str, upto: str) -> int:
         tail = upto.rstrip()
+        if len(tail) <= len(start):  # the template wrote nothing for this assistant message
+            return len(start)
         for special in self._specials:
             if tail.endswith(special):
                 at = full.find(special, len(start))
@@ -119,24 +136,19 @@ class ChatTemplate:
     def encode(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
         """(token ids, is-target per token) of one conversation; :class:`ChatError` when a
         message is malformed or the template fails on it."""
-        import jinja2
-
         check_messages(messages)
-        try:
-            full = self.render(messages)
-            spans = []
-            for i, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                start = self.render(messages[:i], add_generation_prompt=True)
-                if not full.startswith(start):
-                    raise ChatError(
-                        f"the chat template ({self.where}) does not render messages[:{i}] plus the generation "
-                        "prompt as a prefix of the whole conversation, so the assistant turn cannot be located"
-                    )
-                spans.append((len(start), self._turn_end(full, start, self.render(messages[: i + 1]))))
-        except jinja2.TemplateError as exc:
-            raise ChatError(f"the chat template ({self.where}) failed to render it: {exc}") from None
+        full = self.render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = self.render(messages[:i], add_generation_prompt=True)
+            if not full.startswith(start):
+                raise ChatError(
+                    f"the chat template ({self.where}) does not render messages[:{i}] plus the generation "
+                    "prompt as a prefix of the whole conversation, so the assistant turn cannot be located"
+                )
+            spans.append((len(start), self._turn_end(full, start, self.render(messages[: i + 1]))))
         ids, offsets = self.tokenizer.encode_chat(full)
         targets, k = [], 0
         for begin, _end in offsets:

@@ -178,9 +178,13 @@ def document_separator(cfg: JobConfig, tokenizer) -> int | None:
     masking): the tokenizer's EOS, or for chat data the conversations' separator
     (:func:`trainer.data.chat.chat_separator`)."""
     t = cfg.training
-    chat = [t.dataset_path] if t.dataset == "chat" else [e["path"] for e in t.sources if e["kind"] == "chat"]
+    if t.sources:
+        chat = [(e["path"], f"training.sources '{e['name']}' path") for e in t.sources if e["kind"] == "chat"]
+    else:
+        chat = [(t.dataset_path, "training.dataset_path")] if t.dataset == "chat" else []
     if chat:
-        return ChatSource(chat[0], tokenizer, DEFAULT_TOKENIZER_PATH).separator
+        path, option = chat[0]
+        return ChatSource(path, tokenizer, DEFAULT_TOKENIZER_PATH, option=option).separator
     return tokenizer.eos_id
 
 

@@ -47,6 +47,18 @@ class FileCycle:
     log_epochs: bool
     _epoch_said: int
 
+    def no_rows_error(self) -> ConfigError:
+        """The error for files that hold nothing to read (every line blank)."""
+        raise NotImplementedError
+
+    def _after_empty_file(self, epoch: int, index: int, empty_files: int) -> list[int]:
+        """:meth:`_next_file` after file ``index`` gave nothing, where ``empty_files`` whole files
+        (each read from its start, in this one read) gave nothing: once that is every file, the
+        data holds nothing and a read would start over forever, so :meth:`no_rows_error`."""
+        if empty_files >= len(self.files):
+            raise self.no_rows_error()
+        return self._next_file(epoch, index)
+
     def _next_file(self, epoch: int, index: int) -> list[int]:
         if index + 1 < len(self.files):
             return [epoch, index + 1, 0]
@@ -157,10 +169,25 @@ class RowFiles(FileCycle):
         dataset."""
         if self.format == "arrow":
             first = row - row % _BLOCK
-            return first, self._ds[first : first + _BLOCK][self.column]
+            try:
+                return first, self._ds[first : first + _BLOCK][self.column]
+            except Exception as exc:  # pyarrow's errors for a damaged file (ArrowInvalid, OSError...)
+                raise self._unreadable(f"{self.path} (rows {first}-{first + _BLOCK - 1})", exc) from None
         starts = self._groups[index]
         g = max(i for i, s in enumerate(starts) if s <= row)
-        return starts[g], self._pq[index].read_row_group(g, columns=[self.column]).column(0).to_pylist()
+        try:
+            return starts[g], self._pq[index].read_row_group(g, columns=[self.column]).column(0).to_pylist()
+        except Exception as exc:  # only opening (the footer) was checked; a data page can be damaged
+            n = self._pq[index].metadata.row_group(g).num_rows
+            where = f"{self.files[index]} (row group {g}, rows {starts[g]}-{starts[g] + n - 1})"
+            raise self._unreadable(where, exc) from None
+
+    def _unreadable(self, where: str, exc: Exception) -> ValueError:
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        return ValueError(
+            f"{where}: column '{self.column}' cannot be read ({detail.rstrip('.')}); the file is damaged: write it "
+            f"again, or point {self.option} at data without it"
+        )
 
     def _value(self, index: int, row: int) -> Any:
         cached = self._cache
@@ -191,10 +218,20 @@ class RowFiles(FileCycle):
             index += 1
         return [epoch, index, flat]
 
+    def no_rows_error(self) -> ConfigError:
+        n = len(self.files)
+        files = "only blank lines" if n == 1 else f"its {n} .jsonl files hold only blank lines"
+        return ConfigError(
+            f"{self.option} '{self.path}' has no rows ({files}); write one JSON object per line with a field "
+            f"'{self.column}', or point {self.option} at another dataset"
+        )
+
     def read(self, cursor: list[int]) -> tuple[Any, str, list[int]]:
         epoch, index, pos = cursor
+        empty_files = 0  # whole files read from their start without a row (jsonl: blank lines only)
         while True:
             if self.format == "jsonl":
+                empty_files += pos == 0
                 with open(self.files[index], "rb") as fh:
                     fh.seek(pos)
                     line = fh.readline()
@@ -202,7 +239,7 @@ class RowFiles(FileCycle):
                         pos += len(line)
                         line = fh.readline()
                 if not line:
-                    epoch, index, pos = self._next_file(epoch, index)
+                    epoch, index, pos = self._after_empty_file(epoch, index, empty_files)
                     continue
                 where = f"{self.files[index]} (byte {pos})"
                 try:

@@ -120,7 +120,7 @@ class FileSource(FileCycle):
             raise ValueError(f"FileSource kind must be 'text' or 'jsonl', got {kind!r}")
         if documents not in TEXT_DOCUMENTS:
             raise ValueError(f"text documents must be one of {', '.join(TEXT_DOCUMENTS)}, got {documents!r}")
-        self.kind, self.path, self.log_epochs = kind, path, log_epochs
+        self.kind, self.path, self.log_epochs, self.option = kind, path, log_epochs, option
         self.documents = documents
         # the loader's resume check compares names: a cursor into paragraphs is not one into files
         self.name = kind if kind == "jsonl" or documents == "file" else f"text:{documents}"
@@ -164,6 +164,20 @@ class FileSource(FileCycle):
 
     def start(self) -> list[int]:
         return [0, 0, 0]
+
+    def no_rows_error(self) -> ConfigError:
+        """Files that hold only blank lines (``jsonl``, or ``line`` / ``blank_line`` text)."""
+        n, suffix = len(self.files), ".txt" if self.kind == "text" else ".jsonl"
+        files = "only blank lines" if n == 1 else f"its {n} {suffix} files hold only blank lines"
+        if self.kind == "jsonl":
+            return ConfigError(
+                f"{self.option} '{self.path}' has no rows ({files}); write one JSON object per line with a field "
+                "'text', or point it at other data"
+            )
+        return ConfigError(
+            f"{self.option} '{self.path}' has no documents ({files}; text_documents = {self.documents}); "
+            "point it at files with text"
+        )
 
     def _open(self, index: int):
         if self._fh_index != index:
@@ -268,6 +282,7 @@ class FileSource(FileCycle):
 
     def read(self, cursor: list[int]) -> tuple[str, bool, list[int]]:
         epoch, index, offset = cursor
+        empty_files = 0  # whole files read from their start without a document (blank lines only)
         while True:
             fh = self._open(index)
             if self.kind == "jsonl" or self.documents != "file":
@@ -275,7 +290,8 @@ class FileSource(FileCycle):
                 unit = read(fh, epoch, index, offset)
                 if unit is not None:
                     return unit
-                epoch, index, offset = self._next_file(epoch, index)
+                empty_files += offset == 0
+                epoch, index, offset = self._after_empty_file(epoch, index, empty_files)
                 continue
             fh.seek(offset)
             data = fh.read(self.CHUNK_BYTES)

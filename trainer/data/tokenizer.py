@@ -264,12 +264,29 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
+def read_json_config(path: str) -> dict:
+    """A tokenizer folder's JSON file (``tokenizer_config.json``) as a dict; a ConfigError naming
+    the file when it is not a JSON object (truncated, hand-edited)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"model.tokenizer_path: {path} is not valid JSON ({exc}); restore the model's own copy of the file"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(
+            f"model.tokenizer_path: {path} holds a JSON {type(cfg).__name__}, not an object; "
+            "restore the model's own copy of the file"
+        )
+    return cfg
+
+
 def _read_tokenizer_config(folder: str) -> dict:
     path = os.path.join(folder, "tokenizer_config.json")
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = read_json_config(path)
     # HF sometimes stores special tokens as {"content": "<s>", ...} objects.
     return {k: (v.get("content") if isinstance(v, dict) else v) for k, v in cfg.items()}
 
