@@ -13,9 +13,11 @@ from torch import nn
 from parallel_dims import ParallelDims
 
 __all__ = [
+    "NoTargets",
     "StepResult",
     "TrainingDiverged",
     "check_finite",
+    "check_targets",
     "global_target_count",
     "read_step_scalars",
     "reduce_loss",
@@ -25,6 +27,25 @@ __all__ = [
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient norm: stopping beats silently training on garbage."""
+
+
+class NoTargets(ValueError):
+    """A step whose whole global batch holds no target token (bad input: one line, exit 2)."""
+
+
+def check_targets(count: float, step: int, data: str) -> None:
+    """Stop the run at a step whose global batch has no target token at all (``count``: the
+    step's global target count, read with its loss): its loss would be 0 and its gradient 0,
+    and the optimizer would still move the weights (weight decay, momentum). Called before the
+    optimizer applies the step (or after a device-side skip of it). A micro-batch, a rank's
+    slice or a cp chunk without targets is normal; only the whole step's count matters."""
+    if count == 0:
+        raise NoTargets(
+            f"step {step}: the whole global batch holds no target token (data: {data}); its conversations have "
+            "no 'assistant' message (or the chat template renders none), so the loss is 0 and only weight decay "
+            "would move the weights; stopped before the optimizer step. Train on conversations with assistant "
+            "turns (the loss is on their tokens)"
+        )
 
 
 @dataclass
@@ -66,11 +87,17 @@ def reduce_loss(loss_sum: torch.Tensor, pd: ParallelDims) -> torch.Tensor:
 
 
 def global_target_count(
-    labels: list[torch.Tensor], pd: ParallelDims, device: torch.device, ignore_index: int = -100
+    labels: list[torch.Tensor],
+    pd: ParallelDims,
+    device: torch.device,
+    ignore_index: int = -100,
+    *,
+    at_least_one: bool = True,
 ) -> torch.Tensor:
     """The step's loss denominator for masked data: the number of target tokens (labels !=
     ``ignore_index``) in the whole global batch, as an int64 device scalar, the same on every
-    rank; at least 1 (a step without any target has loss 0 and no gradient, not 0/0).
+    rank; at least 1 (a step without any target has loss 0 and no gradient, not 0/0) unless
+    ``at_least_one`` is False (the trainer's :func:`check_targets` reads the raw count).
 
     Counted before the forward from the labels every rank holds: each rank's micro-batches are
     its batch slice's full rows (cp, tp and pp ranks of one batch coordinate hold the same rows,
@@ -80,7 +107,7 @@ def global_target_count(
     batch_mesh = pd.get_optional_mesh("batch")
     if batch_mesh is not None:
         dist.all_reduce(count, group=batch_mesh.get_group())
-    return count.clamp_min(1)
+    return count.clamp_min(1) if at_least_one else count
 
 
 def update_expert_bias(moes: list[nn.Module], pd: ParallelDims) -> None:

@@ -67,6 +67,7 @@ from trainer.step import (
     StepResult,
     TrainingDiverged,
     check_finite,
+    check_targets,
     global_target_count,
     read_step_scalars,
     reduce_loss,
@@ -226,8 +227,10 @@ class Trainer:
             precompute_float8_scales(self.model_parts)
             self._float8_scales_due = False
         global_tokens = self.data.tokens_per_step  # every label a target: a constant
-        if self.data.masked:  # chat data: the global count of target tokens, one reduction
-            global_tokens = global_target_count([y for _x, y in microbatches], self.pd, self.device)
+        targets = None  # chat data: the global count of target tokens, one reduction, read with the loss
+        if self.data.masked:
+            targets = global_target_count([y for _x, y in microbatches], self.pd, self.device, at_least_one=False)
+            global_tokens = targets.clamp_min(1)
         global_sequences = self.data.global_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         moes = _moe_layers(self.model_parts)
@@ -261,6 +264,8 @@ class Trainer:
         if self.mtp_loss is not None:
             loss_total, mtp_total = loss_total[0], loss_total[1]
         scalars = torch.stack([loss_total, grad_norm.to(loss_total)] + ([mtp_total] if mtp_total is not None else []))
+        if targets is not None:  # last: a step without any target is stopped too (and skipped on the device)
+            scalars = torch.cat([scalars, targets.to(scalars).reshape(1)])
         # The step's one host sync reads the loss and the norm (to log them and to stop a
         # diverged run). Where the optimizer can skip a non-finite step on the device (fused
         # AdamW's found_inf), it comes after the optimizer and the rest of the step are queued,
@@ -268,11 +273,12 @@ class Trainer:
         # must not apply a non-finite update.
         skip_on_device = self.mode.checks_divergence and self.optimizer.skips_on_device and not self.mode.local
         if not skip_on_device:
-            loss_value, norm_value, *mtp_value = read_step_scalars(scalars)
-            if self.mode.checks_divergence:
-                check_finite(loss_value, norm_value, self.step + 1)
+            loss_value, norm_value, *mtp_value = self._read_scalars(scalars, targets is not None)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
-        self.optimizer.step(found_inf=(~torch.isfinite(scalars).all()).float() if skip_on_device else None)
+        found_inf = None  # on the device: a non-finite step, or one without any target, skipped (then stopped)
+        if skip_on_device:
+            found_inf = (~torch.isfinite(scalars).all() | (targets == 0 if targets is not None else False)).float()
+        self.optimizer.step(found_inf=found_inf)
         if self.mode.local:  # every parameter, gradient and optimizer state holds every rank's value
             check_all_local(self.model_parts, self.optimizer)
         if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
@@ -285,9 +291,20 @@ class Trainer:
         if skip_on_device:
             # a non-finite step left the weights and the optimizer state as they were (the
             # schedule and the experts' bias moved on, but the run stops here, unsaved)
-            loss_value, norm_value, *mtp_value = read_step_scalars(scalars)
-            check_finite(loss_value, norm_value, self.step + 1)
+            loss_value, norm_value, *mtp_value = self._read_scalars(scalars, targets is not None)
         return StepResult(loss_value, norm_value, lr_used, mtp_value[0] if mtp_value else None)
+
+    def _read_scalars(self, scalars: torch.Tensor, with_targets: bool) -> list[float]:
+        """The step's one host read (loss, norm, MTP loss, and last the target count of masked
+        data), checked: a non-finite value or a step without any target stops the run."""
+        values = read_step_scalars(scalars)
+        if self.mode.checks_divergence:
+            if with_targets:
+                check_targets(values.pop(), self.step + 1, self.data.description)
+            check_finite(values[0], values[1], self.step + 1)
+        elif with_targets:
+            values.pop()
+        return values
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
