@@ -1,6 +1,7 @@
 """Every user-caused failure is one line on stderr naming the path, the problem and the fix,
 with exit code 2 and no traceback: missing or unreadable inputs, absent steps, corrupt or
-truncated checkpoints. A run that is already complete says so and how to go on. (Bad config
+truncated checkpoints, bad data (no rows, no target token, a damaged parquet page only one rank
+reads). A run that is already complete says so and how to go on. (Bad config
 values and degrees: tests/e2e/test_train.py.) The other commands follow the same rule
 (trainer/cli_errors.py; in process: tests/unit/test_cli_errors.py); one scripts/convert_hf.py
 run here proves it end to end.
@@ -77,6 +78,58 @@ def test_missing_dataset_path(tmp_path):
         str(tmp_path / "nope"),
     )
     _one_clean_line(res, "training.dataset_path", str(tmp_path / "nope"), "does not exist", ".jsonl file")
+
+
+def _blank_rows(folder):
+    (folder / "blank.jsonl").write_text("\n  \n\n")
+    return str(folder / "blank.jsonl")
+
+
+def _no_assistant_turns(folder):
+    from tests.chat_data import write_jsonl
+
+    return write_jsonl(folder / "users.jsonl", [[{"role": "user", "content": f"hello {i}"}] for i in range(40)])
+
+
+def _page_only_rank_1_reads(folder):
+    """64 rows in row groups of 8, the data page of row group 5 (rows 40-47) damaged: with a
+    global batch of 8 read in stripes of 8 rows on 2 ranks, only rank 1 (stripes 4-7) reads it."""
+    import pyarrow.parquet as pq
+
+    from tests.chat_data import conversations, write_parquet
+
+    path = write_parquet(folder / "chat.parquet", {"messages": conversations(64)}, row_group_size=8)
+    raw = bytearray(open(path, "rb").read())
+    start = pq.ParquetFile(path).metadata.row_group(5).column(0).data_page_offset
+    raw[start + 2 : start + 60] = bytes(b ^ 0x5A for b in raw[start + 2 : start + 60])
+    open(path, "wb").write(bytes(raw))
+    return path
+
+
+BAD_DATA = {  # how to write the data, ranks, what the one line says ({path}: the data's path)
+    "no rows": (_blank_rows, 1, ["error: training.dataset_path '{path}' has no rows (only blank lines)"]),
+    "no target": (_no_assistant_turns, 2, ["error: step 1: the whole global batch holds no target token", "{path}"]),
+    "corrupt page on one rank": (
+        _page_only_rank_1_reads, 2, ["error: rank 1: {path} (row group 5, rows 40-47): column 'messages' cannot be read"]
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_data_is_one_line(tmp_path, case):
+    """Chat data through train.py (the refusals in process: tests/unit/test_data_bad_input.py):
+    a file of blank lines ends instead of starting over forever; data without any assistant
+    turn stops at step 1 on every rank (the count is global) before the optimizer moves the
+    weights; a damaged parquet page that only rank 1 reads ends with rank 1's own line."""
+    write, nproc, needles = BAD_DATA[case]
+    path = write(tmp_path)
+    res = run_forked(
+        nproc, "--config", "llama3.toml", *FAST, "--model.n_layers", "1", "--parallelism.dp_shard", str(nproc),
+        "--training.steps", "2", "--model.attn_mask_type", "block_causal", "--training.dataset", "chat",
+        "--training.dataset_path", path, "--job.dump_folder", str(tmp_path / "run"),
+    )  # fmt: skip
+    line = _one_clean_line(res, *(n.format(path=path) for n in needles))
+    assert line.startswith(needles[0].format(path=path)), line
 
 
 def test_missing_tokenizer_path(tmp_path):
