@@ -19,7 +19,8 @@
 * The step's one host sync (``trainer.step.read_step_scalars``) comes after the fused AdamW
   kernel is queued; with the foreach implementation (which cannot skip a step on the device)
   before it. And a non-finite step is skipped on the device: the run stops naming the step with
-  the weights and AdamW's state exactly as before it.
+  the weights and AdamW's state exactly as before it; so is a chat step whose whole batch holds
+  no target token (with either implementation: foreach stops before the optimizer).
 
 One forked process for all of it (tools/launcher.py), the trainer built in it as train.py builds it.
 """
@@ -166,6 +167,36 @@ def _diverged_step_is_skipped(folder: str) -> dict:
     return {"message": None}
 
 
+def _no_target_step_is_not_applied(folder: str, implementation: str) -> dict:
+    """One chat step with targets (AdamW's moments are then non-zero, so an applied step would
+    move the weights even at gradient 0), then a step whose labels are all ignored: the run stops
+    (trainer/step.py check_targets) with the weights and AdamW's state as they were."""
+    import os
+
+    from tests.chat_data import conversations, write_jsonl
+    from trainer.step import NoTargets
+
+    path = write_jsonl(os.path.join(folder, "chat.jsonl"), conversations(40))
+    trainer = _trainer(
+        "llama3", folder, "--training.steps", "2", "--optimizer.implementation", implementation,
+        "--training.dataset", "chat", "--training.dataset_path", path, "--model.attn_mask_type", "block_causal",
+    )  # fmt: skip
+    part, opt = trainer.model_parts[0], trainer.optimizer.optimizers[0]
+
+    def state() -> tuple[str, str]:
+        moments = b"".join(t.detach().float().numpy().tobytes() for s in opt.state.values() for t in s.values())
+        return _digest(part), hashlib.sha256(moments).hexdigest()
+
+    trainer.train_step(trainer.data.next_step())
+    trainer.step += 1
+    before = state()
+    try:
+        trainer.train_step([(x, torch.full_like(y, -100)) for x, y in trainer.data.next_step()])
+    except NoTargets as exc:
+        return {"message": str(exc), "unchanged": state() == before}
+    return {"message": None}
+
+
 def _all(rank: int, world_size: int, folder: str) -> dict:
     out = {}
     for model in ("llama3", "deepseek_v3"):
@@ -174,6 +205,7 @@ def _all(rank: int, world_size: int, folder: str) -> dict:
     out["order_fused"] = _sync_order(folder, "fused")
     out["order_foreach"] = _sync_order(folder, "foreach")
     out["diverged"] = _diverged_step_is_skipped(folder)
+    out["no_target"] = {impl: _no_target_step_is_not_applied(folder, impl) for impl in ("fused", "foreach")}
     from benchmarks.param_traffic import census
 
     out["census"] = census("llama3", folder)
@@ -221,6 +253,14 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run(results):
     assert d["message"] is not None, "an absurd learning rate without clipping never diverged in 8 steps"
     assert "non-finite" in d["message"] and f"at step {d['step']}" in d["message"], d
     assert d["weights_unchanged"] and d["state_unchanged"] and d["steps_unchanged"], d
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_a_step_without_any_target_is_not_applied_and_stops_the_run(results, implementation):
+    """Fused: skipped on the device (found_inf), then stopped; foreach: stopped before it."""
+    d = results["no_target"][implementation]
+    assert d["message"] is not None and d["message"].startswith("step 2: the whole global batch holds no target"), d
+    assert d["unchanged"], d
 
 
 def test_the_trainer_moves_what_a_mixed_precision_loop_moves(results):
