@@ -18,6 +18,7 @@ __all__ = [
     "TrainingDiverged",
     "check_finite",
     "check_targets",
+    "checked_step_values",
     "global_target_count",
     "read_step_scalars",
     "reduce_loss",
@@ -75,6 +76,18 @@ def check_finite(loss: float, grad_norm: float, step: int) -> None:
             f"stopped before the optimizer applies it. Lower optimizer.lr, raise "
             f"lr_scheduler.warmup_steps or check the data, then resume from the last checkpoint."
         )
+
+
+def checked_step_values(values: list[float], step: int, check: bool, with_targets: bool, data: str) -> list[float]:
+    """The step's values read on the host (loss, gradient norm, MTP loss, and last, for masked
+    data, the global target count) without the count; with ``check``: a step without any target
+    (:func:`check_targets`) or a non-finite loss or norm (:func:`check_finite`) raises."""
+    count = values.pop() if with_targets else None
+    if check:
+        if count is not None:
+            check_targets(count, step, data)
+        check_finite(values[0], values[1], step)
+    return values
 
 
 def reduce_loss(loss_sum: torch.Tensor, pd: ParallelDims) -> torch.Tensor:

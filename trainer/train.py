@@ -66,8 +66,7 @@ from trainer.startup import plan_startup
 from trainer.step import (
     StepResult,
     TrainingDiverged,
-    check_finite,
-    check_targets,
+    checked_step_values,
     global_target_count,
     read_step_scalars,
     reduce_loss,
@@ -275,10 +274,10 @@ class Trainer:
         if not skip_on_device:
             loss_value, norm_value, *mtp_value = self._read_scalars(scalars, targets is not None)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
-        found_inf = None  # on the device: a non-finite step, or one without any target, skipped (then stopped)
+        no_step = None  # skipped on the device (then stopped): a non-finite step, or one without any target
         if skip_on_device:
-            found_inf = (~torch.isfinite(scalars).all() | (targets == 0 if targets is not None else False)).float()
-        self.optimizer.step(found_inf=found_inf)
+            no_step = (~torch.isfinite(scalars).all() | (targets == 0 if targets is not None else False)).float()
+        self.optimizer.step(found_inf=no_step)
         if self.mode.local:  # every parameter, gradient and optimizer state holds every rank's value
             check_all_local(self.model_parts, self.optimizer)
         if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
@@ -295,16 +294,11 @@ class Trainer:
         return StepResult(loss_value, norm_value, lr_used, mtp_value[0] if mtp_value else None)
 
     def _read_scalars(self, scalars: torch.Tensor, with_targets: bool) -> list[float]:
-        """The step's one host read (loss, norm, MTP loss, and last the target count of masked
-        data), checked: a non-finite value or a step without any target stops the run."""
-        values = read_step_scalars(scalars)
-        if self.mode.checks_divergence:
-            if with_targets:
-                check_targets(values.pop(), self.step + 1, self.data.description)
-            check_finite(values[0], values[1], self.step + 1)
-        elif with_targets:
-            values.pop()
-        return values
+        """The step's one host read, checked (trainer/step.py ``checked_step_values``)."""
+        check = self.mode.checks_divergence
+        return checked_step_values(
+            read_step_scalars(scalars), self.step + 1, check, with_targets, self.data.description
+        )
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
