@@ -126,7 +126,7 @@ def global_target_count(
 
     ``sources`` (a mixture: the source index of each of this rank's samples, in micro-batch
     order): the count per source instead, an int64 vector of ``n_sources`` entries summed by the
-    same one all-reduce (its sum is the step's count)."""
+    same one all-reduce (its sum is the step's count), never clamped."""
     if sources is not None:
         per_sample = torch.cat([(y.to(device, non_blocking=True) != ignore_index).sum(dim=1) for y in labels])
         which = sources.to(device, non_blocking=True)[:, None] == torch.arange(n_sources, device=device)
@@ -136,7 +136,7 @@ def global_target_count(
     batch_mesh = pd.get_optional_mesh("batch")
     if batch_mesh is not None:
         dist.all_reduce(count, group=batch_mesh.get_group())
-    return count.clamp_min(1) if at_least_one else count
+    return count.clamp_min(1) if at_least_one and sources is None else count
 
 
 def update_expert_bias(moes: list[nn.Module], pd: ParallelDims) -> None:
