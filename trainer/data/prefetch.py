@@ -71,7 +71,7 @@ class BackgroundLoader(_Totals):
     def _produce(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, Any], Any, Any]:
         batches = self.loader.next_step()
         state = self.loader.state_dict()  # where the step after this one starts
-        sources = self.loader.step_sources
+        sources = getattr(self.loader, "step_sources", None)  # a mixture's per-sample source ids
         event = None
         if self._cuda:
             with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
