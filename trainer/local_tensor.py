@@ -62,6 +62,7 @@ __all__ = [
     "check_all_local",
     "enter_local_tensor_mode",
     "load_full_weights",
+    "load_local_initial_weights",
     "local_tensor_available",
     "prepare_local_tensor_config",
     "rank0_view",
@@ -196,6 +197,15 @@ class PerRankLoader:
             for i in range(len(steps[self.first.batch_rank]))
         ]
 
+    @property
+    def step_sources(self):
+        """Each simulated rank's ``step_sources`` of the last step, as one LocalTensor (None: one source)."""
+        from torch.distributed._local_tensor import LocalTensor
+
+        if self.first.step_sources is None:
+            return None
+        return LocalTensor({r: self.loaders[c].step_sources for r, c in self.coordinate.items()})
+
     def state_dict(self) -> dict[str, Any]:
         from trainer.data.striped import merge_states
 
@@ -207,6 +217,16 @@ class PerRankLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for loader in self.loaders.values():
             loader.load_state_dict(state)
+
+
+def load_local_initial_weights(cfg, model_parts: list[nn.Module], log) -> None:
+    """local_tensor mode: a seed checkpoint's full weights (``checkpoint.initial_load_path``)
+    read on the host and cut per simulated rank (DCP's distributed load cannot run there)."""
+    path = cfg.checkpoint.initial_load_path
+    if path:
+        count = load_full_weights(path, model_parts)
+        cfg.checkpoint.initial_load_path = ""  # read: the checkpoint manager has nothing to load
+        log(f"loaded initial weights from {path} ({count} tensors, read once and cut per simulated rank)")
 
 
 def load_full_weights(path: str, model_parts: list[nn.Module]) -> int:

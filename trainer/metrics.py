@@ -323,7 +323,8 @@ class MetricsLogger:
             if self.peak_flops:
                 record["mfu_pct"] = 100.0 * self.flops_per_token * tps / self.peak_flops
         if extra:
-            record.update({k: v if isinstance(v, str) else float(v) for k, v in extra.items()})
+            # counts (epoch, tokens_ and targets_ per source) stay integers
+            record.update({k: v if isinstance(v, (str, int)) else float(v) for k, v in extra.items()})
 
         if eta is not None:
             record["eta_s"] = eta
@@ -338,6 +339,8 @@ class MetricsLogger:
         )
         if "mtp_loss" in record:
             line += f"  mtp_loss {record['mtp_loss']:8.4f}"
+        if "epoch" in record:  # complete passes over the data (trainer/data_progress.py)
+            line += f"  epoch {record['epoch']}"
         if "data_wait_s" in record:
             line += f"  data {1e3 * record['data_wait_s']:7.1f}ms"
         if "tflops" in record:

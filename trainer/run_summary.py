@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 
 from trainer.metrics import MetricsLogger, format_duration
 
-__all__ = ["RunTotals", "commit_run", "summary_lines"]
+__all__ = ["RunTotals", "commit_run", "end_lines", "summary_lines"]
 
 
 class RunTotals:
@@ -42,10 +43,16 @@ class RunTotals:
         self.final: float | None = None
         self.best: tuple[float, int] | None = None
         self.validation: tuple[float, int] | None = None
+        self.epoch: int | None = None  # complete passes over the data at the end
+        self.epochs, self.epochs_reached = 0, False  # training.epochs, and whether the run stopped for it
+        self.targets_begin: dict[str, int] = {}  # target tokens per source at the launch's start
+        self.targets: dict[str, int] | None = None  # ... and at its end (masked data only)
 
-    def begin(self, first_step: int, tokens_per_step: int) -> None:
-        """The loop starts after step ``first_step``; each step trains ``tokens_per_step`` tokens."""
+    def begin(self, first_step: int, tokens_per_step: int, targets: dict[str, int] | None = None) -> None:
+        """The loop starts after step ``first_step``; each step trains ``tokens_per_step`` tokens;
+        ``targets``: the target tokens per source counted before (a resumed run's)."""
         self.first_step, self.tokens_per_step = first_step, tokens_per_step
+        self.targets_begin = dict(targets or {})
         self.training_started = time.perf_counter()
 
     def step(self, step: int, loss: float) -> None:
@@ -55,6 +62,13 @@ class RunTotals:
 
     def validated(self, step: int, loss: float) -> None:
         self.validation = (loss, step)
+
+    def data_read(self, progress, epochs: int) -> None:
+        """What the data loop read (trainer/data_progress.py ``DataProgress``) and
+        ``training.epochs``: the summary's ``data`` and ``targets`` rows."""
+        self.epoch, self.epochs = progress.epoch, epochs
+        self.epochs_reached = progress.reached
+        self.targets = dict(progress.data.targets) if progress.masked else None
 
     @property
     def steps(self) -> int:
@@ -123,6 +137,7 @@ def summary_lines(
         if t.best is not None:
             loss += f"; best {t.best[0]:.4f} at step {t.best[1]}" + (" (this launch)" if t.first_step else "")
         rows.append(("loss", loss))
+    rows += _data_rows(t, total_steps)
     if t.validation is not None:
         rows.append(("validation", f"{t.validation[0]:.4f} at step {t.validation[1]}"))
     if checkpoint_folder is not None:
@@ -137,3 +152,50 @@ def summary_lines(
     if metrics_file is not None:
         rows.append(("metrics", f"{metrics_file} (plot: python scripts/plot_run.py {run_folder})"))
     return [f"run summary ({run_folder}):"] + [f"  {k:<12} {v}" for k, v in rows]
+
+
+def _data_rows(t: RunTotals, total_steps: int) -> list[tuple[str, str]]:
+    """The ``targets`` row (masked data: target tokens this launch and per source) and the
+    ``data`` row (the epoch, and why the run ended where ``training.epochs`` is set)."""
+    rows = []
+    if t.targets is not None:
+        launch = sum(t.targets.values()) - sum(t.targets_begin.values())
+        text = f"{launch:,} target tokens this launch"
+        if t.first_step:
+            text += f" ({sum(t.targets.values()):,} since step 0)"
+        if len(t.targets) > 1:
+            text += "; since step 0 per source: " + ", ".join(f"{k} {v:,}" for k, v in t.targets.items())
+        rows.append(("targets", text))
+    if t.epoch is not None:
+        text = f"epoch {t.epoch} (complete passes over the data)"
+        if t.epochs_reached:
+            text += f"; stopped: training.epochs = {t.epochs} reached at step {t.last_step}"
+            if t.last_step is not None and t.last_step < total_steps:
+                text += f", before training.steps = {total_steps}"
+        elif t.epochs and t.last_step == total_steps:
+            text += f"; stopped: training.steps = {total_steps} reached before training.epochs = {t.epochs}"
+        rows.append(("data", text))
+    return rows
+
+
+def end_lines(totals: RunTotals, cfg, checkpoint_folder: str, metrics_file: str | None, stopped_by: int | None):
+    """The last lines of a launch: the summary block, then, for a run stopped by a signal, the
+    ``stopped at step`` line."""
+    lines = summary_lines(
+        totals,
+        run_folder=cfg.job.dump_folder,
+        total_steps=cfg.training.steps,
+        checkpoint_folder=checkpoint_folder if os.path.isdir(checkpoint_folder) else None,
+        metrics_file=metrics_file,
+    )
+    if stopped_by is not None:
+        name, step = (
+            signal.Signals(stopped_by).name,
+            totals.last_step if totals.last_step is not None else totals.first_step,
+        )
+        if cfg.checkpoint.enable:
+            saved = f"checkpoint step-{step} saved in {checkpoint_folder}; run the same command to resume"
+        else:
+            saved = "nothing saved (checkpoint.enable = false): the same command starts over"
+        lines.append(f"stopped at step {step} by {name}; {saved}")
+    return lines

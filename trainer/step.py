@@ -55,6 +55,7 @@ class StepResult:
     grad_norm: float
     lr: float
     mtp_loss: float | None = None  # DeepSeek-V3 MTP: the depths' mean cross-entropy (trainer/mtp.py)
+    targets: list[int] | None = None  # masked data: the step's global target tokens (one per mixture source)
 
     def extra(self) -> dict[str, float]:
         """The optional per-step metrics of this result, for the metrics record."""
@@ -78,16 +79,20 @@ def check_finite(loss: float, grad_norm: float, step: int) -> None:
         )
 
 
-def checked_step_values(values: list[float], step: int, check: bool, with_targets: bool, data: str) -> list[float]:
-    """The step's values read on the host (loss, gradient norm, MTP loss, and last, for masked
-    data, the global target count) without the count; with ``check``: a step without any target
-    (:func:`check_targets`) or a non-finite loss or norm (:func:`check_finite`) raises."""
-    count = values.pop() if with_targets else None
+def checked_step_values(
+    values: list[float], step: int, check: bool, targets: int, data: str
+) -> tuple[list[float], list[int]]:
+    """The step's values read on the host: (loss, gradient norm, MTP loss) and, the last
+    ``targets`` values (masked data: the global target count, one per source of a mixture),
+    those counts; with ``check``: a step without any target (:func:`check_targets`) or a
+    non-finite loss or norm (:func:`check_finite`) raises."""
+    counts = [int(c) for c in values[len(values) - targets :]] if targets else []
+    del values[len(values) - targets :]
     if check:
-        if count is not None:
-            check_targets(count, step, data)
+        if targets:
+            check_targets(sum(counts), step, data)
         check_finite(values[0], values[1], step)
-    return values
+    return values, counts
 
 
 def reduce_loss(loss_sum: torch.Tensor, pd: ParallelDims) -> torch.Tensor:
@@ -106,6 +111,8 @@ def global_target_count(
     ignore_index: int = -100,
     *,
     at_least_one: bool = True,
+    sources: torch.Tensor | None = None,
+    n_sources: int = 1,
 ) -> torch.Tensor:
     """The step's loss denominator for masked data: the number of target tokens (labels !=
     ``ignore_index``) in the whole global batch, as an int64 device scalar, the same on every
@@ -115,12 +122,21 @@ def global_target_count(
     Counted before the forward from the labels every rank holds: each rank's micro-batches are
     its batch slice's full rows (cp, tp and pp ranks of one batch coordinate hold the same rows,
     so pp stages without the labels' loss still know the count), summed on the device and
-    all-reduced once over the ``batch`` mesh (dp_replicate x dp_shard)."""
-    count = torch.stack([(y.to(device, non_blocking=True) != ignore_index).sum() for y in labels]).sum()
+    all-reduced once over the ``batch`` mesh (dp_replicate x dp_shard).
+
+    ``sources`` (a mixture: the source index of each of this rank's samples, in micro-batch
+    order): the count per source instead, an int64 vector of ``n_sources`` entries summed by the
+    same one all-reduce (its sum is the step's count), never clamped."""
+    if sources is not None:
+        per_sample = torch.cat([(y.to(device, non_blocking=True) != ignore_index).sum(dim=1) for y in labels])
+        which = sources.to(device, non_blocking=True)[:, None] == torch.arange(n_sources, device=device)
+        count = (per_sample[:, None] * which).sum(dim=0)
+    else:
+        count = torch.stack([(y.to(device, non_blocking=True) != ignore_index).sum() for y in labels]).sum()
     batch_mesh = pd.get_optional_mesh("batch")
     if batch_mesh is not None:
         dist.all_reduce(count, group=batch_mesh.get_group())
-    return count.clamp_min(1) if at_least_one else count
+    return count.clamp_min(1) if at_least_one and sources is None else count
 
 
 def update_expert_bias(moes: list[nn.Module], pd: ParallelDims) -> None:

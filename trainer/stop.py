@@ -28,6 +28,7 @@ as every step is; the save runs under its long-phase deadline.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
@@ -37,10 +38,26 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["REPEAT_WINDOW_S", "StopSignals", "exit_code"]
+__all__ = ["REPEAT_WINDOW_S", "StopSignals", "exit_code", "stop_group"]
 
 REPEAT_WINDOW_S = 3.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_group(cfg, peers: bool) -> dist.ProcessGroup | None:
+    """The gloo group the ranks agree over to stop; None without peers. On a gloo job that is
+    WORLD; otherwise a host group of every rank (parallel_dims' ``host_group``, created by every
+    rank), so the agreement never waits behind the accelerator's queue."""
+    from parallel_dims.process_groups import host_group
+    from trainer.distributed_init import wait_until_every_rank_joined
+
+    if not peers:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    group = host_group("stop_signals", datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+    wait_until_every_rank_joined(group)
+    return group
 
 
 def exit_code(signum: int) -> int:
@@ -56,9 +73,14 @@ class StopSignals:
     ``newest``: a callable giving the newest complete checkpoint's description for the line a
     second SIGINT prints."""
 
-    def __init__(self, group: dist.ProcessGroup | None, newest=lambda: "none"):
+    def __init__(self, group: dist.ProcessGroup | None, newest=lambda: "none", values=None):
         self.group = group
         self.newest = newest
+        # ``values``: a callable giving ints that ride on the same all-reduce (max over the ranks),
+        # e.g. the data's passes that only each rank's own stripes tell (trainer/data_progress.py);
+        # the agreed ones are in ``agreed_values`` after each :meth:`agreed`
+        self.values = values
+        self.agreed_values: list[int] = []
         self.signum: int | None = None  # the first signal received
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
@@ -93,8 +115,10 @@ class StopSignals:
         """Collective (every rank, at the end of every step): the signal every rank stops for
         now (SIGTERM over SIGINT when ranks got different ones), or None to train on."""
         code = 0 if self.signum is None else _SIGNALS.index(self.signum) + 1
+        values = list(self.values()) if self.values is not None else []
         if self.group is not None:
-            flag = torch.tensor([code], dtype=torch.int32)
+            flag = torch.tensor([code, *values], dtype=torch.int32 if not values else torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            code = int(flag.item())
+            code, *values = (int(v) for v in flag.tolist())
+        self.agreed_values = values
         return None if code == 0 else int(_SIGNALS[code - 1])

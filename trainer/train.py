@@ -17,10 +17,8 @@ fake backend) and trainer/instruments/ (the step hooks).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
-import signal
 import time
 
 import torch
@@ -32,7 +30,6 @@ from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from models.parallel.lora import lora_startup_line
 from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
 from parallel_dims import default_device_type
-from parallel_dims.process_groups import host_group
 from parallel_dims.torch_compat import host_side
 from trainer.build import build_model_parts, build_pipeline, trainable_params
 from trainer.checkpoint.dcp import CheckpointFolder
@@ -43,6 +40,7 @@ from trainer.config import JobConfig
 from trainer.console import configure_console
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
+from trainer.data_progress import DataProgress
 from trainer.distributed_init import (
     apply_train_timeout,
     init_distributed,
@@ -54,14 +52,14 @@ from trainer.distributed_init import log as _log
 from trainer.forward import ModelForward, cross_entropy_sum
 from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.instruments import Instruments, build_instruments
-from trainer.local_tensor import PerRankLoader, check_all_local, load_full_weights, rank0_view
+from trainer.local_tensor import PerRankLoader, check_all_local, load_local_initial_weights, rank0_view
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.mtp import MTPLoss
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.precision import apply_precision_policy
 from trainer.run_mode import RunMode
-from trainer.run_summary import RunTotals, commit_run, summary_lines
+from trainer.run_summary import RunTotals, commit_run, end_lines
 from trainer.startup import plan_startup
 from trainer.step import (
     StepResult,
@@ -72,7 +70,7 @@ from trainer.step import (
     reduce_loss,
     update_expert_bias,
 )
-from trainer.stop import StopSignals
+from trainer.stop import StopSignals, stop_group
 from trainer.validation import Validator
 from trainer.wandb_log import agree_on_start
 
@@ -172,15 +170,15 @@ class Trainer:
         # the next step's micro-batches are prepared on a background thread (training.prefetch)
         if self.mode.local:  # every simulated rank's slice, as one LocalTensor per micro-batch
             loader = PerRankLoader(
-                lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=c == 0),
+                lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False),
                 self.pd,
                 self.world_size,
             )
-            self._load_local_initial_weights()
+            load_local_initial_weights(cfg, self.model_parts, _log)
         else:
-            loader = build_dataloader(
-                cfg, self.tokenizer, batch_rank=self.pd.coordinate("batch"), batch=plan.batch, log_epochs=self.rank == 0
-            )
+            # the sources say nothing when they start over: the trainer's epoch line does (trainer/data_progress.py)
+            c = self.pd.coordinate("batch")
+            loader = build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False)
         self.data = wrap_loader(loader, cfg.training.prefetch, self.device)
         self.validator = None
         if cfg.validation.enable:
@@ -208,15 +206,6 @@ class Trainer:
         self.stop_signals: StopSignals | None = None  # while and after train() runs
         self.instruments = Instruments()  # the step hooks; train() builds the config's
 
-    def _load_local_initial_weights(self) -> None:
-        """local_tensor mode: a seed checkpoint's full weights read on the host and cut per
-        simulated rank (DCP's distributed load cannot run there; trainer/local_tensor.py)."""
-        path = self.cfg.checkpoint.initial_load_path
-        if path:
-            count = load_full_weights(path, self.model_parts)
-            self.cfg.checkpoint.initial_load_path = ""  # read: the checkpoint manager has nothing to load
-            _log(f"loaded initial weights from {path} ({count} tensors, read once and cut per simulated rank)")
-
     # ---------------------------------------------------------------- one step
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         model = self.model_parts[0]
@@ -227,9 +216,11 @@ class Trainer:
             self._float8_scales_due = False
         global_tokens = self.data.tokens_per_step  # every label a target: a constant
         targets = None  # chat data: the global count of target tokens, one reduction, read with the loss
-        if self.data.masked:
-            targets = global_target_count([y for _x, y in microbatches], self.pd, self.device, at_least_one=False)
-            global_tokens = targets.clamp_min(1)
+        if self.data.masked:  # a mixture's: one count per source (each sample's source rides with the step)
+            names, labels = self.data.source_names, [y for _x, y in microbatches]
+            sources = {"sources": self.data.step_sources, "n_sources": len(names)} if names else {}
+            targets = global_target_count(labels, self.pd, self.device, at_least_one=False, **sources)
+            global_tokens = (targets.sum() if names else targets).clamp_min(1)
         global_sequences = self.data.global_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         moes = _moe_layers(self.model_parts)
@@ -264,7 +255,8 @@ class Trainer:
             loss_total, mtp_total = loss_total[0], loss_total[1]
         scalars = torch.stack([loss_total, grad_norm.to(loss_total)] + ([mtp_total] if mtp_total is not None else []))
         if targets is not None:  # last: a step without any target is stopped too (and skipped on the device)
-            scalars = torch.cat([scalars, targets.to(scalars).reshape(1)])
+            scalars = torch.cat([scalars, targets.to(scalars).reshape(-1)])
+        n_targets = 0 if targets is None else targets.numel()
         # The step's one host sync reads the loss and the norm (to log them and to stop a
         # diverged run). Where the optimizer can skip a non-finite step on the device (fused
         # AdamW's found_inf), it comes after the optimizer and the rest of the step are queued,
@@ -272,11 +264,11 @@ class Trainer:
         # must not apply a non-finite update.
         skip_on_device = self.mode.checks_divergence and self.optimizer.skips_on_device and not self.mode.local
         if not skip_on_device:
-            loss_value, norm_value, *mtp_value = self._read_scalars(scalars, targets is not None)
+            (loss_value, norm_value, *mtp_value), counts = self._read_scalars(scalars, n_targets)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
         no_step = None  # skipped on the device (then stopped): a non-finite step, or one without any target
         if skip_on_device:
-            no_step = (~torch.isfinite(scalars).all() | (targets == 0 if targets is not None else False)).float()
+            no_step = (~torch.isfinite(scalars).all() | (targets.sum() == 0 if targets is not None else False)).float()
         self.optimizer.step(found_inf=no_step)
         if self.mode.local:  # every parameter, gradient and optimizer state holds every rank's value
             check_all_local(self.model_parts, self.optimizer)
@@ -290,15 +282,14 @@ class Trainer:
         if skip_on_device:
             # a non-finite step left the weights and the optimizer state as they were (the
             # schedule and the experts' bias moved on, but the run stops here, unsaved)
-            loss_value, norm_value, *mtp_value = self._read_scalars(scalars, targets is not None)
-        return StepResult(loss_value, norm_value, lr_used, mtp_value[0] if mtp_value else None)
+            (loss_value, norm_value, *mtp_value), counts = self._read_scalars(scalars, n_targets)
+        return StepResult(loss_value, norm_value, lr_used, mtp_value[0] if mtp_value else None, counts or None)
 
-    def _read_scalars(self, scalars: torch.Tensor, with_targets: bool) -> list[float]:
-        """The step's one host read, checked (trainer/step.py ``checked_step_values``)."""
+    def _read_scalars(self, scalars: torch.Tensor, n_targets: int) -> tuple[list[float], list[int]]:
+        """The step's one host read, checked (trainer/step.py ``checked_step_values``): its values
+        and its ``n_targets`` last ones, the global target counts."""
         check = self.mode.checks_divergence
-        return checked_step_values(
-            read_step_scalars(scalars), self.step + 1, check, with_targets, self.data.description
-        )
+        return checked_step_values(read_step_scalars(scalars), self.step + 1, check, n_targets, self.data.description)
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
@@ -363,16 +354,25 @@ class Trainer:
         )
         _log(f"dataset: {self.data.description}")  # (the first step's "data:" line describes its batch)
         _log(kernels_line(self.model_parts, self.device, getattr(torch, self.plan.parallelize.param_dtype)))
-        self.totals.begin(self.step, self.data.tokens_per_step)
+        self.totals.begin(self.step, self.data.tokens_per_step, self.data.targets)
         steps_since_log = 0
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False
         # every step (and save, validation) under a deadline: trainer/comm_watchdog.py
         self.watchdog = start_watchdog(cfg, self.mode, self.rank, self.world_size)
-        self.stop_signals = stop = StopSignals(self._stop_group(), newest=self.ckpt.newest)
+        peers = self.mode.has_peers(self.world_size)
+        self.progress = progress = DataProgress(self.data, epochs=cfg.training.epochs, peers=peers)
+        values = progress.local_values if progress.agree else None  # striped passes ride on the stop agreement
+        self.stop_signals = stop = StopSignals(stop_group(cfg, peers), newest=self.ckpt.newest, values=values)
         with metrics, self._build_instruments() as instruments, self.data, self.watchdog, stop:
             for message in instruments.messages:
                 _log(message)
+            if progress.agree:  # the passes of the position resumed from (a signal noted now stops step 1)
+                stop.agreed()
+            progress.update(stop.agreed_values)
+            if progress.reached:  # a resumed run that already made training.epochs passes
+                _log(f"nothing to train: the data has been read training.epochs = {cfg.training.epochs} times")
+                last_step = self.step
             while self.step < last_step:
                 self.watchdog.step(self.step + 1, first=not timeout_applied)
                 microbatches = self.data.next_step()
@@ -386,24 +386,33 @@ class Trainer:
                 result, step_extra = instruments.run_step(self.step + 1, self.train_step, microbatches)
                 self.step += 1
                 self.totals.step(self.step, result.loss)
+                if result.targets:
+                    progress.add_targets(result.targets)
                 if not timeout_applied:
                     apply_train_timeout(cfg.comm.train_timeout_seconds)
                     timeout_applied = True
                     commit_run(cfg, self.rank, metrics)  # config.toml, metrics files, W&B id
                 steps_since_log += 1
-                # a SIGINT or SIGTERM on any rank: every rank stops after this step, with a save
-                stopping = stop.agreed() if self.step < cfg.training.steps else None
-                if gate and stopping is None and self.step == cfg.training.steps - 1:
+                # a SIGINT or SIGTERM on any rank: every rank stops after this step, with a save; the
+                # agreement also carries striped data's passes (at the last step too, for its epoch)
+                end = self.step == cfg.training.steps
+                agreed = stop.agreed() if not end or progress.agree else None
+                stopping = None if end else agreed
+                for line in progress.update(stop.agreed_values, self.step):
+                    _log(line)
+                end = end or progress.reached  # training.epochs complete passes: the run's end too
+                if gate and stopping is None and not end and self.step == cfg.training.steps - 1:
                     stopping = hold_until_stopped(stop.agreed, self.step, self.rank)
                 # checkpointing first (a finished background save published, the save or export
                 # due now), so its numbers are in this step's line; its time is not step time
                 ckpt = self.ckpt.after_step(
                     self.step,
-                    last=self.step == cfg.training.steps,
+                    last=end,
                     phase=lambda what: self._long_phase(what, metrics),
                     stopping=stopping is not None,
                 )
-                if metrics.should_log(self.step) or self.step == cfg.training.steps or ckpt or stopping:
+                if metrics.should_log(self.step) or end or ckpt or stopping:
+                    tokens = self.data.source_metrics(self.data.state_dict())
                     metrics.log(
                         self.step,
                         loss=result.loss,
@@ -411,14 +420,9 @@ class Trainer:
                         lr=result.lr,
                         num_tokens=steps_since_log * self.data.tokens_per_step,
                         data_wait_s=data_wait / steps_since_log,
-                        # result.extra(): the MTP loss; then a mixture's tokens per source so
-                        # far (the position after this step)
-                        extra={
-                            **(step_extra or {}),
-                            **ckpt,
-                            **result.extra(),
-                            **self.data.source_metrics(self.data.state_dict()),
-                        }
+                        # result.extra(): the MTP loss; then a mixture's tokens per source so far (the
+                        # position after this step), the epoch and the target tokens (trainer/data_progress.py)
+                        extra={**(step_extra or {}), **ckpt, **result.extra(), **tokens, **progress.metrics(tokens)}
                         or None,
                     )
                     steps_since_log, data_wait = 0, 0.0
@@ -426,7 +430,7 @@ class Trainer:
                     self.stopped_by = stopping
                     self.watchdog.disarm()
                     break
-                if self.validator is not None and self.validator.should_run(self.step):
+                if self.validator is not None and (self.validator.should_run(self.step) or end):
                     self.watchdog.long_phase(f"validation after step {self.step}")
                     val = self.validator.validate()
                     metrics.log_validation(
@@ -435,39 +439,22 @@ class Trainer:
                     metrics.reset_timer()
                     self.totals.validated(self.step, val.loss)
                 self.watchdog.disarm()
+                if end:  # training.steps, or training.epochs passes before it
+                    break
             # the end of training (also of a run stopped early): the save in flight is finished
             # and published before the process may exit
             done = self.ckpt.close(phase=lambda what: self._long_phase(what, metrics))
             if done:
                 metrics.log_checkpoint(self.step, done)
-        for line in summary_lines(
+        self.totals.data_read(progress, cfg.training.epochs)
+        for line in end_lines(
             self.totals,
-            run_folder=run_folder,
-            total_steps=cfg.training.steps,
-            checkpoint_folder=self.ckpt.folder if os.path.isdir(self.ckpt.folder) else None,
-            metrics_file=metrics.jsonl_path if cfg.metrics.enable_jsonl else None,
+            cfg,
+            self.ckpt.folder,
+            metrics.jsonl_path if cfg.metrics.enable_jsonl else None,
+            self.stopped_by,
         ):
             _log(line)
-        if self.stopped_by is not None:
-            name = signal.Signals(self.stopped_by).name
-            if cfg.checkpoint.enable:
-                saved = f"checkpoint step-{self.step} saved in {self.ckpt.folder}; run the same command to resume"
-            else:
-                saved = "nothing saved (checkpoint.enable = false): the same command starts over"
-            _log(f"stopped at step {self.step} by {name}; {saved}")
-
-    def _stop_group(self) -> dist.ProcessGroup | None:
-        """The gloo group the ranks agree over to stop (trainer/stop.py); None without peers.
-        On a gloo job that is WORLD; otherwise a host group of every rank (parallel_dims'
-        ``host_group``, created by every rank), so the agreement never waits behind the
-        accelerator's queue."""
-        if not self.mode.has_peers(self.world_size):
-            return None
-        if dist.get_backend() == "gloo":
-            return dist.group.WORLD
-        group = host_group("stop_signals", datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds))
-        wait_until_every_rank_joined(group)
-        return group
 
     @contextlib.contextmanager
     def _long_phase(self, what: str, metrics: MetricsLogger):

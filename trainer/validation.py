@@ -34,14 +34,14 @@ from torch import nn
 
 from trainer.config import ConfigError, JobConfig
 from trainer.data.batching import PackedDataLoader
-from trainer.data.loader import build_validation_dataloader
+from trainer.data.loader import build_validation_dataloader, chat_stream
 from trainer.data.packing import IGNORE_INDEX
 from trainer.forward import LossFn, ModelForward
 
 if TYPE_CHECKING:
     from trainer.plan import JobPlan
 
-__all__ = ["ValidationResult", "Validator", "one_pass_steps"]
+__all__ = ["ValidationResult", "Validator", "check_validation_targets", "one_pass_steps"]
 
 
 @dataclass
@@ -72,6 +72,26 @@ def one_pass_steps(cfg: JobConfig, data: PackedDataLoader) -> int:
     return steps
 
 
+def check_validation_targets(cfg: JobConfig, tokenizer, samples: int) -> None:
+    """Refuse (one line, at start-up) chat validation data whose evaluation holds no target
+    token: its loss would be 0 / 0, reported as 0, a number that looks like a perfect model.
+    Every rank reads the whole evaluation's windows (``samples``: validation steps x global
+    batch) on the host, so all of them decide alike with no collective; pre-training data has
+    every label a target."""
+    v = cfg.validation
+    if v.dataset != "chat":
+        return
+    _source, stream = chat_stream(cfg, v.dataset_path, tokenizer, v.seq_len, "validation.dataset_path", False)
+    _tokens, targets = stream.take(samples)
+    if not bool(targets[:, 1:].any()):
+        raise ConfigError(
+            f"validation.dataset_path '{v.dataset_path}': the {samples} windows an evaluation reads "
+            f"({stream.conversations} conversations) hold no target token (no 'assistant' message, or none left "
+            f"within validation.seq_len + 1 = {v.seq_len + 1} tokens), so the validation loss would read 0; point it "
+            "at conversations with assistant turns, or raise validation.seq_len"
+        )
+
+
 class Validator:
     """Built once by the trainer (``validation.enable``); ``should_run(step)`` says when,
     ``validate()`` evaluates (a collective: every rank calls it at the same steps). The layout
@@ -98,6 +118,7 @@ class Validator:
         )
         self._start = self.data.state_dict()  # every evaluation starts here
         self.steps = v.steps if v.steps > 0 else one_pass_steps(cfg, self.data)
+        check_validation_targets(cfg, tokenizer, self.steps * self.data.global_batch_size)
         self.tokens_per_step = self.data.tokens_per_step
         self.pipeline = None
         if plan.stages is not None:

@@ -160,7 +160,9 @@ def test_kill_after_a_save_and_resume_is_bitwise(tmp_path, chat_files):
     steps 2 and 4; the step-4 checkpoint and the later metrics removed leave what a kill
     between the two saves leaves; the same command resumes at step 2 and logs steps 3-4
     bitwise as the uninterrupted run (weights, optimizer, the schedule and both sources'
-    positions restored). Every row's per-source token counts add up to the tokens trained."""
+    positions restored). Every row's per-source token counts add up to the tokens trained; its
+    target counts (trainer/data_progress.py) are the text source's window positions and fewer than
+    the chat source's, sum to ``targets``, and continue across the resume."""
     run = tmp_path / "run"
     mix = f"chat:1:{chat_files['parquet']},hf:1:{chat_files['web']}"
     args = [*RESUME, "--training.sources", mix, "--job.dump_folder", str(run)]
@@ -168,10 +170,12 @@ def test_kill_after_a_save_and_resume_is_bitwise(tmp_path, chat_files):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "dataset: mixture of chat (chat, " in res.stdout and "mixture: chat " in res.stdout, res.stdout[-3000:]
     rows = metric_records(run)
-    full = [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
+    full = [(r["step"], r["loss"], r["grad_norm"], r["targets_chat"], r["targets_hf"]) for r in rows]
     assert [s for s, *_ in full] == [1, 2, 3, 4]
     for r in rows:  # global batch 8 x seq_len 64 per step
         assert r["tokens_chat"] + r["tokens_hf"] == r["step"] * 8 * 64 and r["tokens_chat"] > 0 < r["tokens_hf"]
+        assert r["targets"] == r["targets_chat"] + r["targets_hf"] and r["targets_hf"] == r["tokens_hf"]
+        assert 0 < r["targets_chat"] < r["tokens_chat"] and r["epoch"] == 0
     # 32 samples at p = 1/2 each: the chat count within 5 sigma (sqrt(32 / 4)) of 16
     assert abs(rows[-1]["tokens_chat"] / 64 - 16) <= 5 * 8**0.5
     shutil.rmtree(run / "checkpoint" / "step-4")
@@ -180,7 +184,7 @@ def test_kill_after_a_save_and_resume_is_bitwise(tmp_path, chat_files):
     res = run_forked(2, *args)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert f"resumed from {run / 'checkpoint'} at step 2" in res.stdout, res.stdout[-2000:]
-    again = [(r["step"], r["loss"], r["grad_norm"]) for r in metric_records(run)]
+    again = [(r["step"], r["loss"], r["grad_norm"], r["targets_chat"], r["targets_hf"]) for r in metric_records(run)]
     assert again == full  # bitwise
 
 
@@ -205,7 +209,8 @@ def test_mixture_resumed_on_another_layout_continues_the_same_samples(tmp_path, 
     against tp=2 all the way, on the chat + text mixture. With lr = 0 the weights stay the
     initial ones bitwise under both layouts (tests/e2e/test_tokens_train.py's argument), so the
     losses after the resume depend only on the samples: equal bitwise iff the resumed run reads
-    exactly the uninterrupted run's samples, from both sources, in the same order."""
+    exactly the uninterrupted run's samples, from both sources, in the same order. The per-source
+    target counts (global, kept with the data position) continue on the other degree too."""
     mix = f"chat:1:{chat_files['parquet']},hf:1:{chat_files['web']}"
     args = [*RESUME, "--training.sources", mix, "--optimizer.lr", "0", "--checkpoint.interval", "2"]
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
@@ -219,6 +224,45 @@ def test_mixture_resumed_on_another_layout_continues_the_same_samples(tmp_path, 
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert f"resumed from {resumed / 'checkpoint'} at step 2" in res.stdout, res.stdout[-2000:]
-    expected = [(r["step"], r["loss"]) for r in metric_records(ref)]
-    assert len({loss for _s, loss in expected}) == 4  # lr = 0: the losses differ only by their samples
-    assert [(r["step"], r["loss"]) for r in metric_records(resumed) if r["step"] > 2] == expected[2:]
+    expected = [(r["step"], r["loss"], r["targets_chat"], r["targets_hf"]) for r in metric_records(ref)]
+    assert len({loss for _s, loss, *_ in expected}) == 4  # lr = 0: the losses differ only by their samples
+    got = [(r["step"], r["loss"], r["targets_chat"], r["targets_hf"]) for r in metric_records(resumed) if r["step"] > 2]
+    assert got == expected[2:]
+
+
+def test_training_epochs_stops_where_the_rows_are_read_on_any_degree_and_a_resume_keeps_the_epoch(tmp_path):
+    """``training.epochs`` (trainer/data_progress.py) on 24 chat rows, one per padded window,
+    read in 8 stripes of 3 rows (the global batch of 8): pass p is complete at the step whose
+    samples reach 24 p rows. One rank with epochs = 2 stops at step 6 of training.steps = 50,
+    epoch [0, 0, 1, 1, 1, 2] after steps 1-6 (each stripe's rows counted: 8 samples a step);
+    2 batch ranks (each knows only its own stripes; they agree on the stop agreement's all-reduce)
+    with epochs = 1 stop at step 3, saving there; the same folder with epochs = 2 resumes at
+    epoch 1 (not 0), stops at step 6 with the 1-rank run's target count (global, carried by the
+    checkpoint); once more, it has nothing to train."""
+    path = write_parquet(tmp_path / "rows.parquet", {"messages": conversations(24, seed=4)})
+    args = [
+        "--config", "llama3.toml", *FAST, "--model.n_layers", "1", "--training.steps", "50",
+        *_chat_args(path), "--training.chat_packing", "padded", "--checkpoint.enable", "true",
+        "--checkpoint.interval", "100",
+    ]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    res = run_forked(1, *args, "--parallelism.dp_shard", "1", "--training.epochs", "2", "--job.dump_folder", str(one))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = metric_records(one)
+    assert [(r["step"], r["epoch"]) for r in rows] == [(s, s * 8 // 24) for s in range(1, 7)]
+    assert "epoch 1 complete after step 3 (all of 'chat' read once); the data starts over" in res.stdout
+    assert "stopped: training.epochs = 2 reached at step 6, before training.steps = 50" in res.stdout
+    assert "stripe 0 of 8" not in res.stdout + res.stderr  # the one global epoch line instead
+    res = run_forked(2, *args, "--training.epochs", "1", "--job.dump_folder", str(two))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert [(r["step"], r["epoch"]) for r in metric_records(two)] == [(1, 0), (2, 0), (3, 1)]
+    assert "training.epochs = 1 reached: the run stops" in res.stdout and (two / "checkpoint" / "step-3").is_dir()
+    res = run_forked(2, *args, "--training.epochs", "2", "--job.dump_folder", str(two))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert f"resumed from {two / 'checkpoint'} at step 3" in res.stdout, res.stdout[-2000:]
+    resumed = metric_records(two)
+    assert [(r["step"], r["epoch"]) for r in resumed] == [(s, s * 8 // 24) for s in range(1, 7)]
+    assert resumed[-1]["targets"] == rows[-1]["targets"] > 0
+    res = run_forked(2, *args, "--training.epochs", "2", "--job.dump_folder", str(two))
+    assert res.returncode == 0 and "nothing to train: the data has been read training.epochs = 2 times" in res.stdout
+    assert len(metric_records(two)) == 6

@@ -72,7 +72,10 @@ def test_the_summary_ends_the_run_with_the_metrics_figures(finished):
     lines = out.splitlines()
     start = lines.index(f"run summary ({run}):")
     block = dict(line.split(None, 1) for line in lines[start + 1 :])
-    assert set(block) == {"time", "steps", "tokens", "loss", "validation", "checkpoints", "metrics"}, lines[start:]
+    keys = {"time", "steps", "tokens", "loss", "data", "validation", "checkpoints", "metrics"}
+    assert set(block) == keys, lines[start:]
+    assert block["data"] == "epoch 0 (complete passes over the data)"  # 400 documents: less than one pass
+    assert all(r["epoch"] == 0 for r in read_metrics(run).values())
     m = read_metrics(run)
     best = min(m, key=lambda s: m[s]["loss"])
     assert block["steps"] == "1-3 of 3 (3 this launch)"

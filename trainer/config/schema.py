@@ -124,7 +124,12 @@ class Training:
     )
     local_batch_size: int = _opt(8, "Micro-batch size per rank (samples per forward/backward).")
     seq_len: int = _opt(2048, "Tokens per sample.")
-    steps: int = _opt(10000, "Optimizer steps to train for.")
+    steps: int = _opt(10000, "Optimizer steps to train for (the learning-rate schedule's length).")
+    epochs: int = _opt(
+        0,
+        "Stop after this many complete passes over the data (0 = off); with training.steps, whichever "
+        "comes first. A mixture's epoch is the most passes among its finite sources (docs/training.md).",
+    )
     max_norm: float = _opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping.")
     mtp_loss_weight: float = _opt(
         0.3,

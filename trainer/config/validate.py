@@ -137,6 +137,13 @@ def _validate_values(cfg: JobConfig) -> None:
         )
     need(t.seq_len > 0, f"training.seq_len must be > 0, got {t.seq_len}")
     need(t.steps > 0, f"training.steps must be > 0, got {t.steps}")
+    need(t.epochs >= 0, f"training.epochs must be >= 0 (0 = off), got {t.epochs}")
+    kinds = [src["kind"] for src in t.sources] or [t.dataset]
+    need(
+        not t.epochs or any(k != "synthetic" for k in kinds),
+        f"training.epochs = {t.epochs} counts passes over the data, but synthetic data never ends; "
+        "set training.steps instead (and training.epochs = 0), or train on a dataset",
+    )
     need(t.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {t.max_norm}")
     need(t.mtp_loss_weight >= 0, f"training.mtp_loss_weight must be >= 0, got {t.mtp_loss_weight}")
     need(

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer.config import ConfigError, gradient_accumulation_steps, resolve_global_batch_size
@@ -68,6 +69,14 @@ class PackedDataLoader:
             self._stream = PackedStream(source, tokenizer, seq_len)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._step_start: dict[str, Any] | None = None
+        # a mixture's source names; per step, the source index of each of this rank's samples
+        # (``step_sources``, in micro-batch order), which the step's per-source target counts read
+        names = getattr(self._stream, "names", None)
+        self.source_names: list[str] | None = list(names) if names is not None and len(names) > 1 else None
+        self.step_sources: torch.Tensor | None = None
+        self._pending_sources: torch.Tensor | None = None
+        # rows read in stripes: a rank knows only its own stripes' passes (the ranks agree on them)
+        self.passes_agree = isinstance(self._stream, StripedStream)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
@@ -83,6 +92,7 @@ class PackedDataLoader:
             raise RuntimeError("next_step() called with micro-batches of the current step still unconsumed")
         self._prepare_step()
         batches, self._pending = self._pending, []
+        self.step_sources = self._pending_sources
         return batches
 
     def _prepare_step(self) -> None:
@@ -90,6 +100,8 @@ class PackedDataLoader:
         self._step_start = s.state()
         s.skip(self.batch_rank * self.rank_samples)
         windows = s.take(self.rank_samples)
+        if self.source_names is not None:
+            self._pending_sources = torch.from_numpy(np.asarray(s.taken_sources, dtype=np.int64))
         s.skip((self.batch_degree - 1 - self.batch_rank) * self.rank_samples)
         if isinstance(windows, tuple):  # (tokens, is-target): only targets are labels
             windows, targets = windows
@@ -112,6 +124,13 @@ class PackedDataLoader:
         for the metrics rows; {} for one source."""
         metrics = getattr(self._stream, "source_metrics", None)
         return metrics(int(state["sample_index"])) if metrics is not None else {}
+
+    def passes(self, state: dict[str, Any]) -> list[int | None]:
+        """Complete passes over each source before the position ``state`` (a :meth:`state_dict`),
+        one entry per source (None: a source without end, synthetic data); with rows read in
+        stripes, as far as this rank's stripes tell (:attr:`passes_agree`)."""
+        got = self._stream.passes(state) if hasattr(self._stream, "passes") else None
+        return got if isinstance(got, list) else [got]
 
     def state_dict(self) -> dict[str, Any]:
         """Position of the first step not fully consumed (a half-consumed step is replayed

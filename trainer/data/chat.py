@@ -219,6 +219,11 @@ class ChatStream:
     def state(self) -> dict[str, Any]:
         return {"sample_index": self.sample_index, "cursor": list(self._cursor)}
 
+    def passes(self, state: dict[str, Any]) -> int:
+        """Complete passes over the rows before the position ``state`` (its cursor: the first
+        row not yet in an emitted window)."""
+        return self.source.rows.passes(state["cursor"])
+
     def restore(self, state: dict[str, Any]) -> None:
         if "cursor" not in state or "position" in state:
             raise ValueError(

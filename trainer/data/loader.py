@@ -115,7 +115,7 @@ def _stripes(cfg: JobConfig, kind: str, path: str, option: str, tokenizer, seq_l
             f"{path} has {n_rows} rows, fewer than the {slots} stripes (one per sample of the global batch); "
             "lower training.global_batch_size or set training.row_reading = 'sequential'"
         )
-    return Stripes(make, base.description), None
+    return Stripes(make, base.description, base.rows, slots), None
 
 
 def striped_stream(

@@ -90,7 +90,8 @@ class MixtureStream:
     def take(self, n_samples: int):
         toks = np.empty((n_samples, self.window), dtype=np.int64)
         tgt = np.ones((n_samples, self.window), dtype=bool)
-        for i, s in enumerate(self.choices(self.sample_index, n_samples)):
+        self.taken_sources = picks = self.choices(self.sample_index, n_samples)  # the source of each sample
+        for i, s in enumerate(picks):
             got = self.streams[s].take(1)
             if isinstance(got, tuple):
                 toks[i], tgt[i] = got[0][0].numpy(), got[1][0].numpy()
@@ -117,6 +118,10 @@ class MixtureStream:
         for name, stream in zip(self.names, self.streams):
             stream.restore(state["sources"][name])
         self.sample_index = int(state["sample_index"])
+
+    def passes(self, state: dict[str, Any]) -> list[int | None]:
+        """Each source's complete passes before the position ``state`` (None: no end)."""
+        return [s.passes(state["sources"][n]) for n, s in zip(self.names, self.streams)]
 
     def notes(self) -> str:
         """The first step's data line: each source's share of the windows so far."""

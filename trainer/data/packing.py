@@ -68,6 +68,11 @@ class PackedStream:
         self._current()  # normalise so the cursor points at the piece holding the next token
         return {"sample_index": self.sample_index, "cursor": list(self._cursor), "token_offset": int(self._pos)}
 
+    def passes(self, state: dict[str, Any]) -> int | None:
+        """Complete passes over the source before the position ``state`` (a :meth:`state`, whose
+        cursor is the piece holding the next token); None for a source without end."""
+        return self.source.passes(state["cursor"])
+
     def restore(self, state: dict[str, Any]) -> None:
         self.sample_index = int(state["sample_index"])
         self._cursor = list(state["cursor"])

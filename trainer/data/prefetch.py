@@ -14,7 +14,26 @@ import torch
 from trainer.data.batching import PackedDataLoader
 
 
-class BackgroundLoader:
+class _Totals:
+    """What both wrappers keep beside the loader's position: ``targets``, the run's global target
+    tokens (labels that count in the loss) per source name since step 0, which the trainer adds
+    each step's to; saved with the position (``"targets"`` in :meth:`state_dict`) so the counts
+    continue on resume, whatever the batch degree (they are global)."""
+
+    targets: dict[str, int]
+
+    def _with_totals(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self.targets:
+            state["targets"] = dict(self.targets)
+        return state
+
+    def _take_totals(self, state: dict[str, Any]) -> dict[str, Any]:
+        state = dict(state)
+        self.targets = {k: int(v) for k, v in (state.pop("targets", None) or {}).items()}
+        return state
+
+
+class BackgroundLoader(_Totals):
     """Prepares the next step's micro-batches of a :class:`PackedDataLoader` on one background
     thread while the training thread runs the current step.
 
@@ -41,18 +60,23 @@ class BackgroundLoader:
         self._future: Future | None = None
         self._state: dict[str, Any] | None = None  # the trainer's position while a step is prefetched
         self.wait_s = 0.0
+        self.targets = {}
+        self.step_sources: torch.Tensor | None = None  # the consumed step's (the loader is one step ahead)
 
     def __getattr__(self, name: str) -> Any:  # grad_accum_steps, tokens_per_step, ...
         if name == "loader":  # not yet set (e.g. during unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
 
-    def _produce(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, Any], Any]:
+    def _produce(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, Any], Any, Any]:
         batches = self.loader.next_step()
         state = self.loader.state_dict()  # where the step after this one starts
+        sources = getattr(self.loader, "step_sources", None)  # a mixture's per-sample source ids
         event = None
         if self._cuda:
             with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+                if sources is not None:
+                    sources = sources.pin_memory().to(self.device, non_blocking=True)
                 batches = [
                     (
                         x.pin_memory().to(self.device, non_blocking=True),
@@ -62,7 +86,7 @@ class BackgroundLoader:
                 ]
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
-        return batches, state, event
+        return batches, state, event, sources
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         start = time.perf_counter()
@@ -70,7 +94,7 @@ class BackgroundLoader:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
         future = self._future if self._future is not None else self._executor.submit(self._produce)
         self._future = None
-        batches, state, event = future.result()  # re-raises the thread's exception, if any
+        batches, state, event, self.step_sources = future.result()  # re-raises the thread's exception, if any
         self._state = state
         self._future = self._executor.submit(self._produce)
         if event is not None:
@@ -79,6 +103,8 @@ class BackgroundLoader:
             for x, y in batches:  # allocated on the copy stream, used on this one
                 x.record_stream(stream)
                 y.record_stream(stream)
+            if self.step_sources is not None:
+                self.step_sources.record_stream(stream)
         self.wait_s = time.perf_counter() - start
         return batches
 
@@ -90,13 +116,13 @@ class BackgroundLoader:
 
     def state_dict(self) -> dict[str, Any]:
         if self._state is not None:
-            return dict(self._state)
-        return self.loader.state_dict()  # nothing consumed or prefetched yet (or a failed step)
+            return self._with_totals(dict(self._state))
+        return self._with_totals(self.loader.state_dict())  # nothing consumed or prefetched yet (or a failed step)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._drop()  # the prefetched step came from the old position
         self._state = None
-        self.loader.load_state_dict(state)
+        self.loader.load_state_dict(self._take_totals(state))
 
     def close(self) -> None:
         """Stop the thread once the step in flight, if any, is ready; that step is kept for the
@@ -114,13 +140,14 @@ class BackgroundLoader:
         self.close()
 
 
-class SyncLoader:
+class SyncLoader(_Totals):
     """The same interface without a thread (``training.prefetch = false``): every step is
     prepared on the training thread; ``wait_s`` is the time that took."""
 
     def __init__(self, loader: PackedDataLoader):
         self.loader = loader
         self.wait_s = 0.0
+        self.targets = {}
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
@@ -134,10 +161,10 @@ class SyncLoader:
         return batches
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+        return self._with_totals(self.loader.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        self.loader.load_state_dict(self._take_totals(state))
 
     def close(self) -> None:
         pass

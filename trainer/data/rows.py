@@ -51,6 +51,16 @@ class FileCycle:
         """The error for files that hold nothing to read (every line blank)."""
         raise NotImplementedError
 
+    def passes(self, cursor: list[int]) -> int:
+        """Complete passes over the files before ``cursor`` (a position of the next unread
+        byte): its epoch, plus one where nothing but whitespace is left after it in the pass (a
+        read from there starts the next pass)."""
+        epoch, index, pos = cursor
+        end = getattr(self, "_content_end", None)
+        if end is None:  # (file index, byte offset) just after the last non-whitespace byte
+            end = self._content_end = _content_end(self.files)
+        return epoch + ((index, pos) >= end)
+
     def _after_empty_file(self, epoch: int, index: int, empty_files: int) -> list[int]:
         """:meth:`_next_file` after file ``index`` gave nothing, where ``empty_files`` whole files
         (each read from its start, in this one read) gave nothing: once that is every file, the
@@ -71,6 +81,21 @@ class FileCycle:
                 "dataset '%s' exhausted after epoch %d; starting over", self.path, epoch
             )
         return [epoch + 1, 0, 0]
+
+
+def _content_end(files: list[str]) -> tuple[int, int]:
+    """(file index, offset after its last non-whitespace byte) of the last file with any."""
+    for index in range(len(files) - 1, -1, -1):
+        with open(files[index], "rb") as fh:
+            end = fh.seek(0, os.SEEK_END)
+            while end > 0:
+                start = max(0, end - (1 << 16))
+                fh.seek(start)
+                chunk = fh.read(end - start).rstrip()
+                if chunk:
+                    return index, start + len(chunk)
+                end = start
+    return len(files), 0
 
 
 class RowFiles(FileCycle):
@@ -218,6 +243,14 @@ class RowFiles(FileCycle):
             index += 1
         return [epoch, index, flat]
 
+    def passes(self, cursor: list[int]) -> int:
+        """Complete passes over the rows before ``cursor`` (the next unread row): its epoch, plus
+        one where it is just past the last row."""
+        if self.format == "jsonl":
+            return super().passes(cursor)
+        epoch, index, pos = cursor
+        return epoch + (sum(self.rows[:index]) + pos >= sum(self.rows))
+
     def no_rows_error(self) -> ConfigError:
         n = len(self.files)
         files = "only blank lines" if n == 1 else f"its {n} .jsonl files hold only blank lines"
@@ -292,6 +325,11 @@ class RowStripe:
 
     def start(self) -> list[int]:
         return self._locate(0, self.lo)
+
+    def passes(self, cursor: list[int]) -> int:
+        """Complete passes over the stripe's rows before ``cursor`` (the next unread row)."""
+        epoch, index, pos = cursor
+        return epoch + (self._starts[index] + pos >= self.hi)
 
     def advance(self, cursor: list[int], n: int) -> list[int]:
         """The cursor ``n`` rows after ``cursor`` within the stripe (nothing read)."""

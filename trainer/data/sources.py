@@ -54,6 +54,10 @@ class RowTextSource:
     def start(self) -> list[int]:
         return self.rows.start()
 
+    def passes(self, cursor: list[int]) -> int:
+        """Complete passes over the rows before ``cursor`` (trainer/data/epochs.py)."""
+        return self.rows.passes(cursor)
+
     def read(self, cursor: list[int]) -> tuple[str, bool, list[int]]:
         text, where, nxt = self.rows.read(cursor)
         if not isinstance(text, str):
@@ -74,6 +78,10 @@ class SyntheticSource:
     def description(self) -> str:
         """The start-up line's words for this data."""
         return f"synthetic documents (seed {self.seed})"
+
+    def passes(self, cursor: list[int]) -> None:
+        """None: the corpus never ends, so it has no passes (trainer/data/epochs.py)."""
+        return None
 
     def read(self, cursor: list[int]) -> tuple[str, bool, list[int]]:
         return synthetic_document(self.seed, cursor[0]), True, [cursor[0] + 1]

@@ -39,8 +39,10 @@ class Stripes:
     :class:`~trainer.data.packing.PackedStream` or :class:`~trainer.data.chat.ChatStream` over
     ``RowFiles.stripe(i, G)``), built when its slot first reads it."""
 
-    def __init__(self, make: Callable[[int], Any], description: str):
+    def __init__(self, make: Callable[[int], Any], description: str, rows: Any = None, count: int = 0):
         self.make, self.description = make, description
+        self.rows, self.count = rows, count  # the RowFiles cut into ``count`` stripes (their passes)
+        self._geometry: dict[int, Any] = {}
         self.streams: dict[int, Any] = {}
         self.saved: dict[int, dict[str, Any]] = {}  # restored positions of stripes not built yet
 
@@ -51,6 +53,15 @@ class Stripes:
             if i in self.saved:
                 s.restore(self.saved.pop(i))
         return s
+
+    def passes(self, i: int, state: dict[str, Any] | None) -> int:
+        """Complete passes over stripe i's rows before its position ``state`` (None: not read yet)."""
+        if state is None:
+            return 0
+        geometry = self._geometry.get(i)
+        if geometry is None:
+            geometry = self._geometry[i] = self.rows.stripe(i, self.count)
+        return geometry.passes(state["cursor"])
 
 
 class StripedStream:
@@ -82,6 +93,8 @@ class StripedStream:
         picks = self.schedule.choices(start, n) if self.schedule is not None else np.zeros(n, dtype=np.int64)
         toks = np.empty((n, self.window), dtype=np.int64) if keep else None
         tgt = np.ones((n, self.window), dtype=bool) if keep else None
+        if keep:
+            self.taken_sources = picks  # the source of each sample taken
         for m, j in enumerate(picks.tolist()):
             src = self.sources[j]
             if isinstance(src, Stripes):
@@ -149,6 +162,20 @@ class StripedStream:
             else:
                 src.restore(saved)
         self.sample_index = int(state["sample_index"])
+
+    def passes(self, state: dict[str, Any]) -> list[int | None]:
+        """Each source's complete passes before the position ``state`` as far as this rank knows:
+        a striped source's the fewest among this rank's own stripes (the global figure is the
+        fewest over the ranks: trainer/data/epochs.py agrees on it), another source's its own."""
+        out: list[int | None] = []
+        slots = self.owned if "slot_range" in state else range(self.slots)  # merged: every rank's
+        for name, src in zip(self.names, self.sources):
+            saved = state["sources"][name]
+            if isinstance(src, Stripes):
+                out.append(min(src.passes(i, saved["stripes"].get(str(i))) for i in slots))
+            else:
+                out.append(src.passes(saved))
+        return out
 
     def notes(self) -> str:
         """The first step's data line: this rank's stripes, and the chat counts of its streams."""

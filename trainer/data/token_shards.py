@@ -207,6 +207,10 @@ class TokenStream:
     def state(self) -> dict[str, Any]:
         return {"sample_index": self.sample_index, "position": self.position, "dataset_id": self.dataset.dataset_id}
 
+    def passes(self, state: dict[str, Any]) -> int:
+        """Complete passes over the shards' tokens before the position ``state``."""
+        return int(state["position"]) // len(self.dataset)
+
     def restore(self, state: dict[str, Any]) -> None:
         if "position" not in state:
             raise ValueError(
