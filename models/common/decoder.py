@@ -26,7 +26,7 @@ extra init). The parallelism code relies on this structure, so it is the contrac
 * blocks are :class:`DecoderBlock`: ``attention_norm``, ``attention`` (a
   :class:`DecoderAttention`), ``ffn_norm`` and either ``feed_forward`` (dense, a
   ``models/common/feed_forward.FeedForward``) or ``moe`` (``moe_enabled`` says which);
-* :meth:`Decoder.moe_layers`: the MoE modules (``models/deepseek_v3/moe.MoE``) of the layers
+* :meth:`Decoder.moe_layers`: the MoE modules (``models/common/moe.MoE``) of the layers
   this model (or pipeline stage) holds; the one definition the parallelize plan and the
   trainer use.
 

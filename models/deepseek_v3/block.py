@@ -14,6 +14,7 @@ from torch import nn
 from models.common.attention import AttentionCore, value_head_plan
 from models.common.decoder import DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
+from models.common.moe import MoE
 from models.common.norms import RMSNorm
 from models.common.rope import (
     YarnRopeScaling,
@@ -21,7 +22,6 @@ from models.common.rope import (
     yarn_softmax_scale,
 )
 from models.deepseek_v3.args import DeepSeekV3Args
-from models.deepseek_v3.moe import MoE
 
 __all__ = ["Attention", "TransformerBlock", "yarn_scaling"]
 

@@ -3,7 +3,7 @@ RMSNorm on queries and keys, SwiGLU or routed-expert FFNs, RoPE theta 1e6.
 
 The embeddings, layer loop, norm, output, pipeline-stage and context-parallel handling and the
 seeded init are the shared shell (``models/common/decoder.py``); the MoE is the shared one
-(``models/deepseek_v3/moe.MoE``), configured by ``Qwen3Args``' routing properties.
+(``models/common/moe.MoE``), configured by ``Qwen3Args``' routing properties.
 
 Rotary layout: Qwen3 checkpoints rotate the two halves of each head (``transformers``'
 ``rotate_half``: channel ``i`` pairs with ``i + head_dim / 2``). This attention rotates the same
@@ -21,9 +21,9 @@ from torch import nn
 from models.common.attention import AttentionCore, kv_repeats, repeat_kv
 from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
+from models.common.moe import MoE
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding, apply_rotary_emb
-from models.deepseek_v3.moe import MoE
 from models.qwen3.args import Qwen3Args
 
 
