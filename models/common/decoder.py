@@ -67,11 +67,20 @@ class DecoderAttention(nn.Module):
       to tensors computed by replicated weights but consumed by this rank's heads only; the TP
       applier sets each to an all-reduce of the gradient (identity otherwise).
 
-    Every other parameter stays replicated over tp."""
+    Every other parameter stays replicated over tp.
+
+    What the start-up kernels line (``models/kernels.py``) reports: :meth:`narrow_value_heads`,
+    for an attention whose values are narrower than its queries and keys."""
 
     tp_colwise: tuple[str, ...] = ()
     tp_rowwise: str = "wo"
     tp_grad_syncs: tuple[str, ...] = ()
+
+    def narrow_value_heads(self) -> tuple[str, int, int] | None:
+        """``(label, q/k head dim, value head dim)`` when this attention's values are narrower
+        than its queries and keys (the kernels may pad them: ``models/common/attention.py``
+        ``value_head_plan``), reported under ``label``; None (the default) otherwise."""
+        return None
 
 
 class DecoderBlock(nn.Module):
