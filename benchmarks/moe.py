@@ -61,7 +61,7 @@ def _step(experts, path, x, counts, grad_out):
 def _measure(num_experts: int) -> dict:
     import torch
 
-    from models.deepseek_v3.experts import GroupedExperts
+    from models.common.experts import GroupedExperts
 
     g = torch.Generator().manual_seed(num_experts)
     counts = torch.bincount(torch.randint(0, num_experts, (ROWS,), generator=g), minlength=num_experts)

@@ -94,7 +94,7 @@ class ModelForward:
         ``aux_loss_sequences``: with ``moes``, each MoE layer's sequence auxiliary loss counts
         divided by this many sequences (the step's global batch): the layers get the divisor
         before the forward and give their aux loss its gradient in the backward themselves
-        (``models/deepseek_v3/moe.py``, ``_AuxLossGrad``); the returned loss includes it, under pp
+        (``models/common/moe.py``, ``_AuxLossGrad``); the returned loss includes it, under pp
         the part of this rank's stages."""
         extra = {}
         if self.mtp_depth:

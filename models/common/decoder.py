@@ -26,7 +26,7 @@ extra init). The parallelism code relies on this structure, so it is the contrac
 * blocks are :class:`DecoderBlock`: ``attention_norm``, ``attention`` (a
   :class:`DecoderAttention`), ``ffn_norm`` and either ``feed_forward`` (dense, a
   ``models/common/feed_forward.FeedForward``) or ``moe`` (``moe_enabled`` says which);
-* :meth:`Decoder.moe_layers`: the MoE modules (``models/deepseek_v3/moe.MoE``) of the layers
+* :meth:`Decoder.moe_layers`: the MoE modules (``models/common/moe.MoE``) of the layers
   this model (or pipeline stage) holds; the one definition the parallelize plan and the
   trainer use.
 
@@ -67,11 +67,20 @@ class DecoderAttention(nn.Module):
       to tensors computed by replicated weights but consumed by this rank's heads only; the TP
       applier sets each to an all-reduce of the gradient (identity otherwise).
 
-    Every other parameter stays replicated over tp."""
+    Every other parameter stays replicated over tp.
+
+    What the start-up kernels line (``models/kernels.py``) reports: :meth:`narrow_value_heads`,
+    for an attention whose values are narrower than its queries and keys."""
 
     tp_colwise: tuple[str, ...] = ()
     tp_rowwise: str = "wo"
     tp_grad_syncs: tuple[str, ...] = ()
+
+    def narrow_value_heads(self) -> tuple[str, int, int] | None:
+        """``(label, q/k head dim, value head dim)`` when this attention's values are narrower
+        than its queries and keys (the kernels may pad them: ``models/common/attention.py``
+        ``value_head_plan``), reported under ``label``; None (the default) otherwise."""
+        return None
 
 
 class DecoderBlock(nn.Module):

@@ -10,7 +10,9 @@ context parallelism a rank holds two non-contiguous chunks of the sequence (see
 its tokens.
 
 Pairs are rotated in the interleaved layout (channels ``2i`` and ``2i + 1`` form one complex
-number), matching the Meta Llama and DeepSeek-V3 reference checkpoints.
+number), matching the Meta Llama and DeepSeek-V3 reference checkpoints;
+:func:`apply_rotary_emb_half_split` rotates ``transformers``' half-split pairs (Qwen3's
+checkpoints) through the same function.
 """
 
 from __future__ import annotations
@@ -221,6 +223,15 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     rc = torch.view_as_complex(rope.float().contiguous())
     rc = rc[None, :, None, :] if rope.dim() == 3 else rc[:, :, None, :]
     return torch.view_as_real(xc * rc).flatten(-2).type_as(x)
+
+
+def apply_rotary_emb_half_split(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` [bs, s, heads, d] in the half-split layout (pair ``i`` is channels ``i``
+    and ``i + d / 2``), through the interleaved :func:`apply_rotary_emb` on reordered channels."""
+    d = x.shape[-1]
+    interleaved = x.unflatten(-1, (2, d // 2)).transpose(-1, -2).flatten(-2)
+    out = apply_rotary_emb(interleaved, rope)
+    return out.unflatten(-1, (d // 2, 2)).transpose(-1, -2).flatten(-2)
 
 
 def local_positions(

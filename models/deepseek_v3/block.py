@@ -1,6 +1,15 @@
 """DeepSeek-V3's blocks: multi-head latent attention (MLA) and the pre-norm block whose FFN is
-dense for the first ``n_dense_layers`` layers and MoE after. The model (``model.py``) stacks
-them; the multi-token-prediction depths (``mtp.py``) extend the block."""
+dense for the first ``n_dense_layers`` layers and the shared MoE (``models/common/moe.py``)
+after. The model (``model.py``) stacks them; the multi-token-prediction depths (``mtp.py``)
+extend the block.
+
+MLA lives here, not in ``models/common``: DeepSeek-V3 is the only model that builds it, and it
+reads DeepSeek's own args (the latent ranks, the decoupled rope width, YaRN's softmax scale).
+The one reader outside this folder, the start-up kernels line (``models/kernels.py``), asks
+any attention through the ``DecoderAttention`` contract (:meth:`Attention.narrow_value_heads`)
+instead of importing this class, so shared code depends on no model's folder. A second model
+built on MLA would move it to ``models/common/mla.py`` with an args protocol, as
+``models/common/moe.py`` did for the MoE."""
 
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ from torch import nn
 from models.common.attention import AttentionCore, value_head_plan
 from models.common.decoder import DecoderAttention, DecoderBlock
 from models.common.feed_forward import FeedForward
+from models.common.moe import MoE
 from models.common.norms import RMSNorm
 from models.common.rope import (
     YarnRopeScaling,
@@ -21,7 +31,6 @@ from models.common.rope import (
     yarn_softmax_scale,
 )
 from models.deepseek_v3.args import DeepSeekV3Args
-from models.deepseek_v3.moe import MoE
 
 __all__ = ["Attention", "TransformerBlock", "yarn_scaling"]
 
@@ -76,6 +85,11 @@ class Attention(DecoderAttention):
         # The decoupled rope key is computed by replicated weights but read by this rank's
         # heads only; tensor parallelism sets this to an all-reduce of its gradient.
         self.k_pe_grad_sync: Callable[[torch.Tensor], torch.Tensor] = _identity
+
+    def narrow_value_heads(self) -> tuple[str, int, int] | None:
+        """MLA's values (``v_head_dim``) may be narrower than its queries and keys
+        (``qk_head_dim``); the kernels line reports their padding plan under "MLA"."""
+        return ("MLA", self.qk_head_dim, self.v_head_dim) if self.v_head_dim < self.qk_head_dim else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
         bs, s, _ = x.shape

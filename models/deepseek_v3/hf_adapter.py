@@ -44,12 +44,19 @@ from models.common.hf_adapter import (
     HFConfigMismatch,
     HFStateDictAdapter,
     Plain,
-    Stacked,
     Tied,
     rope_config,
     same_value,
 )
 from models.common.hf_config import need
+from models.common.hf_decoder import (
+    block_entries,
+    embedding_entries,
+    final_entries,
+    hf_config_frame,
+    routed_expert_entries,
+    swiglu_entries,
+)
 from models.deepseek_v3.args import DeepSeekV3Args
 
 __all__ = ["DeepSeekV3HFAdapter"]
@@ -117,14 +124,14 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
                 "tok_embeddings.weight", ("model.embed_tokens.weight", *(h + "embed_tokens.weight" for h in mtp)), emb
             )
         else:
-            yield Plain("tok_embeddings.weight", "model.embed_tokens.weight", emb)
+            yield from embedding_entries(a.vocab_size, dim)
         for i in range(a.n_layers):
             yield from self._layer_entries(f"layers.{i}.", f"model.layers.{i}.", i)
-        yield Plain("norm.weight", "model.norm.weight", (dim,))
         if mtp:
+            yield Plain("norm.weight", "model.norm.weight", (dim,))
             yield Copies("output.weight", ("lm_head.weight", *(h + "shared_head.head.weight" for h in mtp)), head)
         else:
-            yield Plain("output.weight", "lm_head.weight", head)
+            yield from final_entries(a.vocab_size, dim, tie_word_embeddings=False)
         for k, h in enumerate(mtp):
             o = f"mtp.{k}."
             # our copy of the embedding is the checkpoint's model.embed_tokens (and its copy)
@@ -137,10 +144,11 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
 
     def _layer_entries(self, o: str, h: str, i: int) -> Iterable[Entry]:
         """The decoder-layer tensors of our block ``o`` (layer id ``i``) and checkpoint layer ``h``."""
+        return block_entries(o, h, self.args.dim, self._mla_entries(o, h), self._ffn_entries(o, h, i))
+
+    def _mla_entries(self, o: str, h: str) -> Iterable[Entry]:
         a = self.args
         dim, heads, qk = a.dim, a.n_heads, a.qk_head_dim
-        e, hid = a.n_routed_experts, a.moe_inter_dim
-        yield Plain(o + "attention_norm.weight", h + "input_layernorm.weight", (dim,))
         if a.q_lora_rank == 0:
             yield Plain(o + "attention.wq.weight", h + "self_attn.q_proj.weight", (heads * qk, dim))
         else:
@@ -159,11 +167,12 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
             (heads * (a.qk_nope_head_dim + a.v_head_dim), kv),
         )
         yield Plain(o + "attention.wo.weight", h + "self_attn.o_proj.weight", (dim, heads * a.v_head_dim))
-        yield Plain(o + "ffn_norm.weight", h + "post_attention_layernorm.weight", (dim,))
+
+    def _ffn_entries(self, o: str, h: str, i: int) -> Iterable[Entry]:
+        a = self.args
+        e = a.n_routed_experts
         if i < a.n_dense_layers:
-            yield Plain(o + "feed_forward.w1.weight", h + "mlp.gate_proj.weight", (a.inter_dim, dim))
-            yield Plain(o + "feed_forward.w2.weight", h + "mlp.down_proj.weight", (dim, a.inter_dim))
-            yield Plain(o + "feed_forward.w3.weight", h + "mlp.up_proj.weight", (a.inter_dim, dim))
+            yield from swiglu_entries(o + "feed_forward.", h + "mlp.", a.dim, a.inter_dim)
             return
         if self.v2:
             yield Absent(
@@ -176,22 +185,10 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
             )
         else:
             yield Plain(o + "moe.expert_bias", h + "mlp.gate.e_score_correction_bias", (e,))
-        yield Plain(o + "moe.router.gate.weight", h + "mlp.gate.weight", (e, dim))
-        for ours, theirs, shape in (
-            ("w1", "gate_proj", (e, hid, dim)),
-            ("w2", "down_proj", (e, dim, hid)),
-            ("w3", "up_proj", (e, hid, dim)),
-        ):
-            yield Stacked(
-                o + f"moe.experts.{ours}",
-                tuple(h + f"mlp.experts.{j}.{theirs}.weight" for j in range(e)),
-                shape,
-            )
+        yield from routed_expert_entries(o, h, a.dim, e, a.moe_inter_dim)
         if a.n_shared_experts > 0:
-            sh = hid * a.n_shared_experts
-            yield Plain(o + "moe.shared_experts.w1.weight", h + "mlp.shared_experts.gate_proj.weight", (sh, dim))
-            yield Plain(o + "moe.shared_experts.w2.weight", h + "mlp.shared_experts.down_proj.weight", (dim, sh))
-            yield Plain(o + "moe.shared_experts.w3.weight", h + "mlp.shared_experts.up_proj.weight", (sh, dim))
+            hidden = a.moe_inter_dim * a.n_shared_experts
+            yield from swiglu_entries(o + "moe.shared_experts.", h + "mlp.shared_experts.", a.dim, hidden)
 
     def keep_in_fp32(self, hf_key: str) -> bool:
         return hf_key.endswith("e_score_correction_bias")
@@ -272,9 +269,7 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
         if problem:
             raise HFConfigMismatch(problem)
         a = self.args
-        config: dict[str, Any] = {
-            "architectures": [self.hf_architecture],
-            "model_type": self.model_type,
+        body: dict[str, Any] = {
             "vocab_size": a.vocab_size,
             "hidden_size": a.dim,
             "intermediate_size": a.inter_dim,
@@ -300,10 +295,8 @@ class DeepSeekV3HFAdapter(HFStateDictAdapter):
             "attention_bias": False,
             "attention_dropout": 0.0,
             "initializer_range": 0.02,
-            "tie_word_embeddings": False,
-            "use_cache": True,
-            "torch_dtype": dtype,
         }
+        config = hf_config_frame(self, body, dtype)  # tie_word_embeddings: DeepSeek-V3 never ties
         if not self.v2:
             config["rope_interleave"] = True
             config["num_nextn_predict_layers"] = a.mtp_layers

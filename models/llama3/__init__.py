@@ -1,4 +1,4 @@
 from models.llama3.args import Llama3Args, llama3_flavors
-from models.llama3.model import Attention, Llama3, TransformerBlock
+from models.llama3.model import Llama3, TransformerBlock
 
-__all__ = ["Attention", "Llama3", "Llama3Args", "TransformerBlock", "llama3_flavors"]
+__all__ = ["Llama3", "Llama3Args", "TransformerBlock", "llama3_flavors"]

@@ -19,17 +19,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any
 
-from models.common.hf_adapter import (
-    ConfigField,
-    Entry,
-    HFStateDictAdapter,
-    Plain,
-    RopeRows,
-    Tied,
-    rope_config,
-    same_value,
-)
+from models.common.hf_adapter import ConfigField, Entry, HFStateDictAdapter, rope_config, same_value
 from models.common.hf_config import need
+from models.common.hf_decoder import (
+    block_entries,
+    embedding_entries,
+    final_entries,
+    gqa_entries,
+    hf_config_frame,
+    swiglu_entries,
+    tie_problem,
+)
 from models.common.rope import Llama3RopeScaling
 from models.llama3.args import Llama3Args
 
@@ -75,31 +75,17 @@ class Llama3HFAdapter(HFStateDictAdapter):
 
     def _entries(self) -> Iterable[Entry]:
         a = self.args
-        dim, hd = a.dim, a.head_dim
-        ffn = a.ffn_hidden_dim
-        yield Plain("tok_embeddings.weight", "model.embed_tokens.weight", (a.vocab_size, dim))
+        dim, ffn = a.dim, a.ffn_hidden_dim
+        yield from embedding_entries(a.vocab_size, dim)
         for i in range(a.n_layers):
             o, h = f"layers.{i}.", f"model.layers.{i}."
-            yield Plain(o + "attention_norm.weight", h + "input_layernorm.weight", (dim,))
-            yield RopeRows(o + "attention.wq.weight", h + "self_attn.q_proj.weight", (a.n_heads * hd, dim), a.n_heads)
-            yield RopeRows(o + "attention.wk.weight", h + "self_attn.k_proj.weight", (a.kv_heads * hd, dim), a.kv_heads)
-            yield Plain(o + "attention.wv.weight", h + "self_attn.v_proj.weight", (a.kv_heads * hd, dim))
-            yield Plain(o + "attention.wo.weight", h + "self_attn.o_proj.weight", (dim, a.n_heads * hd))
-            yield Plain(o + "ffn_norm.weight", h + "post_attention_layernorm.weight", (dim,))
-            yield Plain(o + "feed_forward.w1.weight", h + "mlp.gate_proj.weight", (ffn, dim))
-            yield Plain(o + "feed_forward.w2.weight", h + "mlp.down_proj.weight", (dim, ffn))
-            yield Plain(o + "feed_forward.w3.weight", h + "mlp.up_proj.weight", (ffn, dim))
-        yield Plain("norm.weight", "model.norm.weight", (dim,))
-        if a.tie_word_embeddings:
-            yield Tied("output.weight", "tok_embeddings.weight", "lm_head.weight", (a.vocab_size, dim))
-        else:
-            yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
+            attention = gqa_entries(o, h, dim, a.n_heads, a.kv_heads, a.head_dim, rope_rows=True, qk_norm=False)
+            yield from block_entries(o, h, dim, attention, swiglu_entries(o + "feed_forward.", h + "mlp.", dim, ffn))
+        yield from final_entries(a.vocab_size, dim, a.tie_word_embeddings)
 
     def hf_config(self, dtype: str = "bfloat16") -> dict:
         a = self.args
-        config: dict[str, Any] = {
-            "architectures": [self.hf_architecture],
-            "model_type": self.model_type,
+        body: dict[str, Any] = {
             "hidden_size": a.dim,
             "intermediate_size": a.ffn_hidden_dim,
             "num_hidden_layers": a.n_layers,
@@ -119,10 +105,8 @@ class Llama3HFAdapter(HFStateDictAdapter):
             "mlp_bias": False,
             "initializer_range": 0.02,
             "pretraining_tp": 1,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "use_cache": True,
-            "torch_dtype": dtype,
         }
+        config = hf_config_frame(self, body, dtype)
         if a.vocab_size == _META_VOCAB:
             config["bos_token_id"] = 128000
             config["eos_token_id"] = 128001
@@ -173,10 +157,7 @@ class Llama3HFAdapter(HFStateDictAdapter):
                         "rope_scaling_factor sets the factor; low 1, high 4, original 8192 are fixed at Meta's values",
                     )
                 )
-        tied = config.get("tie_word_embeddings", False)
-        if not same_value(tied, a.tie_word_embeddings):
-            out.append(("tie_word_embeddings", tied, a.tie_word_embeddings, "tie_word_embeddings"))
-        return out
+        return out + tie_problem(config, a.tie_word_embeddings)
 
     @classmethod
     def _derive_args(cls, config: Mapping[str, Any]) -> Llama3Args:

@@ -85,7 +85,7 @@ def _with_deltas(mod: nn.Module, w1: torch.Tensor, w2: torch.Tensor, w3: torch.T
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from models.deepseek_v3.experts import GroupedExperts
+    from models.common.experts import GroupedExperts
 
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
 

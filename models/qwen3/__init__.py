@@ -1,4 +1,4 @@
 from models.qwen3.args import Qwen3Args, qwen3_flavors
-from models.qwen3.model import Attention, Qwen3, TransformerBlock
+from models.qwen3.model import Qwen3, TransformerBlock
 
-__all__ = ["Attention", "Qwen3", "Qwen3Args", "TransformerBlock", "qwen3_flavors"]
+__all__ = ["Qwen3", "Qwen3Args", "TransformerBlock", "qwen3_flavors"]

@@ -3,7 +3,7 @@
 One args class for both: ``n_routed_experts = 0`` is the dense model (every layer a SwiGLU of
 ``hidden_dim``), ``n_routed_experts > 0`` the MoE model (every layer routed: softmax router, top
 ``n_activated_experts``, renormalised when ``norm_topk_prob``, no shared expert), built from the
-shared MoE (``models/deepseek_v3/moe.MoE``) through the routing properties below.
+shared MoE (``models/common/moe.MoE``) through the routing properties below.
 
 Flavor values are those of the published ``config.json`` files of the Hugging Face repositories
 ``Qwen/Qwen3-0.6B``, ``-1.7B``, ``-4B``, ``-8B``, ``-14B``, ``-32B``, ``-30B-A3B`` and ``-235B-A22B``
@@ -46,7 +46,7 @@ class Qwen3Args(DecoderArgs):
     n_activated_experts: int = 8
     moe_inter_dim: int = 768
     norm_topk_prob: bool = True
-    # Auxiliary-loss-free balancing (expert-bias update rate, models/deepseek_v3/moe.py); None
+    # Auxiliary-loss-free balancing (expert-bias update rate, models/common/moe.py); None
     # (the default, as Qwen3 trains) disables it.
     load_balance_coeff: float | None = None
     # Qwen3-MoE's load-balancing loss (transformers' router_aux_loss_coef; 0.001 in the published
@@ -89,7 +89,7 @@ class Qwen3Args(DecoderArgs):
         return self.hidden_dim
 
     # ------------------------------------------------------------------ what the shared MoE reads
-    # (models/deepseek_v3/moe.MoE takes these by name; Qwen3's routing fixes them)
+    # (models/common/moe.MoE takes these by name; Qwen3's routing fixes them)
     @property
     def n_shared_experts(self) -> int:
         return 0

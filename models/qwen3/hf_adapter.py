@@ -26,18 +26,18 @@ from typing import Any
 
 import torch
 
-from models.common.hf_adapter import (
-    Absent,
-    ConfigField,
-    Entry,
-    HFStateDictAdapter,
-    Plain,
-    Stacked,
-    Tied,
-    rope_config,
-    same_value,
-)
+from models.common.hf_adapter import Absent, ConfigField, Entry, HFStateDictAdapter, rope_config
 from models.common.hf_config import need
+from models.common.hf_decoder import (
+    block_entries,
+    embedding_entries,
+    final_entries,
+    gqa_entries,
+    hf_config_frame,
+    routed_expert_entries,
+    swiglu_entries,
+    tie_problem,
+)
 from models.qwen3.args import Qwen3Args
 
 __all__ = ["Qwen3HFAdapter"]
@@ -94,53 +94,33 @@ class Qwen3HFAdapter(HFStateDictAdapter):
 
     def _entries(self) -> Iterable[Entry]:
         a = self.args
-        dim, hd = a.dim, a.head_dim
-        e, hid = a.n_routed_experts, a.moe_inter_dim
-        yield Plain("tok_embeddings.weight", "model.embed_tokens.weight", (a.vocab_size, dim))
+        dim = a.dim
+        yield from embedding_entries(a.vocab_size, dim)
         for i in range(a.n_layers):
             o, h = f"layers.{i}.", f"model.layers.{i}."
-            yield Plain(o + "attention_norm.weight", h + "input_layernorm.weight", (dim,))
-            yield Plain(o + "attention.wq.weight", h + "self_attn.q_proj.weight", (a.n_heads * hd, dim))
-            yield Plain(o + "attention.wk.weight", h + "self_attn.k_proj.weight", (a.kv_heads * hd, dim))
-            yield Plain(o + "attention.wv.weight", h + "self_attn.v_proj.weight", (a.kv_heads * hd, dim))
-            yield Plain(o + "attention.wo.weight", h + "self_attn.o_proj.weight", (dim, a.n_heads * hd))
-            yield Plain(o + "attention.q_norm.weight", h + "self_attn.q_norm.weight", (hd,))
-            yield Plain(o + "attention.k_norm.weight", h + "self_attn.k_norm.weight", (hd,))
-            yield Plain(o + "ffn_norm.weight", h + "post_attention_layernorm.weight", (dim,))
-            if not e:
-                ffn = a.hidden_dim
-                yield Plain(o + "feed_forward.w1.weight", h + "mlp.gate_proj.weight", (ffn, dim))
-                yield Plain(o + "feed_forward.w2.weight", h + "mlp.down_proj.weight", (dim, ffn))
-                yield Plain(o + "feed_forward.w3.weight", h + "mlp.up_proj.weight", (ffn, dim))
-                continue
-            yield Absent(
-                o + "moe.expert_bias",
-                (e,),
-                torch.float32,
-                0.0,
-                "Qwen3-MoE checkpoints have no expert bias, and this one is non-zero; train with load_balance_coeff "
-                "unset to export to Hugging Face.",
-            )
-            yield Plain(o + "moe.router.gate.weight", h + "mlp.gate.weight", (e, dim))
-            for ours, theirs, shape in (
-                ("w1", "gate_proj", (e, hid, dim)),
-                ("w2", "down_proj", (e, dim, hid)),
-                ("w3", "up_proj", (e, hid, dim)),
-            ):
-                yield Stacked(
-                    o + f"moe.experts.{ours}", tuple(h + f"mlp.experts.{j}.{theirs}.weight" for j in range(e)), shape
-                )
-        yield Plain("norm.weight", "model.norm.weight", (dim,))
-        if a.tie_word_embeddings:
-            yield Tied("output.weight", "tok_embeddings.weight", "lm_head.weight", (a.vocab_size, dim))
-        else:
-            yield Plain("output.weight", "lm_head.weight", (a.vocab_size, dim))
+            attention = gqa_entries(o, h, dim, a.n_heads, a.kv_heads, a.head_dim, rope_rows=False, qk_norm=True)
+            yield from block_entries(o, h, dim, attention, self._ffn_entries(o, h))
+        yield from final_entries(a.vocab_size, dim, a.tie_word_embeddings)
+
+    def _ffn_entries(self, o: str, h: str) -> Iterable[Entry]:
+        a = self.args
+        e = a.n_routed_experts
+        if not e:
+            yield from swiglu_entries(o + "feed_forward.", h + "mlp.", a.dim, a.hidden_dim)
+            return
+        yield Absent(
+            o + "moe.expert_bias",
+            (e,),
+            torch.float32,
+            0.0,
+            "Qwen3-MoE checkpoints have no expert bias, and this one is non-zero; train with load_balance_coeff "
+            "unset to export to Hugging Face.",
+        )
+        yield from routed_expert_entries(o, h, a.dim, e, a.moe_inter_dim)
 
     def hf_config(self, dtype: str = "bfloat16") -> dict:
         a = self.args
-        config: dict[str, Any] = {
-            "architectures": [self.hf_architecture],
-            "model_type": self.model_type,
+        body: dict[str, Any] = {
             "hidden_size": a.dim,
             "intermediate_size": a.hidden_dim,
             "num_hidden_layers": a.n_layers,
@@ -159,10 +139,8 @@ class Qwen3HFAdapter(HFStateDictAdapter):
             "sliding_window": None,
             "max_window_layers": a.n_layers,
             "initializer_range": 0.02,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "use_cache": True,
-            "torch_dtype": dtype,
         }
+        config = hf_config_frame(self, body, dtype)
         if a.n_routed_experts:
             config.update(
                 {
@@ -237,9 +215,7 @@ class Qwen3HFAdapter(HFStateDictAdapter):
             out.append(
                 ("layer_types", sorted(kinds), ["full_attention"], "our Qwen3 has full attention in every layer")
             )
-        tied = config.get("tie_word_embeddings", False)
-        if not same_value(tied, self.args.tie_word_embeddings):
-            out.append(("tie_word_embeddings", tied, self.args.tie_word_embeddings, "tie_word_embeddings"))
+        out += tie_problem(config, self.args.tie_word_embeddings)
         if self.args.n_routed_experts:
             sparse_step = config.get("decoder_sparse_step", 1)
             if sparse_step != 1:

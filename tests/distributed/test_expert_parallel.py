@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.deepseek_v3.experts import GroupedExperts
+from models.common.experts import GroupedExperts
 from tools.launcher import run_distributed
 
 DIM, HIDDEN, N_EXPERTS = 16, 32, 8

@@ -14,8 +14,11 @@ from torch import nn
 
 from models.common.args import DecoderArgs
 from models.common.attention import AttentionCore
-from models.common.decoder import Decoder, DecoderAttention, DecoderBlock
+from models.common.decoder import Decoder, DecoderAttention, DecoderBlock, moe_layers
+from models.common.experts import GroupedExperts
+from models.common.gqa import GroupedQueryAttention as GQAttention
 from models.common.init import ParamInit, full_init_tensor, init_parameters, param_seed
+from models.common.moe import MoE, TokenChoiceRouter
 from models.common.norms import RMSNorm
 from models.common.rope import (
     Llama3RopeScaling,
@@ -25,17 +28,9 @@ from models.common.rope import (
     compute_rope_table,
 )
 from models.common.sequence import load_balanced_positions, load_balanced_shard
-from models.deepseek_v3 import (
-    DeepSeekV3Args,
-    GroupedExperts,
-    MoE,
-    TokenChoiceRouter,
-    deepseek_v3_flavors,
-    moe_layers,
-)
+from models.deepseek_v3 import DeepSeekV3Args, deepseek_v3_flavors
 from models.deepseek_v3.model import Attention as MLAttention
 from models.llama3 import Llama3Args, llama3_flavors
-from models.llama3.model import Attention as GQAttention
 from models.registry import build_model, get_model_spec
 
 MODELS = ["llama3", "deepseek_v3"]

@@ -5,7 +5,7 @@ same steps without checkpointing, with no count added by a recomputed forward.
 Before the fix, ``backend="eager"`` failed in backward with "modified by an inplace operation"
 (the checkpointed subgraph's saved inputs include the count buffer, which the forward added to in
 place) and every checkpointed mode counted each token twice (see ``_counts_outside_backward`` in
-``models/deepseek_v3/moe.py``). The compiled cases run in bfloat16, as on a GPU: there the grouped
+``models/common/moe.py``). The compiled cases run in bfloat16, as on a GPU: there the grouped
 expert GEMM traces, so dynamo turns the whole checkpointed block into one subgraph (in float32 the
 experts' loop breaks the graph, and the block runs under eager checkpointing)."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.deepseek_v3 import moe as moe_module
+from models.common import moe as moe_module
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
 from models.registry import build_model
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.deepseek_v3 import moe as moe_module
+from models.common import moe as moe_module
+from models.common.experts import GroupedExperts
+from models.common.moe import MoE, combine_routed
 from models.deepseek_v3.args import deepseek_v3_flavors
-from models.deepseek_v3.experts import GroupedExperts
-from models.deepseek_v3.moe import MoE, combine_routed
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.common.experts import GroupedExperts, grouped_mm_by_default
+from models.common.moe import MoE
 from models.deepseek_v3.args import deepseek_v3_flavors
-from models.deepseek_v3.experts import GroupedExperts, grouped_mm_by_default
-from models.deepseek_v3.moe import MoE
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 

@@ -2,7 +2,7 @@
 
 Every term below is a tensor autograd (or activation checkpointing) keeps alive from the end
 of the forward to the backward, read off the forward code of ``models/common`` (RMSNorm,
-SwiGLU), ``models/llama3/model.py`` (GQA attention, RoPE), ``models/deepseek_v3`` (MLA, MoE)
+SwiGLU, ``gqa.py``: GQA attention and RoPE, ``moe.py``: MoE), ``models/deepseek_v3`` (MLA)
 and torch's derivative formulas; checked term by term against
 :func:`tools.planner.measure.measure_activations` on CPU (exact for the debug models in float32
 and bfloat16, ``tests/unit/test_planner.py``). Notation, per rank and micro-batch: ``b``

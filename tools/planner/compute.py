@@ -18,7 +18,7 @@ with the real shards of :mod:`tools.planner.inventory`:
   of the rank's sequence shard (``tokens / tp``); expert and expert-tensor parallelism move rows
   between ranks without changing the sum, and under balanced routing every rank processes as many
   rows as it routes (the fake backend's all-to-all gives exactly that);
-* the MoE combine (``models/deepseek_v3/moe.py``: ``combine_routed``): one batched matmul per
+* the MoE combine (``models/common/moe.py``: ``combine_routed``): one batched matmul per
   MoE layer, ``[tokens / tp, 1, top_k] @ [tokens / tp, top_k, dim]``, ``2 x tokens / tp x
   top_k x dim`` forward, in the compute dtype (never float8);
 * attention (scaled dot product, forward ``2 x b x heads x q_len x kv_len x (qk dim + v dim)``,

@@ -7,10 +7,10 @@ combine), the loss's float32 log-softmax -- do a few FLOPs per byte and run at t
 bandwidth. Each is priced at its minimum traffic: every input read once and every output written
 once (one fused kernel per op; eager code that splits an op into several kernels moves more, and
 a compiler that fuses neighbouring ops moves less). Read off the forward code of
-``models/common`` (RMSNorm, SwiGLU), ``models/llama3/model.py`` and ``models/deepseek_v3``
-(MLA, ``moe.py``: ``index_select`` dispatch; ``combine_routed``: the routed output
-un-permuted by ``index_put_`` into ``[tokens, top_k, dim]`` and reduced by one ``bmm`` with the
-weights cast to the compute dtype, all in the compute dtype) and ``trainer/forward.py``
+``models/common`` (RMSNorm, SwiGLU, ``gqa.py``; ``moe.py``: ``index_select`` dispatch,
+``combine_routed``: the routed output un-permuted by ``index_put_`` into ``[tokens, top_k,
+dim]`` and reduced by one ``bmm`` with the weights cast to the compute dtype, all in the compute
+dtype), ``models/deepseek_v3`` (MLA) and ``trainer/forward.py``
 (``cross_entropy`` of the float32 logits). The combine's ``bmm`` is a matmul whose FLOPs
 :mod:`tools.planner.compute` counts (the trainer's census sees it), but with ``top_k``
 multiply-adds per output element it does about one FLOP per byte it moves, far below any GPU's

@@ -1,10 +1,12 @@
-"""DeepSeek-V3's routed experts: ``E`` SwiGLU experts as stacked weights, computed with grouped
-GEMMs (or a per-expert loop where no sync-free grouped kernel exists), and the choice between them.
+"""The routed experts of every MoE model (``models/common/moe.py``): ``E`` SwiGLU experts as
+stacked weights, computed with grouped GEMMs (or a per-expert loop where no sync-free grouped
+kernel exists), and the choice between them.
 
 ``GroupedExperts.forward(x, num_tokens_per_expert)`` is the contract expert parallelism wraps:
 it receives tokens already sorted by (local) expert and only ever computes on local tensors, so
 the EP wrapper can all-to-all tokens in front of it and the weights can be DTensor shards. The
-routing, dispatch, combine and balancing around it are models/deepseek_v3/moe.py.
+routing, dispatch, combine and balancing around it are ``models/common/moe.py``; the float8
+grouped GEMMs it can run are ``models/common/float8_grouped.py``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,41 @@
-"""DeepSeek-V3 mixture of experts: grouped token-choice routing, dropless dispatch, the combine,
-auxiliary-loss-free balancing and the optional sequence-wise balance loss.
+"""The shared mixture of experts (DeepSeek-V3's design): grouped token-choice routing, dropless
+dispatch, the combine, auxiliary-loss-free balancing and the optional sequence-wise balance loss.
 
-The experts themselves (``GroupedExperts``, the contract expert parallelism wraps) are
-models/deepseek_v3/experts.py; they are re-exported here.
+Every MoE model builds this one module as its blocks' ``moe`` (DeepSeek-V3 after its dense
+layers, Qwen3-MoE in every layer) and configures it through the routing fields its args supply
+by name (:class:`MoEArgs`; Qwen3's are properties). The experts themselves
+(``GroupedExperts``, the contract expert parallelism wraps) are ``models/common/experts.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from models.common.experts import GroupedExperts
 from models.common.feed_forward import FeedForward
-from models.deepseek_v3.args import DeepSeekV3Args
-from models.deepseek_v3.experts import GroupedExperts
+
+__all__ = ["MoE", "MoEArgs", "TokenChoiceRouter", "combine_routed"]
+
+
+class MoEArgs(Protocol):
+    """What :class:`MoE` reads from a model's args, by name (fields or properties)."""
+
+    dim: int
+    moe_inter_dim: int
+    n_routed_experts: int
+    n_activated_experts: int
+    n_shared_experts: int
+    n_expert_groups: int
+    n_limited_groups: int
+    score_func: str
+    route_norm: bool
+    route_scale: float
+    load_balance_coeff: float | None
+    aux_loss_coeff: float
 
 
 def _identity(counts: torch.Tensor) -> torch.Tensor:
@@ -210,7 +231,7 @@ class MoE(nn.Module):
     recomputations); the trainer zeroes it before a forward and adds ``aux_loss_total /
     aux_loss_sequences`` to the loss it reports."""
 
-    def __init__(self, args: DeepSeekV3Args, use_grouped_mm: bool | None = None) -> None:
+    def __init__(self, args: MoEArgs, use_grouped_mm: bool | None = None) -> None:
         super().__init__()
         self.num_experts = args.n_routed_experts
         self.top_k = args.n_activated_experts
