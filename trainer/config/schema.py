@@ -128,7 +128,7 @@ class Training:
     epochs: int = _opt(
         0,
         "Stop after this many complete passes over the data (0 = off); with training.steps, whichever "
-        "comes first. A mixture's epoch is the most passes among its finite sources (docs/training.md).",
+        "comes first. A mixture's epoch is the most passes among its finite sources (docs/data.md).",
     )
     max_norm: float = _opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping.")
     mtp_loss_weight: float = _opt(
@@ -181,14 +181,14 @@ class Training:
         "How 'hf' and 'chat' rows are read: 'striped' = cut into one stripe of rows per sample of the "
         "global batch, each packed on its own, so each rank reads only its own rows (parquet and "
         "save_to_disk data); 'sequential' = one stream of windows over all rows, read in full by every "
-        "rank (.jsonl needs it); 'auto' = striped where the rows allow it (docs/fine_tuning.md).",
+        "rank (.jsonl needs it); 'auto' = striped where the rows allow it (docs/data.md).",
         choices=("auto", "striped", "sequential"),
     )
     sources: list[dict] = _opt(
         [],
         "A mixture instead of dataset/dataset_path: [[training.sources]] tables (path, kind = a dataset "
         "kind, weight > 0, optional name), each global sample drawn from one by a seeded schedule "
-        "(CLI: kind:weight:path,...; docs/fine_tuning.md).",
+        "(CLI: kind:weight:path,...; docs/data.md).",
     )
     text_documents: str = _opt(
         "file",
