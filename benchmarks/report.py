@@ -151,7 +151,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "planner_search",
         "Layout planner search time",
-        "`python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "
+        "`python -m tools.planner --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "
         "--gpu h100 --seq-len 8192 --global-batch 512 --top 5`",
     ),
     (

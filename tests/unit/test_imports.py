@@ -9,8 +9,11 @@ package is covered without editing this file.
 
 Direction (docs/design.md section 1): ``tools -> trainer -> models -> parallel_dims``;
 ``models/common`` (the decoder shell every model builds on) imports only itself and
-``parallel_dims``. Command-line entry points (``__main__`` modules) may reach upward, as
-``python -m parallel_dims --config`` / ``plan`` do; no module may import an entry point.
+``parallel_dims``. Command-line entry points (``__main__`` modules) follow the same direction: a
+command lives in the package whose code it runs. The one exception is :data:`FORWARDING`:
+``parallel_dims/moved_commands.py`` runs the commands that moved out of ``python -m
+parallel_dims`` (``plan`` -> ``python -m tools.planner``, ``--config`` -> ``python -m
+trainer.plan_report``) for users of the old forms. No module may import an entry point.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 # a package whose modules may import only these project packages
 ONLY: dict[str, tuple[str, ...]] = {
     "models.common": ("models.common", "parallel_dims"),
+}
+# the only imports against the direction: module -> the project modules it may import anyway.
+# parallel_dims/moved_commands.py forwards the old ``python -m parallel_dims plan`` and
+# ``--config`` to the commands that now live with their code (a moved or renamed target module
+# changes this entry and the forwarding together).
+FORWARDING: dict[str, frozenset[str]] = {
+    "parallel_dims.moved_commands": frozenset({"tools.planner.cli", "trainer.plan_report"}),
 }
 
 MAX_LINES = 500
@@ -196,16 +206,18 @@ def _is_entry_point(module: str) -> bool:
     return module.rsplit(".", 1)[-1] == "__main__"
 
 
-def layering_violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
-    """Every import against :data:`FORBIDDEN` / :data:`ONLY`, and every import of an entry
-    point, as ``"importer -> imported"``."""
+def layering_violations(
+    graph: Mapping[str, Iterable[str]], forwarding: Mapping[str, Iterable[str]] = FORWARDING
+) -> list[str]:
+    """Every import against :data:`FORBIDDEN` / :data:`ONLY` but the ``forwarding`` ones, and
+    every import of an entry point, as ``"importer -> imported"``."""
     bad = []
     for importer in sorted(graph):
         for imported in sorted(graph[importer]):
             if _is_entry_point(imported):
                 bad.append(f"{importer} -> {imported} (an entry point)")
                 continue
-            if _is_entry_point(importer):
+            if imported in forwarding.get(importer, ()):
                 continue
             for package, forbidden in FORBIDDEN.items():
                 if _in(importer, package) and any(_in(imported, f) for f in forbidden):
@@ -228,9 +240,9 @@ def test_discovery_finds_the_project_packages(graph):
     tops = {name.split(".")[0] for name in graph}
     assert {"parallel_dims", "models", "trainer", "tools", "benchmarks", "scripts", "train"} <= tops
     assert "tests" not in tops
-    # function-level and TYPE_CHECKING imports count: parallel_dims' CLI reaches the planner
-    # only inside a function
-    assert "tools.planner.cli" in graph["parallel_dims.__main__"]
+    # function-level and TYPE_CHECKING imports count: the forwarding of the old planner command
+    # reaches the planner only inside a function
+    assert "tools.planner.cli" in graph["parallel_dims.moved_commands"]
 
 
 def test_no_import_cycles(graph):
@@ -241,6 +253,28 @@ def test_no_import_cycles(graph):
 def test_imports_point_one_way(graph):
     bad = layering_violations(graph)
     assert not bad, "imports against the direction of docs/design.md section 1:\n  " + "\n  ".join(bad)
+
+
+def _upward(graph: Mapping[str, Iterable[str]], package: str) -> dict[str, set[str]]:
+    """``package``'s modules that import a package it must not import, and those imports."""
+    return {
+        importer: up
+        for importer, imported in graph.items()
+        if _in(importer, package)
+        if (up := {m for m in imported if any(_in(m, f) for f in FORBIDDEN[package])})
+    }
+
+
+def test_parallel_dims_reaches_up_only_to_forward_moved_commands(graph):
+    """parallel_dims imports trainer/ and tools/ in one place only, parallel_dims/moved_commands.py,
+    and there only the two commands' entry points (``python -m parallel_dims`` describes a layout
+    itself: its ``__main__`` imports nothing above parallel_dims); ``import parallel_dims`` never
+    loads the forwarding module."""
+    assert _upward(graph, "parallel_dims") == {m: set(t) for m, t in FORWARDING.items()}
+    assert "parallel_dims.moved_commands" not in graph["parallel_dims"]
+    assert {m for m, imported in graph.items() if "parallel_dims.moved_commands" in imported} == {
+        "parallel_dims.__main__"
+    }
 
 
 def _source_files(root: Path) -> dict[str, int]:
@@ -289,14 +323,18 @@ def test_checker_finds_layering_violations():
         "models.registry": {"models.common.decoder"},
         "parallel_dims.layout": {"trainer.config"},
         "parallel_dims.__main__": {"trainer.plan"},
+        "parallel_dims.moved_commands": {"trainer.plan_report", "tools.planner.cli", "trainer.plan"},
         "trainer.plan": {"tools.planner.cli", "parallel_dims.__main__"},
         "tools.planner.cli": set(),
         "trainer.config": set(),
         "models.common.args": set(),
     }
-    assert layering_violations(graph) == [
+    forwarding = {"parallel_dims.moved_commands": {"trainer.plan_report", "tools.planner.cli"}}
+    assert layering_violations(graph, forwarding) == [
         "models.common.decoder -> models.registry (models.common may import only models.common, parallel_dims)",
+        "parallel_dims.__main__ -> trainer.plan",  # an entry point follows the direction too
         "parallel_dims.layout -> trainer.config",
+        "parallel_dims.moved_commands -> trainer.plan",  # only the forwarded entry points
         "trainer.plan -> parallel_dims.__main__ (an entry point)",
         "trainer.plan -> tools.planner.cli",
     ]
