@@ -69,9 +69,11 @@ class Optimizer:
         choices=("round_robin", "gather"),
     )
     muon_update_rms: float = _opt(
-        0.2,
-        "Muon: the orthogonalised update is scaled by muon_update_rms x sqrt(max(rows, cols)) so its RMS "
-        "matches AdamW's and optimizer.lr and weight_decay carry over (Moonlight, arXiv:2502.16982: 0.2).",
+        1.0,
+        "Muon: the orthogonalised update is scaled by muon_update_rms x sqrt(max(rows, cols)), an update "
+        "RMS of about muon_update_rms per unit lr at every shape. 1.0 (the RMS of AdamW's first update) "
+        "lets optimizer.lr and weight_decay carry over from AdamW (measured: docs/optimizers.md); "
+        "Moonlight's 0.2 (arXiv:2502.16982) learns slower at AdamW's lr.",
     )
 
 
