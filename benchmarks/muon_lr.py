@@ -16,9 +16,9 @@ the run after the first 10% of steps, and at step 1. The reference is AdamW in t
 ``muon_minus_adamw`` is each Muon run's loss minus AdamW's at the last checkpoint (negative:
 Muon ahead).
 
-Sizes: ``make bench`` runs widths 128 and 256 with 2 blocks, 64-token rows, 120 steps (about 2
-minutes on an idle 2-core host); ``--full`` runs the docs' table, widths 256 and 512 with the
-debug model's 6 blocks, 128-token rows, 200 steps (about 25 minutes there).
+Sizes: ``make bench`` runs widths 128 and 256 with 2 blocks, 64-token rows, 120 steps (6 runs);
+``--full`` runs the docs' table, widths 256 and 512 with the debug model's 6 blocks, 128-token
+rows, 200 steps (6 runs of 1-7 minutes each on a shared 2-core host).
 """
 
 from __future__ import annotations

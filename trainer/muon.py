@@ -16,9 +16,9 @@ approximate U V^T of U's SVD, whose RMS is about 1/sqrt(max(m, n)). The scale r 
 is Moonlight's shape rule (section 2.2 of the paper): it makes the update's RMS about r whatever
 the shape, so one lr serves every width. Moonlight sets r = 0.2, the RMS of AdamW's update late
 in their long runs; here r defaults to 1.0 (``optimizer.muon_update_rms``), the RMS of AdamW's
-first, sign-like update, because measured on the debug model at widths 256 and 512 (200 steps,
-benchmarks/muon_lr.py, docs/optimizers.md) Muon at AdamW's lr learns 4-5x slower with r = 0.2
-and at least as fast as AdamW with r = 1.0: matching the update's RMS does not match the speed
+first, sign-like update, because measured on the debug model (widths 256 and 512,
+benchmarks/muon_lr.py, docs/optimizers.md) Muon at AdamW's lr falls far behind AdamW with
+r = 0.2 and keeps up with it with r = 1.0: matching the update's RMS does not match the speed
 (for a low-rank gradient an orthogonal update puts most of its norm where the gradient is
 small). NS runs in float32 here (the CPU proofs compare layouts in fp32; Jordan's and
 Moonlight's code use bfloat16 on GPUs).
