@@ -118,7 +118,7 @@ def summarize(metrics: Path, rms_file: Path, steps: int) -> dict:
         row = json.loads(line)
         if "loss" in row:
             loss[row["step"]] = row["loss"]
-    points = sorted({n for n in (30, steps // 2, steps) if n >= WINDOW})
+    points = sorted({n for n in (30, steps // 2, steps) if WINDOW <= n <= steps})
     rms = json.loads(rms_file.read_text())
     settled = rms[steps // 10 :]
     return {
