@@ -8,8 +8,8 @@ arguments with another ``dim`` (heads, KV heads, vocabulary, RoPE as the debug m
 width from Llama's sizing rule), the synthetic corpus, ``optimizer.lr = 8e-4`` (the shipped
 llama3.toml's), a WSD schedule (``lr_scheduler.decay_style = "wsd"``, 10% decay, 1-sqrt), the
 same seed and batches for every run. Variants: AdamW; Muon with ``optimizer.muon_update_rms``
-0.2 (Moonlight's RMS matching, the default before this measurement) and the current default
-(trainer/muon.py). Per run: the loss averaged over the 10 steps ending at each checkpoint step
+0.2 (Moonlight's RMS matching, the default: trainer/muon.py) and 1.0 (the RMS of AdamW's first
+update, what docs/optimizers.md recommends for small models at AdamW's lr). Per run: the loss averaged over the 10 steps ending at each checkpoint step
 (one step's loss on a 4-row batch is noisy), and the update RMS of the hidden matrices (the
 parameters Muon takes, measured for AdamW too): ``(W_new - W_old (1 - lr wd)) / lr``, mean over
 the run after the first 10% of steps, and at step 1. The reference is AdamW in the same run:
@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MOONLIGHT_RMS = 0.2
+FIRST_ADAMW_RMS = 1.0  # the RMS of AdamW's first (sign) update
 REDUCED = {"widths": [128, 256], "n_layers": 2, "seq_len": 64, "steps": 120}
 FULL = {"widths": [256, 512], "n_layers": 6, "seq_len": 128, "steps": 200}
 WINDOW = 10  # steps averaged per reported loss
@@ -50,7 +51,7 @@ def _default_rms() -> float:
 def variants() -> dict[str, list[str]]:
     """Name -> the run's optimizer flags."""
     out = {"AdamW": ["--optimizer.name", "AdamW"]}
-    for rms in dict.fromkeys([MOONLIGHT_RMS, _default_rms()]):
+    for rms in dict.fromkeys([MOONLIGHT_RMS, _default_rms(), FIRST_ADAMW_RMS]):
         out[f"Muon rms {rms:g}"] = ["--optimizer.name", "Muon", "--optimizer.muon_update_rms", str(rms)]
     return out
 
@@ -161,7 +162,7 @@ def run(size: dict | None = None) -> dict:
         "summary": f"train.py, one process, llama3 debug model at widths {size['widths']} with {size['n_layers']} "
         f"blocks, batch 4 x {size['seq_len']} tokens, {size['steps']} steps, lr 8e-4 WSD, synthetic corpus: loss "
         f"(mean of the {WINDOW} steps ending at each step) of AdamW and of Muon at AdamW's lr, for "
-        "optimizer.muon_update_rms 0.2 (Moonlight) and the default; update RMS of the hidden matrices per lr.",
+        "optimizer.muon_update_rms 0.2 (Moonlight's, the default) and 1.0; update RMS of the hidden matrices per lr.",
         "muon_update_rms_default": _default_rms(),
         "rows": rows,
     }

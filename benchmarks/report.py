@@ -153,8 +153,8 @@ SECTIONS: list[tuple[str, str, str]] = [
         "Muon at AdamW's learning rate",
         "`make bench` section `muon_lr` (also `python -m benchmarks.muon_lr --out bench_results/muon_lr.json`): "
         "train.py on one process, the llama3 debug model at widths 128 and 256 with 2 blocks, 120 steps at "
-        "lr 8e-4 (WSD): loss of Muon at AdamW's lr with `optimizer.muon_update_rms` 0.2 (Moonlight's) and the "
-        "default, and the hidden matrices' update RMS; reference: AdamW in the same run",
+        "lr 8e-4 (WSD): loss of Muon at AdamW's lr with `optimizer.muon_update_rms` 0.2 (Moonlight's, the "
+        "default) and 1.0, and the hidden matrices' update RMS; reference: AdamW in the same run",
     ),
     (
         "muon_lr_full",

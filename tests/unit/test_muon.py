@@ -5,12 +5,11 @@ The reference below is written from the papers, not from trainer/muon.py: Nester
 B <- mu B + G, U <- G + mu B; the Newton-Schulz quintic X <- a X + (b A + c A^2) X with
 A = X X^T, from X0 = U / (||U||_F + 1e-7) on the wide orientation, (a, b, c) = (3.4445, -4.775,
 2.0315), 5 steps, one matrix at a time (a 3-D expert weight is one matrix per expert); then
-W <- W (1 - lr wd) - lr r sqrt(max(m, n)) O (Moonlight's shape rule, arXiv:2502.16982 section 2.2, with
-r = 1.0, the default ``muon_update_rms``).
+W <- W (1 - lr wd) - lr 0.2 sqrt(max(m, n)) O (Moonlight's scale, arXiv:2502.16982 section 2.2).
 
 Tolerance: Muon runs the iteration in float32 and stores W in float32. Measured against float64
 the orthogonalised update differs by at most 1.0e-6 (entries up to 0.44), and after three steps
-W (entries up to 4.1, float32 spacing 4.8e-7 there) by at most 7.6e-7, i.e. about one float32
+W (entries up to 4.1, float32 spacing 4.8e-7 there) by at most 6.4e-7, i.e. about one float32
 step of W: the test allows 4e-6 (8 such steps). Negative controls: the same comparison fails by orders of
 magnitude for the easy mistakes (orthogonalising row halves separately, as a per-shard Muon
 would; four iterations instead of five; no Nesterov). (Transposing tall matrices is no such
@@ -32,7 +31,6 @@ from trainer.optim import build_optimizer
 
 COEF = (3.4445, -4.775, 2.0315)
 LR, WD, MU = 0.02, 0.1, 0.95
-RMS = 1.0  # Muon's default update_rms
 TOL = 4e-6  # on W, module docstring
 
 
@@ -59,7 +57,7 @@ def ref_ns(u: torch.Tensor, steps: int = 5, halves: bool = False) -> torch.Tenso
 def ref_muon(w0, grads, nesterov=True, **ns):
     """Float64 trajectory of one parameter under the gradients ``grads``."""
     w, buf = w0.double().clone(), torch.zeros_like(w0, dtype=torch.float64)
-    scale = RMS * math.sqrt(max(w0.shape[-2], w0.shape[-1]))
+    scale = 0.2 * math.sqrt(max(w0.shape[-2], w0.shape[-1]))
     for g in grads:
         g = g.double()
         buf = MU * buf + g
