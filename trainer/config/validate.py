@@ -22,6 +22,7 @@ from models.parallel.lora import LORA_CONVERTERS
 from models.registry import HF_FLAVOR, flavor_names, has_experts
 from trainer.config.derived import apply_hf_path, attn_mask_type
 from trainer.config.errors import ConfigError
+from trainer.config.long_run_checks import validate_long_run
 from trainer.config.schema import (
     SECTIONS,
     JobConfig,
@@ -264,40 +265,9 @@ def _validate_values(cfg: JobConfig) -> None:
         f"{cfg.comm.init_timeout_seconds} and {cfg.comm.train_timeout_seconds}",
     )
     _validate_comm(cfg, need)
-    _validate_long_run(cfg, need)
+    validate_long_run(cfg, need)  # trainer/config/long_run_checks.py
     if cfg.validation.enable:
         _validate_validation(cfg, need)
-
-
-def _validate_long_run(cfg: JobConfig, need) -> None:
-    """Bad steps, fault drills and stragglers (docs/long_runs.md)."""
-    from trainer.bad_steps import parse_skip_samples
-    from trainer.faults import parse_faults
-
-    t, m = cfg.training, cfg.metrics
-    parse_faults(cfg.debug.fault)
-    parse_skip_samples(t.skip_samples)
-    need(
-        t.max_consecutive_skips >= 1,
-        f"training.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}",
-    )
-    need(
-        t.loss_spike_factor == 0 or t.loss_spike_factor > 1,
-        f"training.loss_spike_factor must be > 1 (a loss that many times the recent median) or 0 (off), "
-        f"got {t.loss_spike_factor}",
-    )
-    need(t.loss_spike_window >= 1, f"training.loss_spike_window must be >= 1, got {t.loss_spike_window}")
-    need(
-        t.on_nonfinite != "rollback" or cfg.checkpoint.enable,
-        "training.on_nonfinite = rollback reloads the newest checkpoint: set checkpoint.enable = true "
-        "(and a checkpoint.interval short enough to lose little), or use on_nonfinite = skip",
-    )
-    need(
-        t.on_nonfinite != "rollback" or cfg.comm.mode == "default",
-        f"training.on_nonfinite = rollback needs comm.mode = default, not {cfg.comm.mode!r}: use 'skip' or 'stop'",
-    )
-    need(m.straggler_interval >= 0, f"metrics.straggler_interval must be >= 0, got {m.straggler_interval}")
-    need(m.straggler_threshold > 0, f"metrics.straggler_threshold must be > 0, got {m.straggler_threshold}")
 
 
 def _validate_validation(cfg: JobConfig, need) -> None:
