@@ -144,7 +144,7 @@ SECTIONS: list[tuple[str, str, str]] = [
         "Optimizer step: Muon against AdamW",
         "`make bench` section `optimizer` (also `python -m benchmarks.run --only optimizer --out "
         "bench_results/optimizer.json`): the optimizer step of the llama3 debug model (6 blocks) on 2 gloo "
-        "ranks (one thread each) under fsdp=2 and tp=2, Muon (trainer/muon.py) against AdamW (foreach) in "
+        "ranks (one thread each) under fsdp=2 and tp=2, Muon (trainer/optim/muon.py) against AdamW (foreach) in "
         "the same processes, median of 5 steps, Muon under both `optimizer.muon_distribution` schemes: "
         "round_robin (the default: one owner rank per matrix) and gather (every rank every matrix)",
     ),

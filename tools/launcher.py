@@ -66,7 +66,7 @@ def _context():
                 "torch.distributed.pipelining",
                 "models.registry",
                 "models.parallelize",
-                "trainer.grad_clip",
+                "trainer.optim.grad_clip",
                 # train.py's imports, and torch._dynamo: torch imports it lazily at the first
                 # call of a function it keeps out of compilation (the optimizer's step and
                 # zero_grad among them), so every training process pays for it

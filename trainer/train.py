@@ -50,12 +50,12 @@ from trainer.distributed_init import (
 )
 from trainer.distributed_init import log as _log
 from trainer.forward import ModelForward, cross_entropy_sum
-from trainer.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.instruments import Instruments, build_instruments
 from trainer.local_tensor import PerRankLoader, check_all_local, load_local_initial_weights, rank0_view
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.mtp import MTPLoss
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.precision import apply_precision_policy
 from trainer.run_mode import RunMode
@@ -146,7 +146,7 @@ class Trainer:
             self.loss_fn = self.mtp_loss
         # every parameter of the whole model (all stages) after the converters (LoRA trains its
         # adapters only): the optimizer's groups are checked and summarised against the trainable
-        # ones (trainer/optim_groups.py)
+        # ones (trainer/optim/groups.py)
         all_params, frozen_params = trainable_params(plan, model)
         self.model_parts = build_model_parts(plan, model, self.device, cfg.training.seed)
         self.float8_precompute = False

@@ -161,7 +161,7 @@ def _run_model(plan, data: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from models.parallel.tensor_parallel import loss_parallel_context
-    from trainer.grad_clip import finalize_grads
+    from trainer.optim.grad_clip import finalize_grads
 
     torch.manual_seed(0)
     pd, opts = plan.parallel_dims, plan.parallelize
@@ -199,7 +199,7 @@ def _run_pipeline(plan, data: dict) -> dict:
         stage_activation_dtype,
         sum_loss_over_pp,
     )
-    from trainer.grad_clip import finalize_grads
+    from trainer.optim.grad_clip import finalize_grads
 
     torch.manual_seed(0)
     pd, opts = plan.parallel_dims, plan.parallelize

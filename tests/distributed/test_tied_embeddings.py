@@ -114,7 +114,7 @@ def _pp_steps(rank, world_size, sync: bool, degrees: dict | None = None):
 
     from models.parallel.pipeline import build_pipeline_schedule, pipeline_step, sum_loss_over_pp
     from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
-    from trainer.grad_clip import clip_grad_norm_, finalize_grads
+    from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 
     torch.manual_seed(0)
     plan = _tied_plan(

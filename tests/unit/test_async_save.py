@@ -31,7 +31,7 @@ from trainer.checkpoint.async_save import (
 from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.drill import _wanted
 from trainer.config import ConfigError, load_config
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import plan_job
 
 ROOT = Path(__file__).resolve().parents[2]

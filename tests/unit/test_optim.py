@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainer.config import load_config
-from trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier, param_groups
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer, lr_multiplier, param_groups
 
 
 class Tiny(nn.Module):
@@ -134,7 +134,7 @@ def _like(p, full):
 
 
 def test_auto_implementation():
-    from trainer.optim import resolve_implementation
+    from trainer.optim.optimizers import resolve_implementation
 
     cpu = [torch.zeros(2)]
     assert resolve_implementation("auto", cpu) == "foreach"

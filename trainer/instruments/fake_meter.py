@@ -118,7 +118,7 @@ class FakeStepMeter(HookBase):
         params = [p for part in model_parts for p in part.parameters()]
         self.state["local_params"] = sum(_local(p).numel() for p in params)
         self.state["param_bytes"] = _bytes(params)
-        optimizers = getattr(optimizer, "optimizers", [optimizer])  # trainer.optim.Optimizers: one per part
+        optimizers = getattr(optimizer, "optimizers", [optimizer])  # trainer.optim.optimizers.Optimizers: one per part
         states = [s[k] for opt in optimizers for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
         self.state["optimizer_bytes"] = _bytes(states)
 
