@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         same = out.exists() and out.read_text() == text
         print(f"{out} is {'up to date' if same else 'stale: run python -m benchmarks.report'}", file=sys.stderr)
         return 0 if same else 1
-    from trainer.files import atomic_write
+    from trainer.runtime.files import atomic_write
 
     atomic_write(str(out), text)
     print(f"wrote {out}", file=sys.stderr)

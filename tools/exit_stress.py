@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 from tools.compare_loss.layouts import UsageError, parse_layout, slug
 from tools.compare_loss.runner import TRAIN_PY, run_streaming, torchrun_cmd
-from trainer.cli_errors import report_user_error
+from trainer.runtime.cli_errors import report_user_error
 
 # (model config, layout): the four layouts together use every axis (dp_replicate, dp_shard,
 # cp, tp, pp, ep, etp); the first is the layout whose exit aborted in the field.

@@ -21,11 +21,13 @@ from parallel_dims.torch_compat import host_side
 from trainer.checkpoint.async_save import CheckpointWriteFailed
 from trainer.checkpoint.dcp import save_seed_checkpoint
 from trainer.checkpoint.drill import drill_point
-from trainer.cli_errors import EXIT_BAD_INPUT, error_line, user_error
 from trainer.config import ConfigError, JobConfig, load_config
-from trainer.console import say_once
 from trainer.data.tokenizer import load_tokenizer
-from trainer.distributed_init import (
+from trainer.model_spec import config_model_spec
+from trainer.plan import model_overrides
+from trainer.runtime.cli_errors import EXIT_BAD_INPUT, error_line, user_error
+from trainer.runtime.console import say_once
+from trainer.runtime.distributed_init import (
     EXIT_PEER_GONE,
     init_distributed,
     is_collective_timeout,
@@ -33,12 +35,10 @@ from trainer.distributed_init import (
     report_collective_timeout,
     require_writable_folder,
 )
-from trainer.distributed_init import log as _log
-from trainer.fake_backend import is_fake_backend
-from trainer.model_spec import config_model_spec
-from trainer.plan import model_overrides
+from trainer.runtime.distributed_init import log as _log
+from trainer.runtime.stop import exit_code
+from trainer.simulation.fake_backend import is_fake_backend
 from trainer.step import TrainingDiverged
-from trainer.stop import exit_code
 from trainer.train import Trainer
 
 __all__ = ["create_seed_checkpoint", "main"]

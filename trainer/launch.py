@@ -16,7 +16,7 @@ flag, every ``--section.key`` a config key) and then:
 3. ends as the job ended, in one line at most: a worker's user error was already printed by
    the rank that met it (exit code 2; ranks whose collectives then failed on the gone peer end
    quietly with exit code 4, and the launcher reports the cause, not them); a run stopped by SIGINT / SIGTERM printed its stop line (exit code
-   128 + the signal, trainer/stop.py); a worker that crashed or was killed gets one line naming
+   128 + the signal, trainer/runtime/stop.py); a worker that crashed or was killed gets one line naming
    the rank, its exit code or signal, and that its output is above.
 
 What torchrun adds and this leaves out: the OMP_NUM_THREADS banner (the variable is still set
@@ -37,7 +37,7 @@ import signal
 import sys
 import uuid
 
-from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
+from trainer.runtime.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
 
 __all__ = ["launcher_argv", "main"]
 
@@ -166,7 +166,7 @@ def _cause(exc):
     SIGTERM: 143), possibly within the same second, which torch's first-failure timestamp does
     not tell apart; so bad input (2) first, then any other failure (a bug, a kill), then a
     stop signal, then a rank whose peer was gone; the earliest within each."""
-    from trainer.distributed_init import EXIT_PEER_GONE
+    from trainer.runtime.distributed_init import EXIT_PEER_GONE
 
     def priority(code: int) -> int:
         if code == EXIT_BAD_INPUT:
@@ -249,7 +249,7 @@ def run(launch: list[str], rest: list[str]) -> int:
     except SignalException as exc:
         # the agent sent the signal on to the workers and waited for them to save and exit. A
         # second signal while it waited makes it shut down again with SIGTERM, which stops the
-        # workers at once (trainer/stop.py); any worker still running gets the signal too and
+        # workers at once (trainer/runtime/stop.py); any worker still running gets the signal too and
         # is waited for
         _forward_to_children(int(exc.sigval))
         _wait_for_children(getattr(args, "shutdown_timeout", 30))

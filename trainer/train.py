@@ -8,9 +8,9 @@ reductions summed over the ``loss`` mesh.
 
 After ``plan_job`` the layout and the batch come from the :class:`~trainer.plan.JobPlan` only
 (the stages, the schedule, the loader's batch, the parallelize options). The rooms around the
-loop: trainer/distributed_init.py (joining the job, timeouts, the watchdog), trainer/build.py
+loop: trainer/runtime/distributed_init.py (joining the job, timeouts, the watchdog), trainer/build.py
 (model parts and pipeline from the plan), trainer/forward.py (the forward + loss shared with
-validation), trainer/step.py (the step's result and reductions), trainer/run_mode.py (real or
+validation), trainer/step.py (the step's result and reductions), trainer/simulation/run_mode.py (real or
 fake backend) and trainer/instruments/ (the step hooks).
 """
 
@@ -34,32 +34,33 @@ from parallel_dims.torch_compat import host_side
 from trainer.build import build_model_parts, build_pipeline, trainable_params
 from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.drill import hold_until_stopped, stop_gate
-from trainer.checkpoint.local_tensor import LocalTensorFolder
+from trainer.checkpoint.local_tensor import LocalTensorFolder, load_local_initial_weights
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import JobConfig
-from trainer.console import configure_console
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.data_progress import DataProgress
-from trainer.distributed_init import (
-    apply_train_timeout,
-    init_distributed,
-    require_writable_folder,
-    start_watchdog,
-    wait_until_every_rank_joined,
-)
-from trainer.distributed_init import log as _log
 from trainer.forward import ModelForward, cross_entropy_sum
 from trainer.instruments import Instruments, build_instruments
-from trainer.local_tensor import PerRankLoader, check_all_local, load_local_initial_weights, rank0_view
 from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.mtp import MTPLoss
 from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.precision import apply_precision_policy
-from trainer.run_mode import RunMode
 from trainer.run_summary import RunTotals, commit_run, end_lines
+from trainer.runtime.console import configure_console
+from trainer.runtime.distributed_init import (
+    apply_train_timeout,
+    init_distributed,
+    require_writable_folder,
+    start_watchdog,
+    wait_until_every_rank_joined,
+)
+from trainer.runtime.distributed_init import log as _log
+from trainer.runtime.stop import StopSignals, stop_group
+from trainer.simulation.local_tensor import PerRankLoader, check_all_local, rank0_view
+from trainer.simulation.run_mode import RunMode
 from trainer.startup import plan_startup
 from trainer.step import (
     StepResult,
@@ -70,7 +71,6 @@ from trainer.step import (
     reduce_loss,
     update_expert_bias,
 )
-from trainer.stop import StopSignals, stop_group
 from trainer.validation import Validator
 from trainer.wandb_log import agree_on_start
 
@@ -202,7 +202,7 @@ class Trainer:
             lora=plan.parallelize.lora,
         )
         self.step = 0
-        self.stopped_by: int | None = None  # the signal that stopped train() early (trainer/stop.py)
+        self.stopped_by: int | None = None  # the signal that stopped train() early (trainer/runtime/stop.py)
         self.stop_signals: StopSignals | None = None  # while and after train() runs
         self.instruments = Instruments()  # the step hooks; train() builds the config's
 
@@ -358,7 +358,7 @@ class Trainer:
         steps_since_log = 0
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False
-        # every step (and save, validation) under a deadline: trainer/comm_watchdog.py
+        # every step (and save, validation) under a deadline: trainer/runtime/comm_watchdog.py
         self.watchdog = start_watchdog(cfg, self.mode, self.rank, self.world_size)
         peers = self.mode.has_peers(self.world_size)
         self.progress = progress = DataProgress(self.data, epochs=cfg.training.epochs, peers=peers)

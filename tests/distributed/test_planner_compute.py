@@ -3,7 +3,7 @@ layout really computes, measured on the fake backend.
 
 Each layout runs ONE rank of its job through ``train.py`` with ``comm.mode = "fake_backend"``
 (the real meshes, sharding, pipeline split and schedule; no-op collectives; for MoE balanced
-routing, see trainer/fake_backend.py), and ``profiling.matmul_census_step`` counts the FLOPs of
+routing, see trainer/simulation/fake_backend.py), and ``profiling.matmul_census_step`` counts the FLOPs of
 every matmul-class op of the step at the rank's local shard shapes (GEMMs forward and backward,
 scaled-dot-product attention forward and backward). The planner's prediction for the same rank,
 from the trainer's own job plan of the same config, must equal it EXACTLY: tensor-parallel

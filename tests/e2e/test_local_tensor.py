@@ -156,7 +156,7 @@ GUARD = textwrap.dedent(
     """
     import torch
     from torch import nn
-    from trainer.local_tensor import PlainTensorInLocalMode, check_all_local, enter_local_tensor_mode
+    from trainer.simulation.local_tensor import PlainTensorInLocalMode, check_all_local, enter_local_tensor_mode
 
     enter_local_tensor_mode(2)
     inside = nn.Linear(4, 4)  # created in the mode: every rank's own tensor

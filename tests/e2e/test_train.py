@@ -286,7 +286,7 @@ def test_pipeline_with_activation_checkpointing_is_bitwise_unchanged(tmp_path, p
     assert _steps(read_metrics(tmp_path), 1, 4) == _steps(read_metrics(pipeline_job_runs[2]), 1, 4)
 
 
-# ---------------------------------------------------------------- stopping (trainer/stop.py)
+# ---------------------------------------------------------------- stopping (trainer/runtime/stop.py)
 # SIGINT / SIGTERM stop every rank at a step boundary with a checkpoint there; the resumed run
 # continues the uninterrupted curve bitwise (the crash job's reference). The step a signal
 # lands in is random (the assertion messages name it): every step must work. The runs hold
@@ -373,12 +373,12 @@ def test_sigterm_to_every_rank_finishes_the_background_save(tmp_path, crash_job_
 
 
 def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path):
-    """A second SIGINT (after trainer/stop.py's 3 s window) while the stop's checkpoint is being
+    """A second SIGINT (after trainer/runtime/stop.py's 3 s window) while the stop's checkpoint is being
     written (every rank held at the drill's ``write`` point: data files written, no .metadata)
     ends every rank at once with one line each naming the newest complete checkpoint, exit code
     130; the save cut short is never published (step-N.tmp), the newest complete one loads."""
     from trainer.checkpoint.dcp import CheckpointFolder
-    from trainer.stop import REPEAT_WINDOW_S
+    from trainer.runtime.stop import REPEAT_WINDOW_S
 
     run = tmp_path / "run"
     # every save holds once its files are written; the run cannot reach its last step (and that

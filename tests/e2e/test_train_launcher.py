@@ -155,13 +155,13 @@ def test_ctrl_c_to_the_launcher_stops_the_workers_at_a_step(tmp_path):
 
 
 def test_a_second_ctrl_c_to_the_launcher_stops_the_workers_at_once(tmp_path):
-    """Ctrl-C, then (3 s on, trainer/stop.py's window) Ctrl-C again while the workers are held
+    """Ctrl-C, then (3 s on, trainer/runtime/stop.py's window) Ctrl-C again while the workers are held
     in the middle of writing the stop's checkpoint (the drill's ``write`` point): the agent's
     wait is cut short and it shuts down again with SIGTERM, the workers stop at once (one line
     each), the launcher exits 130 with nothing of its own, no traceback; the save cut short is
     never published."""
     from trainer.checkpoint.dcp import CheckpointFolder
-    from trainer.stop import REPEAT_WINDOW_S
+    from trainer.runtime.stop import REPEAT_WINDOW_S
 
     def held_mid_write(line: str, pid: int) -> bool:
         _ctrl_c_at_step_2(line, pid)

@@ -1,5 +1,5 @@
 """Bad input in the data path ends in one error that names the file, the row or the option and
-the fix (a ValueError: one ``error:`` line and exit code 2 through train.py, trainer/cli_errors.py):
+the fix (a ValueError: one ``error:`` line and exit code 2 through train.py, trainer/runtime/cli_errors.py):
 
 - data with nothing to read in a whole pass (files of blank lines) instead of starting over
   forever, for every kind that reads lines (jsonl, text by line or paragraph, hf and chat rows

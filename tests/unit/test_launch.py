@@ -90,7 +90,7 @@ def test_the_launcher_names_the_cause_not_the_ranks_that_ended_after_it():
 def test_a_collective_that_failed_on_a_gone_peer_is_told_apart_from_a_bug():
     import torch.distributed as dist
 
-    from trainer.distributed_init import is_peer_gone
+    from trainer.runtime.distributed_init import is_peer_gone
 
     gloo = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33965. This is typically caused"
     assert is_peer_gone(RuntimeError(gloo)) and is_peer_gone(dist.DistBackendError(gloo))

@@ -373,7 +373,7 @@ def _plan(*argv: str):
 
 def test_mtp_refused_where_unsupported():
     """model.mtp_layers asked of Llama 3 / Qwen3: one line naming the problem and the fix
-    (ConfigError: exit 2 from train.py, trainer/cli_errors.py); tp = 2 and pp = 2 plan."""
+    (ConfigError: exit 2 from train.py, trainer/runtime/cli_errors.py); tp = 2 and pp = 2 plan."""
     from trainer.config.errors import ConfigError
 
     for name in ("llama3", "qwen3"):

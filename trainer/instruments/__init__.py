@@ -4,7 +4,7 @@
 trainer loop calls: the fake-backend meter (comm.mode = "fake_backend", fake_meter.py), the
 collective recorder (``comm.record_step``, comm_record.py), the matmul census
 (``profiling.matmul_census_step``, matmul_census.py) and the profiler (``[profiling]``,
-profiler.py). Every file they write goes through trainer/files.py.
+profiler.py). Every file they write goes through trainer/runtime/files.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from trainer.config import JobConfig
 from trainer.instruments.base import HookBase, Instruments, StepHook
-from trainer.run_mode import RunMode
+from trainer.simulation.run_mode import RunMode
 
 __all__ = ["HookBase", "Instruments", "StepHook", "build_instruments"]
 

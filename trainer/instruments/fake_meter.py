@@ -1,4 +1,4 @@
-"""The fake-backend meter (``comm.mode = "fake_backend"``, trainer/fake_backend.py): per step,
+"""The fake-backend meter (``comm.mode = "fake_backend"``, trainer/simulation/fake_backend.py): per step,
 this rank's compute time (the training step's wall time, synchronized on GPU), the CPU time the
 process spent in it and its peak memory, in the console, in ``metrics.jsonl``
 (``fake_step_time_s``, ``fake_cpu_time_s``, ``fake_peak_memory_gib``, ``fake_memory_kind``) and
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.fake_backend import FAKE_NOTE
-from trainer.files import atomic_write_json
 from trainer.instruments.base import HookBase
+from trainer.runtime.files import atomic_write_json
+from trainer.simulation.fake_backend import FAKE_NOTE
 
 __all__ = ["FakeStepMeter"]
 

@@ -22,7 +22,7 @@ launcher forwards the signal it gets to every worker, so under a terminal's Ctrl
 a worker may receive the same request twice. Schedulers send one SIGTERM and, after their
 grace period, SIGKILL: they never stop a save short.
 
-A step that hangs while stopping is bounded by the step watchdog (trainer/comm_watchdog.py),
+A step that hangs while stopping is bounded by the step watchdog (trainer/runtime/comm_watchdog.py),
 as every step is; the save runs under its long-phase deadline.
 """
 
@@ -49,7 +49,7 @@ def stop_group(cfg, peers: bool) -> dist.ProcessGroup | None:
     WORLD; otherwise a host group of every rank (parallel_dims' ``host_group``, created by every
     rank), so the agreement never waits behind the accelerator's queue."""
     from parallel_dims.process_groups import host_group
-    from trainer.distributed_init import wait_until_every_rank_joined
+    from trainer.runtime.distributed_init import wait_until_every_rank_joined
 
     if not peers:
         return None

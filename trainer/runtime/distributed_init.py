@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from parallel_dims import default_backend, default_device_type
-from trainer.cli_errors import dcp_failures
-from trainer.comm_watchdog import (
+from trainer.config import ConfigError, JobConfig
+from trainer.runtime.cli_errors import dcp_failures
+from trainer.runtime.comm_watchdog import (
     EXIT_COMM_TIMEOUT,
     JobWatchdog,
     NullWatchdog,
@@ -26,10 +27,9 @@ from trainer.comm_watchdog import (
     pg_timeout_seconds,
     write_flight_recorder_dump,
 )
-from trainer.config import ConfigError, JobConfig
-from trainer.fake_backend import init_fake_process_group, is_fake_backend
-from trainer.local_tensor import enter_local_tensor_mode
-from trainer.run_mode import RunMode
+from trainer.simulation.fake_backend import init_fake_process_group, is_fake_backend
+from trainer.simulation.local_tensor import enter_local_tensor_mode
+from trainer.simulation.run_mode import RunMode
 
 __all__ = [
     "apply_train_timeout",
@@ -59,7 +59,7 @@ def init_distributed(cfg: JobConfig) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized() and cfg.comm.mode == "fake_backend":
-        # one rank of a comm.fake_world_size job in this process (trainer/fake_backend.py)
+        # one rank of a comm.fake_world_size job in this process (trainer/simulation/fake_backend.py)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError(
                 f"comm.mode = 'fake_backend' runs one process that plays rank comm.fake_rank of "
@@ -68,7 +68,7 @@ def init_distributed(cfg: JobConfig) -> torch.device:
             )
         init_fake_process_group(cfg.comm.fake_world_size, cfg.comm.fake_rank)
     if not dist.is_initialized() and cfg.comm.mode == "local_tensor":
-        # every rank of a comm.fake_world_size job in this process (trainer/local_tensor.py)
+        # every rank of a comm.fake_world_size job in this process (trainer/simulation/local_tensor.py)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError(
                 f"comm.mode = 'local_tensor' simulates all comm.fake_world_size ranks in one process, but "
@@ -136,7 +136,7 @@ def apply_train_timeout(seconds: int) -> None:
     after the long start-up timeout. Placeholder groups (size-1 axes) have no communicator;
     groups passed to :func:`keep_creation_timeout` keep theirs.
     NCCL groups get ``seconds`` + the watchdog's grace: the step watchdog speaks at ``seconds``
-    (trainer/comm_watchdog.py)."""
+    (trainer/runtime/comm_watchdog.py)."""
     if not dist.is_initialized():
         return
     dist.barrier()  # every rank finished its first step: nothing is in flight under the old timeout

@@ -6,7 +6,7 @@ ranks; torch's own ``UserWarning`` s the same). :func:`configure_console` makes 
 that speaks: its log records of level WARNING and up, and Python warnings (routed through
 logging, each shown once per place as Python's default filter does), go to stderr as plain
 lines. Every other rank prints only records of level ERROR and up, prefixed with its rank, for
-what only that rank knows. The trainer's own lines (``trainer.distributed_init.log``) are
+what only that rank knows. The trainer's own lines (``trainer.runtime.distributed_init.log``) are
 rank 0's already; a rank-specific line is printed by that rank with its rank in it.
 """
 

@@ -2,7 +2,7 @@
 
 A run is either real (every rank a process, collectives move data) or, with ``comm.mode =
 "fake_backend"``, one process playing rank ``comm.fake_rank`` of ``comm.fake_world_size``
-(trainer/fake_backend.py): shapes, memory and compute are the real rank's, values are not. The
+(trainer/simulation/fake_backend.py): shapes, memory and compute are the real rank's, values are not. The
 trainer builds one :class:`RunMode` from the config and asks it the few questions whose answer
 differs; nothing else in the loop tests the mode.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config import JobConfig
-from trainer.fake_backend import prepare_fake_config
-from trainer.local_tensor import prepare_local_tensor_config
+from trainer.simulation.fake_backend import prepare_fake_config
+from trainer.simulation.local_tensor import prepare_local_tensor_config
 
 __all__ = ["RunMode"]
 
@@ -21,7 +21,7 @@ __all__ = ["RunMode"]
 @dataclass(frozen=True)
 class RunMode:
     fake: bool  # one rank of a larger job on torch's fake backend
-    local: bool = False  # every rank of the job in this process (trainer/local_tensor.py)
+    local: bool = False  # every rank of the job in this process (trainer/simulation/local_tensor.py)
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> RunMode:
