@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["subprocess", "fork"],
         default="subprocess",
         help="how each measurement process starts: a new interpreter (default), or forked from a "
-        "server that imported torch and the trainer once (tools/launcher.py; the test suite's CPU "
+        "server that imported torch and the trainer once (tools/forkserver.py; the test suite's CPU "
         "smoke run: the same scripts and arguments without the imports per process)",
     )
     p.add_argument(

@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int, degrees: dict, reps: int) -> dict:
 
 
 def run(reps: int = REPS) -> dict:
-    from tools.launcher import run_distributed
+    from tools.forkserver import run_distributed
 
     rows = []
     for layout, degrees in LAYOUTS.items():

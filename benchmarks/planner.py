@@ -231,7 +231,7 @@ def cpu_profile() -> dict:
     collective costs inside a training step beyond that microbenchmark."""
     import dataclasses
 
-    from tools.launcher import run_distributed
+    from tools.forkserver import run_distributed
     from tools.planner.compute import rank_matmul_flops
     from tools.planner.hardware import OPTIMIZER_BYTES_PER_PARAM, collective_seconds, load_hardware
 

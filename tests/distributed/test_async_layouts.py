@@ -41,7 +41,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ = 4, 16
 LLAMA3 = [

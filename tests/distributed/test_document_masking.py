@@ -57,7 +57,7 @@ from tests.distributed.parallel_harness import (
     computed_once,
     harness_plan,
 )
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 BS, SEQ = 2, 32  # seq divisible by 2 * cp * tp = 8
 A_LENS = (5, 10)  # doc A's length per row; doc B follows its EOS

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 import torch
 
 from tests.distributed.parallel_harness import SEED, build_layout_model, harness_plan, make_batch
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ_LEN = 4, 32
 F8 = ("--model.converters", "float8")

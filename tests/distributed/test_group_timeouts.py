@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from parallel_dims import ParallelDims
 from parallel_dims.process_groups import process_group_timeout
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 INIT_S, TRAIN_S, EXPLICIT_S = 123, 7, 45
 

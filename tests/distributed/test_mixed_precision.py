@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 MIN_BF16_SHARE = 0.99
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed.parallel_harness import build_layout_model, harness_plan
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 LAYOUTS = [
     ("llama3", {"dp_shard": 4}),

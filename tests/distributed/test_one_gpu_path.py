@@ -22,7 +22,7 @@
   the weights and AdamW's state exactly as before it; so is a chat step whose whole batch holds
   no target token (with either implementation: foreach stops before the optimizer).
 
-One forked process for all of it (tools/launcher.py), the trainer built in it as train.py builds it.
+One forked process for all of it (tools/forkserver.py), the trainer built in it as train.py builds it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import hashlib
 import pytest
 import torch
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -64,7 +64,7 @@ from tests.distributed.parallel_harness import (
     make_packed_batch,
     record_routing_margins,
 )
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ, N_MICROBATCHES, MAX_NORM = 8, 32, 4, 1.0
 N_LAYERS = 4  # 4 stages for the two-stages-per-rank schedules at pp=2

@@ -19,7 +19,7 @@ import dataclasses
 import pytest
 
 from tests.distributed import parallel_harness as ph
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -4,7 +4,7 @@ checkpoints, activation checkpointing, profiling, errors, a hung rank.
 
 Two launchers (tests/e2e/helpers.py): torchrun where the claim involves the launcher or the
 processes (the README run, SIGKILL / SIGSTOP of workers, what reaches stderr under torchrun),
-ranks forked from tools/launcher.py's server where the claim is the math or a message (bitwise
+ranks forked from tools/forkserver.py's server where the claim is the math or a message (bitwise
 the torchrun run: tests/e2e/test_launcher.py). Most runs use ``--model.n_layers 2`` (each test
 says why that still proves its property)."""
 
@@ -498,7 +498,7 @@ def test_no_rank_goes_on_before_every_rank_joined(tmp_path):
     script.write_text(_LATE_JOINER)
     marks = tmp_path / "marks"
     marks.mkdir()
-    from tools.launcher import run_train as run_forked_script
+    from tools.forkserver import run_train as run_forked_script
 
     run = tmp_path / "run"
     args = [str(marks), *LLAMA, *TWO_LAYERS, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1"]

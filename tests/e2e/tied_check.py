@@ -1,6 +1,6 @@
 """``train.py`` that also checks, after every optimizer step, that every copy of a tied
 embedding/head weight on every rank is bitwise the same (tests/e2e/test_tied_train.py runs it on
-forked ranks: ``tools.launcher.run_train(..., script=this file)``).
+forked ranks: ``tools.forkserver.run_train(..., script=this file)``).
 
 A pipeline keeps the tied weight twice, the embedding on the first stage and a copy as the head
 on the last (models/parallel/pipeline/tied.py); after each step every rank hashes the full value

@@ -76,7 +76,7 @@ def test_model_layout_and_batch_rules_are_checked():
 
 
 def test_describe_cli_prints_the_plan_of_a_config():
-    """``python -m parallel_dims --config ...`` (run on a process forked from tools/launcher.py's
+    """``python -m parallel_dims --config ...`` (run on a process forked from tools/forkserver.py's
     server; the entry point in a new interpreter: tests/unit/test_validation.py)."""
     import json
 
