@@ -48,6 +48,7 @@ __all__ = [
     "parallel_dims_from_config",
     "parallelize_options",
     "plan_job",
+    "plan_model",
     "validation_batch",
 ]
 
@@ -273,7 +274,7 @@ def plan_job(
         tokenizer_eos = getattr(tokenizer, "eos_id", None)
     spec = None
     if tokenizer_vocab is not None:
-        spec = attempt(lambda: _model_spec(cfg, tokenizer_vocab, tokenizer_eos))
+        spec = attempt(lambda: plan_model(cfg, tokenizer_vocab, tokenizer_eos))
     opts = parallelize_options(cfg)
     if pd is not None:
         if device_type is not None:
@@ -357,7 +358,9 @@ def _check_float8_experts(spec: ModelSpec, name: str, opts: Float8Options, etp: 
     check_float8_experts(model, name, opts, etp)
 
 
-def _model_spec(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:
+def plan_model(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:
+    """The job's model: the config's flavor with its overrides and the tokenizer's vocabulary
+    (``JobPlan.model``; the seed checkpoint builds the same, trainer/lifecycle/seed.py)."""
     spec = config_model_spec(cfg)
     args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer_vocab, tokenizer_eos))
     args.validate()

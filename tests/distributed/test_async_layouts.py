@@ -108,7 +108,7 @@ class _Layout:
         self.optimizer = build_optimizer(self.parts, plan.config)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        """The trainer's step (trainer/train.py Trainer.train_step), one micro-batch, no lr
+        """The trainer's step (trainer/trainer.py Trainer.train_step), one micro-batch, no lr
         schedule: forward + backward, grad finalize and clip, AdamW, expert-bias update."""
         from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
         from trainer.step import update_expert_bias

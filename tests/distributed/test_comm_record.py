@@ -75,7 +75,7 @@ def _train_and_record(rank, world_size, folder):
     import json
 
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     Trainer(load_config([*_ARGV, "--job.dump_folder", folder])).train()
     with open(f"{folder}/comm_rank{rank}.json") as f:

@@ -193,7 +193,7 @@ def _record_train_steps(rank, world_size, folder):
     import json
 
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     out = []
     for float8_all_gather in ("false", "true"):

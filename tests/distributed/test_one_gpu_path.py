@@ -45,7 +45,7 @@ ARGS = [
 
 def _trainer(model: str, folder: str, *extra: str):
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     return Trainer(load_config(["--config", f"{model}.toml", "--job.dump_folder", folder, *ARGS, *extra]))
 
@@ -94,7 +94,7 @@ def _sync_order(folder: str, implementation: str) -> list[str]:
     """The step's events in order: the optimizer's kernels and the host reads."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import trainer.train as train_module
+    import trainer.trainer as train_module
 
     events: list[str] = []
 

@@ -316,7 +316,7 @@ def _record_layouts(rank: int, world_size: int, folder: str, names: list[str]) -
     trained, dropped, then DTensor's caches cleared): layout -> the records of its recorded
     step. A failure ends the launch, naming the layout."""
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     out: dict[str, list[dict]] = {}
     for name in names:

@@ -106,7 +106,7 @@ def _reference_steps(micro_batches: int) -> list[dict]:
 
 def _pp_steps(rank, world_size, sync: bool, degrees: dict | None = None):
     """PP_STEPS steps of the tied model on pp=2 (1F1B, 2 micro-batches) as the trainer runs them
-    (trainer/train.py: sync the copies' gradients, clip with the copy left out of the norm,
+    (trainer/trainer.py: sync the copies' gradients, clip with the copy left out of the norm,
     AdamW). ``sync=False`` is the negative control. Returns per step: loss, norm, the first
     stage's gradient of the tied weight, and whether the two copies are bitwise equal."""
     import torch

@@ -405,7 +405,7 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path):
 
 
 # how each case is launched: "python" = `python train.py` (a fresh interpreter, its exit through
-# trainer/shutdown.py), "torchrun" = what reaches stderr under torchrun, "forked" = the message
+# trainer/lifecycle/shutdown.py), "torchrun" = what reaches stderr under torchrun, "forked" = the message
 # itself (forked ranks print the same lines as torchrun's workers, tests/e2e/test_launcher.py)
 @pytest.mark.parametrize(
     "launch, nproc, args, message",
@@ -445,7 +445,7 @@ _LATE_JOINER = textwrap.dedent(
     from parallel_dims import ParallelDims
     import trainer.checkpoint.async_save as async_save
     import trainer.startup as ts
-    import trainer.train as tt
+    import trainer.trainer as tt
     from trainer.checkpoint.manager import CheckpointManager
 
     rank, marks = int(os.environ["RANK"]), sys.argv[1]
@@ -475,7 +475,7 @@ _LATE_JOINER = textwrap.dedent(
     ts.plan_job = noting(ts.plan_job, "at the job plan, rank 1 had joined", "joined")
     tt.build_model_parts = noting(tt.build_model_parts, "at the model build, rank 1 had built its groups", "meshes")
     CheckpointManager.resume = noting(CheckpointManager.resume, "at the resume, rank 1 had its writer's groups", "writer")
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
     sys.exit(main(sys.argv[2:]))
     """
 )

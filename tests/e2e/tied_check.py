@@ -50,7 +50,7 @@ def _checked_train_step(self, microbatches):
 
 if __name__ == "__main__":
     train_module.Trainer.train_step = _checked_train_step
-    from trainer.entry import main
-    from trainer.shutdown import run_and_exit
+    from trainer.lifecycle.rank import run_rank as main
+    from trainer.lifecycle.shutdown import run_and_exit
 
     run_and_exit(main)

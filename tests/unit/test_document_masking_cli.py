@@ -35,7 +35,7 @@ def _clean_world(monkeypatch):
 
 
 def _main_error(capsys, tmp_path, *argv: str) -> str:
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     rc = main([*FAST, "--job.dump_folder", str(tmp_path / "run"), *argv])
     err = capsys.readouterr().err

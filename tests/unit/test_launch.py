@@ -1,4 +1,4 @@
-"""trainer/launch.py's pieces that need no job: which arguments are the launcher's (torchrun's
+"""trainer/lifecycle/launch.py's pieces that need no job: which arguments are the launcher's (torchrun's
 flags) and which the trainer's, and what the launcher says of a failed job. (The launcher end
 to end: tests/e2e/test_train_launcher.py.)"""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.launch import _failure_line, _parse_launch, launcher_argv
+from trainer.lifecycle.launch import _failure_line, _parse_launch, launcher_argv
 
 
 def test_torchrun_flags_are_the_launchers_and_the_rest_the_trainers():

@@ -244,7 +244,7 @@ def test_the_logged_lr_is_the_rate_each_step_ran_at(tmp_path, decay, warmup):
     warm-up steps step 1 showed 2/5 of the peak.) One process, one tiny layer, 5 steps."""
     import json
 
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     steps, lr, floor = 5, 1e-3, 0.1
     argv = ["--config", "llama3.toml", "--model.n_layers", "1", "--training.seq_len", "16",

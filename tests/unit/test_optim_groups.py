@@ -147,7 +147,7 @@ LORA_ARGV = [
 def _lora_trainer(tmp_path, groups: str):
     import torch.distributed as dist
 
-    import trainer.train as train_mod
+    import trainer.trainer as train_mod
 
     c = load_config([*LORA_ARGV, "--optimizer.param_groups", groups, "--job.dump_folder", str(tmp_path)])
     try:

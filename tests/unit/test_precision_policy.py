@@ -107,7 +107,7 @@ class _ProcessGroupWouldStartHere(Exception):
 
 def test_trainer_applies_the_policy_before_the_process_group(torch_flags, monkeypatch, tmp_path):
     """Everything is in place when init_distributed (torch.cuda.set_device, NCCL) would start."""
-    import trainer.train as train_mod
+    import trainer.trainer as train_mod
 
     seen = {}
 

@@ -208,7 +208,7 @@ def test_the_run_id_is_stored_once_the_run_goes_on(offline):
 
 
 def test_missing_wandb_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     args = ["--config", "llama3.toml", "--job.dump_folder", str(tmp_path), "--metrics.enable_wandb"]
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, find_spec finds nothing
@@ -230,6 +230,6 @@ def _installed() -> bool:
 
 
 def test_wandb_is_not_imported_by_a_run_without_it():
-    code = "import sys, trainer.entry, trainer.metrics; print('wandb' in sys.modules)"
+    code = "import sys, trainer.lifecycle.rank, trainer.metrics; print('wandb' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd(), timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

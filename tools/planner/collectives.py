@@ -351,7 +351,7 @@ def predict_collectives(
             emb = [s for s in rank_shards(params, d, layout, rank, choice.mixed, (), True, False)
                    if s.info.group == "tok_embeddings"]  # fmt: skip
             rec[("all_reduce", "pp", 4 * emb[0].local_numel)] += 1
-    # (with MTP depths the loss travels with the MTP loss: two float32, trainer/train.py)
+    # (with MTP depths the loss travels with the MTP loss: two float32, trainer/trainer.py)
     loss_bytes = 8 if getattr(args, "mtp_layers", 0) else 4
     if loss_size > 1:
         rec[("all_reduce", "loss", loss_bytes)] += 1

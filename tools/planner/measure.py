@@ -227,7 +227,7 @@ def census_of_runs(argvs: list[list[str]]) -> list[dict]:
     import glob
     import os
 
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     out = []
     for argv in argvs:

@@ -1,7 +1,7 @@
 """Collective failures that explain themselves, on gloo and on NCCL.
 
 On gloo a collective that waits longer than its process group's timeout raises in the thread
-that waits, and ``trainer/train.py`` ``main()`` turns that into one line. On NCCL it does not:
+that waits, and ``trainer/trainer.py`` ``main()`` turns that into one line. On NCCL it does not:
 ProcessGroupNCCL's own watchdog thread finds the timed-out work and, under torchrun
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``), tears the process down from C++ (SIGABRT) while the
 main thread is blocked in the step's host sync (``.tolist()``), so no Python handler runs. This

@@ -44,7 +44,7 @@ def configure_console(rank: int) -> None:
 def say_once(line: str, rank: int) -> None:
     """An ``error:`` line that every rank may meet (a config error, a bad checkpoint, a diverged
     loss), printed once. Rank 0 prints it at once. Another rank waits :data:`RANK_ZERO_GRACE_S`
-    first: rank 0's exit ends the job (torchrun, trainer/launch.py and tools/forkserver.py stop
+    first: rank 0's exit ends the job (torchrun, trainer/lifecycle/launch.py and tools/forkserver.py stop
     the other ranks when one fails), so when rank 0 met the error too this rank never prints,
     and when only this rank met it (rank 0 still running), it prints it with its rank. Without
     the wait a rank that exits first can have rank 0 stopped before its line is out."""

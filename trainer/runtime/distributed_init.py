@@ -188,7 +188,7 @@ def is_collective_timeout(exc: BaseException) -> bool:
     )
 
 
-# gloo's words when the other end of a pair is gone (trainer/entry.py: a peer's exit, not this
+# gloo's words when the other end of a pair is gone (trainer/lifecycle/rank.py: a peer's exit, not this
 # rank's failure); NCCL's peers are watched by the step watchdog instead
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 # a rank whose collective failed because a peer rank had ended first (its own line says why)

@@ -16,7 +16,7 @@ A second signal, at least :data:`REPEAT_WINDOW_S` after the first, stops the pro
 one line, exit code 128 + that signal, no new checkpoint (a save cut short never gets its final
 name: the newest complete checkpoint stays the one to resume from). A second Ctrl-C reaches a
 worker as SIGINT when it is signalled directly, and as SIGTERM through torch's elastic agent
-(torchrun, trainer/launch.py), which answers a signal during its shutdown by shutting down
+(torchrun, trainer/lifecycle/launch.py), which answers a signal during its shutdown by shutting down
 again with SIGTERM. Within the window a second signal is the first one arriving again: a
 launcher forwards the signal it gets to every worker, so under a terminal's Ctrl-C or ``srun``
 a worker may receive the same request twice. Schedulers send one SIGTERM and, after their

@@ -25,7 +25,7 @@ traceback. A signal to the launcher (a terminal's Ctrl-C, ``scancel``) reaches t
 through the agent, which waits ``--shutdown_timeout`` (default here: the checkpoint save's
 bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; on a second
 Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once. The workers
-start with SIGINT and SIGTERM blocked until train.py's first line (trainer/start_signals.py), so
+start with SIGINT and SIGTERM blocked until train.py's first line (trainer/lifecycle/start_signals.py), so
 a Ctrl-C while they start is one line too.
 """
 
@@ -41,7 +41,7 @@ from trainer.runtime.cli_errors import EXIT_BAD_INPUT, report_user_error, user_e
 
 __all__ = ["launcher_argv", "main"]
 
-TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train.py")
 
 
 def _torchrun_parser():
@@ -197,7 +197,7 @@ def _failure_line(exc) -> tuple[str | None, int]:
 
 def run(launch: list[str], rest: list[str]) -> int:
     from trainer.config import load_config
-    from trainer.start_signals import hand_over, workers_start_blocked
+    from trainer.lifecycle.start_signals import hand_over, workers_start_blocked
     from trainer.startup import preflight
 
     hand_over()  # a Ctrl-C from here is this function's (one line)
@@ -257,9 +257,10 @@ def run(launch: list[str], rest: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int | None:
-    """The launcher's exit code when ``argv`` holds torchrun flags, else None."""
+def main(argv: list[str]) -> int:
+    """The launcher's exit code; ``argv`` holds torchrun's flags and the config arguments
+    (trainer/lifecycle/main.py sends only such an ``argv`` here)."""
     split = launcher_argv(argv)
     if split is None:
-        return None
+        raise ValueError(f"no launcher flag (torchrun's --nproc_per_node, --nnodes, ...) in {argv}")
     return run(*split)
