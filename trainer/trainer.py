@@ -39,16 +39,16 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import JobConfig
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
-from trainer.data_progress import DataProgress
 from trainer.forward import ModelForward, cross_entropy_sum
 from trainer.instruments import Instruments, build_instruments
-from trainer.metrics import MetricsLogger, training_flops_per_token
 from trainer.mtp import MTPLoss
 from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
-from trainer.precision import apply_precision_policy
-from trainer.run_summary import RunTotals, commit_run, end_lines
+from trainer.reporting.data_progress import DataProgress
+from trainer.reporting.metrics import MetricsLogger, training_flops_per_token
+from trainer.reporting.run_summary import RunTotals, commit_run, end_lines
+from trainer.reporting.wandb_log import agree_on_start
 from trainer.runtime.console import configure_console
 from trainer.runtime.distributed_init import (
     apply_train_timeout,
@@ -58,6 +58,7 @@ from trainer.runtime.distributed_init import (
     wait_until_every_rank_joined,
 )
 from trainer.runtime.distributed_init import log as _log
+from trainer.runtime.precision import apply_precision_policy
 from trainer.runtime.stop import StopSignals, stop_group
 from trainer.simulation.local_tensor import PerRankLoader, check_all_local, rank0_view
 from trainer.simulation.run_mode import RunMode
@@ -72,7 +73,6 @@ from trainer.step import (
     update_expert_bias,
 )
 from trainer.validation import Validator
-from trainer.wandb_log import agree_on_start
 
 __all__ = ["StepResult", "Trainer", "TrainingDiverged"]
 
@@ -92,7 +92,7 @@ class Trainer:
         self.totals = RunTotals(time.perf_counter())  # the end-of-run summary's figures
         self.mode = RunMode.from_config(cfg)
         mode_notes = self.mode.prepare(cfg)
-        # training.deterministic and training.enable_tf32 (trainer/precision.py), first: before
+        # training.deterministic and training.enable_tf32 (trainer/runtime/precision.py), first: before
         # init_distributed's set_device and any CUDA work, so CUBLAS_WORKSPACE_CONFIG is in the
         # environment before the first cuBLAS handle
         precision_notes = apply_precision_policy(cfg, default_device_type())
@@ -176,7 +176,7 @@ class Trainer:
             )
             load_local_initial_weights(cfg, self.model_parts, _log)
         else:
-            # the sources say nothing when they start over: the trainer's epoch line does (trainer/data_progress.py)
+            # the sources say nothing when they start over: the trainer's epoch line does (trainer/reporting/data_progress.py)
             c = self.pd.coordinate("batch")
             loader = build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False)
         self.data = wrap_loader(loader, cfg.training.prefetch, self.device)
@@ -421,7 +421,7 @@ class Trainer:
                         num_tokens=steps_since_log * self.data.tokens_per_step,
                         data_wait_s=data_wait / steps_since_log,
                         # result.extra(): the MTP loss; then a mixture's tokens per source so far (the
-                        # position after this step), the epoch and the target tokens (trainer/data_progress.py)
+                        # position after this step), the epoch and the target tokens (trainer/reporting/data_progress.py)
                         extra={**(step_extra or {}), **ckpt, **result.extra(), **tokens, **progress.metrics(tokens)}
                         or None,
                     )

@@ -23,7 +23,7 @@ import pytest
 
 from tests.wandb_records import offline_runs, rows_by_step
 from trainer.config import load_config
-from trainer.wandb_log import RUN_ID_FILE
+from trainer.reporting.wandb_log import RUN_ID_FILE
 
 from .helpers import FAST, ForkedJob, _env, _stat, all_records, run_forked
 

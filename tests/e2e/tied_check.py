@@ -17,7 +17,7 @@ import os
 
 import torch.distributed as dist
 
-from trainer import train as train_module
+from trainer import trainer as train_module
 from trainer.forward import full_tensor
 
 _train_step = train_module.Trainer.train_step

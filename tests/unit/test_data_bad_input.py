@@ -246,7 +246,7 @@ def test_a_mixtures_missing_chat_path_is_named_by_its_own_key(tmp_path):
 @pytest.mark.parametrize("mode", ["sometimes", ""])
 def test_an_unknown_wandb_mode_names_the_variable_and_its_values(monkeypatch, mode):
     pytest.importorskip("wandb")
-    from trainer.wandb_log import check_wandb_mode
+    from trainer.reporting.wandb_log import check_wandb_mode
 
     monkeypatch.setenv("WANDB_MODE", mode)
     with pytest.raises(ConfigError) as info:

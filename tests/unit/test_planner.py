@@ -437,7 +437,7 @@ HARDWARE_CASES = [
 )
 def test_hardware_of_a_cuda_device_name(device_name, entry, memory_gib, memory_gbps):
     from tools.planner.hardware import gpu_names, hardware_for_device
-    from trainer.metrics import peak_flops
+    from trainer.reporting.metrics import peak_flops
 
     hw = hardware_for_device(device_name)
     assert entry in gpu_names() and hw.name == device_name

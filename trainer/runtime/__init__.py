@@ -7,6 +7,7 @@ comm_watchdog.py     the step watchdog: a hung collective becomes one line namin
 stop.py              SIGINT / SIGTERM during training: the ranks agree to stop at a step
 cli_errors.py        bad input as one ``error:`` line and exit code 2
 console.py           what a rank prints besides its own lines: every message once
+precision.py         how the matmuls run (TF32 or IEEE fp32, deterministic kernels), set first
 files.py             atomic writes: the one way a file someone else reads is written
 
 It may import ``trainer.config`` and ``trainer.simulation`` (the run mode decides how the

@@ -77,7 +77,7 @@ class StopSignals:
         self.group = group
         self.newest = newest
         # ``values``: a callable giving ints that ride on the same all-reduce (max over the ranks),
-        # e.g. the data's passes that only each rank's own stripes tell (trainer/data_progress.py);
+        # e.g. the data's passes that only each rank's own stripes tell (trainer/reporting/data_progress.py);
         # the agreed ones are in ``agreed_values`` after each :meth:`agreed`
         self.values = values
         self.agreed_values: list[int] = []
