@@ -60,7 +60,7 @@ from trainer.runtime.distributed_init import (
 from trainer.runtime.distributed_init import log as _log
 from trainer.runtime.precision import apply_precision_policy
 from trainer.runtime.stop import StopSignals, stop_group
-from trainer.simulation.local_tensor import PerRankLoader, check_all_local, rank0_view
+from trainer.simulation.local_tensor import rank0_view
 from trainer.simulation.run_mode import RunMode
 from trainer.startup import plan_startup
 from trainer.step import (
@@ -168,17 +168,16 @@ class Trainer:
         )
 
         # the next step's micro-batches are prepared on a background thread (training.prefetch)
-        if self.mode.local:  # every simulated rank's slice, as one LocalTensor per micro-batch
-            loader = PerRankLoader(
-                lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False),
-                self.pd,
-                self.world_size,
-            )
-            load_local_initial_weights(cfg, self.model_parts, _log)
-        else:
-            # the sources say nothing when they start over: the trainer's epoch line does (trainer/reporting/data_progress.py)
-            c = self.pd.coordinate("batch")
-            loader = build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False)
+        # every simulated rank's slice under local_tensor (one LocalTensor per micro-batch); the
+        # sources say nothing when they start over: the trainer's epoch line does
+        # (trainer/reporting/data_progress.py)
+        loader = self.mode.loader(
+            lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False),
+            self.pd,
+            self.world_size,
+        )
+        if self.mode.local:  # a seed checkpoint read on the host, cut per simulated rank
+            load_local_initial_weights(cfg.checkpoint, self.model_parts, _log)
         self.data = wrap_loader(loader, cfg.training.prefetch, self.device)
         self.validator = None
         if cfg.validation.enable:
@@ -262,7 +261,7 @@ class Trainer:
         # AdamW's found_inf), it comes after the optimizer and the rest of the step are queued,
         # so the device never waits for the host; otherwise before the optimizer step, which
         # must not apply a non-finite update.
-        skip_on_device = self.mode.checks_divergence and self.optimizer.skips_on_device and not self.mode.local
+        skip_on_device = self.mode.skips_on_device and self.optimizer.skips_on_device
         if not skip_on_device:
             (loss_value, norm_value, *mtp_value), counts = self._read_scalars(scalars, n_targets)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
@@ -270,8 +269,7 @@ class Trainer:
         if skip_on_device:
             no_step = (~torch.isfinite(scalars).all() | (targets.sum() == 0 if targets is not None else False)).float()
         self.optimizer.step(found_inf=no_step)
-        if self.mode.local:  # every parameter, gradient and optimizer state holds every rank's value
-            check_all_local(self.model_parts, self.optimizer)
+        self.mode.check_step(self.model_parts, self.optimizer)  # local_tensor: every state holds every rank's value
         if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
             precompute_float8_scales(self.model_parts)
         lr_used = self.lr_scheduler.get_last_lr()  # the rate this step's update ran at, before the schedule moves on
@@ -359,11 +357,11 @@ class Trainer:
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False
         # every step (and save, validation) under a deadline: trainer/runtime/comm_watchdog.py
-        self.watchdog = start_watchdog(cfg, self.mode, self.rank, self.world_size)
+        self.watchdog = start_watchdog(cfg.comm, cfg.job.dump_folder, self.mode, self.rank, self.world_size)
         peers = self.mode.has_peers(self.world_size)
         self.progress = progress = DataProgress(self.data, epochs=cfg.training.epochs, peers=peers)
         values = progress.local_values if progress.agree else None  # striped passes ride on the stop agreement
-        self.stop_signals = stop = StopSignals(stop_group(cfg, peers), newest=self.ckpt.newest, values=values)
+        self.stop_signals = stop = StopSignals(stop_group(cfg.comm, peers), newest=self.ckpt.newest, values=values)
         with metrics, self._build_instruments() as instruments, self.data, self.watchdog, stop:
             for message in instruments.messages:
                 _log(message)

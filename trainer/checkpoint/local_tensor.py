@@ -166,13 +166,13 @@ def load_full_checkpoint(
     return dict(train_state.get("extra") or {})
 
 
-def load_local_initial_weights(cfg, model_parts: list[nn.Module], log) -> None:
+def load_local_initial_weights(checkpoint, model_parts: list[nn.Module], log) -> None:
     """local_tensor mode: a seed checkpoint's full weights (``checkpoint.initial_load_path``)
     read on the host and cut per simulated rank (DCP's distributed load cannot run there)."""
-    path = cfg.checkpoint.initial_load_path
+    path = checkpoint.initial_load_path
     if path:
         count = load_full_weights(path, model_parts)
-        cfg.checkpoint.initial_load_path = ""  # read: the checkpoint manager has nothing to load
+        checkpoint.initial_load_path = ""  # read: the checkpoint manager has nothing to load
         log(f"loaded initial weights from {path} ({count} tensors, read once and cut per simulated rank)")
 
 

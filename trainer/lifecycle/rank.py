@@ -30,7 +30,7 @@ from trainer.runtime.distributed_init import (
     report_collective_timeout,
 )
 from trainer.runtime.stop import exit_code
-from trainer.simulation.fake_backend import is_fake_backend
+from trainer.simulation.run_mode import RunMode
 from trainer.step import TrainingDiverged
 from trainer.trainer import Trainer
 
@@ -40,7 +40,7 @@ __all__ = ["run_rank"]
 def _rank() -> int:
     """This process's rank for what it prints (a fake-backend or local_tensor run is one
     process: rank 0)."""
-    if not dist.is_initialized() or is_fake_backend():
+    if not dist.is_initialized() or RunMode.simulating():
         return int(os.environ.get("RANK", "0")) if not dist.is_initialized() else 0
     with host_side():
         return dist.get_rank()
@@ -107,7 +107,8 @@ def run_rank(argv: list[str] | None = None) -> int:
         if not isinstance(exc, Exception) or not is_collective_timeout(exc):
             raise
         # gloo (the exception path; on NCCL the step watchdog speaks first): the same one line
-        return report_collective_timeout(cfg, exc, getattr(getattr(trainer, "watchdog", None), "phase", ""))
+        phase = getattr(getattr(trainer, "watchdog", None), "phase", "")
+        return report_collective_timeout(cfg.comm, cfg.job.dump_folder, exc, phase)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -41,6 +41,7 @@ from trainer.config import Optimizer as OptimizerConfig
 from trainer.optim.groups import GROUPING_KEY, check_grouping, check_patterns, choose, grouping_signature, summary_lines
 from trainer.optim.lr_schedule import LRSchedulers, build_lr_scheduler, lr_multiplier
 from trainer.optim.muon import Muon
+from trainer.simulation.run_mode import RunMode
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ def build_optimizer(
     if isinstance(model_parts, nn.Module):
         raise TypeError("build_optimizer expects a list of model parts, e.g. [model]")
     opt_cfg = cfg.optimizer if isinstance(cfg, JobConfig) else cfg
-    local = isinstance(cfg, JobConfig) and cfg.comm.mode == "local_tensor"
+    local = isinstance(cfg, JobConfig) and RunMode.from_config(cfg).local
     if local and opt_cfg.name == "Muon" and opt_cfg.muon_distribution == "round_robin":
         # one process runs every rank: round_robin's point-to-point exchange cannot be simulated,
         # while gather's all-gathers can, and the two give the same update bitwise

@@ -44,10 +44,11 @@ REPEAT_WINDOW_S = 3.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def stop_group(cfg, peers: bool) -> dist.ProcessGroup | None:
+def stop_group(comm, peers: bool) -> dist.ProcessGroup | None:
     """The gloo group the ranks agree over to stop; None without peers. On a gloo job that is
     WORLD; otherwise a host group of every rank (parallel_dims' ``host_group``, created by every
-    rank), so the agreement never waits behind the accelerator's queue."""
+    rank), so the agreement never waits behind the accelerator's queue. ``comm``: the ``[comm]``
+    section (the group's timeout is its ``init_timeout_seconds``)."""
     from parallel_dims.process_groups import host_group
     from trainer.runtime.distributed_init import wait_until_every_rank_joined
 
@@ -55,7 +56,7 @@ def stop_group(cfg, peers: bool) -> dist.ProcessGroup | None:
         return None
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    group = host_group("stop_signals", datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+    group = host_group("stop_signals", datetime.timedelta(seconds=comm.init_timeout_seconds))
     wait_until_every_rank_joined(group)
     return group
 
