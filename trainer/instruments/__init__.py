@@ -5,6 +5,10 @@ trainer loop calls: the fake-backend meter (comm.mode = "fake_backend", fake_met
 collective recorder (``comm.record_step``, comm_record.py), the matmul census
 (``profiling.matmul_census_step``, matmul_census.py) and the profiler (``[profiling]``,
 profiler.py). Every file they write goes through trainer/runtime/files.py.
+
+It may import ``trainer.config``, ``trainer.runtime`` (files) and ``trainer.simulation`` (the
+run mode decides whether the fake meter runs), ``models`` and ``parallel_dims``; the loop
+builds and calls it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ muon.py         the Muon optimizer; muon_dist.py its distributed update (gather 
 lr_schedule.py  warmup, stable and decay phases of the learning rate
 grad_clip.py    the gradient norm over every sharding group, and clipping to it
 
-It may import ``trainer.config`` (its ``[optimizer]``, ``[lr_scheduler]`` sections), ``models``
+It may import ``trainer.config`` (its ``[optimizer]``, ``[lr_scheduler]`` sections) and
+``trainer.simulation`` (the run mode: a local_tensor run distributes Muon by gather), ``models``
 and ``parallel_dims``; nothing else in the trainer. The checkpoint reads it (optimizer state,
 parameter groups); the training loop builds it.
 """
