@@ -359,8 +359,7 @@ def _check_float8_experts(spec: ModelSpec, name: str, opts: Float8Options, etp: 
 
 
 def plan_model(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:
-    """The job's model: the config's flavor with its overrides and the tokenizer's vocabulary
-    (``JobPlan.model``; the seed checkpoint builds the same, trainer/lifecycle/seed.py)."""
+    """The job's model (``JobPlan.model``, and the seed checkpoint's): flavor, overrides, vocabulary."""
     spec = config_model_spec(cfg)
     args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer_vocab, tokenizer_eos))
     args.validate()
@@ -398,6 +397,3 @@ def validation_batch(cfg: JobConfig, batch_degree: int) -> tuple[int, int]:
             + (f", or set validation.local_batch_size to one of {per_rank}" if per_rank else "")
         )
     return g, g // unit
-
-
-# ------------------------------------------------------------------ dry run and printing

@@ -66,7 +66,7 @@ def _error_lines(text: str) -> list[str]:
 
 
 # Each kind at 2 and 4 processes. Those the launcher finds before any worker starts run its
-# code in this process (trainer.lifecycle.launch.main, what `python train.py` calls first: no interpreter
+# code in this process (trainer.lifecycle.launch.main, what `python train.py` calls for launcher flags: no interpreter
 # to start); one of them, and the kind the workers find, as the user types it.
 SUBPROCESS = {("unknown_key", 4), ("bad_checkpoint", 2), ("bad_checkpoint", 4)}
 
