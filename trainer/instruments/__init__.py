@@ -52,7 +52,7 @@ def build_instruments(
     meta = {"rank": rank, "world_size": world_size, "comm_mode": cfg.comm.mode, "degrees": degrees}
     hooks: list[StepHook] = [StepProfiler(cfg.profiling, folder, rank, device, first_step=first_step)]
     if mode.meters_steps:
-        hooks.append(FakeStepMeter(cfg, device, degrees, model_parts, optimizer))
+        hooks.append(FakeStepMeter(cfg.comm, folder, device, degrees, model_parts, optimizer))
     if cfg.comm.record_step:
         hooks.append(CommRecordHook(cfg.comm.record_step, parallel_dims, folder, meta, log))
     if cfg.profiling.matmul_census_step:

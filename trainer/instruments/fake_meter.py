@@ -53,18 +53,21 @@ def _cpu_peak_bytes() -> int | None:
 class FakeStepMeter(HookBase):
     """Times the training step and takes its peak memory; keeps the rank's state bytes and
     writes ``fake_backend_report.json`` after every step. ``model_parts`` and ``optimizer``:
-    whose bytes the report counts (after the first step, when the optimizer state exists)."""
+    whose bytes the report counts (after the first step, when the optimizer state exists);
+    ``comm``: the ``[comm]`` section (the rank played, the recorded step); the report is written
+    into ``dump_folder``."""
 
-    def __init__(self, cfg, device: torch.device, degrees: dict[str, int], model_parts=(), optimizer=None) -> None:
+    def __init__(
+        self, comm, dump_folder: str, device: torch.device, degrees: dict[str, int], model_parts=(), optimizer=None
+    ) -> None:
         super().__init__()
-        self.cfg = cfg
         self.model_parts, self.optimizer = model_parts, optimizer
-        self.record_step = cfg.comm.record_step
+        self.record_step = comm.record_step
         self.device = device
-        self.world_size = cfg.comm.fake_world_size
-        self.rank = cfg.comm.fake_rank
+        self.world_size = comm.fake_world_size
+        self.rank = comm.fake_rank
         self.degrees = degrees
-        self.path = os.path.join(cfg.job.dump_folder, "fake_backend_report.json")
+        self.path = os.path.join(dump_folder, "fake_backend_report.json")
         self.steps: list[dict[str, Any]] = []
         self.state: dict[str, int] = {}
         self._t0 = 0.0
