@@ -91,7 +91,7 @@ def trainer_args(case: Case, steps: int, folder: str) -> list[str]:
     return args
 
 
-PLANNER_EFFICIENCY = 0.5  # the planner's default (python -m parallel_dims plan --efficiency)
+PLANNER_EFFICIENCY = 0.5  # the planner's default (python -m tools.planner --efficiency)
 
 
 def planner_check(case: Case, trainer: dict, device_name: str | None) -> dict:

@@ -149,9 +149,24 @@ SECTIONS: list[tuple[str, str, str]] = [
         "round_robin (the default: one owner rank per matrix) and gather (every rank every matrix)",
     ),
     (
+        "muon_lr",
+        "Muon at AdamW's learning rate",
+        "`make bench` section `muon_lr` (also `python -m benchmarks.muon_lr --out bench_results/muon_lr.json`): "
+        "train.py on one process, the llama3 debug model at widths 128 and 256 with 2 blocks, 120 steps at "
+        "lr 8e-4 (WSD): loss of Muon at AdamW's lr with `optimizer.muon_update_rms` 0.2 (Moonlight's, the "
+        "default) and 1.0, and the hidden matrices' update RMS; reference: AdamW in the same run",
+    ),
+    (
+        "muon_lr_full",
+        "Muon at AdamW's learning rate (full)",
+        "`python -m benchmarks.muon_lr --full --out bench_results/muon_lr_full.json`: as `muon_lr` at widths "
+        "256 and 512 with the debug model's 6 blocks, 128-token rows, 200 steps (the table of "
+        "[optimizers.md](optimizers.md#muon))",
+    ),
+    (
         "planner_search",
         "Layout planner search time",
-        "`python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "
+        "`python -m tools.planner --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "
         "--gpu h100 --seq-len 8192 --global-batch 512 --top 5`",
     ),
     (

@@ -23,6 +23,7 @@ SECTIONS = [
     "checkpoint",
     "local_tensor",
     "optimizer",
+    "muon_lr",
     "lora",
     "float8_cpu",
 ]

@@ -3,8 +3,10 @@
     python -m parallel_dims --world-size 4096 --dp-shard -1 --cp 2 --tp 8 --pp 4 --ep 64 \
         --rank 17 --gpus-per-node 8 [--json]
 
-``python -m parallel_dims plan --model M --flavor F --world-size N ...`` runs the layout planner
-instead (``tools/planner``: every valid layout ranked by estimated tokens/s per GPU).
+The layout planner is ``python -m tools.planner`` and a training config's job plan is
+``python -m trainer.plan_report --config X``; the old forms ``python -m parallel_dims plan ...``
+and ``python -m parallel_dims --config X ...`` still work: they print a one-line note and run
+those (parallel_dims/moved_commands.py, the one place this package reaches above itself).
 
 The meshes are really built, for the chosen rank, on torch's ``fake`` backend (no GPU, no other
 processes), and checked against the layout layer. The output names the mesh builder used
@@ -19,6 +21,7 @@ import json
 import sys
 import time
 
+from . import moved_commands
 from .axes import AXES, DEGREE_NAMES
 from .layout import COMPOSITE_MESHES, ONE_D_AXES, validate_degrees
 
@@ -50,13 +53,14 @@ def _parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m parallel_dims",
         description="Describe the device meshes of a parallelism layout (dry run, no GPU).",
+        epilog=f"Choose a layout: {moved_commands.LAYOUT_PLANNER}. A config's job plan: "
+        f"{moved_commands.JOB_PLAN} --config X.",
     )
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument(
         "--config",
-        help="a training config (e.g. llama3_8b.toml): print its job plan for --world-size "
-        "(degrees, model, batch, pipeline stages, this rank's parameters and training-state "
-        "memory) instead of the mesh table; degree flags override its [parallelism]",
+        help="moved: python -m trainer.plan_report --config X prints a training config's job plan "
+        "(this flag still runs it, after a note)",
     )
     for axis in AXES:
         p.add_argument(axis.cli_flag, type=int, default=None, help=f"{axis.help} (default {axis.default})")
@@ -174,62 +178,14 @@ def _print_text(info: dict) -> None:
     )
 
 
-def plan(args) -> tuple[dict, str]:
-    """The trainer's job plan of ``--config`` (the one entry point here that reaches up into
-    trainer/: the plan needs the config, the model registry and the parallelize plan)."""
-    from trainer.config import load_config
-    from trainer.plan import plan_job
-    from trainer.plan_report import dry_run, format_plan
-
-    overrides = [
-        arg
-        for axis in AXES
-        if getattr(args, axis.name) is not None
-        for arg in (f"--parallelism.{axis.name}", str(getattr(args, axis.name)))
-    ]
-    job = plan_job(load_config(["--config", args.config, *overrides]), args.world_size)
-    if not 0 <= args.rank < args.world_size:
-        raise ValueError(f"--rank {args.rank} is outside world_size={args.world_size}")
-    dry = dry_run(job, args.rank)
-    info = {
-        "config": args.config,
-        "world_size": args.world_size,
-        "degrees": job.parallel_dims.degrees.as_dict() | {"efsdp": job.parallel_dims.degrees.efsdp},
-        "model": {"name": job.config.model.name, "flavor": job.config.model.flavor,
-                  "n_layers": job.model_args.n_layers, "params": dry["model_params"]},
-        "batch": {"global_batch_size": job.batch.global_batch_size, "local_batch_size": job.batch.local_batch_size,
-                  "batch_degree": job.batch.batch_degree, "grad_accum_steps": job.batch.grad_accum_steps,
-                  "seq_len": job.batch.seq_len},
-        "pipeline": None if job.stages is None else {
-            "schedule": job.stages.schedule, "num_stages": job.stages.num_stages,
-            "layer_ranges": [list(r) for r in job.stages.layer_ranges],
-            "n_microbatches": job.stages.n_microbatches, "bubble_fraction": job.stages.bubble_fraction,
-        },
-        "rank": dry["rank"],
-        "local_params": dry["local_params"],
-        "memory_gib": dry["memory_gib"],
-    }  # fmt: skip
-    return info, format_plan(job, dry)
-
-
-def _layout_planner(argv: list[str]) -> int:
-    """``python -m parallel_dims plan ...``: the layout planner (tools/planner), imported only
-    here: parallel_dims itself imports nothing from models, trainer or tools."""
-    from tools.planner.cli import main as planner_main
-
-    return planner_main(argv)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "plan":
-        return _layout_planner(argv[1:])
+    if argv and argv[0] == "plan":  # moved: python -m tools.planner
+        return moved_commands.layout_planner(argv[1:])
     args = _parse(argv)
+    if args.config:  # moved: python -m trainer.plan_report
+        return moved_commands.job_plan(args)
     try:
-        if args.config:
-            info, text = plan(args)
-            print(json.dumps(info, indent=1) if args.json else text)
-            return 0
         info = describe(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -6,7 +6,7 @@ no process group and no weights.
 gradient accumulation), the parallelize options and, with pp > 1, the pipeline stage plan -- or
 raises ONE ``ValueError`` listing every problem it found. The trainer, the loss-comparison tool's
 preflight, the shipped-config tests and the test harnesses call it; nothing else re-derives
-these. ``python -m parallel_dims --config X.toml --world-size N`` prints it, with a dry run of
+these. ``python -m trainer.plan_report --config X.toml --world-size N`` prints it, with a dry run of
 one rank's sharding on the fake backend (trainer/plan_report.py).
 """
 

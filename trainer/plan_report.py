@@ -1,18 +1,31 @@
 """A job plan (trainer/plan.py) shown to a person: one rank's sharding dry-run on the fake
-backend (:func:`dry_run`: what the rank holds, no weights, no communication) and the plan as
-text (:func:`format_plan`), which ``python -m parallel_dims --config X.toml`` prints."""
+backend (:func:`dry_run`: what the rank holds, no weights, no communication), the plan as text
+(:func:`format_plan`) or as JSON (:func:`plan_info`), and the command that prints them:
+
+    python -m trainer.plan_report --config llama3_70b.toml --world-size 64 [--tp 8 ...] \
+        [--rank 9] [--json]
+
+Degree flags (``--tp 8``; one per axis of parallel_dims/axes.py) override the config's
+``[parallelism]``. Bad input (a config the plan refuses, a rank outside the world) is one
+``error:`` message on stderr and exit code 2. The old spelling
+``python -m parallel_dims --config ...`` still works: it prints a note and runs this command.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 from parallel_dims import ParallelDims
+from parallel_dims.axes import AXES
 
 if TYPE_CHECKING:
     from trainer.plan import JobPlan
 
-__all__ = ["dry_run", "format_plan"]
+__all__ = ["dry_run", "format_plan", "main", "plan_info"]
 
 
 def dry_run(plan: JobPlan, rank: int = 0) -> dict[str, Any]:
@@ -99,3 +112,76 @@ def format_plan(plan: JobPlan, dry: dict[str, Any] | None = None) -> str:
             f"AdamW {m['optimizer']:.2f} (activations not included)"
         )
     return "\n".join(lines)
+
+
+def plan_info(plan: JobPlan, dry: dict[str, Any], config: str | None = None) -> dict[str, Any]:
+    """The plan and one rank's dry run as the JSON object ``--json`` prints."""
+    d = plan.parallel_dims.degrees
+    return {
+        "config": config,
+        "world_size": plan.world_size,
+        "degrees": d.as_dict() | {"efsdp": d.efsdp},
+        "model": {"name": plan.config.model.name, "flavor": plan.config.model.flavor,
+                  "n_layers": plan.model_args.n_layers, "params": dry["model_params"]},
+        "batch": {"global_batch_size": plan.batch.global_batch_size, "local_batch_size": plan.batch.local_batch_size,
+                  "batch_degree": plan.batch.batch_degree, "grad_accum_steps": plan.batch.grad_accum_steps,
+                  "seq_len": plan.batch.seq_len},
+        "pipeline": None if plan.stages is None else {
+            "schedule": plan.stages.schedule, "num_stages": plan.stages.num_stages,
+            "layer_ranges": [list(r) for r in plan.stages.layer_ranges],
+            "n_microbatches": plan.stages.n_microbatches, "bubble_fraction": plan.stages.bubble_fraction,
+        },
+        "rank": dry["rank"],
+        "local_params": dry["local_params"],
+        "memory_gib": dry["memory_gib"],
+    }  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.plan_report",
+        description="Print a training config's job plan for a world size (degrees, model, batch, pipeline "
+        "stages) and one rank's parameters and training-state memory, from a dry run on the fake backend "
+        "(no GPU, no weights).",
+    )
+    p.add_argument("--config", required=True, help="a training config, e.g. llama3_70b.toml")
+    p.add_argument("--world-size", type=int, required=True)
+    for axis in AXES:
+        p.add_argument(axis.cli_flag, type=int, default=None, help=f"{axis.help} (overrides the config's)")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose share is counted (default 0)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def report(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The job plan of ``args.config`` on ``args.world_size`` and rank ``args.rank``'s dry run:
+    (:func:`plan_info`, :func:`format_plan`). Bad input raises a ValueError."""
+    from trainer.config import load_config
+    from trainer.plan import plan_job
+
+    overrides = [
+        arg
+        for axis in AXES
+        if getattr(args, axis.name) is not None
+        for arg in (f"--parallelism.{axis.name}", str(getattr(args, axis.name)))
+    ]
+    plan = plan_job(load_config(["--config", args.config, *overrides]), args.world_size)
+    if not 0 <= args.rank < args.world_size:
+        raise ValueError(f"--rank {args.rank} is outside world_size={args.world_size}")
+    dry = dry_run(plan, args.rank)
+    return plan_info(plan, dry, args.config), format_plan(plan, dry)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        info, text = report(args)
+    except ValueError as exc:  # ConfigError included: the message names the fix
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(info, indent=1) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

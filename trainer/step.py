@@ -56,6 +56,9 @@ class StepResult:
     lr: float
     mtp_loss: float | None = None  # DeepSeek-V3 MTP: the depths' mean cross-entropy (trainer/mtp.py)
     targets: list[int] | None = None  # masked data: the step's global target tokens (one per mixture source)
+    bad: bool = (
+        False  # not applied: non-finite or a loss spike under on_nonfinite = skip / rollback (trainer/bad_steps.py)
+    )
 
     def extra(self) -> dict[str, float]:
         """The optional per-step metrics of this result, for the metrics record."""
@@ -80,18 +83,20 @@ def check_finite(loss: float, grad_norm: float, step: int) -> None:
 
 
 def checked_step_values(
-    values: list[float], step: int, check: bool, targets: int, data: str
+    values: list[float], step: int, check: bool, targets: int, data: str, finite: bool = True
 ) -> tuple[list[float], list[int]]:
     """The step's values read on the host: (loss, gradient norm, MTP loss) and, the last
     ``targets`` values (masked data: the global target count, one per source of a mixture),
-    those counts; with ``check``: a step without any target (:func:`check_targets`) or a
-    non-finite loss or norm (:func:`check_finite`) raises."""
+    those counts; with ``check``: a step without any target (:func:`check_targets`) or, with
+    ``finite`` (``training.on_nonfinite = stop``), a non-finite loss or norm (:func:`check_finite`)
+    raises."""
     counts = [int(c) for c in values[len(values) - targets :]] if targets else []
     del values[len(values) - targets :]
     if check:
         if targets:
             check_targets(sum(counts), step, data)
-        check_finite(values[0], values[1], step)
+        if finite:
+            check_finite(values[0], values[1], step)
     return values, counts
 
 

@@ -31,6 +31,7 @@ from models.parallel.lora import lora_startup_line
 from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
 from parallel_dims import default_device_type
 from parallel_dims.torch_compat import host_side
+from trainer.bad_steps import BadSteps
 from trainer.build import build_model_parts, build_pipeline, trainable_params
 from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.drill import hold_until_stopped, stop_gate
@@ -39,6 +40,7 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import JobConfig
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
+from trainer.faults import Faults
 from trainer.forward import ModelForward, cross_entropy_sum
 from trainer.instruments import Instruments, build_instruments
 from trainer.mtp import MTPLoss
@@ -47,8 +49,9 @@ from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.reporting.data_progress import DataProgress
 from trainer.reporting.metrics import MetricsLogger, training_flops_per_token
+from trainer.reporting.run_metrics import open_metrics
 from trainer.reporting.run_summary import RunTotals, commit_run, end_lines
-from trainer.reporting.wandb_log import agree_on_start
+from trainer.reporting.stragglers import Stragglers
 from trainer.runtime.console import configure_console
 from trainer.runtime.distributed_init import (
     apply_train_timeout,
@@ -204,6 +207,8 @@ class Trainer:
         self.stopped_by: int | None = None  # the signal that stopped train() early (trainer/runtime/stop.py)
         self.stop_signals: StopSignals | None = None  # while and after train() runs
         self.instruments = Instruments()  # the step hooks; train() builds the config's
+        # training.on_nonfinite and debug.fault (docs/long_runs.md)
+        self.bad_steps, self.faults = BadSteps(cfg, _log), Faults(cfg.debug.fault, self.rank, self.world_size)
 
     # ---------------------------------------------------------------- one step
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -239,6 +244,7 @@ class Trainer:
         # copies) sum their gradients with it, so they stay one parameter
         sync_tied_embedding_grads(self.model_parts, self.pd)
         finalize_grads(params)
+        loss_sum = self.faults.poison(self.step + 1, loss_sum, params)  # debug.fault nan_loss
         self.on_grads_ready(params)
         pp_mesh = self.pd.get_optional_mesh("pp")
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh, tied_copies(self.model_parts))
@@ -261,33 +267,39 @@ class Trainer:
         # AdamW's found_inf), it comes after the optimizer and the rest of the step are queued,
         # so the device never waits for the host; otherwise before the optimizer step, which
         # must not apply a non-finite update.
-        skip_on_device = self.mode.skips_on_device and self.optimizer.skips_on_device
+        ok = self.mode.skips_on_device and self.bad_steps.device_skip_ok(moes)
+        skip_on_device, bad = ok and self.optimizer.skips_on_device, False
         if not skip_on_device:
-            (loss_value, norm_value, *mtp_value), counts = self._read_scalars(scalars, n_targets)
+            (loss_value, norm_value, *mtp_value), counts, bad = self._read_scalars(scalars, n_targets)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
-        no_step = None  # skipped on the device (then stopped): a non-finite step, or one without any target
-        if skip_on_device:
-            no_step = (~torch.isfinite(scalars).all() | (targets.sum() == 0 if targets is not None else False)).float()
-        self.optimizer.step(found_inf=no_step)
+        # skipped on the device: a non-finite step, one without any target, a loss spike (trainer/bad_steps.py)
+        no_step = self.bad_steps.no_step(scalars, targets) if skip_on_device else None
+        if not bad:  # a bad step read on the host (training.on_nonfinite = skip / rollback) is not applied
+            self.optimizer.step(found_inf=no_step)
         self.mode.check_step(self.model_parts, self.optimizer)  # local_tensor: every state holds every rank's value
         if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
             precompute_float8_scales(self.model_parts)
         lr_used = self.lr_scheduler.get_last_lr()  # the rate this step's update ran at, before the schedule moves on
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if moes:
-            update_expert_bias(moes, self.pd)
+        if moes:  # a skipped step's routing counts are dropped with it
+            update_expert_bias(moes, self.pd) if not bad else [m.tokens_per_expert.zero_() for m in moes]
         if skip_on_device:
             # a non-finite step left the weights and the optimizer state as they were (the
-            # schedule and the experts' bias moved on, but the run stops here, unsaved)
-            (loss_value, norm_value, *mtp_value), counts = self._read_scalars(scalars, n_targets)
-        return StepResult(loss_value, norm_value, lr_used, mtp_value[0] if mtp_value else None, counts or None)
+            # schedule and, where on_nonfinite = stop, the experts' bias moved on)
+            (loss_value, norm_value, *mtp_value), counts, bad = self._read_scalars(scalars, n_targets)
+        mtp = mtp_value[0] if mtp_value else None
+        return StepResult(loss_value, norm_value, lr_used, mtp, counts or None, bad=bad)
 
-    def _read_scalars(self, scalars: torch.Tensor, n_targets: int) -> tuple[list[float], list[int]]:
-        """The step's one host read, checked (trainer/step.py ``checked_step_values``): its values
-        and its ``n_targets`` last ones, the global target counts."""
-        check = self.mode.checks_divergence
-        return checked_step_values(read_step_scalars(scalars), self.step + 1, check, n_targets, self.data.description)
+    def _read_scalars(self, scalars: torch.Tensor, n_targets: int) -> tuple[list[float], list[int], bool]:
+        """The step's one host read, checked (trainer/step.py ``checked_step_values``): its values,
+        its ``n_targets`` last ones (the global target counts) and whether it is a bad step to
+        skip or roll back (trainer/bad_steps.py; on_nonfinite = stop raises instead)."""
+        check, step = self.mode.checks_divergence, self.step + 1
+        values, counts = checked_step_values(
+            read_step_scalars(scalars), step, check, n_targets, self.data.description, finite=self.bad_steps.stops
+        )
+        return values, counts, check and self.bad_steps.judge(values[0], values[1], step)
 
     def on_grads_ready(self, params: list[torch.Tensor]) -> None:
         """Extension point, called on every rank once the step's gradients are final (reduced,
@@ -321,28 +333,7 @@ class Trainer:
             f"config: {os.path.join(run_folder, 'config.toml')} (the resolved config, written once the first step "
             "is done; --job.print_config prints it)"
         )
-        started: ValueError | None = None
-        try:
-            metrics = MetricsLogger(
-                run_folder,
-                self.mode.metrics_rank(self.rank),
-                cfg,
-                world_size=self.world_size,
-                # TFLOPs/MFU only mean something on accelerators
-                flops_per_token=self.flops_per_token if self.device.type == "cuda" else None,
-                device=self.device,
-                total_steps=cfg.training.steps,
-                param_dtype=self.plan.parallelize.param_dtype,
-                resumed=resumed is not None,  # W&B continues the run of the checkpoint folder's id
-            )
-        except ValueError as exc:  # rank 0's W&B run refused to start
-            started = exc
-        if cfg.metrics.enable_wandb:  # ... then every rank stops with it (one int, max over the ranks)
-            agree_on_start(started, self.device, self.mode.has_peers(self.world_size))
-        elif started is not None:
-            raise started
-        if metrics.peak_note:  # on CUDA: the part and precision MFU is priced at
-            _log(metrics.peak_note)
+        metrics = open_metrics(self, resumed is not None, _log)  # trainer/reporting/run_metrics.py
         batch = self.plan.batch
         _log(
             f"training {cfg.model.name}/{cfg.model.flavor} ({self.num_params / 1e6:.1f}M params) for "
@@ -362,6 +353,7 @@ class Trainer:
         self.progress = progress = DataProgress(self.data, epochs=cfg.training.epochs, peers=peers)
         values = progress.local_values if progress.agree else None  # striped passes ride on the stop agreement
         self.stop_signals = stop = StopSignals(stop_group(cfg.comm, peers), newest=self.ckpt.newest, values=values)
+        timing = Stragglers(cfg, stop.group, self.world_size, self.step, _log)  # trainer/reporting/stragglers.py
         with metrics, self._build_instruments() as instruments, self.data, self.watchdog, stop:
             for message in instruments.messages:
                 _log(message)
@@ -373,6 +365,8 @@ class Trainer:
                 last_step = self.step
             while self.step < last_step:
                 self.watchdog.step(self.step + 1, first=not timeout_applied)
+                self.faults.step_start(self.step + 1)  # debug.fault kill / hang
+                timing.step_start()
                 microbatches = self.data.next_step()
                 data_wait += self.data.wait_s
                 if not timeout_applied:  # the first step of this run (also after a resume)
@@ -382,7 +376,14 @@ class Trainer:
                         + self.data.notes()
                     )
                 result, step_extra = instruments.run_step(self.step + 1, self.train_step, microbatches)
+                timing.add_compute(self.faults.slow(self.step + 1, timing.step_done(self.step + 1, self.data.wait_s)))
                 self.step += 1
+                phase = lambda what: self._long_phase(what, metrics)  # noqa: E731
+                back = self.bad_steps.after_step(self.step, result, self.data, self.ckpt, metrics, phase)
+                if back is not None:  # rolled back to a checkpoint (trainer/bad_steps.py)
+                    self.step = back
+                    self.watchdog.disarm()
+                    continue
                 self.totals.step(self.step, result.loss)
                 if result.targets:
                     progress.add_targets(result.targets)
@@ -396,6 +397,7 @@ class Trainer:
                 end = self.step == cfg.training.steps
                 agreed = stop.agreed() if not end or progress.agree else None
                 stopping = None if end else agreed
+                strag = timing.after_step(self.step)  # every metrics.straggler_interval steps (collective)
                 for line in progress.update(stop.agreed_values, self.step):
                     _log(line)
                 end = end or progress.reached  # training.epochs complete passes: the run's end too
@@ -409,7 +411,7 @@ class Trainer:
                     phase=lambda what: self._long_phase(what, metrics),
                     stopping=stopping is not None,
                 )
-                if metrics.should_log(self.step) or end or ckpt or stopping:
+                if metrics.should_log(self.step) or end or ckpt or stopping or strag or result.bad:
                     tokens = self.data.source_metrics(self.data.state_dict())
                     metrics.log(
                         self.step,
@@ -421,6 +423,8 @@ class Trainer:
                         # result.extra(): the MTP loss; then a mixture's tokens per source so far (the
                         # position after this step), the epoch and the target tokens (trainer/reporting/data_progress.py)
                         extra={**(step_extra or {}), **ckpt, **result.extra(), **tokens, **progress.metrics(tokens)}
+                        | self.bad_steps.metrics()
+                        | strag
                         or None,
                     )
                     steps_since_log, data_wait = 0, 0.0

@@ -23,15 +23,15 @@ def _fake_folder(out: Path, world: int, rank: int) -> Path:
     return out / "fake_backend" / f"world{world}_rank{rank}"
 
 
-# ``python -m parallel_dims ARGS``, run as a script in a forked process
-_PARALLEL_DIMS = "import sys\nfrom parallel_dims.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+# ``python -m trainer.plan_report ARGS``, run as a script in a forked process
+_PLAN_REPORT = "import sys\nfrom trainer.plan_report import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
-def _parallel_dims(tmp_path: Path, *args: str):
+def _plan_report(tmp_path: Path, *args: str):
     from tools.forkserver import run_train as run_script
 
-    script = tmp_path / "parallel_dims_main.py"
-    script.write_text(_PARALLEL_DIMS)
+    script = tmp_path / "plan_report_main.py"
+    script.write_text(_PLAN_REPORT)
     return run_script(1, list(args), env=_env(), cwd=ROOT, timeout=300, script=script)
 
 
@@ -39,7 +39,7 @@ def _parallel_dims(tmp_path: Path, *args: str):
 def test_one_rank_of_a_64_rank_fsdp_tp_layout(tmp_path):
     """Rank 17 of FSDP 16 x TP 4 on 64 ranks: a few steps on this CPU, with this rank's step time
     and peak memory in metrics.jsonl and the report, and the real sharding: its parameters are
-    the ones the job plan's dry run (python -m parallel_dims --config) computes for that rank."""
+    the ones the job plan's dry run (python -m trainer.plan_report --config) computes for that rank."""
     # the same layout's sharding computed another way: the job plan's dry run of rank 17 (in
     # its own process: it initializes a fake default process group)
     cfg = tmp_path / "layout.toml"
@@ -48,7 +48,7 @@ def test_one_rank_of_a_64_rank_fsdp_tp_layout(tmp_path):
         "[training]\nseq_len = 64\nlocal_batch_size = 1\nglobal_batch_size = 16\n"
         "[parallelism]\ntensor_parallel_degree = 4\n"
     )
-    plan = _parallel_dims(tmp_path, "--config", str(cfg), "--world-size", "64", "--rank", "17", "--json")
+    plan = _plan_report(tmp_path, "--config", str(cfg), "--world-size", "64", "--rank", "17", "--json")
     out = tmp_path / "run"
     layout = ["--parallelism.tp", "4", "--training.local_batch_size", "1", "--training.global_batch_size", "16"]
     res = run_forked(

@@ -17,7 +17,9 @@ def test_every_consumer_lists_the_table_axes_in_order():
     degree_fields = [f for f in dataclasses.fields(Parallelism) if f.name.endswith("_degree")]
     assert [f.name for f in degree_fields] == [a.config_key for a in AXES]
     assert [f.default for f in degree_fields] == [a.default for a in AXES]
-    assert PARALLELISM_ALIASES == {a.name: a.config_key for a in AXES}
+    # each axis by its name and by its layout-spec aliases (fsdp for dp_shard), both from the table
+    assert PARALLELISM_ALIASES == {n: a.config_key for a in AXES for n in (a.name, *a.layout_aliases)}
+    assert PARALLELISM_ALIASES["fsdp"] == "data_parallel_shard_degree"
     assert PROCESS_AXES == ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     # one describe-CLI flag per axis (unset flags take the table's default, or the config's)
     args = _parse(["--world-size", "8", *[x for a in AXES for x in (a.cli_flag, "2")]])

@@ -11,8 +11,11 @@ package is covered without editing this file.
 
 Direction (docs/design.md section 1): ``tools -> trainer -> models -> parallel_dims``;
 ``models/common`` (the decoder shell every model builds on) imports only itself and
-``parallel_dims``. Command-line entry points (``__main__`` modules) may reach upward, as
-``python -m parallel_dims --config`` / ``plan`` do; no module may import an entry point.
+``parallel_dims``. Command-line entry points (``__main__`` modules) follow the same direction: a
+command lives in the package whose code it runs. The one exception is :data:`FORWARDING`:
+``parallel_dims/moved_commands.py`` runs the commands that moved out of ``python -m
+parallel_dims`` (``plan`` -> ``python -m tools.planner``, ``--config`` -> ``python -m
+trainer.plan_report``) for users of the old forms. No module may import an entry point.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 # a package whose modules may import only these project packages
 ONLY: dict[str, tuple[str, ...]] = {
     "models.common": ("models.common", "parallel_dims"),
+}
+# the only imports against the direction: module -> the project modules it may import anyway.
+# parallel_dims/moved_commands.py forwards the old ``python -m parallel_dims plan`` and
+# ``--config`` to the commands that now live with their code (a moved or renamed target module
+# changes this entry and the forwarding together).
+FORWARDING: dict[str, frozenset[str]] = {
+    "parallel_dims.moved_commands": frozenset({"tools.planner.cli", "trainer.plan_report"}),
 }
 
 # trainer/'s folders: what each package may import of the others (its docstring says the same;
@@ -137,10 +147,13 @@ def folder_of(root: Path, path: Path) -> str:
     return ".".join(path.parent.relative_to(root).parts) or "."
 
 
-def folder_graph(root: Path, graph: Mapping[str, Iterable[str]] | None = None) -> dict[str, set[str]]:
-    """Folder -> the other folders its modules import. Entry points (``__main__``) are left
-    out on both sides, as for the direction rule: nothing imports them, and they may reach
-    upward."""
+def folder_graph(
+    root: Path, graph: Mapping[str, Iterable[str]] | None = None, forwarding: Mapping[str, Iterable[str]] | None = None
+) -> dict[str, set[str]]:
+    """Folder -> the other folders its modules import. Entry points (``__main__``: nothing
+    imports them) and the :data:`FORWARDING` imports (the old commands' forwarding, the one
+    exception to the direction) are left out."""
+    forwarding = FORWARDING if forwarding is None else forwarding
     modules = discover_modules(root)
     graph = module_graph(root) if graph is None else graph
     folders: dict[str, set[str]] = {}
@@ -149,7 +162,7 @@ def folder_graph(root: Path, graph: Mapping[str, Iterable[str]] | None = None) -
             continue
         source = folders.setdefault(folder_of(root, modules[importer]), set())
         for target in imported:
-            if not _is_entry_point(target):
+            if not _is_entry_point(target) and target not in forwarding.get(importer, ()):
                 source.add(folder_of(root, modules[target]))
     for source, targets in folders.items():
         targets.discard(source)
@@ -237,16 +250,18 @@ def _is_entry_point(module: str) -> bool:
     return module.rsplit(".", 1)[-1] == "__main__"
 
 
-def layering_violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
-    """Every import against :data:`FORBIDDEN` / :data:`ONLY`, and every import of an entry
-    point, as ``"importer -> imported"``."""
+def layering_violations(
+    graph: Mapping[str, Iterable[str]], forwarding: Mapping[str, Iterable[str]] = FORWARDING
+) -> list[str]:
+    """Every import against :data:`FORBIDDEN` / :data:`ONLY` but the ``forwarding`` ones, and
+    every import of an entry point, as ``"importer -> imported"``."""
     bad = []
     for importer in sorted(graph):
         for imported in sorted(graph[importer]):
             if _is_entry_point(imported):
                 bad.append(f"{importer} -> {imported} (an entry point)")
                 continue
-            if _is_entry_point(importer):
+            if imported in forwarding.get(importer, ()):
                 continue
             for package, forbidden in FORBIDDEN.items():
                 if _in(importer, package) and any(_in(imported, f) for f in forbidden):
@@ -269,9 +284,9 @@ def test_discovery_finds_the_project_packages(graph):
     tops = {name.split(".")[0] for name in graph}
     assert {"parallel_dims", "models", "trainer", "tools", "benchmarks", "scripts", "train"} <= tops
     assert "tests" not in tops
-    # function-level and TYPE_CHECKING imports count: parallel_dims' CLI reaches the planner
-    # only inside a function
-    assert "tools.planner.cli" in graph["parallel_dims.__main__"]
+    # function-level and TYPE_CHECKING imports count: the forwarding of the old planner command
+    # reaches the planner only inside a function
+    assert "tools.planner.cli" in graph["parallel_dims.moved_commands"]
 
 
 def test_no_import_cycles(graph):
@@ -307,6 +322,28 @@ def test_trainer_folders_import_what_they_may(graph):
 def test_imports_point_one_way(graph):
     bad = layering_violations(graph)
     assert not bad, "imports against the direction of docs/design.md section 1:\n  " + "\n  ".join(bad)
+
+
+def _upward(graph: Mapping[str, Iterable[str]], package: str) -> dict[str, set[str]]:
+    """``package``'s modules that import a package it must not import, and those imports."""
+    return {
+        importer: up
+        for importer, imported in graph.items()
+        if _in(importer, package)
+        if (up := {m for m in imported if any(_in(m, f) for f in FORBIDDEN[package])})
+    }
+
+
+def test_parallel_dims_reaches_up_only_to_forward_moved_commands(graph):
+    """parallel_dims imports trainer/ and tools/ in one place only, parallel_dims/moved_commands.py,
+    and there only the two commands' entry points (``python -m parallel_dims`` describes a layout
+    itself: its ``__main__`` imports nothing above parallel_dims); ``import parallel_dims`` never
+    loads the forwarding module."""
+    assert _upward(graph, "parallel_dims") == {m: set(t) for m, t in FORWARDING.items()}
+    assert "parallel_dims.moved_commands" not in graph["parallel_dims"]
+    assert {m for m, imported in graph.items() if "parallel_dims.moved_commands" in imported} == {
+        "parallel_dims.__main__"
+    }
 
 
 def _source_files(root: Path) -> dict[str, int]:
@@ -389,14 +426,18 @@ def test_checker_finds_layering_violations():
         "models.registry": {"models.common.decoder"},
         "parallel_dims.layout": {"trainer.config"},
         "parallel_dims.__main__": {"trainer.plan"},
+        "parallel_dims.moved_commands": {"trainer.plan_report", "tools.planner.cli", "trainer.plan"},
         "trainer.plan": {"tools.planner.cli", "parallel_dims.__main__"},
         "tools.planner.cli": set(),
         "trainer.config": set(),
         "models.common.args": set(),
     }
-    assert layering_violations(graph) == [
+    forwarding = {"parallel_dims.moved_commands": {"trainer.plan_report", "tools.planner.cli"}}
+    assert layering_violations(graph, forwarding) == [
         "models.common.decoder -> models.registry (models.common may import only models.common, parallel_dims)",
+        "parallel_dims.__main__ -> trainer.plan",  # an entry point follows the direction too
         "parallel_dims.layout -> trainer.config",
+        "parallel_dims.moved_commands -> trainer.plan",  # only the forwarded entry points
         "trainer.plan -> parallel_dims.__main__ (an entry point)",
         "trainer.plan -> tools.planner.cli",
     ]

@@ -7,7 +7,7 @@ linear but the output head), three optimizer steps of Muon with three parameter 
   float8 linears' weights minus the table that routes ``w2`` to AdamW (the head, the only
   linear float8 keeps, goes to AdamW by default).
 - Muon updates a float8 weight as it updates a plain one: after the first step (zero momentum,
-  Nesterov: U = (1 + mu) G) every Muon weight is W0 (1 - lr wd) - lr 0.2 sqrt(max(m, n)) NS(U),
+  Nesterov: U = (1 + mu) G) every Muon weight is W0 (1 - lr wd) - lr r sqrt(max(m, n)) NS(U) (r = ``muon_update_rms``),
   computed here from the weight's own gradient, within 1e-6 (weights up to 0.0625 moved by up to
   6e-4; measured 7.5e-9, float32 round-off of the different operation order); negative control:
   the same check with the gradient of another block's weight of the same shape is off by 4.5e-4.
@@ -78,7 +78,7 @@ def test_groups_match_the_same_fqns_and_muon_takes_the_float8_weights(runs):
 
 def _expected_first_step(w0, g):
     mu, lr, wd = CFG.optimizer.muon_momentum, CFG.optimizer.lr, CFG.optimizer.weight_decay
-    scale = 0.2 * math.sqrt(max(w0.shape))
+    scale = CFG.optimizer.muon_update_rms * math.sqrt(max(w0.shape))
     return w0 * (1 - lr * wd) - lr * scale * newton_schulz((1 + mu) * g, 5)
 
 

@@ -76,14 +76,15 @@ def test_model_layout_and_batch_rules_are_checked():
 
 
 def test_describe_cli_prints_the_plan_of_a_config():
-    """``python -m parallel_dims --config ...`` (run on a process forked from tools/forkserver.py's
-    server; the entry point in a new interpreter: tests/unit/test_validation.py)."""
+    """``python -m trainer.plan_report --config ...`` (run on a process forked from
+    tools/forkserver.py's server; the old form ``python -m parallel_dims --config`` forwards to it:
+    tests/unit/test_moved_commands.py)."""
     import json
 
     from tests.distributed.run_json import run_module_on_own_process
 
     args = ["--config", "llama3.toml", "--world-size", "4", "--tp", "2", "--rank", "1", "--json"]
-    res = run_module_on_own_process("parallel_dims", *args)
+    res = run_module_on_own_process("trainer.plan_report", *args)
     assert res.returncode == 0, res.stderr[-2000:]
     info = json.loads(res.stdout)
     assert info["degrees"]["tp"] == 2 and info["degrees"]["dp_shard"] == 2  # the flag overrides
@@ -91,6 +92,6 @@ def test_describe_cli_prints_the_plan_of_a_config():
     # fsdp=2 x tp=2: each rank holds a quarter (the norms' TP-replicated weights a bit more)
     assert 0.25 <= info["local_params"] / info["model"]["params"] < 0.26
     assert info["memory_gib"]["total"] == 16 * info["local_params"] / 2**30
-    bad = run_module_on_own_process("parallel_dims", "--config", "llama3.toml", "--world-size", "4", "--tp", "3")
+    bad = run_module_on_own_process("trainer.plan_report", "--config", "llama3.toml", "--world-size", "4", "--tp", "3")
     assert bad.returncode == 2 and "a valid choice for world_size=4" in bad.stderr
     assert "Traceback" not in bad.stderr

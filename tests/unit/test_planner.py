@@ -505,13 +505,10 @@ def test_json_fields():
     assert info["losing_reasons"]
 
 
-def test_text_output_and_parallel_dims_dispatch():
-    from parallel_dims.__main__ import main as pd_main
-
-    out = io.StringIO()
-    with redirect_stdout(out):
-        rc = pd_main(["plan", *_DEBUG, "--top", "2"])
-    text = out.getvalue()
+def test_text_output():
+    """``python -m tools.planner`` (the old ``python -m parallel_dims plan`` forwards to it:
+    tests/unit/test_moved_commands.py)."""
+    rc, text = _run([*_DEBUG, "--top", "2"])
     assert rc == 0
     assert "layout plan: llama3/debugmodel on 8 x h100" in text
     assert "why the other layouts lost:" in text and "memory GiB:" in text and "crosses nodes" in text

@@ -1,7 +1,7 @@
 """Qwen3-MoE's load-balancing auxiliary loss (``router_aux_loss_coef``) against ``transformers``'
 ``load_balancing_loss_func`` on the same router logits (fp32, small random configs, no downloads).
 
-Our statistic (docs/models.md, "Qwen3-MoE's load-balancing loss") is the Switch loss
+Our statistic (docs/models.md, "The MoE aux losses") is the Switch loss
 ``E * sum_e (count_e / T) * P_e`` of ONE layer over ONE sequence, averaged over the sequences
 of the step and over the MoE layers, times the coefficient; transformers pools the counts and
 probabilities over every token of the batch it is given and over all layers at once. The two

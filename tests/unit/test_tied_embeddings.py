@@ -242,7 +242,7 @@ def test_layout_rules_for_tied_embeddings():
 
 
 def test_tied_vocab_tp_refused_on_the_command_line(tmp_path):
-    """``python -m parallel_dims --config`` (the trainer's job plan) with the tied 1B flavor and a
+    """``python -m trainer.plan_report --config`` (the trainer's job plan) with the tied 1B flavor and a
     vocabulary of 2049 on tp=2: exit 2 and one line naming the rule and the fix, no traceback."""
     from tests.distributed.run_json import ROOT, run_module_on_own_process
 
@@ -250,7 +250,7 @@ def test_tied_vocab_tp_refused_on_the_command_line(tmp_path):
     assert 'flavor = "debugmodel"' in text
     config = tmp_path / "tied.toml"
     config.write_text(text.replace('flavor = "debugmodel"', 'flavor = "1B"\nvocab_size = 2049', 1))
-    res = run_module_on_own_process("parallel_dims", "--config", str(config), "--world-size", "2", "--tp", "2")
+    res = run_module_on_own_process("trainer.plan_report", "--config", str(config), "--world-size", "2", "--tp", "2")
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "tp=2 does not divide vocab_size=2049" in lines[0] and "Traceback" not in res.stderr

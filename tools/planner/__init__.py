@@ -1,5 +1,5 @@
 """The layout planner: every valid layout of a model on a cluster, ranked by estimated tokens/s
-per GPU within the GPU's memory (``python -m parallel_dims plan``, ``python -m tools.planner``).
+per GPU within the GPU's memory (``python -m tools.planner``).
 
 Modules: :mod:`.inventory` (parameters and their real sharding), :mod:`.activations`
 (activation memory from the model code), :mod:`.choice` (a layout choice and the stages, micro-

@@ -1,4 +1,5 @@
-"""``python -m tools.planner``: the layout planner (same as ``python -m parallel_dims plan``)."""
+"""``python -m tools.planner``: the layout planner (tools/planner/cli.py; the old form
+``python -m parallel_dims plan`` forwards here)."""
 
 import sys
 

@@ -1,7 +1,8 @@
-"""``python -m parallel_dims plan`` / ``python -m tools.planner``: rank every valid layout of a
-model on a cluster by estimated tokens/s per GPU within the GPU's memory.
+"""``python -m tools.planner``: rank every valid layout of a model on a cluster by estimated
+tokens/s per GPU within the GPU's memory (``python -m parallel_dims plan``, its old name, still
+runs it after a note: parallel_dims/moved_commands.py).
 
-    python -m parallel_dims plan --model llama3 --flavor 70B --world-size 256 \\
+    python -m tools.planner --model llama3 --flavor 70B --world-size 256 \\
         --gpus-per-node 8 --gpu h100 --seq-len 8192 --global-batch 512 [--top 10] [--json] [--toml PATH]
         [--float8 [RECIPE] [--float8-all-gather]] [--float8-experts] [--lora RANK [--lora-experts]]
 
@@ -65,7 +66,7 @@ def _registered() -> dict[str, list[str]]:
 def _parse(argv):
     models = _registered()
     p = argparse.ArgumentParser(
-        prog="python -m parallel_dims plan",
+        prog="python -m tools.planner",
         description="Rank every valid layout of a model on a cluster by estimated tokens/s per GPU.",
     )
     p.add_argument("--model", required=True, help=f"one of {', '.join(models)}")

@@ -346,6 +346,19 @@ class CheckpointManager:
         self.log(f"saved checkpoint {path}")
         return False
 
+    def reload_newest(self) -> int | None:
+        """Load the newest complete checkpoint of this run whole (a rollback:
+        trainer/bad_steps.py; collective): a background save in flight is finished and published
+        first. Returns its step, or None when the run has none."""
+        if self.saver is not None and self.saver.in_flight is not None:
+            self._finish(self.saver.poll(block=True))
+        if not self.config.enable or self.steps.latest_step() is None:
+            return None
+        extra = self.steps.load(
+            self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, step=-1, exclude=[]
+        )
+        return int(extra["step"])
+
     def newest(self) -> str:
         """The newest complete checkpoint, in words (``step-N in FOLDER``, or that there is none)."""
         step = self.steps.latest_step() if self.config.enable else None

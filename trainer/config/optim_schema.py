@@ -70,8 +70,10 @@ class Optimizer:
     )
     muon_update_rms: float = _opt(
         0.2,
-        "Muon: the orthogonalised update is scaled by muon_update_rms x sqrt(max(rows, cols)) so its RMS "
-        "matches AdamW's and optimizer.lr and weight_decay carry over (Moonlight, arXiv:2502.16982: 0.2).",
+        "Muon: the orthogonalised update is scaled by muon_update_rms x sqrt(max(rows, cols)), an update "
+        "RMS of about muon_update_rms per unit lr at every shape. 0.2 is Moonlight's (arXiv:2502.16982), "
+        "which carries AdamW's lr and weight_decay over in long large runs; on small models and short runs "
+        "1.0 does and 0.2 learns slower (measured: docs/optimizers.md).",
     )
 
 

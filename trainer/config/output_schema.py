@@ -71,6 +71,16 @@ class Metrics:
     wandb_project: str = _opt("", "W&B project; empty: $WANDB_PROJECT, else 'meshtrain'.")
     wandb_entity: str = _opt("", "W&B entity (team or user); empty: $WANDB_ENTITY, else your default.")
     wandb_run_name: str = _opt("", "W&B run name; empty: $WANDB_NAME, else job.dump_folder's name.")
+    straggler_interval: int = _opt(
+        0,
+        "Every N steps the ranks gather their step times (compute, data wait) into the metrics row "
+        "(min / median / max, the slowest rank); 0 = metrics.log_freq. Not with one rank.",
+    )
+    straggler_threshold: float = _opt(
+        0.25,
+        "A rank whose step time is more than this fraction above the ranks' median is named in one line "
+        "with its host (docs/long_runs.md).",
+    )
 
 
 @dataclass

@@ -128,7 +128,7 @@ class Training:
     epochs: int = _opt(
         0,
         "Stop after this many complete passes over the data (0 = off); with training.steps, whichever "
-        "comes first. A mixture's epoch is the most passes among its finite sources (docs/training.md).",
+        "comes first. A mixture's epoch is the most passes among its finite sources (docs/data.md).",
     )
     max_norm: float = _opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping.")
     mtp_loss_weight: float = _opt(
@@ -181,14 +181,14 @@ class Training:
         "How 'hf' and 'chat' rows are read: 'striped' = cut into one stripe of rows per sample of the "
         "global batch, each packed on its own, so each rank reads only its own rows (parquet and "
         "save_to_disk data); 'sequential' = one stream of windows over all rows, read in full by every "
-        "rank (.jsonl needs it); 'auto' = striped where the rows allow it (docs/fine_tuning.md).",
+        "rank (.jsonl needs it); 'auto' = striped where the rows allow it (docs/data.md).",
         choices=("auto", "striped", "sequential"),
     )
     sources: list[dict] = _opt(
         [],
         "A mixture instead of dataset/dataset_path: [[training.sources]] tables (path, kind = a dataset "
         "kind, weight > 0, optional name), each global sample drawn from one by a seeded schedule "
-        "(CLI: kind:weight:path,...; docs/fine_tuning.md).",
+        "(CLI: kind:weight:path,...; docs/data.md).",
     )
     text_documents: str = _opt(
         "file",
@@ -196,6 +196,32 @@ class Training:
         "EOS token cut): 'file' (the whole file), 'blank_line' (paragraphs between blank lines) or "
         "'line' (every line that is not blank).",
         choices=TEXT_DOCUMENTS,
+    )
+    on_nonfinite: str = _opt(
+        "stop",
+        "What a step with a non-finite loss or gradient norm (or a loss spike: loss_spike_factor) does: 'stop' "
+        "the run (one line, exit 1), 'skip' its update on every rank (counted in skipped_steps; stops after "
+        "max_consecutive_skips in a row) or 'rollback' to the newest complete checkpoint and go on past the "
+        "step's samples (needs checkpoint.enable; docs/long_runs.md).",
+        choices=("stop", "skip", "rollback"),
+    )
+    max_consecutive_skips: int = _opt(
+        5,
+        "on_nonfinite = skip / rollback: this many bad steps in a row (no good step between) stop the run: "
+        "the weights themselves, not a batch, are then the problem.",
+    )
+    loss_spike_factor: float = _opt(
+        0.0,
+        "A step whose loss is above this factor x the median of the last loss_spike_window good steps' losses "
+        "is a bad step too (handled by on_nonfinite); 0 = off.",
+    )
+    loss_spike_window: int = _opt(
+        50, "Good steps whose losses the loss-spike median is taken over (the rule waits until it has 10)."
+    )
+    skip_samples: list[str] = _opt(
+        [],
+        "Global sample ranges 'START:END' (END excluded) never trained on: a step whose first sample lies in "
+        "a range reads on from END (what a rollback adds; docs/long_runs.md).",
     )
     prefetch: bool = _opt(
         True,
@@ -385,6 +411,16 @@ class Validation:
     )
 
 
+@dataclass
+class Debug:
+    fault: list[str] = _opt(
+        [],
+        "Faults injected for drills (docs/long_runs.md): 'nan_loss@STEP', 'kill@STEP', 'hang@STEP', "
+        "'slow:factor=F' (every step from @STEP, default 1), each with an optional ':rank=R' (default: "
+        "every rank); several comma-separated.",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "job": Job,
     "model": Model,
@@ -401,6 +437,7 @@ SECTIONS: dict[str, type] = {
     "profiling": Profiling,
     "comm": Comm,
     "validation": Validation,
+    "debug": Debug,
 }
 
 
@@ -421,6 +458,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
+    debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

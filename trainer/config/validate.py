@@ -22,6 +22,7 @@ from models.parallel.lora import LORA_CONVERTERS
 from models.registry import HF_FLAVOR, flavor_names, has_experts
 from trainer.config.derived import apply_hf_path, attn_mask_type
 from trainer.config.errors import ConfigError
+from trainer.config.long_run_checks import validate_long_run
 from trainer.config.schema import (
     SECTIONS,
     JobConfig,
@@ -264,6 +265,7 @@ def _validate_values(cfg: JobConfig) -> None:
         f"{cfg.comm.init_timeout_seconds} and {cfg.comm.train_timeout_seconds}",
     )
     _validate_comm(cfg, need)
+    validate_long_run(cfg, need)  # trainer/config/long_run_checks.py
     if cfg.validation.enable:
         _validate_validation(cfg, need)
 

@@ -77,6 +77,12 @@ class PackedDataLoader:
         self._pending_sources: torch.Tensor | None = None
         # rows read in stripes: a rank knows only its own stripes' passes (the ranks agree on them)
         self.passes_agree = isinstance(self._stream, StripedStream)
+        # global sample ranges [start, end) never trained on (training.skip_samples, a rollback's:
+        # trainer/bad_steps.py): a step whose first sample lies in one reads on from its end
+        self.skip_ranges: list[tuple[int, int]] = []
+
+    def add_skip(self, start: int, end: int) -> None:
+        self.skip_ranges.append((int(start), int(end)))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
@@ -97,6 +103,8 @@ class PackedDataLoader:
 
     def _prepare_step(self) -> None:
         s = self._stream
+        while hit := [end for start, end in self.skip_ranges if start <= s.sample_index < end]:
+            s.skip(max(hit) - s.sample_index)
         self._step_start = s.state()
         s.skip(self.batch_rank * self.rank_samples)
         windows = s.take(self.rank_samples)

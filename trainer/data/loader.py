@@ -253,7 +253,7 @@ def build_dataloader(
         source, stream = chat_stream(cfg, t.dataset_path, tokenizer, seq_len, "training.dataset_path", log_epochs)
     else:
         source = build_source(cfg, log_epochs=log_epochs)
-    return PackedDataLoader(
+    loader = PackedDataLoader(
         source,
         tokenizer,
         seq_len=seq_len,
@@ -263,3 +263,7 @@ def build_dataloader(
         batch_degree=batch_degree,
         stream=stream,
     )
+    from trainer.config.long_run_specs import parse_skip_samples
+
+    loader.skip_ranges = parse_skip_samples(t.skip_samples)
+    return loader

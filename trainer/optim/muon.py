@@ -12,10 +12,16 @@ arXiv:2502.16982, the Moonlight paper), per parameter W of shape [..., m, n] wit
 NS_k is ``k`` steps of the quintic Newton-Schulz iteration X <- a X + b (X X^T) X + c (X X^T)^2 X
 from X0 = U / (||U||_F + 1e-7), on the wide orientation (transposed when m > n), with (a, b, c)
 = (3.4445, -4.7750, 2.0315): it drives every singular value of X towards [0.7, 1.2], an
-approximate U V^T of U's SVD. The scale r sqrt(max(m, n)) with r = 0.2 is Moonlight's rule
-(section 2.2 of the paper): it gives the update the RMS of a typical AdamW update (0.2-0.4), so
-AdamW's learning rate and decoupled weight decay carry over unchanged. NS runs in float32 here
-(the CPU proofs compare layouts in fp32; Jordan's and Moonlight's code use bfloat16 on GPUs).
+approximate U V^T of U's SVD, whose RMS is about 1/sqrt(max(m, n)). The scale r sqrt(max(m, n))
+is Moonlight's shape rule (section 2.2 of the paper): it makes the update's RMS about r whatever
+the shape, so one lr serves every width. r defaults to Moonlight's 0.2
+(``optimizer.muon_update_rms``), the RMS of AdamW's update in their long billion-parameter runs,
+where it carries AdamW's lr and weight decay over. On small models in short runs it does not:
+measured on the debug model (benchmarks/muon_lr.py, docs/optimizers.md), Muon at AdamW's lr with
+r = 0.2 falls far behind AdamW and with r = 1.0 (the RMS of AdamW's first, sign-like update)
+keeps up with it; matching the update's RMS does not match the speed (for a low-rank gradient an
+orthogonal update puts most of its norm where the gradient is small). NS runs in float32 here (the CPU proofs compare layouts in fp32; Jordan's and
+Moonlight's code use bfloat16 on GPUs).
 
 Distribution. NS needs each whole matrix; FSDP and TP shard them. Each parameter is a DTensor
 on its own mesh (the meshes ParallelDims built for FSDP, TP, EP). Leading (expert) dimensions

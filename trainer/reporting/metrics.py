@@ -397,6 +397,15 @@ class MetricsLogger:
         self._write(step, record)
         return record
 
+    def log_event(self, step: int, values: dict[str, Any]) -> dict[str, Any] | None:
+        """A row of its own for something that happened at ``step`` (a rollback:
+        trainer/bad_steps.py), no console line. Returns the record on rank 0."""
+        if self.rank != 0:
+            return None
+        record: dict[str, Any] = {"step": step, **values, "time": time.time()}
+        self._write(step, record)
+        return record
+
     def _write(self, step: int, record: dict[str, Any]) -> None:
         self.commit()
         if self._jsonl is not None:
