@@ -353,7 +353,9 @@ class Trainer:
         self.progress = progress = DataProgress(self.data, epochs=cfg.training.epochs, peers=peers)
         values = progress.local_values if progress.agree else None  # striped passes ride on the stop agreement
         self.stop_signals = stop = StopSignals(stop_group(cfg.comm, peers), newest=self.ckpt.newest, values=values)
-        timing = Stragglers(cfg, stop.group, self.world_size, self.step, _log)  # trainer/reporting/stragglers.py
+        timing = Stragglers(
+            cfg.metrics, stop.group, self.world_size, self.step, _log
+        )  # trainer/reporting/stragglers.py
         with metrics, self._build_instruments() as instruments, self.data, self.watchdog, stop:
             for message in instruments.messages:
                 _log(message)

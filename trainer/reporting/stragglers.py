@@ -34,10 +34,9 @@ __all__ = ["Stragglers"]
 
 class Stragglers:
     """Per-step timing of this rank and the interval's gather (collective: every rank calls
-    :meth:`after_step` at every step)."""
+    :meth:`after_step` at every step). ``m``: the ``[metrics]`` section."""
 
-    def __init__(self, cfg, group: dist.ProcessGroup | None, world_size: int, first_step: int, log=print):
-        m = cfg.metrics
+    def __init__(self, m, group: dist.ProcessGroup | None, world_size: int, first_step: int, log=print):
         self.interval = m.straggler_interval or m.log_freq
         self.threshold = m.straggler_threshold
         self.group = group if world_size > 1 else None
