@@ -1,11 +1,12 @@
 """Train an LLM: ``torchrun --nproc_per_node=N train.py --config train_configs/llama3.toml``.
 
 Every config key can be overridden on the command line (``--parallelism.tp 2``); run
-``python train.py --help`` for the list.
+``python train.py --help`` for the list. What happens next: trainer/lifecycle/main.py
+(launcher flags -> launch, else run this rank).
 """
 
-# first: a Ctrl-C while torch imports is one line, not a traceback (trainer/start_signals.py)
-from trainer.start_signals import quiet_start
+# first: a Ctrl-C while torch imports is one line, not a traceback (trainer/lifecycle/start_signals.py)
+from trainer.lifecycle.start_signals import quiet_start
 
 quiet_start()
 
@@ -19,25 +20,12 @@ import gc  # noqa: E402
 # the run itself creates.
 gc.disable()
 try:
-    from trainer.entry import main
+    from trainer.lifecycle.main import main
 finally:
     gc.freeze()
     gc.enable()
 
 if __name__ == "__main__":
-    # not sys.exit: torch's communication threads can outlive the process groups and call into
-    # a finalizing interpreter (a finished run would abort at exit); trainer/shutdown.py
     import sys
 
-    from trainer.launch import main as launch
-
-    # python train.py --nproc_per_node N ...: the launcher (trainer/launch.py), which starts
-    # train.py workers without its flags; without them, this process trains
-    code = launch(sys.argv[1:])
-    if code is not None:
-        sys.exit(code)
-    from trainer.shutdown import run_and_exit
-    from trainer.start_signals import hand_over
-
-    hand_over()  # from here a Ctrl-C is trainer/entry.py's (one line; at a step in the loop)
-    run_and_exit(main)
+    main(sys.argv[1:])

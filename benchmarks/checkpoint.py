@@ -291,7 +291,7 @@ def stall_breakdown(n_layers: int = N_LAYERS, reps: int = 2) -> dict:
     from trainer.checkpoint.async_save import BackgroundSaver
     from trainer.checkpoint.dcp import CheckpointFolder
     from trainer.config import load_config
-    from trainer.optim import build_optimizer
+    from trainer.optim.optimizers import build_optimizer
 
     cols: dict[str, list[float]] = {
         k: []

@@ -36,7 +36,7 @@ CORPUS_STEPS = 3  # the corpus holds this many global batches (the streaming pat
 def _corpus(folder: str, tokenizer) -> tuple[str, int]:
     """A jsonl file of synthetic documents holding at least CORPUS_STEPS global batches."""
     from trainer.data.synthetic import synthetic_document
-    from trainer.files import atomic_file
+    from trainer.runtime.files import atomic_file
 
     need = CORPUS_STEPS * GLOBAL_BATCH * (SEQ_LEN + 1)
     path = os.path.join(folder, "corpus.jsonl")

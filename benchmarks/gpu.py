@@ -48,7 +48,7 @@ block-causal and (its trainer) CPU rows.
 Every measurement runs in a fresh process (a new interpreter; ``--launcher fork`` forks it from
 a server that imported torch and the trainer once instead, as the CPU smoke test does; torchtitan's
 trainer always starts a new one). MFU uses the trainer's FLOPs per token
-(``trainer.metrics.training_flops_per_token``) for our rows and the bare loops, so their ratios
+(``trainer.reporting.metrics.training_flops_per_token``) for our rows and the bare loops, so their ratios
 of MFU equal the ratios of tokens/s; torchtitan's trainer's MFU is its own count.
 
 * float8 rows (``--precisions``, default ``bf16 float8``; causal rows only): the trainer with
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["subprocess", "fork"],
         default="subprocess",
         help="how each measurement process starts: a new interpreter (default), or forked from a "
-        "server that imported torch and the trainer once (tools/launcher.py; the test suite's CPU "
+        "server that imported torch and the trainer once (tools/forkserver.py; the test suite's CPU "
         "smoke run: the same scripts and arguments without the imports per process)",
     )
     p.add_argument(

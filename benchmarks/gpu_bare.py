@@ -224,7 +224,7 @@ def bare_loop(
 
     from models.registry import build_model
     from trainer.instruments.matmul_census import MatmulCensus
-    from trainer.metrics import peak_flops, training_flops_per_token
+    from trainer.reporting.metrics import peak_flops, training_flops_per_token
 
     device = torch.device(case.device)
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ CHECKLIST: list[CheckItem] = [
         how=(
             "`parallel_dims.process_group_timeout(group)` on every group of a 2-GPU run: init + 30 s "
             "after `build_mesh`, train + 30 s after the first step. A normal run ends with exit 0, no "
-            "watchdog line, and no abort at exit (workers end through trainer/shutdown.py; "
+            "watchdog line, and no abort at exit (workers end through trainer/lifecycle/shutdown.py; "
             "`python -m tools.exit_stress --layouts llama3:fsdp=2 --runs 5` on 2 GPUs)."
         ),
         topic="group timeouts (issue 24 item 2), clean exit (issue 23)",

@@ -137,18 +137,18 @@ TIMEOUT_S: float | None = None
 
 # how a measurement process starts (--launcher): "subprocess", a new interpreter (what a GPU run
 # uses), or "fork", forked from a server that imported torch and the trainer once
-# (tools/launcher.py): the same script, arguments, environment and working directory without
+# (tools/forkserver.py): the same script, arguments, environment and working directory without
 # the ~2 CPU s of imports per process, for the CPU smoke run of the test suite
 LAUNCHER = "subprocess"
 
 
 def _forked(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     """``cmd`` (``python script ...`` or ``python -m module ...``) on one process forked from
-    tools/launcher.py's server: what ``subprocess.run`` gives, a timeout raising
+    tools/forkserver.py's server: what ``subprocess.run`` gives, a timeout raising
     ``subprocess.TimeoutExpired`` too."""
     import importlib.util
 
-    from tools.launcher import run_train
+    from tools.forkserver import run_train
 
     if cmd[1] == "-m":
         script, argv = importlib.util.find_spec(cmd[2]).origin, cmd[3:]

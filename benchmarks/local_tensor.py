@@ -65,7 +65,7 @@ def train_recording_usage() -> None:
     """``python -c WRAPPER FOLDER SCRIPT ARGS...``: run ``SCRIPT`` as ``__main__`` with ``ARGS``,
     and at exit write this process's peak RSS (bytes) and CPU time (s) to
     ``FOLDER/usage_rank{RANK}.json``.
-    train.py ends through ``trainer.shutdown.run_and_exit``, which runs the ``atexit`` handlers
+    train.py ends through ``trainer.lifecycle.shutdown.run_and_exit``, which runs the ``atexit`` handlers
     before ``os._exit``; this module imports nothing but the standard library before the
     script runs, so it adds nothing measurable to the figure."""
     import atexit

@@ -3,7 +3,7 @@ and AdamW-state bytes and the peak memory of a training step (``make bench`` sec
 also ``python -m benchmarks.lora``).
 
 Each variant is the real trainer (``train.py``) on one rank (rank 0) of an fsdp=2 job through
-``comm.mode = fake_backend`` (trainer/fake_backend.py: the rank's real shards, optimizer and
+``comm.mode = fake_backend`` (trainer/simulation/fake_backend.py: the rank's real shards, optimizer and
 step; collectives move no data), llama3 debugmodel (6 layers), seq_len 64, local batch 2,
 2 steps, reading the run's ``fake_backend_report.json``: ``param_bytes``, ``grad_bytes``,
 ``optimizer_bytes`` (the rank's local shards) and the step's peak memory (on CPU the process's

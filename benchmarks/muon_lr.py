@@ -8,7 +8,7 @@ arguments with another ``dim`` (heads, KV heads, vocabulary, RoPE as the debug m
 width from Llama's sizing rule), the synthetic corpus, ``optimizer.lr = 8e-4`` (the shipped
 llama3.toml's), a WSD schedule (``lr_scheduler.decay_style = "wsd"``, 10% decay, 1-sqrt), the
 same seed and batches for every run. Variants: AdamW; Muon with ``optimizer.muon_update_rms``
-0.2 (Moonlight's RMS matching, the default: trainer/muon.py) and 1.0 (the RMS of AdamW's first
+0.2 (Moonlight's RMS matching, the default: trainer/optim/muon.py) and 1.0 (the RMS of AdamW's first
 update, what docs/optimizers.md recommends for small models at AdamW's lr). Per run: the loss averaged over the 10 steps ending at each checkpoint step
 (one step's loss on a 4-row batch is noisy), and the update RMS of the hidden matrices (the
 parameters Muon takes, measured for AdamW too): ``(W_new - W_old (1 - lr wd)) / lr``, mean over
@@ -85,7 +85,7 @@ def _record_update_rms(out_path: str) -> None:
 
     from models.common.init import canonical_fqn
     from trainer import optim
-    from trainer.optim_groups import is_hidden_matrix
+    from trainer.optim.groups import is_hidden_matrix
 
     per_step: list[float] = []
     step = optim.Optimizers.step
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     if args.train:
         _record_update_rms(args.train)
-        from trainer.entry import main as train_main
+        from trainer.lifecycle.rank import main as train_main
 
         return train_main(rest[1:] if rest[:1] == ["--"] else rest)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -5,9 +5,9 @@ Each layout runs on 2 forked gloo ranks (one thread each): the llama3 debug mode
 dim 256) built and parallelized from the trainer's job plan, random gradients laid out like the
 parameters, then ``Optimizers.step()`` timed for AdamW (foreach, the CPU default) and for Muon
 (the hidden matrices; AdamW for embedding, head and norms) under each
-``optimizer.muon_distribution`` (trainer/muon.py): ``gather`` (every rank all-gathers every
+``optimizer.muon_distribution`` (trainer/optim/muon.py): ``gather`` (every rank all-gathers every
 sharded matrix and orthogonalises it) and ``round_robin`` (one owner rank per matrix
-orthogonalises it and sends the shards back, trainer/muon_dist.py), all in the same processes,
+orthogonalises it and sends the shards back, trainer/optim/muon_dist.py), all in the same processes,
 alternating, median of ``REPS`` after a warm-up step each. ``muon_over_adamw`` is the ratio of
 the medians for the default (round-robin); ``round_robin_over_gather`` compares the two schemes.
 """
@@ -30,7 +30,7 @@ def _worker(rank: int, world_size: int, degrees: dict, reps: int) -> dict:
 
     from models.parallelize import parallelize_model
     from trainer.config import load_config
-    from trainer.optim import build_optimizer
+    from trainer.optim.optimizers import build_optimizer
     from trainer.plan import plan_job
 
     argv = ["--config", "llama3.toml", "--training.seq_len", "64", "--training.global_batch_size", "2"]
@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int, degrees: dict, reps: int) -> dict:
 
 
 def run(reps: int = REPS) -> dict:
-    from tools.launcher import run_distributed
+    from tools.forkserver import run_distributed
 
     rows = []
     for layout, degrees in LAYOUTS.items():

@@ -144,7 +144,7 @@ def _config(model: str, folder: str, param_dtype: str = "bfloat16"):
 
 def _trainer_row(model: str, folder: str, row: str) -> dict:
     import models.parallelize as parallelize
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     parallelize.ONE_RANK_MIXED_PRECISION = "compute_copies" if row == "trainer" else "fsdp"
     try:
@@ -173,7 +173,7 @@ def _reference_row(model: str, folder: str) -> dict:
     import torch
 
     from trainer.forward import cross_entropy_sum
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     trainer = Trainer(_config(model, folder, param_dtype="float32"))
     net = trainer.model_parts[0]

@@ -90,7 +90,7 @@ def _measure(rank: int, world_size: int, configs: list[tuple[str, int]]) -> list
 
 def run() -> list[dict]:
     from models.parallel.pipeline import bubble_fraction
-    from tools.launcher import run_distributed
+    from tools.forkserver import run_distributed
 
     configs = [(s, m) for m in MICROBATCHES for s in SCHEDULES]
     start = time.perf_counter()

@@ -172,8 +172,8 @@ def _optimizer_seconds() -> tuple[float, int]:
 
     from models.registry import get_model_spec
     from trainer.config import JobConfig
-    from trainer.grad_clip import clip_grad_norm_
-    from trainer.optim import build_optimizer
+    from trainer.optim.grad_clip import clip_grad_norm_
+    from trainer.optim.optimizers import build_optimizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -231,7 +231,7 @@ def cpu_profile() -> dict:
     collective costs inside a training step beyond that microbenchmark."""
     import dataclasses
 
-    from tools.launcher import run_distributed
+    from tools.forkserver import run_distributed
     from tools.planner.compute import rank_matmul_flops
     from tools.planner.hardware import OPTIMIZER_BYTES_PER_PARAM, collective_seconds, load_hardware
 

@@ -144,7 +144,7 @@ SECTIONS: list[tuple[str, str, str]] = [
         "Optimizer step: Muon against AdamW",
         "`make bench` section `optimizer` (also `python -m benchmarks.run --only optimizer --out "
         "bench_results/optimizer.json`): the optimizer step of the llama3 debug model (6 blocks) on 2 gloo "
-        "ranks (one thread each) under fsdp=2 and tp=2, Muon (trainer/muon.py) against AdamW (foreach) in "
+        "ranks (one thread each) under fsdp=2 and tp=2, Muon (trainer/optim/muon.py) against AdamW (foreach) in "
         "the same processes, median of 5 steps, Muon under both `optimizer.muon_distribution` schemes: "
         "round_robin (the default: one owner rank per matrix) and gather (every rank every matrix)",
     ),
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         same = out.exists() and out.read_text() == text
         print(f"{out} is {'up to date' if same else 'stale: run python -m benchmarks.report'}", file=sys.stderr)
         return 0 if same else 1
-    from trainer.files import atomic_write
+    from trainer.runtime.files import atomic_write
 
     atomic_write(str(out), text)
     print(f"wrote {out}", file=sys.stderr)

@@ -82,7 +82,7 @@ def interleaved_step_ratio(steps: int = 12, warmup: int = 3) -> float:
     import torch.nn.functional as F
 
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config([*ARGS, "--training.steps", str(4 * steps), "--job.dump_folder", d])

@@ -60,6 +60,6 @@ def host_group(desc: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A new gloo group over every rank of the job, for host-side work that runs beside training
     and whose collectives must never interleave with training's (a background checkpoint write
     and its completion checks, trainer/checkpoint/async_save.py; the ranks' agreement to stop
-    on an NCCL job, trainer/stop.py). Collective: every rank calls it
+    on an NCCL job, trainer/runtime/stop.py). Collective: every rank calls it
     in the same order. Not one of the mesh's groups: never shared, not counted by ParallelDims."""
     return dist.new_group(backend="gloo", timeout=timeout, group_desc=desc)

@@ -20,7 +20,7 @@ fake_backend_recv_buffers   models.parallel.pipeline.stage.CheckedStage  n/a    
 unflatten_without_groups    parallel_dims.parallel_dims                  ?      ?      need   need   ?
 sliced_mesh_flat_layout     parallel_dims.parallel_dims                  need*  need*  no     no     ?
 schedule_compute_order      tools.planner.schedule_order                 ?      ?      need   need   ?
-local_tensor_fsdp_storage   trainer.local_tensor                         n/a    ?      need   ?      need*
+local_tensor_fsdp_storage   trainer.simulation.local_tensor              n/a    ?      need   ?      need*
 constant_result_marker      models.common.attention                      need   ?      need   ?      need
 cpu_scaled_mm_emulation     models.parallel.float8                       ?      ?      need   ?      ?
 cpu_flash_attention_pack    models.common.attention                      ?      ?      need   ?      ?
@@ -268,7 +268,7 @@ def as_flattened(mesh: DeviceMesh) -> DeviceMesh:
 
 def host_side():
     """A context in which tensors are plain host tensors even while ``comm.mode =
-    'local_tensor'`` simulates every rank (trainer/local_tensor.py): what is computed in it is
+    'local_tensor'`` simulates every rank (trainer/simulation/local_tensor.py): what is computed in it is
     the same on every rank (a full parameter drawn from its FQN seed, a checkpoint read). A
     no-op otherwise."""
     import contextlib
@@ -284,7 +284,7 @@ _SIMULATING = [False]  # a plain flag: torch.compile reads it without tracing in
 
 
 def simulating_ranks(start: bool = False) -> bool:
-    """Whether this process simulates every rank (set by trainer/local_tensor.py: ``start=True``)."""
+    """Whether this process simulates every rank (set by trainer/simulation/local_tensor.py: ``start=True``)."""
     _SIMULATING[0] = _SIMULATING[0] or start
     return _SIMULATING[0]
 

@@ -30,7 +30,7 @@ class Override:
 _STAGE = "models.parallel.pipeline.stage.CheckedStage"
 _BUILDER = "parallel_dims.parallel_dims"
 _PLANNER = "tools.planner.schedule_order"
-_LOCAL_TENSOR = "trainer.local_tensor"
+_LOCAL_TENSOR = "trainer.simulation.local_tensor"
 _ATTENTION = "models.common.attention"
 _FLOAT8 = "models.parallel.float8"
 

@@ -60,7 +60,7 @@ from trainer.checkpoint.convert import convert_hf_to_dcp
 from trainer.checkpoint.hf_format import DEFAULT_MAX_SHARD_BYTES, parse_size, read_hf_config
 from trainer.checkpoint.hf_reader import open_hf_checkpoint
 from trainer.checkpoint.hf_write import dcp_model_meta, export_dcp_to_hf
-from trainer.cli_errors import run_command
+from trainer.runtime.cli_errors import run_command
 
 
 class UsageError(ValueError):

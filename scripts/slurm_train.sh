@@ -1,6 +1,6 @@
 #!/bin/bash
 # Multi-node training under Slurm: one launcher per node (python train.py with torchrun's flags,
-# trainer/launch.py: torch's elastic agent in process), rendezvous over c10d.
+# trainer/lifecycle/launch.py: torch's elastic agent in process), rendezvous over c10d.
 #
 #   sbatch --nodes=8 scripts/slurm_train.sh train_configs/llama3_70b.toml [--section.key value ...]
 #

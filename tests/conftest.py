@@ -15,7 +15,7 @@ import pytest
 # core) puts two threads per core in every worker, and OpenMP's idle threads spin-wait for work
 # under that load instead of sleeping. Measured on 2 cores, beside a loaded machine:
 # test_moe_kernels.py + test_models.py 10.1 CPU s by default, 7.3 with one thread (the training
-# processes the tests start already get one: tests/e2e/helpers.py, tools/launcher.py).
+# processes the tests start already get one: tests/e2e/helpers.py, tools/forkserver.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # already read by the OpenMP runtime: set it the way it still takes
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -5,7 +5,7 @@ test that first used it):
 
 * wall seconds;
 * CPU seconds: this process and its threads, every child process it waited for (``subprocess``
-  runs, torchrun with its workers) and the ranks the forkserver of ``tools/launcher.py`` forked
+  runs, torchrun with its workers) and the ranks the forkserver of ``tools/forkserver.py`` forked
   for it. On a 2-core host running two xdist workers, the suite's wall time is about its CPU
   seconds / 2: CPU is what a test takes from the others, and it barely depends on what else
   runs beside it;
@@ -77,9 +77,9 @@ def _forkserver_children_cpu() -> float:
 
 def _forked_ranks() -> int:
     try:
-        import tools.launcher
+        import tools.forkserver
 
-        return tools.launcher.RANKS_STARTED
+        return tools.forkserver.RANKS_STARTED
     except (ImportError, AttributeError):
         return 0
 

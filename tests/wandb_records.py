@@ -105,7 +105,7 @@ def offline_runs(wandb_dir: str) -> list[OfflineRun]:
 
 def rows_by_step(jsonl_records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """metrics.jsonl records as W&B keeps them: one row per step, the step's records merged in
-    order, without ``step`` and ``time`` (trainer/wandb_log.py)."""
+    order, without ``step`` and ``time`` (trainer/reporting/wandb_log.py)."""
     out: dict[int, dict[str, Any]] = {}
     for rec in jsonl_records:
         row = out.setdefault(rec["step"], {})

@@ -6,7 +6,7 @@ launches logged; a step logged twice (a kill after it and before the next checkp
 with its last record, as the trainer's readers take it.
 
 Bad input (a folder without metrics.jsonl, a file with no step record, matplotlib missing) is one
-``error:`` line and exit code 2 (trainer/cli_errors.py). matplotlib is a dev dependency
+``error:`` line and exit code 2 (trainer/runtime/cli_errors.py). matplotlib is a dev dependency
 (``pip install matplotlib``), imported only here.
 """
 
@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from trainer.cli_errors import run_command
+from trainer.runtime.cli_errors import run_command
 
 __all__ = ["BadInput", "main", "plot_runs", "read_run"]
 

@@ -33,26 +33,11 @@ from collections import deque
 
 import torch
 
-from trainer.config.errors import ConfigError
 from trainer.step import TrainingDiverged
 
-__all__ = ["BadSteps", "parse_skip_samples"]
+__all__ = ["BadSteps"]
 
 _SPIKE_MIN = 10  # good steps before the loss-spike rule judges
-
-
-def parse_skip_samples(items: list[str]) -> list[tuple[int, int]]:
-    """``training.skip_samples``: ``START:END`` global sample ranges (END excluded)."""
-    ranges = []
-    for item in items:
-        start, colon, end = item.strip().partition(":")
-        if not (colon and start.isdigit() and end.isdigit() and int(start) < int(end)):
-            raise ConfigError(
-                f"training.skip_samples entry {item!r} is not START:END with 0 <= START < END (global sample "
-                "indices, END excluded), e.g. '40:48' as a rollback names them"
-            )
-        ranges.append((int(start), int(end)))
-    return ranges
 
 
 class BadSteps:

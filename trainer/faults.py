@@ -11,12 +11,12 @@ global rank (default: every rank). The kinds:
                    Fires once: a step redone after a rollback is clean, as a transient fault is.
 ``kill@STEP``      the rank SIGKILLs itself as the step starts (a dead process, nothing flushed).
 ``hang@STEP``      the rank stops in a sleep as the step starts (a hung process; the step
-                   watchdog, trainer/comm_watchdog.py, ends the job).
+                   watchdog, trainer/runtime/comm_watchdog.py, ends the job).
 ``slow``           every step (from ``@STEP``, default 1) the rank sleeps ``factor - 1`` times its
                    own step time (``factor`` > 1, required) after its step: a rank ``factor`` times
-                   slower, which trainer/stragglers.py names.
+                   slower, which trainer/reporting/stragglers.py names.
 
-Parsing is strict: an unknown kind, key or a bad value is a :class:`ConfigError` (one line, exit
+Parsing (trainer/config/long_run_specs.py) is strict: an unknown kind, key or a bad value is a :class:`ConfigError` (one line, exit
 2). This is not trainer/checkpoint/drill.py's ``MESHTRAIN_CHECKPOINT_DRILL``: those are holding
 points inside a save for tests that kill a process at an exact state, set by an environment
 variable and never by a user; these are a documented config option that changes what a run does.
@@ -29,82 +29,12 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
-from trainer.config.errors import ConfigError
+from trainer.config.long_run_specs import Fault, parse_faults
 
-__all__ = ["FAULT_KINDS", "Fault", "Faults", "parse_faults"]
-
-FAULT_KINDS = ("nan_loss", "kill", "hang", "slow")
-_KEYS = {"nan_loss": ("rank",), "kill": ("rank",), "hang": ("rank",), "slow": ("rank", "factor")}
-_FORMS = "'nan_loss@5', 'kill@7:rank=2', 'hang@4:rank=1', 'slow:rank=3:factor=2'"
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    step: int | None  # None: slow from step 1
-    rank: int | None  # None: every rank
-    factor: float = 1.0
-
-
-def _bad(spec: str, why: str) -> ConfigError:
-    return ConfigError(f"debug.fault {spec!r}: {why}; the forms are {_FORMS} (docs/long_runs.md)")
-
-
-def _parse_one(spec: str) -> Fault:
-    head, *pairs = spec.split(":")
-    kind, at, step_text = head.partition("@")
-    if kind not in FAULT_KINDS:
-        raise _bad(spec, f"unknown fault {kind!r} (one of {', '.join(FAULT_KINDS)})")
-    step = None
-    if at:
-        if not step_text.isdigit() or int(step_text) < 1:
-            raise _bad(spec, f"the step after '@' must be an integer >= 1, got {step_text!r}")
-        step = int(step_text)
-    elif kind != "slow":
-        raise _bad(spec, f"'{kind}' needs the step it happens at: '{kind}@STEP'")
-    values: dict[str, str] = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or key not in _KEYS[kind]:
-            raise _bad(spec, f"{pair!r} is not a key=value of '{kind}' (keys: {', '.join(_KEYS[kind])})")
-        if key in values:
-            raise _bad(spec, f"{key} is given twice")
-        values[key] = value
-    rank = None
-    if "rank" in values:
-        if not values["rank"].isdigit():
-            raise _bad(spec, f"rank must be an integer >= 0, got {values['rank']!r}")
-        rank = int(values["rank"])
-    factor = 1.0
-    if kind == "slow":
-        if "factor" not in values:
-            raise _bad(spec, "'slow' needs factor=F (F > 1: the rank's steps take F times as long)")
-        try:
-            factor = float(values["factor"])
-        except ValueError:
-            factor = math.nan
-        if not (math.isfinite(factor) and factor > 1):
-            raise _bad(spec, f"factor must be a number > 1, got {values['factor']!r}")
-    return Fault(kind, step, rank, factor)
-
-
-def parse_faults(specs: list[str], world_size: int | None = None) -> list[Fault]:
-    """The faults of ``debug.fault`` (:class:`ConfigError` for a bad spec); with ``world_size``,
-    a rank outside the job is refused too."""
-    faults = []
-    for spec in specs:
-        spec = spec.strip()
-        if not spec:
-            raise _bad(spec, "an empty fault")
-        fault = _parse_one(spec)
-        if world_size is not None and fault.rank is not None and fault.rank >= world_size:
-            raise _bad(spec, f"rank {fault.rank} is not in this job of {world_size} ranks")
-        faults.append(fault)
-    return faults
+__all__ = ["Faults"]
 
 
 class Faults:

@@ -25,7 +25,7 @@ from parallel_dims import ParallelDims
 from parallel_dims.torch_compat import per_rank, per_rank_int
 
 if TYPE_CHECKING:
-    # the pipeline runtime is imported where pp > 1 uses it (see trainer/train.py)
+    # the pipeline runtime is imported where pp > 1 uses it (see trainer/trainer.py)
     from models.parallel.pipeline import Pipeline
 
 __all__ = ["ModelForward", "cross_entropy_sum", "full_tensor"]

@@ -48,6 +48,7 @@ __all__ = [
     "parallel_dims_from_config",
     "parallelize_options",
     "plan_job",
+    "plan_model",
     "validation_batch",
 ]
 
@@ -273,7 +274,7 @@ def plan_job(
         tokenizer_eos = getattr(tokenizer, "eos_id", None)
     spec = None
     if tokenizer_vocab is not None:
-        spec = attempt(lambda: _model_spec(cfg, tokenizer_vocab, tokenizer_eos))
+        spec = attempt(lambda: plan_model(cfg, tokenizer_vocab, tokenizer_eos))
     opts = parallelize_options(cfg)
     if pd is not None:
         if device_type is not None:
@@ -357,7 +358,8 @@ def _check_float8_experts(spec: ModelSpec, name: str, opts: Float8Options, etp: 
     check_float8_experts(model, name, opts, etp)
 
 
-def _model_spec(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:
+def plan_model(cfg: JobConfig, tokenizer_vocab: int, tokenizer_eos: int | None = None) -> ModelSpec:
+    """The job's model (``JobPlan.model``, and the seed checkpoint's): flavor, overrides, vocabulary."""
     spec = config_model_spec(cfg)
     args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer_vocab, tokenizer_eos))
     args.validate()
@@ -395,6 +397,3 @@ def validation_batch(cfg: JobConfig, batch_degree: int) -> tuple[int, int]:
             + (f", or set validation.local_batch_size to one of {per_rank}" if per_rank else "")
         )
     return g, g // unit
-
-
-# ------------------------------------------------------------------ dry run and printing

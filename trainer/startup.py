@@ -1,7 +1,7 @@
 """The start-up checks of a job, once, for every way it is launched.
 
 A worker (``python train.py`` alone, under torchrun, under the launcher) and the launcher's
-pre-start check (trainer/launch.py, before any worker exists) run the same functions, so a
+pre-start check (trainer/lifecycle/launch.py, before any worker exists) run the same functions, so a
 dataset kind, a model or a layout that one accepts the other accepts too:
 
 * :func:`plan_startup`: the tokenizer, the packed documents' separator (the chat template's for

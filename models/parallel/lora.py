@@ -13,7 +13,7 @@ GEMMs on the frozen base, TP's DTensor input and output, activation checkpointin
 The converter runs before any parallelism (``models/parallelize.py``), like float8:
 
 * every parameter that is not an adapter gets ``requires_grad = False``: no gradient, so no
-  optimizer state (``trainer/optim.py`` takes ``requires_grad`` parameters only) and nothing of
+  optimizer state (``trainer/optim/optimizers.py`` takes ``requires_grad`` parameters only) and nothing of
   it in FSDP2's reduce-scatter or any gradient all-reduce (FSDP2 reduces the parameters that
   have a gradient); frozen and trainable parameters share one FSDP unit;
 * under TP (:func:`shard_adapters_like_base`, right after the TP and EP appliers) the adapters

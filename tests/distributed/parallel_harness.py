@@ -11,7 +11,7 @@ What is compared, and why each catches something different:
 * loss: reduced over ``loss`` and divided by the global token count;
 * grads, before clipping: a missing or doubled reduction (over dp, cp, tp or the expert meshes)
   shows up as a factor of 2 or a partial sum in some parameter;
-* grad norm: the cross-mesh norm of :mod:`trainer.grad_clip`;
+* grad norm: the cross-mesh norm of :mod:`trainer.optim.grad_clip`;
 * updated weights after clipping and AdamW: the optimizer sees the right shards and grads;
 * MoE routing counts summed over all ranks: every token is routed exactly once, to the same
   experts as in the reference. Compared exactly (integers): the reference's smallest top-k gap
@@ -34,7 +34,7 @@ from models.parallel.tensor_parallel import loss_parallel_context
 from models.parallelize import parallelize_model
 from parallel_dims.axes import AXES, DEGREE_NAMES
 from trainer.config import load_config
-from trainer.grad_clip import clip_grad_norm_, finalize_grads
+from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.plan import JobPlan, plan_job
 
 SEED = 1234

@@ -5,7 +5,7 @@ of ``ARGS_JSON = [args, kwargs]``, its result as one JSON line on stdout.
 For tests that need a function or a command-line module run on a process of its own (a
 fake-backend process group, DTensor caches that start empty, an exit code) without paying a new
 interpreter's imports: :func:`run_on_own_process` and :func:`run_module_on_own_process` run this
-file on a process forked from tools/launcher.py's server, which imported torch and the trainer
+file on a process forked from tools/forkserver.py's server, which imported torch and the trainer
 once and ran no torch op. Not for what a new interpreter itself does (import-time output, start-up
 hooks): those tests start one."""
 
@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_on_own_process(target: str, *args, timeout: float = 300, threads: int = 1, **kwargs):
     """``target`` (``"module:function"``) called with ``args``/``kwargs`` (JSON-able) on one
-    process forked from tools/launcher.py's server, with ``threads`` intra-op threads; its
+    process forked from tools/forkserver.py's server, with ``threads`` intra-op threads; its
     JSON-able result. Raises RuntimeError with the process's stderr when it fails."""
-    from tools.launcher import run_train
+    from tools.forkserver import run_train
 
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     argv = [target, json.dumps([list(args), kwargs])]
@@ -35,10 +35,10 @@ def run_on_own_process(target: str, *args, timeout: float = 300, threads: int = 
 
 
 def run_module_on_own_process(module: str, *args: str, timeout: float = 300, threads: int = 1):
-    """``python -m module args...`` on one process forked from tools/launcher.py's server, from
+    """``python -m module args...`` on one process forked from tools/forkserver.py's server, from
     the repository root, with ``threads`` intra-op threads: a ``subprocess.CompletedProcess``
     with its exit code, stdout and stderr (text)."""
-    from tools.launcher import run_train
+    from tools.forkserver import run_train
 
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     return run_train(1, ["-m", module, *args], env=env, cwd=ROOT, timeout=timeout, script=Path(__file__))

@@ -41,7 +41,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ = 4, 16
 LLAMA3 = [
@@ -95,7 +95,7 @@ class _Layout:
         from tests.distributed.parallel_harness import build_layout_model, build_layout_stages
         from trainer.build import build_pipeline
         from trainer.forward import ModelForward, cross_entropy_sum
-        from trainer.optim import build_optimizer
+        from trainer.optim.optimizers import build_optimizer
 
         torch.manual_seed(0)
         self.plan, pd = plan, plan.parallel_dims
@@ -108,9 +108,9 @@ class _Layout:
         self.optimizer = build_optimizer(self.parts, plan.config)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        """The trainer's step (trainer/train.py Trainer.train_step), one micro-batch, no lr
+        """The trainer's step (trainer/trainer.py Trainer.train_step), one micro-batch, no lr
         schedule: forward + backward, grad finalize and clip, AdamW, expert-bias update."""
-        from trainer.grad_clip import clip_grad_norm_, finalize_grads
+        from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
         from trainer.step import update_expert_bias
 
         pd = self.plan.parallel_dims

@@ -18,7 +18,7 @@ import hashlib
 import pytest
 import torch
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -56,7 +56,7 @@ def _run(layout: str, implementation: str, folder: str, rank: int, rank0_applies
     import torch.distributed as dist
 
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     args = ["--config", "llama3.toml", "--job.dump_folder", f"{folder}/{layout}_{implementation}", *ARGS]
     trainer = Trainer(load_config([*args, *LAYOUTS[layout], "--optimizer.implementation", implementation]))

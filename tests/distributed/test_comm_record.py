@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 
 def _controlled(rank, world_size):
@@ -75,7 +75,7 @@ def _train_and_record(rank, world_size, folder):
     import json
 
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     Trainer(load_config([*_ARGV, "--job.dump_folder", folder])).train()
     with open(f"{folder}/comm_rank{rank}.json") as f:
@@ -87,11 +87,11 @@ def test_trainer_dumps_every_ranks_collectives_and_a_fake_rank_issues_the_same(t
     """comm.record_step on 4 gloo ranks (fsdp 2 x tp 2): every rank writes its step-1 records,
     with collectives on fsdp, tp and loss; ranks holding the same shapes issue the same ones; and
     a fake-backend run of rank 1 of the same layout (``train.py`` on a process of its own,
-    forked from tools/launcher.py's server, running alongside the gloo ranks) records exactly
+    forked from tools/forkserver.py's server, running alongside the gloo ranks) records exactly
     rank 1's (kind, mesh, count, bytes)."""
     import json
 
-    from tools.launcher import ForkedTrain
+    from tools.forkserver import ForkedTrain
 
     fake = tmp_path / "fake"
     log_path = tmp_path / "fake.log"

@@ -26,7 +26,7 @@ from models.parallel.context_parallel import (
     load_balanced_causal_attention,
     shard_batch_for_cp,
 )
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 ATOL = 5e-6  # fp32; measured max abs error: out 4.8e-7, grads 1.5e-6 (dv), cp=2 and 4
 

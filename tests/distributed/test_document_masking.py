@@ -57,7 +57,7 @@ from tests.distributed.parallel_harness import (
     computed_once,
     harness_plan,
 )
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 BS, SEQ = 2, 32  # seq divisible by 2 * cp * tp = 8
 A_LENS = (5, 10)  # doc A's length per row; doc B follows its EOS
@@ -161,7 +161,7 @@ def _run_model(plan, data: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from models.parallel.tensor_parallel import loss_parallel_context
-    from trainer.grad_clip import finalize_grads
+    from trainer.optim.grad_clip import finalize_grads
 
     torch.manual_seed(0)
     pd, opts = plan.parallel_dims, plan.parallelize
@@ -199,7 +199,7 @@ def _run_pipeline(plan, data: dict) -> dict:
         stage_activation_dtype,
         sum_loss_over_pp,
     )
-    from trainer.grad_clip import finalize_grads
+    from trainer.optim.grad_clip import finalize_grads
 
     torch.manual_seed(0)
     pd, opts = plan.parallel_dims, plan.parallelize

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.experts import GroupedExperts
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 DIM, HIDDEN, N_EXPERTS = 16, 32, 8
 TOL = 1e-5

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 import torch
 
 from tests.distributed.parallel_harness import SEED, build_layout_model, harness_plan, make_batch
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ_LEN = 4, 32
 F8 = ("--model.converters", "float8")
@@ -193,7 +193,7 @@ def _record_train_steps(rank, world_size, folder):
     import json
 
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     out = []
     for float8_all_gather in ("false", "true"):

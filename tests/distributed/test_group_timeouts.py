@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from parallel_dims import ParallelDims
 from parallel_dims.process_groups import process_group_timeout
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 INIT_S, TRAIN_S, EXPLICIT_S = 123, 7, 45
 
@@ -25,7 +25,7 @@ def _timeouts(groups) -> dict[str, float]:
 
 
 def _check_group_timeouts(rank, world_size, degrees):
-    from trainer.distributed_init import apply_train_timeout
+    from trainer.runtime.distributed_init import apply_train_timeout
 
     # the job's init timeout on WORLD, as init_distributed gives it (the launcher's group has
     # gloo's default)
@@ -90,7 +90,7 @@ def test_every_group_gets_the_init_then_the_train_timeout(degrees):
 _RANK_SCRIPT = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-from trainer.comm_watchdog import JobWatchdog, pg_timeout_seconds
+from trainer.runtime.comm_watchdog import JobWatchdog, pg_timeout_seconds
 
 rank, limit, dump_folder = int(os.environ["RANK"]), int(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)
@@ -123,7 +123,7 @@ def test_watchdog_ends_every_rank_of_a_hung_job_with_one_line_and_a_dump(tmp_pat
     import sys
     import time
 
-    from trainer.comm_watchdog import DUMP_WAIT_SECONDS, EXIT_COMM_TIMEOUT
+    from trainer.runtime.comm_watchdog import DUMP_WAIT_SECONDS, EXIT_COMM_TIMEOUT
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with socket.socket() as s:

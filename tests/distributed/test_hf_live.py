@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ = 4, 16
 SHARD_BYTES = 150_000  # several shard files, more than ranks, groups split across files

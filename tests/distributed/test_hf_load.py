@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.hf_models import deepseek_v3_config, hf_model, llama_config
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 SEQ = 16
 VOCAB = 512

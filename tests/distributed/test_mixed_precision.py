@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 MIN_BF16_SHARE = 0.99
 
@@ -48,7 +48,7 @@ def _census(rank, world_size, cases, folder):
     """One Trainer per case; the census of its first training step."""
     from trainer.config import load_config
     from trainer.instruments.matmul_census import MatmulCensus
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     out = []
     for model, degrees, dtype in cases:

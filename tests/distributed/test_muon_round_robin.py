@@ -1,4 +1,4 @@
-"""Muon's round-robin distribution (trainer/muon_dist.py) against the gather scheme, on real
+"""Muon's round-robin distribution (trainer/optim/muon_dist.py) against the gather scheme, on real
 gloo ranks, through the trainer's optimizer (``build_optimizer`` with ``optimizer.name = "Muon"``
 on models parallelized from the trainer's job plan).
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed.parallel_harness import build_layout_model, harness_plan
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 LAYOUTS = [
     ("llama3", {"dp_shard": 4}),
@@ -45,10 +45,10 @@ def _steps(model, grads, distribution, rotate_back=False):
     """Two Muon steps with the given gradients; (local weights after, NS calls, plans)."""
     from unittest import mock
 
-    import trainer.muon as muon
-    import trainer.muon_dist as muon_dist
+    import trainer.optim.muon as muon
+    import trainer.optim.muon_dist as muon_dist
     from trainer.config import load_config
-    from trainer.optim import build_optimizer
+    from trainer.optim.optimizers import build_optimizer
 
     cfg = load_config(["--optimizer.name", "Muon", "--optimizer.muon_distribution", distribution])
     opt = build_optimizer([model], cfg)
@@ -92,7 +92,7 @@ def _worker(rank, world_size, layouts):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from trainer.muon_dist import matrix_mesh_dims, ns_flops
+    from trainer.optim.muon_dist import matrix_mesh_dims, ns_flops
 
     out = []
     for model_name, degrees in layouts:

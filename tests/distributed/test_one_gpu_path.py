@@ -22,7 +22,7 @@
   the weights and AdamW's state exactly as before it; so is a chat step whose whole batch holds
   no target token (with either implementation: foreach stops before the optimizer).
 
-One forked process for all of it (tools/launcher.py), the trainer built in it as train.py builds it.
+One forked process for all of it (tools/forkserver.py), the trainer built in it as train.py builds it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import hashlib
 import pytest
 import torch
 
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -45,7 +45,7 @@ ARGS = [
 
 def _trainer(model: str, folder: str, *extra: str):
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     return Trainer(load_config(["--config", f"{model}.toml", "--job.dump_folder", folder, *ARGS, *extra]))
 
@@ -94,7 +94,7 @@ def _sync_order(folder: str, implementation: str) -> list[str]:
     """The step's events in order: the optimizer's kernels and the host reads."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import trainer.train as train_module
+    import trainer.trainer as train_module
 
     events: list[str] = []
 

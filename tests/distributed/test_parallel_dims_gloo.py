@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from parallel_dims import ParallelDims, resolve_mesh_builder
 from parallel_dims.layout import ONE_D_AXES
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 
 def _check_all_meshes(rank, world_size, degrees):

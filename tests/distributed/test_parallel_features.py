@@ -28,7 +28,7 @@ from tests.distributed.parallel_harness import (
     parallel_steps,
     run_layout,
 )
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ_LEN, MAX_NORM = 8, 32, 1.0
 FSDP2 = full_degrees(dp_shard=2)

@@ -37,7 +37,7 @@ from tests.distributed.parallel_harness import (
     parallel_steps,
     world_size_of,
 )
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ_LEN, MAX_NORM = 8, 32, 1.0
 

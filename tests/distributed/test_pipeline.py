@@ -1,7 +1,7 @@
 """Pipeline parallelism (gloo) against a single-process reference on the same weights and batch.
 
 Each layout runs one optimizer step: pipeline forward/backward over 4 micro-batches, loss summed
-over pp and the loss mesh, grad norm over pp (trainer/grad_clip.py), clip, AdamW (on each
+over pp and the loss mesh, grad norm over pp (trainer/optim/grad_clip.py), clip, AdamW (on each
 parameter's local shard: tests/distributed/parallel_harness.py ``adamw_step``). Every rank
 compares the full (un-sharded) grads and updated weights of the parameters its stages own with
 the unsplit model's step on the whole batch (computed once per model and mask by rank 0 of the
@@ -64,7 +64,7 @@ from tests.distributed.parallel_harness import (
     make_packed_batch,
     record_routing_margins,
 )
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 GLOBAL_BS, SEQ, N_MICROBATCHES, MAX_NORM = 8, 32, 4, 1.0
 N_LAYERS = 4  # 4 stages for the two-stages-per-rank schedules at pp=2
@@ -197,7 +197,7 @@ def _one_step(
 
     from models.common.sequence import load_balanced_shard
     from models.parallel.pipeline import pipeline_step, stage_activation_dtype, sum_loss_over_pp
-    from trainer.grad_clip import clip_grad_norm_, finalize_grads
+    from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 
     torch.manual_seed(0)
     pd, opts = plan.parallel_dims, plan.parallelize

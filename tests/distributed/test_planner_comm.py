@@ -46,7 +46,7 @@ fifth of the launch's CPU time. A pipelined layout trains 2 steps and records st
 the pipeline's one-off shape exchange). All
 the layouts a session selects of one world size run one after another in ONE launch (two
 launches: 4 ranks, and 8 ranks for the few layouts that need them;
-``tools.launcher.run_distributed``; a layout that fails ends its launch, naming the layout): a
+``tools.forkserver.run_distributed``; a layout that fails ends its launch, naming the layout): a
 launch per layout paid the ranks' start and first-step warm-up again for every layout. Several
 Trainers in one process share DTensor's sharding-propagation and redistribution caches, whose
 keys compare meshes by value, so a later layout's equal mesh would get back specs holding an
@@ -89,7 +89,7 @@ from typing import NamedTuple
 import pytest
 
 from parallel_dims.axes import AXES
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 WORLD = 4  # ranks of a layout unless it says otherwise
 SEQ = 32
@@ -316,7 +316,7 @@ def _record_layouts(rank: int, world_size: int, folder: str, names: list[str]) -
     trained, dropped, then DTensor's caches cleared): layout -> the records of its recorded
     step. A failure ends the launch, naming the layout."""
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     out: dict[str, list[dict]] = {}
     for name in names:

@@ -3,7 +3,7 @@ layout really computes, measured on the fake backend.
 
 Each layout runs ONE rank of its job through ``train.py`` with ``comm.mode = "fake_backend"``
 (the real meshes, sharding, pipeline split and schedule; no-op collectives; for MoE balanced
-routing, see trainer/fake_backend.py), and ``profiling.matmul_census_step`` counts the FLOPs of
+routing, see trainer/simulation/fake_backend.py), and ``profiling.matmul_census_step`` counts the FLOPs of
 every matmul-class op of the step at the rank's local shard shapes (GEMMs forward and backward,
 scaled-dot-product attention forward and backward). The planner's prediction for the same rank,
 from the trainer's own job plan of the same config, must equal it EXACTLY: tensor-parallel
@@ -17,7 +17,7 @@ float8 (``model.converters``): the FLOPs of the converted linears and routed exp
 census counts by their float8 operands, DeepSeek-V3's MTP depths included (the last stage of
 tp=2 x pp=2: their ``eh_proj`` on the rank's sequence shard, by hand a planner that priced it in
 high precision was short of the census by exactly its 6 x 64 tokens x 512 x 256 FLOPs). All layouts run one after another in one process (forked from
-tools/launcher.py's server; DTensor's caches are dropped between them), one optimizer step each.
+tools/forkserver.py's server; DTensor's caches are dropped between them), one optimizer step each.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def predicted_flops(case: Case) -> dict:
 @pytest.fixture(scope="module")
 def censuses(tmp_path_factory) -> dict[str, dict]:
     """Every case's census, the runs one after another on ONE process forked from
-    tools/launcher.py's server (torch and the trainer imported once; a process of its own, as
+    tools/forkserver.py's server (torch and the trainer imported once; a process of its own, as
     the fake backend's process group needs), one intra-op thread (the census counts FLOPs, not
     time)."""
     from tests.distributed.run_json import run_on_own_process

@@ -19,7 +19,7 @@ import dataclasses
 import pytest
 
 from tests.distributed import parallel_harness as ph
-from tools.launcher import run_distributed
+from tools.forkserver import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -106,7 +106,7 @@ def _reference_steps(micro_batches: int) -> list[dict]:
 
 def _pp_steps(rank, world_size, sync: bool, degrees: dict | None = None):
     """PP_STEPS steps of the tied model on pp=2 (1F1B, 2 micro-batches) as the trainer runs them
-    (trainer/train.py: sync the copies' gradients, clip with the copy left out of the norm,
+    (trainer/trainer.py: sync the copies' gradients, clip with the copy left out of the norm,
     AdamW). ``sync=False`` is the negative control. Returns per step: loss, norm, the first
     stage's gradient of the tied weight, and whether the two copies are bitwise equal."""
     import torch
@@ -114,7 +114,7 @@ def _pp_steps(rank, world_size, sync: bool, degrees: dict | None = None):
 
     from models.parallel.pipeline import build_pipeline_schedule, pipeline_step, sum_loss_over_pp
     from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
-    from trainer.grad_clip import clip_grad_norm_, finalize_grads
+    from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 
     torch.manual_seed(0)
     plan = _tied_plan(

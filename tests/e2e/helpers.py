@@ -7,7 +7,7 @@ Two ways to start a run, for two kinds of property:
   reaches stderr under torchrun, kills, hangs, signals, interpreter start-up (a
   ``sitecustomize`` on PYTHONPATH).
 * ``run_forked``: the same train.py on ranks forked from a server that imported torch and the
-  trainer once (tools/launcher.py), 1.5 CPU seconds less per rank and no torchrun process. For
+  trainer once (tools/forkserver.py), 1.5 CPU seconds less per rank and no torchrun process. For
   the math (layouts, resume, data, numerics), where the launcher is not part of the claim.
   tests/e2e/test_launcher.py proves a forked run is bitwise the torchrun run.
 """
@@ -61,7 +61,7 @@ def run_train(nproc: int, *args: str, timeout: float = 600) -> subprocess.Comple
 def run_forked(nproc: int, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``run_train`` on forked ranks (module docstring): the same stdout, stderr and metrics; the
     exit code is the first failing rank's own (torchrun reports 1 for any failure)."""
-    from tools.launcher import run_train as run_train_forked
+    from tools.forkserver import run_train as run_train_forked
 
     return run_train_forked(nproc, list(args), env=env or _env(), cwd=ROOT, timeout=timeout)
 
@@ -77,7 +77,7 @@ def run_compare_loss(*args: str) -> subprocess.CompletedProcess:
     import io
 
     from tools.compare_loss.cli import main
-    from tools.launcher import server_running, start_server
+    from tools.forkserver import server_running, start_server
 
     assert "--launcher" in args and args[args.index("--launcher") + 1] == "fork", "in-process runs fork their ranks"
     start_server()
@@ -385,12 +385,12 @@ def read_metrics(folder: str | Path) -> dict[int, dict]:
 
 
 class ForkedJob(Job):
-    """``run_forked``'s job started in the background (tools/launcher.py's ForkedTrain), its
+    """``run_forked``'s job started in the background (tools/forkserver.py's ForkedTrain), its
     stdout and stderr drained together, for a test that signals the ranks themselves (as a
     scheduler signals every process of a job). ``wait`` gives the job's exit code."""
 
     def __init__(self, nproc: int, *args: str, env: dict | None = None):
-        from tools.launcher import ForkedTrain
+        from tools.forkserver import ForkedTrain
 
         self.nproc = nproc
         read_fd, write_fd = os.pipe()

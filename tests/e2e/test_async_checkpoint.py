@@ -6,7 +6,7 @@ partial one; a write that fails mid-run stops the job with one line and exit 1.
 
 The killed and the failing runs are torchrun jobs (their workers are killed for real; the full
 disk is a sitecustomize, which needs a fresh interpreter); the uninterrupted references, the
-resumes and the layout runs are ranks forked from tools/launcher.py's server (their claim is
+resumes and the layout runs are ranks forked from tools/forkserver.py's server (their claim is
 the math; bitwise the torchrun run, tests/e2e/test_launcher.py). Every run has 2 layers (llama3:
 2 blocks; deepseek_v3: 1 dense + 1 MoE block, so ep=2 still shards experts): a save writes,
 stages and publishes every parameter and Adam state of every block whatever the depth."""

@@ -161,7 +161,7 @@ def test_kill_after_a_save_and_resume_is_bitwise(tmp_path, chat_files):
     between the two saves leaves; the same command resumes at step 2 and logs steps 3-4
     bitwise as the uninterrupted run (weights, optimizer, the schedule and both sources'
     positions restored). Every row's per-source token counts add up to the tokens trained; its
-    target counts (trainer/data_progress.py) are the text source's window positions and fewer than
+    target counts (trainer/reporting/data_progress.py) are the text source's window positions and fewer than
     the chat source's, sum to ``targets``, and continue across the resume."""
     run = tmp_path / "run"
     mix = f"chat:1:{chat_files['parquet']},hf:1:{chat_files['web']}"
@@ -231,7 +231,7 @@ def test_mixture_resumed_on_another_layout_continues_the_same_samples(tmp_path, 
 
 
 def test_training_epochs_stops_where_the_rows_are_read_on_any_degree_and_a_resume_keeps_the_epoch(tmp_path):
-    """``training.epochs`` (trainer/data_progress.py) on 24 chat rows, one per padded window,
+    """``training.epochs`` (trainer/reporting/data_progress.py) on 24 chat rows, one per padded window,
     read in 8 stripes of 3 rows (the global batch of 8): pass p is complete at the step whose
     samples reach 24 p rows. One rank with epochs = 2 stops at step 6 of training.steps = 50,
     epoch [0, 0, 1, 1, 1, 2] after steps 1-6 (each stripe's rows counted: 8 samples a step);

@@ -92,7 +92,7 @@ def test_chat_parquet_in_one_process(files, tmp_path):
 
 def test_a_bad_row_only_one_rank_reads_is_that_ranks_line(files, tmp_path):
     """Striped reading (16 rows, 4 stripes): row 12 opens stripe 3, which only rank 1 of 2
-    reads. Rank 1 stops on it (one line, after rank 0's grace: trainer/console.py); rank 0,
+    reads. Rank 1 stops on it (one line, after rank 0's grace: trainer/runtime/console.py); rank 0,
     waiting in the step's all-reduce, then fails on gloo's "Connection closed by peer" and ends
     quietly (exit code 4, no traceback), and the launcher ends with rank 1's exit code 2."""
     cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *SMALL, "--training.dataset", "chat",

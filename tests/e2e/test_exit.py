@@ -1,4 +1,4 @@
-"""train.py ends without finalizing the interpreter (trainer/shutdown.py), on every exit path.
+"""train.py ends without finalizing the interpreter (trainer/lifecycle/shutdown.py), on every exit path.
 
 Why it matters: torch's gloo worker threads outlive ``destroy_process_group()`` and, under CPU
 load, can still be releasing a finished collective's tensors when the main thread exits; if

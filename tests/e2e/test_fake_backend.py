@@ -2,7 +2,7 @@
 recorder's trainer dump (comm.record_step), end to end through train.py on CPU.
 
 Each train.py run, and the job plan's dry run it is checked against, runs in one process forked
-from tools/launcher.py's server (``run_forked``: the same ``train.py``, ``__main__`` and exit, with
+from tools/forkserver.py's server (``run_forked``: the same ``train.py``, ``__main__`` and exit, with
 torch and the trainer already imported; tests/e2e/test_launcher.py). The claims are the sharding,
 the recorded collectives and the metrics a fake-backend run writes, not how its process started.
 """
@@ -28,7 +28,7 @@ _PLAN_REPORT = "import sys\nfrom trainer.plan_report import main\nsys.exit(main(
 
 
 def _plan_report(tmp_path: Path, *args: str):
-    from tools.launcher import run_train as run_script
+    from tools.forkserver import run_train as run_script
 
     script = tmp_path / "plan_report_main.py"
     script.write_text(_PLAN_REPORT)

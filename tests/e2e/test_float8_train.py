@@ -8,7 +8,7 @@ layout is bitwise; float8 can be switched on and off at a resume; bad float8 set
 one line and exit 2. (Which linears convert, the FLOP census, the config messages:
 tests/unit/test_float8.py.)
 
-The trainings whose claim is the numbers run on ranks forked from tools/launcher.py's server
+The trainings whose claim is the numbers run on ranks forked from tools/forkserver.py's server
 (``run_forked``, bitwise what torchrun and ``python train.py`` start: tests/e2e/test_launcher.py);
 the user errors and the run that hides torchao with a ``sitecustomize`` (read at interpreter
 start, which a forked rank does not have) run ``python train.py``. Most runs use 2 layers

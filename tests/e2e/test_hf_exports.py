@@ -23,7 +23,7 @@ Meta's chat template (tests/chat_data.py). Two runs of 20 steps on one repeated 
 * a finished run started again with ``last_save_in_hf`` writes the missing export (bitwise the
   first); SIGTERM at a step writes the exports of that step.
 
-Forked ranks (tools/launcher.py, bitwise the torchrun runs) for the runs, the conversions in
+Forked ranks (tools/forkserver.py, bitwise the torchrun runs) for the runs, the conversions in
 this process.
 """
 

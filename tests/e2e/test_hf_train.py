@@ -18,7 +18,7 @@ saved with ``save_pretrained`` in several shards. Then:
   written.
 
 The trainings and the successful conversions, whose claims are the numbers, run on processes
-forked from tools/launcher.py's server (``run_forked``; ``_convert_forked`` for
+forked from tools/forkserver.py's server (``run_forked``; ``_convert_forked`` for
 scripts/convert_hf.py), bitwise what torchrun and ``python`` start (tests/e2e/test_launcher.py);
 the bad-input cases run ``python train.py`` and ``python scripts/convert_hf.py`` as users do.
 """
@@ -225,7 +225,7 @@ def test_hf_every_n_steps_equals_the_offline_conversion_of_that_steps_checkpoint
 def _convert_forked(*args: str) -> subprocess.CompletedProcess:
     """scripts/convert_hf.py in one process forked from the launcher's server (torch imported
     once): for the conversions whose claim is the tensors they write."""
-    from tools.launcher import run_train as run_script
+    from tools.forkserver import run_train as run_script
 
     return run_script(1, list(args), env=_env(), cwd=ROOT, timeout=300, script=ROOT / "scripts" / "convert_hf.py")
 

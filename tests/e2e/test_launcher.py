@@ -1,4 +1,4 @@
-"""The fork launcher (tools/launcher.py) runs train.py as torchrun does: the same run on forked
+"""The fork launcher (tools/forkserver.py) runs train.py as torchrun does: the same run on forked
 ranks gives bitwise the torchrun run's losses and grad norms, the same output, and one failing
 rank stops the job with its own exit code. The end-to-end tests whose claim is the math run on
 it (tests/e2e/helpers.py); this file is why that is sound."""
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tools.launcher import run_train as run_forked_script
+from tools.forkserver import run_train as run_forked_script
 
 from .helpers import FAST, ROOT, _env, read_metrics, run_forked, run_train
 

@@ -11,7 +11,7 @@ cp=2 x tp=2, dp_replicate=4) and 1.3e-7 for deepseek_v3 tp=2 x ep=4 x etp=2 on 8
 tolerance below, 1e-6, is 8x the largest measured gap and far below what a wrong shard gives (a
 rank reading another rank's batch slice or cp chunk changes the first loss by ~5e-3).
 
-Both sides run on ranks forked from tools/launcher.py's server (``run_forked``): the "real
+Both sides run on ranks forked from tools/forkserver.py's server (``run_forked``): the "real
 processes" are real gloo processes, one per rank, bitwise what torchrun starts
 (tests/e2e/test_launcher.py); the local_tensor side is the one ``train.py`` process a user runs,
 forked too. The math is the claim, not the launcher (the one-process refusals below still run
@@ -156,7 +156,7 @@ GUARD = textwrap.dedent(
     """
     import torch
     from torch import nn
-    from trainer.local_tensor import PlainTensorInLocalMode, check_all_local, enter_local_tensor_mode
+    from trainer.simulation.local_tensor import PlainTensorInLocalMode, check_all_local, enter_local_tensor_mode
 
     enter_local_tensor_mode(2)
     inside = nn.Linear(4, 4)  # created in the mode: every rank's own tensor
@@ -182,7 +182,7 @@ def test_a_plain_tensor_reaching_a_parameter_fails_loudly(tmp_path):
     plain tensor made outside it (one value for every rank) is named. Run as a script in one
     process forked from the launcher's server (torch already imported; the mode is entered
     there, never in the pytest process)."""
-    from tools.launcher import run_train as run_script
+    from tools.forkserver import run_train as run_script
 
     script = tmp_path / "guard.py"
     script.write_text(GUARD)

@@ -23,7 +23,7 @@ merged folder ``step-3-hf`` and the PEFT folder ``step-3-peft``). Claims on it:
   bitwise; a copy of step-2 pointed at another base folder stops with one line naming both bases
   (exit 2).
 
-Forked ranks (tools/launcher.py) for the runs whose claim is the math (bitwise the torchrun
+Forked ranks (tools/forkserver.py) for the runs whose claim is the math (bitwise the torchrun
 runs, tests/e2e/test_launcher.py), torchrun for the kill, ``python train.py`` for the user error.
 """
 

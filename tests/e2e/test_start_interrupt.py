@@ -1,5 +1,5 @@
 """Ctrl-C from the first instant of the launcher and of each worker: one line, exit code 130,
-no traceback (issue 50, item 5; trainer/start_signals.py). It used to print 16-80 lines of
+no traceback (issue 50, item 5; trainer/lifecycle/start_signals.py). It used to print 16-80 lines of
 interleaved ``KeyboardInterrupt`` tracebacks while torch imported.
 
 Each test waits for a state, never for a time:
@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from trainer.start_signals import STARTING_LINE
+from trainer.lifecycle.start_signals import STARTING_LINE
 
 from .helpers import ROOT, _descendants, _env, _rank_of, _stat
 

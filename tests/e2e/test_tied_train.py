@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.launcher import run_train
+from tools.forkserver import run_train
 
 from .helpers import _env, read_metrics, run_compare_loss
 from .test_compare_loss import ROOT, _explain

@@ -2,7 +2,7 @@
 streaming path's bitwise, resuming on another batch degree continues on exactly the same samples,
 and bad shards stop the run with one line and exit code 2.
 
-The trainings run on ranks forked from tools/launcher.py's server (``run_forked``, bitwise what
+The trainings run on ranks forked from tools/forkserver.py's server (``run_forked``, bitwise what
 torchrun starts: tests/e2e/test_launcher.py), with 2 layers (``--model.n_layers 2``): the claims
 are about which tokens each rank reads, which the depth does not change, and two blocks still
 make every sample's loss depend on the weights of each layout's shards. The bad-shard errors run

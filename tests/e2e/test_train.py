@@ -4,7 +4,7 @@ checkpoints, activation checkpointing, profiling, errors, a hung rank.
 
 Two launchers (tests/e2e/helpers.py): torchrun where the claim involves the launcher or the
 processes (the README run, SIGKILL / SIGSTOP of workers, what reaches stderr under torchrun),
-ranks forked from tools/launcher.py's server where the claim is the math or a message (bitwise
+ranks forked from tools/forkserver.py's server where the claim is the math or a message (bitwise
 the torchrun run: tests/e2e/test_launcher.py). Most runs use ``--model.n_layers 2`` (each test
 says why that still proves its property)."""
 
@@ -286,7 +286,7 @@ def test_pipeline_with_activation_checkpointing_is_bitwise_unchanged(tmp_path, p
     assert _steps(read_metrics(tmp_path), 1, 4) == _steps(read_metrics(pipeline_job_runs[2]), 1, 4)
 
 
-# ---------------------------------------------------------------- stopping (trainer/stop.py)
+# ---------------------------------------------------------------- stopping (trainer/runtime/stop.py)
 # SIGINT / SIGTERM stop every rank at a step boundary with a checkpoint there; the resumed run
 # continues the uninterrupted curve bitwise (the crash job's reference). The step a signal
 # lands in is random (the assertion messages name it): every step must work. The runs hold
@@ -373,12 +373,12 @@ def test_sigterm_to_every_rank_finishes_the_background_save(tmp_path, crash_job_
 
 
 def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path):
-    """A second SIGINT (after trainer/stop.py's 3 s window) while the stop's checkpoint is being
+    """A second SIGINT (after trainer/runtime/stop.py's 3 s window) while the stop's checkpoint is being
     written (every rank held at the drill's ``write`` point: data files written, no .metadata)
     ends every rank at once with one line each naming the newest complete checkpoint, exit code
     130; the save cut short is never published (step-N.tmp), the newest complete one loads."""
     from trainer.checkpoint.dcp import CheckpointFolder
-    from trainer.stop import REPEAT_WINDOW_S
+    from trainer.runtime.stop import REPEAT_WINDOW_S
 
     run = tmp_path / "run"
     # every save holds once its files are written; the run cannot reach its last step (and that
@@ -405,7 +405,7 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path):
 
 
 # how each case is launched: "python" = `python train.py` (a fresh interpreter, its exit through
-# trainer/shutdown.py), "torchrun" = what reaches stderr under torchrun, "forked" = the message
+# trainer/lifecycle/shutdown.py), "torchrun" = what reaches stderr under torchrun, "forked" = the message
 # itself (forked ranks print the same lines as torchrun's workers, tests/e2e/test_launcher.py)
 @pytest.mark.parametrize(
     "launch, nproc, args, message",
@@ -445,7 +445,7 @@ _LATE_JOINER = textwrap.dedent(
     from parallel_dims import ParallelDims
     import trainer.checkpoint.async_save as async_save
     import trainer.startup as ts
-    import trainer.train as tt
+    import trainer.trainer as tt
     from trainer.checkpoint.manager import CheckpointManager
 
     rank, marks = int(os.environ["RANK"]), sys.argv[1]
@@ -475,7 +475,7 @@ _LATE_JOINER = textwrap.dedent(
     ts.plan_job = noting(ts.plan_job, "at the job plan, rank 1 had joined", "joined")
     tt.build_model_parts = noting(tt.build_model_parts, "at the model build, rank 1 had built its groups", "meshes")
     CheckpointManager.resume = noting(CheckpointManager.resume, "at the resume, rank 1 had its writer's groups", "writer")
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
     sys.exit(main(sys.argv[2:]))
     """
 )
@@ -498,7 +498,7 @@ def test_no_rank_goes_on_before_every_rank_joined(tmp_path):
     script.write_text(_LATE_JOINER)
     marks = tmp_path / "marks"
     marks.mkdir()
-    from tools.launcher import run_train as run_forked_script
+    from tools.forkserver import run_train as run_forked_script
 
     run = tmp_path / "run"
     args = [str(marks), *LLAMA, *TWO_LAYERS, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1"]

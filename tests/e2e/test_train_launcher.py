@@ -1,4 +1,4 @@
-"""``python train.py --nproc_per_node N ...`` (trainer/launch.py) against plain torchrun: every
+"""``python train.py --nproc_per_node N ...`` (trainer/lifecycle/launch.py) against plain torchrun: every
 user error is one ``error:`` line, printed once; under the launcher also no traceback and exit
 code 2, under torchrun before torchrun's own report. A Ctrl-C to the launcher stops the workers
 at a step with their one line and exit code 130, no traceback; two launchers meet over c10d as
@@ -66,7 +66,7 @@ def _error_lines(text: str) -> list[str]:
 
 
 # Each kind at 2 and 4 processes. Those the launcher finds before any worker starts run its
-# code in this process (trainer.launch.main, what `python train.py` calls first: no interpreter
+# code in this process (trainer.lifecycle.launch.main, what `python train.py` calls for launcher flags: no interpreter
 # to start); one of them, and the kind the workers find, as the user types it.
 SUBPROCESS = {("unknown_key", 4), ("bad_checkpoint", 2), ("bad_checkpoint", 4)}
 
@@ -78,7 +78,7 @@ def test_every_user_error_is_one_line_under_the_launcher(tmp_path, kind, nproc, 
         res = launch(nproc, *_case(tmp_path, kind))
         code, out = res.returncode, res.stdout + res.stderr
     else:
-        from trainer.launch import main
+        from trainer.lifecycle.launch import main
 
         code = main(["--nproc_per_node", str(nproc), *_case(tmp_path, kind)])
         captured = capsys.readouterr()
@@ -155,13 +155,13 @@ def test_ctrl_c_to_the_launcher_stops_the_workers_at_a_step(tmp_path):
 
 
 def test_a_second_ctrl_c_to_the_launcher_stops_the_workers_at_once(tmp_path):
-    """Ctrl-C, then (3 s on, trainer/stop.py's window) Ctrl-C again while the workers are held
+    """Ctrl-C, then (3 s on, trainer/runtime/stop.py's window) Ctrl-C again while the workers are held
     in the middle of writing the stop's checkpoint (the drill's ``write`` point): the agent's
     wait is cut short and it shuts down again with SIGTERM, the workers stop at once (one line
     each), the launcher exits 130 with nothing of its own, no traceback; the save cut short is
     never published."""
     from trainer.checkpoint.dcp import CheckpointFolder
-    from trainer.stop import REPEAT_WINDOW_S
+    from trainer.runtime.stop import REPEAT_WINDOW_S
 
     def held_mid_write(line: str, pid: int) -> bool:
         _ctrl_c_at_step_2(line, pid)

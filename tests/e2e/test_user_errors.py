@@ -3,11 +3,11 @@ with exit code 2 and no traceback: missing or unreadable inputs, absent steps, c
 truncated checkpoints, bad data (no rows, no target token, a damaged parquet page only one rank
 reads). A run that is already complete says so and how to go on. (Bad config
 values and degrees: tests/e2e/test_train.py.) The other commands follow the same rule
-(trainer/cli_errors.py; in process: tests/unit/test_cli_errors.py); one scripts/convert_hf.py
+(trainer/runtime/cli_errors.py; in process: tests/unit/test_cli_errors.py); one scripts/convert_hf.py
 run here proves it end to end.
 
-The train.py runs are forked from tools/launcher.py's server (run_forked): the same train.py
-``__main__`` and exit (trainer/shutdown.py), so the same stderr and the process's own exit code,
+The train.py runs are forked from tools/forkserver.py's server (run_forked): the same train.py
+``__main__`` and exit (trainer/lifecycle/shutdown.py), so the same stderr and the process's own exit code,
 without a new interpreter per case; what a fresh ``python train.py`` prints and returns on bad
 input is tests/e2e/test_exit.py's bad_input case and the python case of
 tests/e2e/test_train.py::test_bad_config_gives_a_clear_error. 2 layers: the checkpoints only

@@ -4,7 +4,7 @@ training), a different validation set gives a clearly different loss, and errors
 config, a dataset error raised on the background loading thread) stop the run with one clear line
 and exit code 2.
 
-The layout runs, whose claim is the numbers, run on ranks forked from tools/launcher.py's server
+The layout runs, whose claim is the numbers, run on ranks forked from tools/forkserver.py's server
 (``run_forked``, bitwise what torchrun starts: tests/e2e/test_launcher.py), with 2 layers
 (``--model.n_layers 2``): FSDP and TP shard each block alike, and pp=2 (1F1B) puts one block on
 each stage, so the evaluation still runs through both stages of the pipeline's forward-only

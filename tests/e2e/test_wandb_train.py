@@ -9,7 +9,7 @@ the same command. One module fixture runs both launches; the tests read what the
 * the run's config is the resolved config the launch wrote to config.toml;
 * both runs ended (an exit record) and no wandb process outlived its rank.
 
-Forked ranks (tools/launcher.py, bitwise what torchrun starts: tests/e2e/test_launcher.py); the
+Forked ranks (tools/forkserver.py, bitwise what torchrun starts: tests/e2e/test_launcher.py); the
 smallest llama3 that trains (1 layer, 64-token windows), since the claim is the logging. The
 rows' and config's details, resume vs fresh start and the error paths are unit-tested in
 tests/unit/test_wandb_metrics.py."""
@@ -23,7 +23,7 @@ import pytest
 
 from tests.wandb_records import offline_runs, rows_by_step
 from trainer.config import load_config
-from trainer.wandb_log import RUN_ID_FILE
+from trainer.reporting.wandb_log import RUN_ID_FILE
 
 from .helpers import FAST, ForkedJob, _env, _stat, all_records, run_forked
 

@@ -1,6 +1,6 @@
 """``train.py`` that also checks, after every optimizer step, that every copy of a tied
 embedding/head weight on every rank is bitwise the same (tests/e2e/test_tied_train.py runs it on
-forked ranks: ``tools.launcher.run_train(..., script=this file)``).
+forked ranks: ``tools.forkserver.run_train(..., script=this file)``).
 
 A pipeline keeps the tied weight twice, the embedding on the first stage and a copy as the head
 on the last (models/parallel/pipeline/tied.py); after each step every rank hashes the full value
@@ -17,7 +17,7 @@ import os
 
 import torch.distributed as dist
 
-from trainer import train as train_module
+from trainer import trainer as train_module
 from trainer.forward import full_tensor
 
 _train_step = train_module.Trainer.train_step
@@ -50,7 +50,7 @@ def _checked_train_step(self, microbatches):
 
 if __name__ == "__main__":
     train_module.Trainer.train_step = _checked_train_step
-    from trainer.entry import main
-    from trainer.shutdown import run_and_exit
+    from trainer.lifecycle.rank import run_rank as main
+    from trainer.lifecycle.shutdown import run_and_exit
 
     run_and_exit(main)

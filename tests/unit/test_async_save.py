@@ -31,7 +31,7 @@ from trainer.checkpoint.async_save import (
 from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.drill import _wanted
 from trainer.config import ConfigError, load_config
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import plan_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,7 +226,7 @@ def test_stop_gate_refuses_a_rank_or_step(monkeypatch, spec):
 
 
 def test_the_last_gate_releases_every_rank_at_the_same_agreement(capfd):
-    """Two ranks (threads) at the ``last`` gate, agreeing as trainer/stop.py does (a max over the
+    """Two ranks (threads) at the ``last`` gate, agreeing as trainer/runtime/stop.py does (a max over the
     ranks: here a barrier per agreement); the signal reaches rank 1 alone, after a few
     agreements. Both ranks leave at the same agreement with rank 1's signal, having run the same
     number of agreements (a rank that left earlier would leave the other in a collective alone)."""
@@ -266,13 +266,13 @@ def test_the_last_gate_releases_every_rank_at_the_same_agreement(capfd):
 
 
 def test_the_last_gate_waits_for_the_stop_signal_itself():
-    """One process (no peers, trainer/stop.py's StopSignals without a group): the gate holds
+    """One process (no peers, trainer/runtime/stop.py's StopSignals without a group): the gate holds
     until a SIGTERM, sent by another thread a few agreements in, is noted; then it gives that
     signal, as the trainer's agreement at a step would."""
     import signal as signals
 
     from trainer.checkpoint.drill import hold_until_stopped
-    from trainer.stop import StopSignals
+    from trainer.runtime.stop import StopSignals
 
     calls = []
     with StopSignals(None) as stop:

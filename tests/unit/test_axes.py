@@ -9,7 +9,7 @@ from parallel_dims.__main__ import _parse
 from parallel_dims.axes import AXES, DEGREE_NAMES, PROCESS_AXES
 from parallel_dims.layout import Degrees
 from trainer.config import PARALLELISM_ALIASES, Parallelism, load_config
-from trainer.train import parallel_dims_from_config
+from trainer.trainer import parallel_dims_from_config
 
 
 def test_every_consumer_lists_the_table_axes_in_order():

@@ -67,13 +67,13 @@ def test_bench_gpu_smoke_runs_every_measurement(tmp_path, capsys, monkeypatch):
 
     Kept cheap without losing a path: ``main`` runs in this process (``python -m benchmarks.gpu``
     itself, its argument parsing and its exit codes are the other tests' subject), each
-    measurement process is forked from tools/launcher.py's server (``--launcher fork``: the same
+    measurement process is forked from tools/forkserver.py's server (``--launcher fork``: the same
     script, arguments, environment and working directory as the default new interpreter, whose
     start and timeout kill test_bench_gpu_timeout_and_masks_select_and_bound_rows runs), and 2
     steps with 1 warmup leave one timed step per measurement (the warmup step is dropped: checked),
     so the rows' figures come from the same code as with more steps (a median of one), and the
     census step is the one after them. One intra-op thread per measurement process
-    (``OMP_NUM_THREADS=1``, which tools/launcher.py applies to a forked process): with torch's
+    (``OMP_NUM_THREADS=1``, which tools/forkserver.py applies to a forked process): with torch's
     default of one per core, OpenMP's spinning threads on a loaded 2-core host cost more for the
     same run (measured: 11 vs 13 to 49 CPU s for the 11 processes and the fork server), and the
     smoke numbers mean nothing either way."""

@@ -18,7 +18,7 @@ from trainer.config import load_config
 from trainer.data.batching import PackedDataLoader
 from trainer.data.sources import SyntheticSource
 from trainer.data.tokenizer import ByteTokenizer
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 
 CFG = load_config(["--config", "llama3.toml"])
 

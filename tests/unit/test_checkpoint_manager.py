@@ -14,7 +14,7 @@ from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.manager import CheckpointManager, check_initial_load
 from trainer.config import load_config
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Every user-facing command ends bad input the same way (trainer/cli_errors.py): exit code 2,
+"""Every user-facing command ends bad input the same way (trainer/runtime/cli_errors.py): exit code 2,
 exactly one ``error:`` line on stderr naming the problem and the fix, no traceback, nothing
 written at the output path. In-process ``main(argv)`` of scripts/convert_hf.py (to-dcp, to-hf),
 scripts/tokenize_dataset.py, scripts/train_tokenizer.py, tools/compare_loss and tools/planner.
@@ -16,8 +16,8 @@ import pytest
 from tests.hf_folders import rewrite_header
 from tests.hf_models import deepseek_v3_config, hf_model, llama_config
 from trainer.checkpoint.errors import CheckpointError
-from trainer.cli_errors import error_line, run_command, unwrap_dcp, user_error
 from trainer.config import ConfigError
+from trainer.runtime.cli_errors import error_line, run_command, unwrap_dcp, user_error
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -1,4 +1,4 @@
-"""The step watchdog (trainer/comm_watchdog.py): deadlines, the one line, the exit, the flight
+"""The step watchdog (trainer/runtime/comm_watchdog.py): deadlines, the one line, the exit, the flight
 recorder's environment, and the ordering of the watchdog against the process-group timeouts.
 
 The decision is tested with a fake clock on the caller's thread (``poll``); the real thread and
@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from trainer.comm_watchdog import (
+from trainer.config import ConfigError, load_config
+from trainer.runtime.comm_watchdog import (
     DUMP_WAIT_SECONDS,
     EXIT_COMM_TIMEOUT,
     GRACE_SECONDS,
@@ -30,7 +31,6 @@ from trainer.comm_watchdog import (
     pg_timeout_seconds,
     watchdog_seconds,
 )
-from trainer.config import ConfigError, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -252,7 +252,7 @@ def test_thread_ends_a_hung_step_with_one_line_and_exit_code():
     proc = _run(
         """
         import time
-        from trainer.comm_watchdog import StepWatchdog
+        from trainer.runtime.comm_watchdog import StepWatchdog
         wd = StepWatchdog(1, dump=lambda note: "/run/comm_traces/rank_1")
         for step in range(1, 4):  # three steps on time
             wd.arm(f"step {step}", 0.5, "comm.train_timeout_seconds")
@@ -275,7 +275,7 @@ def test_thread_quiet_when_steps_finish_and_wakes_for_an_earlier_deadline():
     proc = _run(
         """
         import time
-        from trainer.comm_watchdog import StepWatchdog
+        from trainer.runtime.comm_watchdog import StepWatchdog
         wd = StepWatchdog(0, dump=lambda note: "x")
         for step in range(1, 41):  # 40 steps of 20 ms under a 0.3 s deadline: 0.8 s in all
             wd.arm(f"step {step}", 0.3, "comm.train_timeout_seconds")
@@ -291,7 +291,7 @@ def test_thread_quiet_when_steps_finish_and_wakes_for_an_earlier_deadline():
     proc = _run(
         """
         import time
-        from trainer.comm_watchdog import StepWatchdog
+        from trainer.runtime.comm_watchdog import StepWatchdog
         wd = StepWatchdog(0, dump=lambda note: "x")
         wd.arm("step 1", 600, "comm.init_timeout_seconds")
         time.sleep(0.2)
@@ -308,7 +308,7 @@ def test_thread_writes_this_ranks_flight_recorder_dump(tmp_path):
     proc = _run(
         f"""
         import datetime, os, time, torch, torch.distributed as dist
-        from trainer.comm_watchdog import StepWatchdog, write_flight_recorder_dump
+        from trainer.runtime.comm_watchdog import StepWatchdog, write_flight_recorder_dump
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         dist.all_reduce(torch.ones(3))

@@ -271,7 +271,7 @@ def test_help_exits(capsys):
 
 def test_model_n_layers_override_reaches_the_model():
     from models.registry import build_model
-    from trainer.train import model_overrides
+    from trainer.trainer import model_overrides
 
     cfg = load_config(["--config", "llama3.toml", "--model.flavor", "8B", "--model.n_layers", "2"])
     overrides = model_overrides(cfg, tokenizer_vocab=2048)

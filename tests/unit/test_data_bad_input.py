@@ -1,5 +1,5 @@
 """Bad input in the data path ends in one error that names the file, the row or the option and
-the fix (a ValueError: one ``error:`` line and exit code 2 through train.py, trainer/cli_errors.py):
+the fix (a ValueError: one ``error:`` line and exit code 2 through train.py, trainer/runtime/cli_errors.py):
 
 - data with nothing to read in a whole pass (files of blank lines) instead of starting over
   forever, for every kind that reads lines (jsonl, text by line or paragraph, hf and chat rows
@@ -246,7 +246,7 @@ def test_a_mixtures_missing_chat_path_is_named_by_its_own_key(tmp_path):
 @pytest.mark.parametrize("mode", ["sometimes", ""])
 def test_an_unknown_wandb_mode_names_the_variable_and_its_values(monkeypatch, mode):
     pytest.importorskip("wandb")
-    from trainer.wandb_log import check_wandb_mode
+    from trainer.reporting.wandb_log import check_wandb_mode
 
     monkeypatch.setenv("WANDB_MODE", mode)
     with pytest.raises(ConfigError) as info:

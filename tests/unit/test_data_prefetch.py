@@ -17,7 +17,7 @@ from trainer.data.loader import build_validation_dataloader, wrap_loader
 from trainer.data.prefetch import BackgroundLoader, SyncLoader
 from trainer.data.sources import SyntheticSource
 from trainer.data.tokenizer import load_tokenizer
-from trainer.metrics import MetricsLogger
+from trainer.reporting.metrics import MetricsLogger
 
 TOK = load_tokenizer()
 

@@ -1,4 +1,4 @@
-"""The data's progress beside the step count (trainer/data_progress.py), in process on the
+"""The data's progress beside the step count (trainer/reporting/data_progress.py), in process on the
 loaders the trainer builds: the global epoch (complete passes; the step a pass completes counted
 from the rows, the same on every batch degree, striped and sequential, and kept by a saved
 position), each source kind's passes, the per-source target counts of the step's one all-reduce
@@ -19,7 +19,7 @@ from trainer.data.packing import IGNORE_INDEX
 from trainer.data.prefetch import BackgroundLoader, SyncLoader
 from trainer.data.striped import merge_states
 from trainer.data.tokenizer import load_tokenizer
-from trainer.data_progress import DataProgress, epoch_of
+from trainer.reporting.data_progress import DataProgress, epoch_of
 
 pytestmark = pytest.mark.unit
 
@@ -199,7 +199,7 @@ def test_chat_validation_without_targets_is_refused_at_start_up(files, tok, tmp_
 
 
 def test_the_summary_says_why_the_run_stopped():
-    from trainer.run_summary import RunTotals, summary_lines
+    from trainer.reporting.run_summary import RunTotals, summary_lines
 
     t = RunTotals(0.0)
     t.begin(3, 100, {"chat": 10})

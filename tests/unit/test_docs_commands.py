@@ -276,9 +276,9 @@ def _check_python(args: list[str]) -> None:
         return
     script, rest = args[0], args[1:]
     if script == "train.py":
-        from trainer.launch import launcher_argv
+        from trainer.lifecycle.launch import launcher_argv
 
-        split = launcher_argv(rest)  # torchrun's flags: the launcher (trainer/launch.py)
+        split = launcher_argv(rest)  # torchrun's flags: the launcher (trainer/lifecycle/launch.py)
         if split is not None:
             launch, rest = split
             _check_torchrun([*launch, "train.py"])

@@ -1,7 +1,7 @@
 """Bad block-causal attention settings through train.py's ``main(argv)`` in process (issue 26):
 an unknown ``model.attn_type``, ``flex`` and ``varlen`` on CPU, ``document_positions`` without
 ``block_causal``, ``block_causal`` with a tokenizer that has no EOS token. Each ends with exit
-code 2, one ``error:`` line on stderr and no traceback (trainer/cli_errors.py). ``varlen`` with
+code 2, one ``error:`` line on stderr and no traceback (trainer/runtime/cli_errors.py). ``varlen`` with
 cp = 2 is checked through ``trainer.plan.plan_job`` (no launch needed), as is the plan's own EOS
 refusal, which the shipped tokenizer loaders never reach."""
 
@@ -35,7 +35,7 @@ def _clean_world(monkeypatch):
 
 
 def _main_error(capsys, tmp_path, *argv: str) -> str:
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     rc = main([*FAST, "--job.dump_folder", str(tmp_path / "run"), *argv])
     err = capsys.readouterr().err

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, load_config
-from trainer.fake_backend import prepare_fake_config
+from trainer.simulation.fake_backend import prepare_fake_config
 
 BASE = ["--config", "llama3.toml"]
 
@@ -77,7 +77,7 @@ def test_fake_backend_config_error_on_an_old_torch(monkeypatch):
 
 @pytest.fixture
 def fake_world():
-    from trainer.fake_backend import init_fake_process_group
+    from trainer.simulation.fake_backend import init_fake_process_group
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -88,7 +88,7 @@ def fake_world():
 
 @pytest.mark.fake_backend
 def test_what_the_fake_backend_returns(fake_world):
-    """The semantics trainer/fake_backend.py documents (torch's FakeProcessGroup)."""
+    """The semantics trainer/simulation/fake_backend.py documents (torch's FakeProcessGroup)."""
     # all-reduce: the local value
     t = torch.tensor([3.0])
     dist.all_reduce(t)

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from trainer.bad_steps import BadSteps, parse_skip_samples
+from trainer.bad_steps import BadSteps
 from trainer.config import ConfigError, load_config
-from trainer.faults import Fault, parse_faults
+from trainer.config.long_run_specs import Fault, parse_faults, parse_skip_samples
 
 pytestmark = pytest.mark.unit
 
@@ -58,7 +58,7 @@ def test_a_rank_outside_the_job_is_refused():
 
 
 def _main_error(capsys, *args: str) -> str:
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     rc = main(["--config", "llama3.toml", *args])
     err = capsys.readouterr().err

@@ -1,11 +1,11 @@
-"""trainer/files.py: the one atomic-write helper every written file goes through."""
+"""trainer/runtime/files.py: the one atomic-write helper every written file goes through."""
 
 import json
 import os
 
 import pytest
 
-from trainer.files import atomic_file, atomic_path, atomic_write, atomic_write_json
+from trainer.runtime.files import atomic_file, atomic_path, atomic_write, atomic_write_json
 
 
 def _leftovers(folder):

@@ -3,7 +3,9 @@
 The module graph is built from the source (AST), not by importing it: every ``import`` and
 ``from ... import`` anywhere in a module counts, function-level and ``if TYPE_CHECKING:`` ones
 included (a circle that only type checkers or a lazy call follow is still a circle a reader has
-to untangle). The project's packages are found by walking the repository (every top-level
+to untangle). Circles are looked for twice: between modules, and between folders (a folder's
+modules taken as one node, ``trainer/`` apart from ``trainer/config/``): folders that import each
+other through different modules form no module circle, yet a reader cannot take either in alone. The project's packages are found by walking the repository (every top-level
 folder with Python files, tests/ and hidden or virtual-environment folders aside), so a new
 package is covered without editing this file.
 
@@ -44,6 +46,20 @@ ONLY: dict[str, tuple[str, ...]] = {
 # changes this entry and the forwarding together).
 FORWARDING: dict[str, frozenset[str]] = {
     "parallel_dims.moved_commands": frozenset({"tools.planner.cli", "trainer.plan_report"}),
+}
+
+# trainer/'s folders: what each package may import of the others (its docstring says the same;
+# docs/design.md section 1). The loop at trainer/'s top may import all of them but lifecycle/,
+# which nothing in the trainer imports (it is the way in).
+TRAINER_FOLDERS: dict[str, tuple[str, ...]] = {
+    "trainer.config": (),
+    "trainer.data": ("trainer.config",),
+    "trainer.simulation": ("trainer.config", "trainer.data"),
+    "trainer.runtime": ("trainer.config", "trainer.simulation"),
+    "trainer.optim": ("trainer.config", "trainer.simulation"),
+    "trainer.checkpoint": ("trainer.config", "trainer.data", "trainer.optim", "trainer.runtime"),
+    "trainer.reporting": ("trainer.config", "trainer.runtime"),
+    "trainer.instruments": ("trainer.config", "trainer.runtime", "trainer.simulation"),
 }
 
 MAX_LINES = 500
@@ -123,6 +139,34 @@ def imports_of(module: str, path: Path, modules: Mapping[str, Path]) -> set[str]
 def module_graph(root: Path) -> dict[str, set[str]]:
     modules = discover_modules(root)
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def folder_of(root: Path, path: Path) -> str:
+    """The folder a module file lies in, dotted (``trainer/config/schema.py`` and
+    ``trainer/config/__init__.py`` -> ``trainer.config``); ``.`` for the top-level scripts."""
+    return ".".join(path.parent.relative_to(root).parts) or "."
+
+
+def folder_graph(
+    root: Path, graph: Mapping[str, Iterable[str]] | None = None, forwarding: Mapping[str, Iterable[str]] | None = None
+) -> dict[str, set[str]]:
+    """Folder -> the other folders its modules import. Entry points (``__main__``: nothing
+    imports them) and the :data:`FORWARDING` imports (the old commands' forwarding, the one
+    exception to the direction) are left out."""
+    forwarding = FORWARDING if forwarding is None else forwarding
+    modules = discover_modules(root)
+    graph = module_graph(root) if graph is None else graph
+    folders: dict[str, set[str]] = {}
+    for importer, imported in graph.items():
+        if _is_entry_point(importer):
+            continue
+        source = folders.setdefault(folder_of(root, modules[importer]), set())
+        for target in imported:
+            if not _is_entry_point(target) and target not in forwarding.get(importer, ()):
+                source.add(folder_of(root, modules[target]))
+    for source, targets in folders.items():
+        targets.discard(source)
+    return folders
 
 
 # ------------------------------------------------------------------ checks on a graph
@@ -250,6 +294,31 @@ def test_no_import_cycles(graph):
     assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
 
 
+def test_no_folder_cycles(graph):
+    """No two folders import each other, through any modules (docs/design.md section 1)."""
+    cycles = find_cycles(folder_graph(ROOT, graph))
+    assert not cycles, "folders that import each other:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_trainer_folders_import_what_they_may(graph):
+    folders = folder_graph(ROOT, graph)
+    packages = {name for name in folders if name.startswith("trainer.")}
+    assert set(TRAINER_FOLDERS) | {"trainer.lifecycle"} == packages, "a trainer/ package without its rule here"
+    bad = [
+        f"{folder} -> {target}"
+        for folder, targets in sorted(folders.items())
+        if folder == "trainer" or folder.startswith("trainer.")
+        for target in sorted(targets)
+        if target.startswith("trainer.")
+        and (
+            target == "trainer.lifecycle"
+            if folder in ("trainer", "trainer.lifecycle")
+            else target not in TRAINER_FOLDERS[folder]
+        )
+    ]
+    assert not bad, "trainer/ folders importing what their docstring does not allow:\n  " + "\n  ".join(bad)
+
+
 def test_imports_point_one_way(graph):
     bad = layering_violations(graph)
     assert not bad, "imports against the direction of docs/design.md section 1:\n  " + "\n  ".join(bad)
@@ -315,6 +384,40 @@ def test_checker_reads_lazy_and_type_only_imports(tmp_path):
     graph = module_graph(tmp_path)
     assert set(graph) == {"pkg", "pkg.a", "pkg.sub", "pkg.sub.b", "pkg.c"}
     assert find_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+def test_checker_finds_a_folder_cycle_without_a_module_cycle(tmp_path):
+    """The knot this check was written for (trainer/ before issue 51): config's validation
+    imported a loose module of the trainer's folder that imported the checkpoint package, whose
+    saver imported another loose module that imported config. No module circle, a folder one;
+    an entry point that reaches back is no circle."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/config/__init__.py": "",
+        "pkg/config/validate.py": "def check():\n    from pkg.local_tensor import available\n",
+        "pkg/local_tensor.py": "from pkg.checkpoint.errors import CheckpointError\n",
+        "pkg/distributed_init.py": "from pkg.config import validate\n",
+        "pkg/checkpoint/__init__.py": "",
+        "pkg/checkpoint/errors.py": "class CheckpointError(Exception): ...\n",
+        "pkg/checkpoint/async_save.py": "from pkg.distributed_init import init\n",
+        "pkg/checkpoint/__main__.py": "import pkg.distributed_init\n",
+        "lib/__init__.py": "",
+        "lib/__main__.py": "import pkg.checkpoint.errors\n",
+        "pkg/lib_user.py": "import lib\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = module_graph(tmp_path)
+    assert find_cycles(graph) == []
+    folders = folder_graph(tmp_path, graph)
+    assert folders == {
+        "pkg": {"pkg.checkpoint", "pkg.config", "lib"},
+        "pkg.config": {"pkg"},
+        "pkg.checkpoint": {"pkg"},
+        "lib": set(),
+    }
+    assert find_cycles(folders) == [["pkg", "pkg.checkpoint", "pkg"]]  # one per knot of folders
 
 
 def test_checker_finds_layering_violations():

@@ -1,5 +1,5 @@
 """trainer/instruments: the step-hook interface, the order the loop calls hooks in, and the files
-the recorder and the census write (through trainer/files.py)."""
+the recorder and the census write (through trainer/runtime/files.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""trainer/launch.py's pieces that need no job: which arguments are the launcher's (torchrun's
+"""trainer/lifecycle/launch.py's pieces that need no job: which arguments are the launcher's (torchrun's
 flags) and which the trainer's, and what the launcher says of a failed job. (The launcher end
 to end: tests/e2e/test_train_launcher.py.)"""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.launch import _failure_line, _parse_launch, launcher_argv
+from trainer.lifecycle.launch import _failure_line, _parse_launch, launcher_argv
 
 
 def test_torchrun_flags_are_the_launchers_and_the_rest_the_trainers():
@@ -90,7 +90,7 @@ def test_the_launcher_names_the_cause_not_the_ranks_that_ended_after_it():
 def test_a_collective_that_failed_on_a_gone_peer_is_told_apart_from_a_bug():
     import torch.distributed as dist
 
-    from trainer.distributed_init import is_peer_gone
+    from trainer.runtime.distributed_init import is_peer_gone
 
     gloo = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33965. This is typically caused"
     assert is_peer_gone(RuntimeError(gloo)) and is_peer_gone(dist.DistBackendError(gloo))

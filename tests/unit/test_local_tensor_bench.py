@@ -52,7 +52,7 @@ def test_summary_is_the_median_after_warmup_and_memory_against_the_sum():
 
 SCRIPT = """
 import sys
-from trainer.shutdown import run_and_exit
+from trainer.lifecycle.shutdown import run_and_exit
 
 def main():
     assert __name__ == "__main__" and sys.argv[1:] == ["--size", "{size}"], (__name__, sys.argv)

@@ -246,7 +246,7 @@ def test_targets_freeze_and_merge():
 )
 def test_bad_lora_config_is_one_line(args, needle):
     """Bad [lora] input: one ConfigError line naming the key and the fix (train.py prints it
-    and exits 2, trainer/cli_errors.py)."""
+    and exits 2, trainer/runtime/cli_errors.py)."""
     from trainer.config import ConfigError, load_config
     from trainer.plan import plan_job
 

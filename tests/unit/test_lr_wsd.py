@@ -17,8 +17,8 @@ import pytest
 import torch.nn as nn
 
 from trainer.config import ConfigError, load_config
-from trainer.lr_schedule import lr_multiplier
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim.lr_schedule import lr_multiplier
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 
 PEAK = 1e-3
 SHAPES = {

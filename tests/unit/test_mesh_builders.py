@@ -267,7 +267,7 @@ OLD_TORCH_LINE = (
 )
 
 
-@pytest.mark.parametrize("module", ["parallel_dims", "trainer.train"])
+@pytest.mark.parametrize("module", ["parallel_dims", "trainer.trainer"])
 def test_old_torch_gets_one_line_at_import(module):
     result = _run(f"import torch; torch.__version__ = '2.9.1'; import {module}; print('imported')")
     assert result.returncode == 2, result.stderr

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from trainer.config import load_config
-from trainer.metrics import PRECISIONS, MetricsLogger, find_gpu, model_flops_per_token, peak_flops
+from trainer.reporting.metrics import PRECISIONS, MetricsLogger, find_gpu, model_flops_per_token, peak_flops
 
 
 def cfg(*args):
@@ -113,7 +113,7 @@ def fake_cuda(monkeypatch):
     tf32 = {"value": False}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["value"])
-    monkeypatch.setattr("trainer.metrics.cuda_tf32_enabled", lambda: tf32["value"])
+    monkeypatch.setattr("trainer.reporting.metrics.cuda_tf32_enabled", lambda: tf32["value"])
     return name, tf32
 
 
@@ -149,7 +149,7 @@ def test_mfu_is_omitted_for_an_unknown_gpu_and_on_cpu(fake_cuda):
 
 
 def test_mfu_percentage_against_the_chosen_peak(tmp_path, fake_cuda, monkeypatch):
-    from trainer import metrics as metrics_mod
+    from trainer.reporting import metrics as metrics_mod
 
     monkeypatch.setattr(metrics_mod, "memory_gib", lambda device: ("cuda_max_alloc", 1.0))
     clock = iter([0.0, 2.0])  # __init__, then the log: 2 s
@@ -165,7 +165,7 @@ def test_mfu_percentage_against_the_chosen_peak(tmp_path, fake_cuda, monkeypatch
 
 def test_training_flops_per_token_of_real_flavors():
     from models.registry import build_model
-    from trainer.metrics import training_flops_per_token
+    from trainer.reporting.metrics import training_flops_per_token
 
     llama = build_model("llama3", "8B", device="meta")
     non_embedding = sum(p.numel() for p in llama.parameters()) - llama.tok_embeddings.weight.numel()
@@ -178,8 +178,8 @@ def test_training_flops_per_token_of_real_flavors():
 
 
 def test_step_of_total_and_time_left(tmp_path, capsys, monkeypatch):
-    from trainer import metrics as metrics_mod
-    from trainer.metrics import format_duration
+    from trainer.reporting import metrics as metrics_mod
+    from trainer.reporting.metrics import format_duration
 
     clock = iter([0.0, 100.0, 110.0, 130.0, 150.0])  # __init__, then one reading per log
     monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))

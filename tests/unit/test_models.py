@@ -804,7 +804,7 @@ def test_registry_contract_for_every_registered_model():
     from models.common.hf_adapter import HFStateDictAdapter
     from models.parallelize import parallelize_model
     from models.registry import flavor_names, has_experts, model_names
-    from trainer.metrics import training_flops_per_token
+    from trainer.reporting.metrics import training_flops_per_token
 
     assert model_names() == ["deepseek_v3", "llama3", "qwen3"]
     assert flavor_names("llama3") == ["debugmodel", "debugmodel_tied", "1B", "3B", "8B", "70B", "405B"]
@@ -957,7 +957,7 @@ def toy_registered(monkeypatch):
 def test_toy_model_gets_the_contract_from_one_registry_line(toy_registered):
     from models.registry import model_rules
     from parallel_dims import ParallelDims, check_model_layout
-    from trainer.metrics import training_flops_per_token
+    from trainer.reporting.metrics import training_flops_per_token
 
     registry = toy_registered
     assert "toy" in registry.model_names() and registry.flavor_names("toy") == ["tiny"]

@@ -52,7 +52,7 @@ def test_old_planner_command_notes_and_forwards(capsys):
 
 
 def test_old_job_plan_command_notes_and_forwards():
-    """On processes forked from tools/launcher.py's server (the dry run initializes a fake
+    """On processes forked from tools/forkserver.py's server (the dry run initializes a fake
     process group): the same JSON and text, and the same error on a layout the plan refuses. The
     old form's ``--gpus-per-node`` (never used by the job plan) is still accepted."""
     for extra in (["--json"], []):

@@ -115,7 +115,7 @@ def test_depth_two_chains_the_depths_and_weights_their_loss():
     its hidden input and t_{i+2} embedded (fp32, tolerance 1e-5 as above; negative control:
     depth 2 fed the main model's states instead is off by > 1e-2); the loss over mtp_batch's
     depth-2 targets is CE_main + 0.3 / 2 x (CE_1 + CE_2) (each a token sum), and ``take`` hands
-    the depths' sum CE_1 + CE_2 for the metrics (trainer/train.py divides by D x tokens)."""
+    the depths' sum CE_1 + CE_2 for the metrics (trainer/trainer.py divides by D x tokens)."""
     model = _model(2)
     s = 24
     tokens = torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(4))
@@ -373,7 +373,7 @@ def _plan(*argv: str):
 
 def test_mtp_refused_where_unsupported():
     """model.mtp_layers asked of Llama 3 / Qwen3: one line naming the problem and the fix
-    (ConfigError: exit 2 from train.py, trainer/cli_errors.py); tp = 2 and pp = 2 plan."""
+    (ConfigError: exit 2 from train.py, trainer/runtime/cli_errors.py); tp = 2 and pp = 2 plan."""
     from trainer.config.errors import ConfigError
 
     for name in ("llama3", "qwen3"):

@@ -1,7 +1,7 @@
 """Muon on one process against a direct float64 implementation of the algorithm, and which
 parameters Muon takes.
 
-The reference below is written from the papers, not from trainer/muon.py: Nesterov momentum
+The reference below is written from the papers, not from trainer/optim/muon.py: Nesterov momentum
 B <- mu B + G, U <- G + mu B; the Newton-Schulz quintic X <- a X + (b A + c A^2) X with
 A = X X^T, from X0 = U / (||U||_F + 1e-7) on the wide orientation, (a, b, c) = (3.4445, -4.775,
 2.0315), 5 steps, one matrix at a time (a 3-D expert weight is one matrix per expert); then
@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 
 from trainer.config import load_config
-from trainer.muon import Muon, newton_schulz
-from trainer.optim import build_optimizer
+from trainer.optim.muon import Muon, newton_schulz
+from trainer.optim.optimizers import build_optimizer
 
 COEF = (3.4445, -4.775, 2.0315)
 LR, WD, MU = 0.02, 0.1, 0.95

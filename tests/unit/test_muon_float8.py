@@ -27,8 +27,8 @@ import torch
 from models.parallel.float8 import Float8Options, convert_to_float8
 from models.registry import build_model
 from trainer.config import load_config
-from trainer.muon import Muon, newton_schulz
-from trainer.optim import build_optimizer
+from trainer.optim.muon import Muon, newton_schulz
+from trainer.optim.optimizers import build_optimizer
 
 pytest.importorskip("torchao.float8")
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from trainer.config import load_config
-from trainer.muon import Muon
+from trainer.optim.muon import Muon
 
 pytestmark = pytest.mark.unit
 

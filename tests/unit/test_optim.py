@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainer.config import load_config
-from trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier, param_groups
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer, lr_multiplier, param_groups
 
 
 class Tiny(nn.Module):
@@ -134,7 +134,7 @@ def _like(p, full):
 
 
 def test_auto_implementation():
-    from trainer.optim import resolve_implementation
+    from trainer.optim.optimizers import resolve_implementation
 
     cpu = [torch.zeros(2)]
     assert resolve_implementation("auto", cpu) == "foreach"
@@ -244,7 +244,7 @@ def test_the_logged_lr_is_the_rate_each_step_ran_at(tmp_path, decay, warmup):
     warm-up steps step 1 showed 2/5 of the peak.) One process, one tiny layer, 5 steps."""
     import json
 
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     steps, lr, floor = 5, 1e-3, 0.1
     argv = ["--config", "llama3.toml", "--model.n_layers", "1", "--training.seq_len", "16",

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 from trainer.config import load_config
-from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.optim_groups import GROUPING_KEY
+from trainer.optim.groups import GROUPING_KEY
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 
 GROUPS = (
     "[{pattern = '^tok_embeddings', lr_mult = 0.5, weight_decay = 0.0},"
@@ -147,7 +147,7 @@ LORA_ARGV = [
 def _lora_trainer(tmp_path, groups: str):
     import torch.distributed as dist
 
-    import trainer.train as train_mod
+    import trainer.trainer as train_mod
 
     c = load_config([*LORA_ARGV, "--optimizer.param_groups", groups, "--job.dump_folder", str(tmp_path)])
     try:

@@ -77,7 +77,7 @@ def test_model_layout_and_batch_rules_are_checked():
 
 def test_describe_cli_prints_the_plan_of_a_config():
     """``python -m trainer.plan_report --config ...`` (run on a process forked from
-    tools/launcher.py's server; the old form ``python -m parallel_dims --config`` forwards to it:
+    tools/forkserver.py's server; the old form ``python -m parallel_dims --config`` forwards to it:
     tests/unit/test_moved_commands.py)."""
     import json
 

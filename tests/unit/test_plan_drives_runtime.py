@@ -68,7 +68,7 @@ def test_runtime_modules_do_not_read_cfg_parallelism():
     files = _runtime_files()
     names = {p.relative_to(ROOT).as_posix() for p in files}
     # the check covers the runtime: the loop, validation, the forward, the builders, splitting
-    assert {"trainer/train.py", "trainer/validation.py", "models/parallel/pipeline/split.py"} <= names
+    assert {"trainer/trainer.py", "trainer/validation.py", "models/parallel/pipeline/split.py"} <= names
     offenders = {
         p.relative_to(ROOT).as_posix(): lines for p in files if (lines := _parallelism_reads(p.read_text(), str(p)))
     }
@@ -120,7 +120,7 @@ def _build(tmp_path, monkeypatch, *, plan_argv=(), poison_before_plan=False):
     """A Trainer of ARGV whose plan_job returns the plan of ARGV + ``plan_argv`` and whose
     cfg.parallelism is poisoned right after planning (or, the negative control, before)."""
     import trainer.startup as startup_mod  # the Trainer plans through trainer.startup.plan_startup
-    import trainer.train as train_mod
+    import trainer.trainer as train_mod
     from trainer.config import load_config
     from trainer.plan import plan_job as real_plan_job
 
@@ -175,7 +175,7 @@ def test_the_plan_alone_determines_what_the_trainer_builds(tmp_path, monkeypatch
 def test_negative_control_a_runtime_that_reads_the_config_is_caught(tmp_path, monkeypatch):
     """The old way (the schedule's micro-batch count from cfg.parallelism after planning) fails
     on the poisoned config; and poisoned before planning, the config cannot even be planned."""
-    import trainer.train as train_mod
+    import trainer.trainer as train_mod
 
     real = train_mod.build_pipeline
 

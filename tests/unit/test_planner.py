@@ -127,7 +127,7 @@ def test_training_state_memory_equals_the_real_sharded_model():
     sharded model after a step, and FSDP's per-group all-gather sizes equal FSDP2's own.
 
     Each layout is measured on a process of its own (its fake process group; DTensor caches
-    that start empty, see tools/planner/measure.py), forked from tools/launcher.py's server
+    that start empty, see tools/planner/measure.py), forked from tools/forkserver.py's server
     (tests/distributed/run_json.py): no new interpreter's imports per layout."""
     from tests.distributed.run_json import run_on_own_process
 
@@ -437,7 +437,7 @@ HARDWARE_CASES = [
 )
 def test_hardware_of_a_cuda_device_name(device_name, entry, memory_gib, memory_gbps):
     from tools.planner.hardware import gpu_names, hardware_for_device
-    from trainer.metrics import peak_flops
+    from trainer.reporting.metrics import peak_flops
 
     hw = hardware_for_device(device_name)
     assert entry in gpu_names() and hw.name == device_name

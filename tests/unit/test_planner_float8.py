@@ -77,7 +77,7 @@ def _est(f8: Float8Options | None, ac: str = "none"):
 def test_converted_gemms_are_priced_at_the_float8_peak(ac):
     bf16, f8 = _est(None, ac), _est(Float8Options(), ac)
     rate, rate8 = H100.peak_flops("bfloat16") * 0.5, H100.peak_flops("float8") * 0.5
-    assert rate8 == 1979e12 * 0.5  # trainer/metrics.py GPU_PEAKS, H100 SXM fp8 dense
+    assert rate8 == 1979e12 * 0.5  # trainer/reporting/metrics.py GPU_PEAKS, H100 SXM fp8 dense
     saved = 6 * TOKENS * LAYERS * LINEARS * (1 / rate - 1 / rate8)  # forward + 2x backward
     assert bf16.time["compute"] - f8.time["compute"] == pytest.approx(saved, rel=1e-9)
     # full AC recomputes the blocks' forward; w2 too in float8 (bf16's early stop skips it)

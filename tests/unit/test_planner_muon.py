@@ -21,7 +21,7 @@ Negative control: the gather scheme's count is not the round-robin's (the estima
 the halved FLOPs), so a planner pricing both alike fails the round-robin assertion.
 
 Parameter-group routing (``[[optimizer.param_groups]]``, the trainer's
-``trainer.optim_groups.choose``): a config routing ``w2`` to AdamW and the output head
+``trainer.optim.groups.choose``): a config routing ``w2`` to AdamW and the output head
 (2048 x 256, 524,288 elements) to Muon, read by ``estimate_from_config``. Hand count: per block
 the six matrices but w2, 589,824 elements and 2 x 503,316,480 + 2 x 104,857,600 +
 2 x 1,174,405,120 = 3,565,158,400 FLOPs; the head 5 (4 x 256^2 x 2048 + 2 x 256^3) =
@@ -34,7 +34,7 @@ the six matrices but w2, 589,824 elements and 2 x 503,316,480 + 2 x 104,857,600 
   the busiest 5,033,164,800; two all-to-all rounds of 4 x 851,968 = 3,407,872 B;
 - state: 8 x 1,311,360 local elements - 4 x 851,968 = 7,083,008 B.
 
-And against the trainer's real optimizer (``trainer.optim.build_optimizer`` after one step,
+And against the trainer's real optimizer (``trainer.optim.optimizers.build_optimizer`` after one step,
 sharded models on the fake backend, ``tools.planner.measure``): the Muon parameter groups' local
 elements and the optimizer state bytes equal the planner's, for llama3 fsdp=2 x tp=2 (the head
 under TP) and for LoRA with expert adapters on deepseek_v3 fsdp=2 x tp=2 x ep=2 x etp=2 (Muon

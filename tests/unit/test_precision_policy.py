@@ -1,4 +1,4 @@
-"""training.enable_tf32 and training.deterministic (trainer/precision.py): the config -> torch
+"""training.enable_tf32 and training.deterministic (trainer/runtime/precision.py): the config -> torch
 calls, by device, with the torch functions recorded (no GPU here: "cuda" is a device-type string
 and the CUDA-only flags are global switches a CPU build also holds); the order in Trainer.__init__
 (before the process group and any CUDA work); and a census of the aten ops a train step of each
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer import precision
 from trainer.config import load_config
-from trainer.precision import (
+from trainer.runtime import precision
+from trainer.runtime.precision import (
     CUBLAS_WORKSPACE_VAR,
     apply_precision_policy,
     ensure_cublas_workspace_config,
@@ -107,7 +107,7 @@ class _ProcessGroupWouldStartHere(Exception):
 
 def test_trainer_applies_the_policy_before_the_process_group(torch_flags, monkeypatch, tmp_path):
     """Everything is in place when init_distributed (torch.cuda.set_device, NCCL) would start."""
-    import trainer.train as train_mod
+    import trainer.trainer as train_mod
 
     seen = {}
 

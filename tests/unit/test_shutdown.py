@@ -1,4 +1,4 @@
-"""How processes that hold process groups end (trainer/shutdown.py): ``run_and_exit`` keeps
+"""How processes that hold process groups end (trainer/lifecycle/shutdown.py): ``run_and_exit`` keeps
 ``sys.exit``'s behaviour up to interpreter finalization (exit codes, atexit handlers, joined
 threads, flushed output) and never finalizes the interpreter, which is what keeps torch's
 communication threads from calling into a dying interpreter. tests/e2e/test_exit.py checks that
@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXIT_PATHS = textwrap.dedent(
     """
     import atexit, sys, threading, time
-    from trainer.shutdown import run_and_exit
+    from trainer.lifecycle.shutdown import run_and_exit
 
     mode, out = sys.argv[1], sys.argv[2]
     atexit.register(lambda: open(out + ".atexit", "w").write("ran"))

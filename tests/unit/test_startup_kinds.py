@@ -1,7 +1,7 @@
 """Every dataset kind is accepted the same way by every launcher (issue 50, item 1).
 
 ``python train.py --nproc_per_node N`` checks a job before any worker starts
-(trainer/launch.py -> :func:`trainer.startup.preflight`); a worker (one process, torchrun, the
+(trainer/lifecycle/launch.py -> :func:`trainer.startup.preflight`); a worker (one process, torchrun, the
 launcher's) starts with :func:`trainer.startup.plan_startup` and builds its loader with
 :func:`trainer.data.loader.build_dataloader`. The pre-start check once built the data source
 without the chat branch (``FileSource kind must be 'text' or 'jsonl', got 'chat'``) and never
@@ -26,7 +26,7 @@ import pytest
 from tests.chat_data import conversations, write_jsonl, write_parquet
 from trainer.config import load_config
 from trainer.data.loader import build_dataloader
-from trainer.launch import main as launch_main
+from trainer.lifecycle.launch import main as launch_main
 from trainer.startup import plan_startup, preflight
 
 BASE = ["--config", "llama3.toml", "--training.seq_len", "32", "--training.global_batch_size", "8",
@@ -76,7 +76,7 @@ KINDS = ("text", "jsonl", "tokens", "hf", "hf_sequential", "chat_jsonl", "chat_p
 def test_every_kind_passes_the_launchers_check_and_every_ranks_start(data, kind):
     cfg = load_config([*BASE, *_kinds(data)[kind]])
     for world in WORLDS:
-        preflight(cfg, world, "cpu")  # python train.py --nproc_per_node world (trainer/launch.py)
+        preflight(cfg, world, "cpu")  # python train.py --nproc_per_node world (trainer/lifecycle/launch.py)
         startup = plan_startup(cfg, world, "cpu")  # every worker: one process, torchrun, the launcher's
         batch = startup.plan.batch
         for rank in range(batch.batch_degree):

@@ -230,8 +230,8 @@ def test_what_striped_reading_refuses(data, tmp_path):
 
 def test_local_tensor_mode_merges_every_simulated_rank(data):
     """comm.mode = local_tensor: one process holds a loader per batch coordinate
-    (trainer/local_tensor.py PerRankLoader); its state is every coordinate's stripes merged."""
-    from trainer.local_tensor import PerRankLoader
+    (trainer/simulation/local_tensor.py PerRankLoader); its state is every coordinate's stripes merged."""
+    from trainer.simulation.local_tensor import PerRankLoader
 
     class Dims:  # 4 simulated ranks: batch degree 2 x tp 2
         def coordinate(self, name, rank):

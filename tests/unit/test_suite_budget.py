@@ -29,7 +29,7 @@ SAMPLE = textwrap.dedent(
         time.sleep(0.3)
 
     def test_forks_two_busy_ranks(tmp_path):
-        from tools.launcher import run_train
+        from tools.forkserver import run_train
         script = tmp_path / "busy.py"
         script.write_text("{BUSY}")
         assert run_train(2, [], script=script, cwd=tmp_path, timeout=120).returncode == 0

@@ -29,7 +29,7 @@ def imported(names):
     return {"changed": changed, "tokenize": sorted(m for m in sys.modules if m.startswith("tools.tokenize"))}
 print(json.dumps([imported(sys.argv[1:4]), imported(sys.argv[4:7]), imported(sys.argv[7:])]))
 """
-RUNTIME = ["trainer.train", "trainer.data.loader", "trainer.validation"]
+RUNTIME = ["trainer.trainer", "trainer.data.loader", "trainer.validation"]
 OFFLINE = ["tools.tokenize.writer", "tools.tokenize.cli", "tools.tokenize.shipped_tokenizer"]
 
 

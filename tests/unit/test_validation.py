@@ -135,7 +135,7 @@ def _cli(*args):
 
 
 def _cli_forked(*args):
-    """The same command on a process forked from tools/launcher.py's server (the module's
+    """The same command on a process forked from tools/forkserver.py's server (the module's
     ``__main__``, exit code and output, without a new interpreter's imports)."""
     from tests.distributed.run_json import run_module_on_own_process
 

@@ -1,4 +1,4 @@
-"""Weights & Biases logging (``metrics.enable_wandb``, trainer/wandb_log.py), offline, in this
+"""Weights & Biases logging (``metrics.enable_wandb``, trainer/reporting/wandb_log.py), offline, in this
 process: the run holds the metrics.jsonl rows (merged per step) and the resolved config, read
 back from its .wandb file (tests/wandb_records.py); a resumed logger continues the same run id,
 a fresh start makes a new one; the run ends and W&B's service process is gone when the logger
@@ -21,8 +21,8 @@ import pytest
 
 from tests.wandb_records import offline_runs, rows_by_step
 from trainer.config import ConfigError, load_config
-from trainer.metrics import MetricsLogger
-from trainer.wandb_log import RUN_ID_FILE
+from trainer.reporting.metrics import MetricsLogger
+from trainer.reporting.wandb_log import RUN_ID_FILE
 
 
 def needs_wandb():
@@ -208,7 +208,7 @@ def test_the_run_id_is_stored_once_the_run_goes_on(offline):
 
 
 def test_missing_wandb_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     args = ["--config", "llama3.toml", "--job.dump_folder", str(tmp_path), "--metrics.enable_wandb"]
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, find_spec finds nothing
@@ -230,6 +230,6 @@ def _installed() -> bool:
 
 
 def test_wandb_is_not_imported_by_a_run_without_it():
-    code = "import sys, trainer.entry, trainer.metrics; print('wandb' in sys.modules)"
+    code = "import sys, trainer.lifecycle.rank, trainer.reporting.metrics; print('wandb' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd(), timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

@@ -35,7 +35,7 @@ from tools.compare_loss.layouts import (
     preflight,
 )
 from tools.compare_loss.report import format_table, plot_runs, write_summary
-from trainer.cli_errors import report_user_error
+from trainer.runtime.cli_errors import report_user_error
 
 CONSOLE_SCRIPT = "meshtrain-compare-loss"
 

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N -m tools.compare_loss.grad_dump --out grads.json [--grads grads.pt] \\
         [--step K] -- --config train_configs/llama3.toml --parallelism.tp 2 ...
 
-Runs the real :class:`trainer.train.Trainer` from the same argv as ``train.py`` -- including its
+Runs the real :class:`trainer.trainer.Trainer` from the same argv as ``train.py`` -- including its
 ``--training.steps N``, which shapes the LR schedule -- stops after step ``K <= N`` and, at step K,
 records each parameter's full gradient norm
 *after* gradient finalization and *before* clipping -- the gradient the layout's math produced,
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import trainer.train as train_module
+import trainer.trainer as train_module
 from models.common.init import canonical_fqn
 from trainer.config import load_config
 
@@ -142,6 +142,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trainer.shutdown import run_and_exit  # why not sys.exit: trainer/shutdown.py
+    from trainer.lifecycle.shutdown import run_and_exit  # why not sys.exit: trainer/lifecycle/shutdown.py
 
     run_and_exit(main)

@@ -36,7 +36,7 @@ KEY_ALIASES = {
 LAYOUT_KEYS = DEGREE_KEYS + ("nproc",)
 SINGLE_PROCESS = ("1", "single")
 # how a layout's ranks start (--launcher): torchrun, or forked from a server that imported torch
-# and the trainer once (tools/launcher.py; one host)
+# and the trainer once (tools/forkserver.py; one host)
 LAUNCHERS = ("torchrun", "fork")
 
 # Config keys each run gets from this tool; setting them after `--` would silently fight it.

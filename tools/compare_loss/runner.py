@@ -4,7 +4,7 @@ line, and a --timeout that stops the launch and its ranks.
 
 A layout's ranks start through torchrun (``--launcher torchrun``, the default) or are forked from
 a server that already imported torch and the trainer (``--launcher fork``,
-:class:`tools.launcher.ForkedTrain`: one host, bitwise the torchrun results, about 1.5 CPU
+:class:`tools.forkserver.ForkedTrain`: one host, bitwise the torchrun results, about 1.5 CPU
 seconds less per rank and no torchrun process)."""
 
 from __future__ import annotations
@@ -106,13 +106,13 @@ def run_forked_streaming(
     script: str = TRAIN_PY,
 ) -> int:
     """:func:`run_streaming` for ``torchrun --nproc_per_node=nproc script argv`` (or ``python
-    script argv``), the ranks forked instead (:class:`tools.launcher.ForkedTrain`): their stdout
+    script argv``), the ranks forked instead (:class:`tools.forkserver.ForkedTrain`): their stdout
     and stderr merged into one pipe, copied to ``log_path`` line by line and handed to
     ``on_line``. Returns 0 when every rank exited 0, else the first failing rank's own exit code
     (torchrun says 1 for any failure) after the other ranks were stopped; 124 after ``timeout``
     seconds, the ranks stopped. The parent waits on the ranks while a thread reads the pipe, so
     a rank that fails while the others block in a collective still ends the job."""
-    from tools.launcher import ForkedTrain
+    from tools.forkserver import ForkedTrain
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
@@ -157,9 +157,9 @@ def run_forked_streaming(
 def fork_server_running() -> bool:
     """Whether this process already has the fork launcher's server (a caller that ran the tool
     in its own process after launching forked ranks itself: a test worker)."""
-    if "tools.launcher" not in sys.modules:
+    if "tools.forkserver" not in sys.modules:
         return False
-    from tools.launcher import server_running
+    from tools.forkserver import server_running
 
     return server_running()
 
@@ -168,8 +168,8 @@ def stop_fork_server() -> None:
     """End the fork launcher's server, if this process started one, and wait for it: no process
     outlives the tool, and the ranks' CPU time (the server reaps them) is counted among this
     process's children, as torchrun's workers are."""
-    if "tools.launcher" in sys.modules:
-        from tools.launcher import stop_server
+    if "tools.forkserver" in sys.modules:
+        from tools.forkserver import stop_server
 
         stop_server()
 

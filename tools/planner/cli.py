@@ -19,8 +19,8 @@ import sys
 import time
 
 from models.parallel.float8 import FLOAT8_RECIPES
-from trainer.cli_errors import report_user_error
-from trainer.files import atomic_write
+from trainer.runtime.cli_errors import report_user_error
+from trainer.runtime.files import atomic_write
 
 from .estimate import Estimate, Job
 from .hardware import GIB, STEP_BYTES_PER_PARAM, load_hardware, step_bytes_per_param

@@ -62,7 +62,7 @@ by selective AC's), and the NUMBER of EP/ETP token all-to-alls. Their bytes depe
 the records assume balanced routing, which the test checks summed over the world (every row sent
 is received), not per rank.
 
-Grad-norm reductions: ``trainer/grad_clip.py`` sums the squares of the gradients sharded over
+Grad-norm reductions: ``trainer/optim/grad_clip.py`` sums the squares of the gradients sharded over
 the same groups (compared by ranks, whatever mesh object they carry) and all-reduces each such
 sum once per group: one 4-byte all-reduce per distinct (groups, group) pair.
 
@@ -351,11 +351,11 @@ def predict_collectives(
             emb = [s for s in rank_shards(params, d, layout, rank, choice.mixed, (), True, False)
                    if s.info.group == "tok_embeddings"]  # fmt: skip
             rec[("all_reduce", "pp", 4 * emb[0].local_numel)] += 1
-    # (with MTP depths the loss travels with the MTP loss: two float32, trainer/train.py)
+    # (with MTP depths the loss travels with the MTP loss: two float32, trainer/trainer.py)
     loss_bytes = 8 if getattr(args, "mtp_layers", 0) else 4
     if loss_size > 1:
         rec[("all_reduce", "loss", loss_bytes)] += 1
-    # the grad norm's sums of squares are float64 (trainer/grad_clip.py), the loss float32
+    # the grad norm's sums of squares are float64 (trainer/optim/grad_clip.py), the loss float32
     if pp:
         rec[("all_reduce", "pp", 8)] += 1  # grad-norm squares over stages
         rec[("all_reduce", "pp", loss_bytes)] += 1  # loss sum over stages

@@ -88,7 +88,7 @@ class Job:
     # optimizer.name, and Muon's optimizer.muon_distribution / muon_ns_steps (tools/planner/muon.py)
     optimizer: str = "AdamW"
     # the [[optimizer.param_groups]] routing: (pattern, optimizer or None) per table, in order
-    # (trainer.optim_groups.choose; () = the default: Muon takes the hidden matrices)
+    # (trainer.optim.groups.choose; () = the default: Muon takes the hidden matrices)
     param_groups: tuple = ()
     muon_distribution: str = "round_robin"
     muon_ns_steps: int = 5

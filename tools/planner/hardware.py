@@ -1,6 +1,6 @@
 """GPUs and networks the planner prices layouts on, and the ring cost model of a collective.
 
-Peak FLOP/s come from the trainer's own table (``trainer/metrics.py`` ``GPU_PEAKS``: dense, no
+Peak FLOP/s come from the trainer's own table (``trainer/reporting/metrics.py`` ``GPU_PEAKS``: dense, no
 sparsity, per matmul precision: "float32" is IEEE fp32, "tf32" a float32 run with
 ``training.enable_tf32``, "bfloat16"/"float16" mixed precision). Memory sizes and bandwidths are the
 parts' datasheet HBM figures.
@@ -209,7 +209,7 @@ class Hardware:
         if dtype == "float8":
             if self.peak_flops_fp8 is None:
                 raise ValueError(
-                    f"{self.name} has no float8 tensor cores (no float8 peak in trainer/metrics.py GPU_PEAKS): "
+                    f"{self.name} has no float8 tensor cores (no float8 peak in trainer/reporting/metrics.py GPU_PEAKS): "
                     "plan without float8, or give peak_flops_fp8 in a --profile"
                 )
             return self.peak_flops_fp8
@@ -225,7 +225,7 @@ class Hardware:
 
 
 def _gpu_table() -> dict[str, Hardware]:
-    from trainer.metrics import PEAK_FLOPS
+    from trainer.reporting.metrics import PEAK_FLOPS
 
     def entry(name: str, part: str, memory_gib: float, memory_gbps: float) -> Hardware:
         peak = PEAK_FLOPS[part]
@@ -235,7 +235,7 @@ def _gpu_table() -> dict[str, Hardware]:
             intra_node_gbps=LINKS[name][0], inter_node_gbps=LINKS[name][1],
         )  # fmt: skip
 
-    # planner name -> trainer/metrics.py part, HBM capacity and bandwidth from NVIDIA's datasheets
+    # planner name -> trainer/reporting/metrics.py part, HBM capacity and bandwidth from NVIDIA's datasheets
     return {
         "h100": entry("h100", "H100 SXM", 80.0, 3350.0),  # 80 GB HBM3, 3.35 TB/s
         "h100-pcie": entry("h100-pcie", "H100 PCIe", 80.0, 2000.0),  # 80 GB HBM2e, 2 TB/s
@@ -248,7 +248,7 @@ def _gpu_table() -> dict[str, Hardware]:
     }
 
 
-# trainer/metrics.py part -> planner name (parts without one, e.g. L40S with no NVLink, GH200: None)
+# trainer/reporting/metrics.py part -> planner name (parts without one, e.g. L40S with no NVLink, GH200: None)
 _PLANNER_NAME = {
     "H100 SXM": "h100",
     "H100 PCIe": "h100-pcie",
@@ -307,10 +307,10 @@ def load_hardware(gpu: str, profile: str | None = None, **overrides) -> Hardware
 
 def hardware_for_device(device_name: str) -> Hardware | None:
     """The table entry of a CUDA device name (``torch.cuda.get_device_name()``), matched like the
-    trainer's MFU table (``trainer.metrics.find_gpu``: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H100
+    trainer's MFU table (``trainer.reporting.metrics.find_gpu``: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H100
     PCIe" -> h100-pcie, "NVIDIA H200 NVL" -> h200-nvl; a 40 GB A100 gets its memory); None for a GPU
     the planner lacks."""
-    from trainer.metrics import find_gpu
+    from trainer.reporting.metrics import find_gpu
 
     row = find_gpu(device_name)
     if row is None or row.part not in _PLANNER_NAME:

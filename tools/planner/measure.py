@@ -6,7 +6,7 @@
   keeps exists with its real shape, dtype and storage); one forward/backward and one AdamW
   step (``foreach=False``), or with ``optimizer`` (keys of the config's ``[optimizer]``
   section: name, param_groups, ...) one step of the trainer's own optimizer
-  (``trainer.optim.build_optimizer``, for-loop AdamW beside Muon). Reports, in bytes, the
+  (``trainer.optim.optimizers.build_optimizer``, for-loop AdamW beside Muon). Reports, in bytes, the
   distinct storages behind the parameters (FSDP2's padded chunks), behind the gradients
   (FSDP2's padded reduce-scatter output buffers) and behind the optimizer state (AdamW's two
   moments, Muon's momentum buffer), and the local elements of Muon's parameters. Run it in a fresh interpreter per layout
@@ -114,7 +114,7 @@ def measure_training_state(
             optimizers = [torch.optim.AdamW(params, lr=1e-3, foreach=False)]
         else:
             from trainer.config import Optimizer
-            from trainer.optim import build_optimizer
+            from trainer.optim.optimizers import build_optimizer
 
             optimizers = build_optimizer(parts, Optimizer(**{"implementation": "for-loop", **optimizer})).optimizers
         for opt in optimizers:
@@ -227,7 +227,7 @@ def census_of_runs(argvs: list[list[str]]) -> list[dict]:
     import glob
     import os
 
-    from trainer.entry import main
+    from trainer.lifecycle.rank import run_rank as main
 
     out = []
     for argv in argvs:

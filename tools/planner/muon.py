@@ -1,12 +1,12 @@
-"""What ``optimizer.name = "Muon"`` adds to one rank's step and memory (trainer/muon.py,
-trainer/muon_dist.py, docs/optimizers.md): per parameter Muon takes, decided by the trainer's own
-rule, ``trainer.optim_groups.choose`` over the config's ``[[optimizer.param_groups]]`` routing
+"""What ``optimizer.name = "Muon"`` adds to one rank's step and memory (trainer/optim/muon.py,
+trainer/optim/muon_dist.py, docs/optimizers.md): per parameter Muon takes, decided by the trainer's own
+rule, ``trainer.optim.groups.choose`` over the config's ``[[optimizer.param_groups]]`` routing
 (the first table whose pattern matches; a table's ``optimizer`` key routes its parameters to
 Muon or AdamW; unmatched parameters: >= 2-D outside the embedding and the head). Only trainable
 parameters count: under LoRA the adapters (the frozen base has no optimizer state):
 
 * state: one float32 momentum buffer per local element (4 bytes), where AdamW keeps two (8);
-* Newton-Schulz FLOPs, ``trainer.muon_dist.ns_flops``: k (4 m^2 n + 2 m^3) per whole matrix
+* Newton-Schulz FLOPs, ``trainer.optim.muon_dist.ns_flops``: k (4 m^2 n + 2 m^3) per whole matrix
   (m <= n), times the matrices of the block this rank's group orthogonalises (a routed expert
   weight: the experts local after EP and expert FSDP, which shard the expert dimension only);
 * the sharding group of a matrix: the mesh axes that split one of its two matrix dimensions:
@@ -67,7 +67,7 @@ def _whole(shard) -> tuple[int, ...]:
 
 
 def routing_section(param_groups: tuple = ()):
-    """The optimizer section ``trainer.optim_groups.choose`` reads for the routing, with
+    """The optimizer section ``trainer.optim.groups.choose`` reads for the routing, with
     ``optimizer.name = "Muon"`` and the config's tables as ``(pattern, optimizer or None)``
     pairs (:attr:`tools.planner.estimate.Job.param_groups`); the other keys are the defaults
     (they choose hyperparameters, not the optimizer)."""
@@ -79,9 +79,9 @@ def routing_section(param_groups: tuple = ()):
 
 def muon_params(params, param_groups: tuple = ()) -> frozenset[str]:
     """The FQNs of ``params`` (:class:`ParamInfo`, the trainable ones) that the trainer gives to
-    Muon under the routing ``param_groups`` (``trainer.optim_groups.choose``, which raises the
+    Muon under the routing ``param_groups`` (``trainer.optim.groups.choose``, which raises the
     trainer's error for a table that routes a 1-D parameter to Muon)."""
-    from trainer.optim_groups import choose
+    from trainer.optim.groups import choose
 
     section = routing_section(param_groups)
     return frozenset(p.fqn for p in params if choose(p.fqn, len(p.shape), section).optimizer == "Muon")
@@ -94,7 +94,7 @@ def muon_cost(
     """:class:`MuonCost` of ``rank`` (its ``stages``: (layers, embed, head) tuples), the
     parameters routed as ``param_groups`` says (:func:`muon_params`); with ``lora`` (a
     :class:`~models.parallel.lora.LoRAOptions`) the adapters are the trainable parameters."""
-    from trainer.muon_dist import ns_flops
+    from trainer.optim.muon_dist import ns_flops
 
     params, _ = model_inventory(model, flavor, **overrides)
     if lora is not None:
@@ -131,7 +131,7 @@ def muon_cost(
             ]
             continue
         loads, owned = [0] * size, [0] * size
-        for i in sorted(range(len(items)), key=lambda i: -items[i][0]):  # trainer.muon_dist.RoundRobin.plan
+        for i in sorted(range(len(items)), key=lambda i: -items[i][0]):  # trainer.optim.muon_dist.RoundRobin.plan
             owner = loads.index(min(loads))
             loads[owner] += items[i][0]
             owned[owner] += items[i][1]

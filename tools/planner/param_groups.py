@@ -1,7 +1,7 @@
 """The parameters of one rank's stages as the collectives group them: the TP-split modules of a
 block and the width of their column-wise projections, the tp-replicated weights whose gradients
 come out Partial, and the sets of groups the grad-norm all-reduces run over
-(``trainer/grad_clip.py``). From the parameter inventory (:mod:`tools.planner.inventory`)."""
+(``trainer/optim/grad_clip.py``). From the parameter inventory (:mod:`tools.planner.inventory`)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def tp_partial_adapter_grads(model, flavor, key, layers, opts) -> tuple[int, ...
 
 
 def grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
-    """The grad-norm all-reduces, as ``trainer/grad_clip.py`` issues them: each gradient's sum
+    """The grad-norm all-reduces, as ``trainer/optim/grad_clip.py`` issues them: each gradient's sum
     of squares is partial over the groups of the mesh dimensions it is sharded on (size > 1);
     gradients with the same groups (compared by ranks) share one float32 all-reduce per
     group. Dense weights: FSDP's shard group, plus tp for TP-split weights (norms and the

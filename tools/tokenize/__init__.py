@@ -15,7 +15,7 @@ and a cursor from which the enumeration can restart), :mod:`tools.tokenize.input
 
 Units are grouped into chunks, tokenized by a pool of worker processes
 (:mod:`tools.tokenize.encode`), and written in order (:mod:`tools.tokenize.writer`). Shard i
-holds stream tokens ``[i*S, (i+1)*S)``; each is written atomically (``trainer/files.py``), and
+holds stream tokens ``[i*S, (i+1)*S)``; each is written atomically (``trainer/runtime/files.py``), and
 then recorded (with the unit and token offset where it ended) in ``progress.jsonl``
 (:mod:`tools.tokenize.resume_log`). A rerun checks the recorded shards (size and sha256), keeps
 the good prefix, and goes on from the recorded position; the index is written last, atomically.

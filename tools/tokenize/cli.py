@@ -24,8 +24,8 @@ import argparse
 import sys
 
 from tools.tokenize.writer import DEFAULT_SHARD_TOKENS, tokenize_to_shards, verify_folder
-from trainer.cli_errors import run_command
 from trainer.config.schema import TEXT_DOCUMENTS
+from trainer.runtime.cli_errors import run_command
 
 
 def main(argv: list[str] | None = None) -> int:

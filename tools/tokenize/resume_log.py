@@ -14,7 +14,7 @@ from trainer.data.shard_format import FORMAT, sha256_file
 
 def append_record(path: str, record: dict) -> None:
     """Append one line and fsync it. The one write here that is not a whole-file atomic write
-    (``trainer/files.py``): an append-only log, written whole by ``atomic_write`` at the start
+    (``trainer/runtime/files.py``): an append-only log, written whole by ``atomic_write`` at the start
     of a run, whose torn last line :func:`read_progress` drops."""
     with open(path, "a") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")

@@ -19,10 +19,10 @@ import random
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from trainer.cli_errors import run_command
 from trainer.data.synthetic import synthetic_document
 from trainer.data.tokenizer import DEFAULT_TOKENIZER_PATH, SPECIAL_TOKENS
-from trainer.files import atomic_write
+from trainer.runtime.cli_errors import run_command
+from trainer.runtime.files import atomic_write
 
 VOCAB_SIZE = 2048
 SYNTHETIC_DOCS = 20000

@@ -37,7 +37,7 @@ from trainer.data.shard_format import (
 )
 from trainer.data.token_shards import TokenDataset
 from trainer.data.tokenizer import load_tokenizer
-from trainer.files import atomic_write, fsync_dir
+from trainer.runtime.files import atomic_write, fsync_dir
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 134M tokens: 256 MiB as uint16
 CRASH_ENV = "MESHTRAIN_TOKENIZE_CRASH_AFTER_SHARDS"  # tests: die (os._exit) after recording N shards

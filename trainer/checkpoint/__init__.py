@@ -24,4 +24,9 @@ convert.py      Hugging Face folder -> DCP folder (``convert_hf.py to-dcp``)
 Import from the module that holds a name (``from trainer.checkpoint.errors import
 CheckpointError``); this package file exports nothing, so a command that needs one module does
 not import the others.
+
+It may import ``trainer.config``, ``trainer.data`` (the loader's state, the tokenizer an export
+carries), ``trainer.optim`` (optimizer state and groups) and ``trainer.runtime`` (files,
+errors, the process group), ``models`` and ``parallel_dims``; not the loop, the run mode or
+the way in.
 """

@@ -180,7 +180,7 @@ class BackgroundSaver:
         self.status_pg = host_group("checkpoint_status", timeout)
         # both wait for the slowest rank's write (DCP's gathers; a blocking completion check), which
         # may take longer than comm.train_timeout_seconds: they keep this timeout for the run
-        from trainer.distributed_init import keep_creation_timeout, wait_until_every_rank_joined
+        from trainer.runtime.distributed_init import keep_creation_timeout, wait_until_every_rank_joined
 
         keep_creation_timeout(self.write_pg)
         keep_creation_timeout(self.status_pg)

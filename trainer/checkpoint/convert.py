@@ -16,7 +16,7 @@ from models.parallel.pipeline.tied import HEAD_KEY
 from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.hf_reader import validate_hf_checkpoint
 from trainer.checkpoint.hf_write import layer_groups
-from trainer.cli_errors import unwrap_dcp
+from trainer.runtime.cli_errors import unwrap_dcp
 
 __all__ = ["convert_hf_to_dcp"]
 

@@ -24,7 +24,7 @@ The points of a save, in the order a save passes them:
 The points of the run around them:
 
 ``last``     every rank, main thread, at the end of step ``training.steps - 1`` where the ranks
-             agree whether to stop (trainer/stop.py), when no stop was agreed: held until a
+             agree whether to stop (trainer/runtime/stop.py), when no stop was agreed: held until a
              SIGINT or SIGTERM reaches any rank (the ranks agree again every 10 ms, so every
              rank leaves at the same agreement), then the run stops at that step as any stopped
              run does (a checkpoint of it, the one line, 128 + the signal). It never trains its

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.live import LiveModel
 from trainer.checkpoint.state import barrier, distributed, export_dtype, is_complete, rank
-from trainer.files import atomic_path
+from trainer.runtime.files import atomic_path
 
 __all__ = ["export_checkpoint", "export_consolidated"]
 

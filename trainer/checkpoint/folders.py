@@ -4,7 +4,7 @@
 The folder is renamed into place only once it is complete, and an existing ``<final>`` is kept
 as ``<final>.old`` until the new one is in place, so a crash at any point leaves either the
 previous folder or the new one under the final name, never a partial one. Files inside the
-folder are written by their writers (DCP, :mod:`trainer.files`); this module only renames.
+folder are written by their writers (DCP, :mod:`trainer.runtime.files`); this module only renames.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from trainer.files import fsync_dir
+from trainer.runtime.files import fsync_dir
 
 __all__ = ["publish_folder"]
 

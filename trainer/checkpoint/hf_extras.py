@@ -324,7 +324,7 @@ def _is_json(path: str) -> bool:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    from trainer.files import atomic_write
+    from trainer.runtime.files import atomic_write
 
     atomic_write(path, json.dumps(obj, indent=2) + "\n")
 

@@ -7,7 +7,7 @@ the live model (:mod:`trainer.checkpoint.hf_live`): :class:`HFExportPlan`, :func
 ``metadata.total_size`` and ``weight_map``, ``config.json`` from ``adapter.hf_config(dtype)``
 with the source folder's fields, a ``generation_config.json`` and the tokenizer files
 (:mod:`trainer.checkpoint.hf_extras`, from the run's :class:`ModelRecord`). Everything is written into ``<out>.tmp`` (each file through
-:mod:`trainer.files`) and renamed to ``<out>`` last (:func:`~trainer.checkpoint.folders.publish_folder`),
+:mod:`trainer.runtime.files`) and renamed to ``<out>`` last (:func:`~trainer.checkpoint.folders.publish_folder`),
 so an interrupted save never leaves a folder under the final name.
 """
 
@@ -33,8 +33,8 @@ from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.hf_extras import ModelRecord, carry_config, tokenizer_ids, write_extras
 from trainer.checkpoint.hf_format import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE
 from trainer.checkpoint.state import EXPORT_DTYPES, export_dtype
-from trainer.cli_errors import unwrap_dcp
-from trainer.files import atomic_path, atomic_write, fsync_dir
+from trainer.runtime.cli_errors import unwrap_dcp
+from trainer.runtime.files import atomic_path, atomic_write, fsync_dir
 
 __all__ = [
     "HFExportPlan",

@@ -1,4 +1,4 @@
-"""Checkpoints of a ``comm.mode = "local_tensor"`` run (trainer/local_tensor.py): every rank of
+"""Checkpoints of a ``comm.mode = "local_tensor"`` run (trainer/simulation/local_tensor.py): every rank of
 the job is simulated in this one process, so the checkpoint is written and read by this process
 alone, in the format every real run reads.
 
@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models.common.init import write_full_into
+from models.common.init import canonical_fqn, write_full_into
 from parallel_dims.torch_compat import host_side
 from trainer.checkpoint.async_save import DrillWriter
 from trainer.checkpoint.dcp import EXCLUDABLE, CheckpointFolder, train_state_blob
@@ -40,7 +40,7 @@ from trainer.checkpoint.state import (
     stored_optimizer_keys,
 )
 
-__all__ = ["LocalTensorFolder", "full_value"]
+__all__ = ["LocalTensorFolder", "full_value", "load_full_weights", "load_local_initial_weights"]
 
 
 def full_value(value: Any) -> Any:
@@ -164,3 +164,34 @@ def load_full_checkpoint(
         with host_side():
             set_rng_state(train_state["rng"])
     return dict(train_state.get("extra") or {})
+
+
+def load_local_initial_weights(checkpoint, model_parts: list[nn.Module], log) -> None:
+    """local_tensor mode: a seed checkpoint's full weights (``checkpoint.initial_load_path``)
+    read on the host and cut per simulated rank (DCP's distributed load cannot run there)."""
+    path = checkpoint.initial_load_path
+    if path:
+        count = load_full_weights(path, model_parts)
+        checkpoint.initial_load_path = ""  # read: the checkpoint manager has nothing to load
+        log(f"loaded initial weights from {path} ({count} tensors, read once and cut per simulated rank)")
+
+
+def load_full_weights(path: str, model_parts: list[nn.Module]) -> int:
+    """Read every parameter of ``model_parts`` in full from the DCP checkpoint ``path`` on the
+    host (no process group: the same bytes for every rank) and cut each rank's piece from it, as
+    the FQN-seeded init does; returns how many tensors were read."""
+    params = {}
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            params[canonical_fqn(name)] = p
+    stored = checkpoint_keys(path)
+    missing = sorted(k for k in params if f"model.{k}" not in stored)
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} model weights, e.g. {missing[:3]}")
+    with host_side():
+        full = {k: torch.empty(tuple(p.shape), dtype=p.dtype, device="cpu") for k, p in params.items()}
+        dcp.load({"model": full}, checkpoint_id=path, no_dist=True)
+    with torch.no_grad():
+        for k, p in params.items():
+            write_full_into(p, full[k])
+    return len(full)

@@ -36,7 +36,7 @@ from models.common.hf_adapter import Plain, RopeRows, interleaved_to_half_split
 from models.parallel.lora import LoRAOptions, is_adapter_key
 from trainer.checkpoint.folders import publish_folder
 from trainer.checkpoint.hf_extras import ModelRecord, write_extras
-from trainer.files import atomic_path, atomic_write, fsync_dir
+from trainer.runtime.files import atomic_path, atomic_write, fsync_dir
 
 __all__ = [
     "ADAPTER_CONFIG",

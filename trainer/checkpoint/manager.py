@@ -239,7 +239,7 @@ class CheckpointManager:
         """Everything checkpointing does after ``step`` (collective): notice a background save
         that finished (publish it) or failed (:class:`CheckpointWriteFailed`, exit 1); the save
         when one is due (``stopping``: the run stops after this step, a save is due whenever
-        checkpointing is on; trainer/stop.py); the Hugging Face export when one is due. Each save or export runs
+        checkpointing is on; trainer/runtime/stop.py); the Hugging Face export when one is due. Each save or export runs
         inside ``phase(description)`` (the trainer's watchdog phase, left out of the step
         time). Returns the metrics of what happened at this step (empty when nothing did):
         ``checkpoint_stall_s`` (seconds this save held training when it started: for a

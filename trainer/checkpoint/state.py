@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.parallel.float8 import plain_state_dict
 from models.parallel.pipeline.tied import EMBEDDING_KEY, checkpoint_key
-from trainer.optim_groups import GROUPING_KEY
+from trainer.optim.groups import GROUPING_KEY
 
 __all__ = [
     "EXPORT_DTYPES",
@@ -168,6 +168,6 @@ def is_complete(path: str) -> bool:
 
 def stored_optimizer_keys(optim_state: dict[str, Any], stored: set[str]) -> dict[str, Any]:
     """The optimizer state to load from a checkpoint holding ``stored`` keys: all of it, except
-    the parameter grouping (trainer/optim_groups.py ``GROUPING_KEY``) when a checkpoint written
+    the parameter grouping (trainer/optim/groups.py ``GROUPING_KEY``) when a checkpoint written
     before groups existed lacks it (the optimizer then compares against plain AdamW's)."""
     return {k: v for k, v in optim_state.items() if k != GROUPING_KEY or f"optimizer.{k}" in stored}

@@ -19,6 +19,9 @@ CLI aliases for the parallelism degrees (accepted in TOML too, written back in f
 Value syntax on the CLI: bools accept true/false/1/0/yes/no/on/off and a bare flag
 (``--checkpoint.enable``) means true; lists are comma separated (``--compile.components
 model,loss``); optional ints accept ``none``.
+
+The bottom of the trainer: it imports no other part of it (``models`` and ``parallel_dims``
+for the flavors and the degrees); every other part reads its sections.
 """
 
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size

@@ -8,8 +8,7 @@ __all__ = ["validate_long_run"]
 
 def validate_long_run(cfg, need) -> None:
     """Bad steps, fault drills and stragglers (docs/long_runs.md)."""
-    from trainer.bad_steps import parse_skip_samples
-    from trainer.faults import parse_faults
+    from trainer.config.long_run_specs import parse_faults, parse_skip_samples
 
     t, m = cfg.training, cfg.metrics
     parse_faults(cfg.debug.fault)

@@ -13,7 +13,7 @@ __all__ = ["PARAM_GROUP_KEYS", "TABLE_KEYS", "LRScheduler", "Optimizer"]
 
 
 # The keys of one [[optimizer.param_groups]] table and their types (trainer/config/loader.py
-# checks and converts them; trainer/optim_groups.py applies them). Only `pattern` is required.
+# checks and converts them; trainer/optim/groups.py applies them). Only `pattern` is required.
 PARAM_GROUP_KEYS: dict[str, Any] = {
     "pattern": str,
     "lr_mult": float,

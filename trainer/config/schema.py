@@ -143,7 +143,7 @@ class Training:
         "torch.use_deterministic_algorithms(True) (an op without a deterministic kernel raises), "
         "CUBLAS_WORKSPACE_CONFIG=:4096:8 set before any CUDA work, and on CUDA cudnn.deterministic; "
         "flash/memory-efficient attention then run their deterministic backward. Slower on GPU; "
-        "CPU kernels are deterministic without it (trainer/precision.py).",
+        "CPU kernels are deterministic without it (trainer/runtime/precision.py).",
     )
     enable_tf32: bool = _opt(
         False,

@@ -377,7 +377,7 @@ FAKE_BACKEND_MIN_TORCH = (2, 13)
 
 
 def _validate_local_tensor(cfg: JobConfig, need) -> None:
-    """comm.mode = 'local_tensor' (trainer/local_tensor.py): every rank in this process."""
+    """comm.mode = 'local_tensor' (trainer/simulation/local_tensor.py): every rank in this process."""
     c, p, ck = cfg.comm, cfg.parallelism, cfg.checkpoint
     w = c.fake_world_size
     need(
@@ -418,13 +418,19 @@ def _validate_local_tensor(cfg: JobConfig, need) -> None:
     )
     ok, message = _fake_backend_torch(torch.__version__)
     need(ok, message.replace("'fake_backend'", "'local_tensor'"))
-    from trainer.local_tensor import local_tensor_available
-
     need(
-        local_tensor_available(),
+        _local_tensor_available(),
         f"comm.mode = 'local_tensor' needs torch.distributed._local_tensor (LocalTensorMode), which torch "
         f"{torch.__version__} lacks: install torch >= {'.'.join(map(str, FAKE_BACKEND_MIN_TORCH))}",
     )
+
+
+def _local_tensor_available() -> bool:
+    try:
+        from torch.distributed._local_tensor import LocalTensorMode  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _fake_backend_torch(version: str) -> tuple[bool, str]:

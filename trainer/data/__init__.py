@@ -42,4 +42,7 @@ Modules (one concern each):
 
 The offline side (writing token shards, retraining the shipped tokenizer) is :mod:`tools.tokenize`;
 nothing here imports it.
+
+It may import ``trainer.config`` (the ``[training]`` data keys, ``[validation]``), ``models``
+and ``parallel_dims``; nothing else in the trainer.
 """

@@ -263,7 +263,7 @@ def build_dataloader(
         batch_degree=batch_degree,
         stream=stream,
     )
-    from trainer.bad_steps import parse_skip_samples
+    from trainer.config.long_run_specs import parse_skip_samples
 
     loader.skip_ranges = parse_skip_samples(t.skip_samples)
     return loader

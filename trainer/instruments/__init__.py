@@ -4,7 +4,11 @@
 trainer loop calls: the fake-backend meter (comm.mode = "fake_backend", fake_meter.py), the
 collective recorder (``comm.record_step``, comm_record.py), the matmul census
 (``profiling.matmul_census_step``, matmul_census.py) and the profiler (``[profiling]``,
-profiler.py). Every file they write goes through trainer/files.py.
+profiler.py). Every file they write goes through trainer/runtime/files.py.
+
+It may import ``trainer.config``, ``trainer.runtime`` (files) and ``trainer.simulation`` (the
+run mode decides whether the fake meter runs), ``models`` and ``parallel_dims``; the loop
+builds and calls it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 
 from trainer.config import JobConfig
 from trainer.instruments.base import HookBase, Instruments, StepHook
-from trainer.run_mode import RunMode
+from trainer.simulation.run_mode import RunMode
 
 __all__ = ["HookBase", "Instruments", "StepHook", "build_instruments"]
 
@@ -48,7 +52,7 @@ def build_instruments(
     meta = {"rank": rank, "world_size": world_size, "comm_mode": cfg.comm.mode, "degrees": degrees}
     hooks: list[StepHook] = [StepProfiler(cfg.profiling, folder, rank, device, first_step=first_step)]
     if mode.meters_steps:
-        hooks.append(FakeStepMeter(cfg, device, degrees, model_parts, optimizer))
+        hooks.append(FakeStepMeter(cfg.comm, folder, device, degrees, model_parts, optimizer))
     if cfg.comm.record_step:
         hooks.append(CommRecordHook(cfg.comm.record_step, parallel_dims, folder, meta, log))
     if cfg.profiling.matmul_census_step:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from parallel_dims.comm_record import CommRecorder
-from trainer.files import atomic_write_json
 from trainer.instruments.base import HookBase
+from trainer.runtime.files import atomic_write_json
 
 __all__ = ["CommRecordHook", "write_records"]
 

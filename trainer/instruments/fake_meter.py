@@ -1,4 +1,4 @@
-"""The fake-backend meter (``comm.mode = "fake_backend"``, trainer/fake_backend.py): per step,
+"""The fake-backend meter (``comm.mode = "fake_backend"``, trainer/simulation/fake_backend.py): per step,
 this rank's compute time (the training step's wall time, synchronized on GPU), the CPU time the
 process spent in it and its peak memory, in the console, in ``metrics.jsonl``
 (``fake_step_time_s``, ``fake_cpu_time_s``, ``fake_peak_memory_gib``, ``fake_memory_kind``) and
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.fake_backend import FAKE_NOTE
-from trainer.files import atomic_write_json
 from trainer.instruments.base import HookBase
+from trainer.runtime.files import atomic_write_json
+from trainer.simulation.fake_backend import FAKE_NOTE
 
 __all__ = ["FakeStepMeter"]
 
@@ -53,18 +53,21 @@ def _cpu_peak_bytes() -> int | None:
 class FakeStepMeter(HookBase):
     """Times the training step and takes its peak memory; keeps the rank's state bytes and
     writes ``fake_backend_report.json`` after every step. ``model_parts`` and ``optimizer``:
-    whose bytes the report counts (after the first step, when the optimizer state exists)."""
+    whose bytes the report counts (after the first step, when the optimizer state exists);
+    ``comm``: the ``[comm]`` section (the rank played, the recorded step); the report is written
+    into ``dump_folder``."""
 
-    def __init__(self, cfg, device: torch.device, degrees: dict[str, int], model_parts=(), optimizer=None) -> None:
+    def __init__(
+        self, comm, dump_folder: str, device: torch.device, degrees: dict[str, int], model_parts=(), optimizer=None
+    ) -> None:
         super().__init__()
-        self.cfg = cfg
         self.model_parts, self.optimizer = model_parts, optimizer
-        self.record_step = cfg.comm.record_step
+        self.record_step = comm.record_step
         self.device = device
-        self.world_size = cfg.comm.fake_world_size
-        self.rank = cfg.comm.fake_rank
+        self.world_size = comm.fake_world_size
+        self.rank = comm.fake_rank
         self.degrees = degrees
-        self.path = os.path.join(cfg.job.dump_folder, "fake_backend_report.json")
+        self.path = os.path.join(dump_folder, "fake_backend_report.json")
         self.steps: list[dict[str, Any]] = []
         self.state: dict[str, int] = {}
         self._t0 = 0.0
@@ -118,7 +121,7 @@ class FakeStepMeter(HookBase):
         params = [p for part in model_parts for p in part.parameters()]
         self.state["local_params"] = sum(_local(p).numel() for p in params)
         self.state["param_bytes"] = _bytes(params)
-        optimizers = getattr(optimizer, "optimizers", [optimizer])  # trainer.optim.Optimizers: one per part
+        optimizers = getattr(optimizer, "optimizers", [optimizer])  # trainer.optim.optimizers.Optimizers: one per part
         states = [s[k] for opt in optimizers for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
         self.state["optimizer_bytes"] = _bytes(states)
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.files import atomic_write_json
 from trainer.instruments.base import HookBase
+from trainer.runtime.files import atomic_write_json
 
 __all__ = ["MatmulCensus", "MatmulCensusHook"]
 

@@ -19,8 +19,8 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from trainer.config import Profiling as ProfilingConfig
-from trainer.files import atomic_file, atomic_path
 from trainer.instruments.base import HookBase
+from trainer.runtime.files import atomic_file, atomic_path
 
 __all__ = ["StepProfiler", "profiler_action"]
 

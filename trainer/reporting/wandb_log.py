@@ -1,6 +1,6 @@
 """Weights & Biases: rank 0's metrics rows in a W&B run (``metrics.enable_wandb``).
 
-:class:`~trainer.metrics.MetricsLogger` hands every record it writes to metrics.jsonl (training
+:class:`~trainer.reporting.metrics.MetricsLogger` hands every record it writes to metrics.jsonl (training
 steps, validation, checkpoint timings, and whatever fields a row carries) to :class:`WandbRun`,
 which logs it at its training step with ``wandb.log(row, step=step)``: the records of one step
 (the step's line, then its validation and checkpoint records) become one W&B history row. The

@@ -16,7 +16,7 @@ flag, every ``--section.key`` a config key) and then:
 3. ends as the job ended, in one line at most: a worker's user error was already printed by
    the rank that met it (exit code 2; ranks whose collectives then failed on the gone peer end
    quietly with exit code 4, and the launcher reports the cause, not them); a run stopped by SIGINT / SIGTERM printed its stop line (exit code
-   128 + the signal, trainer/stop.py); a worker that crashed or was killed gets one line naming
+   128 + the signal, trainer/runtime/stop.py); a worker that crashed or was killed gets one line naming
    the rank, its exit code or signal, and that its output is above.
 
 What torchrun adds and this leaves out: the OMP_NUM_THREADS banner (the variable is still set
@@ -25,7 +25,7 @@ traceback. A signal to the launcher (a terminal's Ctrl-C, ``scancel``) reaches t
 through the agent, which waits ``--shutdown_timeout`` (default here: the checkpoint save's
 bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; on a second
 Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once. The workers
-start with SIGINT and SIGTERM blocked until train.py's first line (trainer/start_signals.py), so
+start with SIGINT and SIGTERM blocked until train.py's first line (trainer/lifecycle/start_signals.py), so
 a Ctrl-C while they start is one line too.
 """
 
@@ -37,11 +37,11 @@ import signal
 import sys
 import uuid
 
-from trainer.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
+from trainer.runtime.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
 
 __all__ = ["launcher_argv", "main"]
 
-TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train.py")
 
 
 def _torchrun_parser():
@@ -166,7 +166,7 @@ def _cause(exc):
     SIGTERM: 143), possibly within the same second, which torch's first-failure timestamp does
     not tell apart; so bad input (2) first, then any other failure (a bug, a kill), then a
     stop signal, then a rank whose peer was gone; the earliest within each."""
-    from trainer.distributed_init import EXIT_PEER_GONE
+    from trainer.runtime.distributed_init import EXIT_PEER_GONE
 
     def priority(code: int) -> int:
         if code == EXIT_BAD_INPUT:
@@ -197,7 +197,7 @@ def _failure_line(exc) -> tuple[str | None, int]:
 
 def run(launch: list[str], rest: list[str]) -> int:
     from trainer.config import load_config
-    from trainer.start_signals import hand_over, workers_start_blocked
+    from trainer.lifecycle.start_signals import hand_over, workers_start_blocked
     from trainer.startup import preflight
 
     hand_over()  # a Ctrl-C from here is this function's (one line)
@@ -249,7 +249,7 @@ def run(launch: list[str], rest: list[str]) -> int:
     except SignalException as exc:
         # the agent sent the signal on to the workers and waited for them to save and exit. A
         # second signal while it waited makes it shut down again with SIGTERM, which stops the
-        # workers at once (trainer/stop.py); any worker still running gets the signal too and
+        # workers at once (trainer/runtime/stop.py); any worker still running gets the signal too and
         # is waited for
         _forward_to_children(int(exc.sigval))
         _wait_for_children(getattr(args, "shutdown_timeout", 30))
@@ -257,9 +257,10 @@ def run(launch: list[str], rest: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int | None:
-    """The launcher's exit code when ``argv`` holds torchrun flags, else None."""
+def main(argv: list[str]) -> int:
+    """The launcher's exit code; ``argv`` holds torchrun's flags and the config arguments
+    (trainer/lifecycle/main.py sends only such an ``argv`` here)."""
     split = launcher_argv(argv)
     if split is None:
-        return None
+        raise ValueError(f"no launcher flag (torchrun's --nproc_per_node, --nnodes, ...) in {argv}")
     return run(*split)

@@ -8,7 +8,7 @@ Two uses, one forkserver:
 * :func:`run_train` / :func:`start_train`: ``train.py`` itself on N ranks of one host, what
   ``torchrun --standalone --nproc_per_node=N train.py ...`` runs, with the launch cost paid
   once (``python -m tools.compare_loss --launcher fork`` and the end-to-end tests use it). Each
-  rank runs the very ``train.py`` (its ``__main__``, its exit through trainer/shutdown.py) with
+  rank runs the very ``train.py`` (its ``__main__``, its exit through trainer/lifecycle/shutdown.py) with
   the environment torchrun would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a rendezvous store the caller hosts as
   torchrun's agent does, ``OMP_NUM_THREADS=1`` for N > 1 unless set), in the caller's working
@@ -66,11 +66,11 @@ def _context():
                 "torch.distributed.pipelining",
                 "models.registry",
                 "models.parallelize",
-                "trainer.grad_clip",
+                "trainer.optim.grad_clip",
                 # train.py's imports, and torch._dynamo: torch imports it lazily at the first
                 # call of a function it keeps out of compilation (the optimizer's step and
                 # zero_grad among them), so every training process pays for it
-                "trainer.train",
+                "trainer.lifecycle.main",
                 "torch._dynamo",
             ]
         )
@@ -221,7 +221,7 @@ class _InheritedFd:
 def _train_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, stdout_fd: int, stderr_fd: int) -> None:
     """One rank: the caller's environment and directory, its output on the given descriptors,
     then ``script`` as ``python script argv`` runs it (train.py ends the process itself,
-    through trainer/shutdown.py; a script that returns exits 0, ``SystemExit`` gives its code,
+    through trainer/lifecycle/shutdown.py; a script that returns exits 0, ``SystemExit`` gives its code,
     an uncaught exception prints its traceback and exits 1)."""
     os.dup2(stdout_fd, 1)
     os.dup2(stderr_fd, 2)
@@ -237,7 +237,7 @@ def _train_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, std
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [script, *argv]
-    from trainer.shutdown import run_and_exit
+    from trainer.lifecycle.shutdown import run_and_exit
 
     def main() -> None:
         runpy.run_path(script, run_name="__main__")

@@ -31,7 +31,7 @@ matrix dimensions is sharded runs NS locally. For the others, ``distribution``
 
 - ``round_robin`` (default): each whole matrix is orthogonalised by one owner rank of the group
   that shards it, chosen by FLOPs, and each member gets its shard of the result back
-  (trainer/muon_dist.py): 1/S of the group's NS FLOPs per rank, and about 2 (S-1)/S of the local
+  (trainer/optim/muon_dist.py): 1/S of the group's NS FLOPs per rank, and about 2 (S-1)/S of the local
   shard's bytes moved each way.
 - ``gather``: the update is redistributed to placements that replicate the two matrix
   dimensions (an all-gather over the dimensions that split it); every rank of that group runs NS
@@ -54,7 +54,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from trainer.muon_dist import RoundRobin, matrix_mesh_dims
+from trainer.optim.muon_dist import RoundRobin, matrix_mesh_dims
 
 __all__ = ["DISTRIBUTIONS", "Muon", "newton_schulz", "orthogonalized_update"]
 
@@ -175,7 +175,7 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize(self, updates: list) -> list[torch.Tensor]:
         """This rank's shard of NS of every update, by the configured distribution: round-robin
-        owners for the parameters whose matrices are sharded (trainer/muon_dist.py), the gather
+        owners for the parameters whose matrices are sharded (trainer/optim/muon_dist.py), the gather
         scheme, or (negative control) each shard on its own; whole local matrices (one process,
         EP's local experts) run here."""
         out: list[torch.Tensor | None] = [None] * len(updates)

@@ -10,8 +10,8 @@ process, interleaved: 16-80 lines. Now:
   nothing to save``, printed only by rank 0 (``RANK`` unset or 0: every rank of a job gets the
   signal, one speaks). Nothing has been written yet, so there is nothing to save or clean up.
 * :func:`hand_over`: from where the code handles ``KeyboardInterrupt`` itself (the launcher's
-  pre-start check, the trainer's start, trainer/entry.py), it does so again, each with its one
-  line; the training loop stops at a step (trainer/stop.py).
+  pre-start check, the trainer's start, trainer/lifecycle/rank.py), it does so again, each with its one
+  line; the training loop stops at a step (trainer/runtime/stop.py).
 * :func:`workers_start_blocked` closes the window before a worker's first line (the
   interpreter's own start, where Python prints a fatal-error traceback of the site import): the
   launcher starts its workers with SIGINT and SIGTERM blocked, so a signal sent on to a worker

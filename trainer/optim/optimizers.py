@@ -1,6 +1,6 @@
 """The optimizer over (possibly several, pipeline-stage) model parts: AdamW, or Muon for the
-hidden matrices beside AdamW for the rest, with parameter groups (trainer/optim_groups.py).
-The LR schedule is trainer/lr_schedule.py (re-exported here).
+hidden matrices beside AdamW for the rest, with parameter groups (trainer/optim/groups.py).
+The LR schedule is trainer/optim/lr_schedule.py (re-exported here).
 
 One optimizer per model part and kind rather than one over all parts: the DCP state-dict
 helpers (``get/set_optimizer_state_dict``) map parameters to FQNs through a single module, and
@@ -38,9 +38,10 @@ from models.parallel.float8 import plain_state_dict
 from models.parallel.pipeline.tied import checkpoint_optim_key, head_only
 from trainer.config import JobConfig
 from trainer.config import Optimizer as OptimizerConfig
-from trainer.lr_schedule import LRSchedulers, build_lr_scheduler, lr_multiplier
-from trainer.muon import Muon
-from trainer.optim_groups import GROUPING_KEY, check_grouping, check_patterns, choose, grouping_signature, summary_lines
+from trainer.optim.groups import GROUPING_KEY, check_grouping, check_patterns, choose, grouping_signature, summary_lines
+from trainer.optim.lr_schedule import LRSchedulers, build_lr_scheduler, lr_multiplier
+from trainer.optim.muon import Muon
+from trainer.simulation.run_mode import RunMode
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _layout_key(p: torch.Tensor) -> Any:
     plain tensors per device and dtype, DTensors per mesh and placements. DTensor dispatches a
     foreach/fused op over the whole list and rejects lists that mix plain tensors and DTensors
     or DTensors of different meshes (e.g. expert weights on the EP mesh next to dense weights
-    on the FSDP mesh), as clipping does (trainer/grad_clip.py)."""
+    on the FSDP mesh), as clipping does (trainer/optim/grad_clip.py)."""
     if isinstance(p, DTensor):
         return ("dtensor", p.device_mesh, p.placements, p.dtype)  # mesh equality is what DTensor checks
     return ("tensor", p.device, p.dtype)
@@ -63,7 +64,7 @@ def _layout_key(p: torch.Tensor) -> Any:
 def optimizer_groups(model: nn.Module, cfg: OptimizerConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The (AdamW, Muon) torch parameter groups of one model part: one per (table, weight decay,
     tensor layout), tables in config order first, then the default groups, decayed first;
-    module order inside each (see trainer/optim_groups.py for who gets what)."""
+    module order inside each (see trainer/optim/groups.py for who gets what)."""
     groups: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -251,7 +252,7 @@ def build_optimizer(
     if isinstance(model_parts, nn.Module):
         raise TypeError("build_optimizer expects a list of model parts, e.g. [model]")
     opt_cfg = cfg.optimizer if isinstance(cfg, JobConfig) else cfg
-    local = isinstance(cfg, JobConfig) and cfg.comm.mode == "local_tensor"
+    local = isinstance(cfg, JobConfig) and RunMode.from_config(cfg).local
     if local and opt_cfg.name == "Muon" and opt_cfg.muon_distribution == "round_robin":
         # one process runs every rank: round_robin's point-to-point exchange cannot be simulated,
         # while gather's all-gathers can, and the two give the same update bitwise

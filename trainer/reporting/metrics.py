@@ -1,5 +1,5 @@
 """Per-step training metrics: console line, TensorBoard scalars, ``metrics.jsonl`` and, with
-``metrics.enable_wandb``, a Weights & Biases run (trainer/wandb_log.py).
+``metrics.enable_wandb``, a Weights & Biases run (trainer/reporting/wandb_log.py).
 
 Validation results are records of their own in the same file (``validation_loss``,
 ``validation_perplexity``, no ``loss`` key), written after the training record of their step.
@@ -32,12 +32,12 @@ import torch
 from models.common.flops import model_flops_per_token  # noqa: F401 - part of this module's API
 from trainer.config import JobConfig
 from trainer.config import Metrics as MetricsConfig
-from trainer.precision import cuda_tf32_enabled, matmul_precision
+from trainer.runtime.precision import cuda_tf32_enabled, matmul_precision
 
 # ----------------------------------------------------------------------------- peak FLOP/s
 #
 # MFU divides the achieved model FLOP/s per device by the peak of the precision the model's
-# matmuls actually run in (trainer/precision.py ``matmul_precision``):
+# matmuls actually run in (trainer/runtime/precision.py ``matmul_precision``):
 #   "float32"  IEEE fp32 on the CUDA cores: a float32 run with training.enable_tf32 = false
 #   "tf32"     float32 tensors on TF32 tensor cores: a float32 run with enable_tf32 = true
 #   "bfloat16" / "float16"  mixed precision (parallelism.mixed_precision_param)
@@ -134,7 +134,7 @@ def mfu_basis(device_name: str, precision: str, peak: float | None) -> str:
     row = find_gpu(device_name)
     if peak is None:
         where = f"the {row.part} has no {precision} entry" if row else "the GPU is not in the table"
-        return f"mfu: omitted for {device_name} at {precision} ({where}: trainer/metrics.py GPU_PEAKS)"
+        return f"mfu: omitted for {device_name} at {precision} ({where}: trainer/reporting/metrics.py GPU_PEAKS)"
     line = f"mfu: against the {row.part} dense {precision} peak, {peak / 1e12:g} TFLOP/s ({device_name})"
     if precision == "float32":
         line += (
@@ -229,7 +229,7 @@ class MetricsLogger:
             return
         os.makedirs(run_folder, exist_ok=True)
         if mcfg.enable_wandb:  # first: a run W&B refuses to start opens nothing else
-            from trainer.wandb_log import start_wandb_run
+            from trainer.reporting.wandb_log import start_wandb_run
 
             self._wandb = start_wandb_run(mcfg, run_folder, cfg if isinstance(cfg, JobConfig) else None, resumed)
 
@@ -339,7 +339,7 @@ class MetricsLogger:
         )
         if "mtp_loss" in record:
             line += f"  mtp_loss {record['mtp_loss']:8.4f}"
-        if "epoch" in record:  # complete passes over the data (trainer/data_progress.py)
+        if "epoch" in record:  # complete passes over the data (trainer/reporting/data_progress.py)
             line += f"  epoch {record['epoch']}"
         if "data_wait_s" in record:
             line += f"  data {1e3 * record['data_wait_s']:7.1f}ms"

@@ -1,7 +1,7 @@
 """Collective failures that explain themselves, on gloo and on NCCL.
 
 On gloo a collective that waits longer than its process group's timeout raises in the thread
-that waits, and ``trainer/train.py`` ``main()`` turns that into one line. On NCCL it does not:
+that waits, and ``trainer/trainer.py`` ``main()`` turns that into one line. On NCCL it does not:
 ProcessGroupNCCL's own watchdog thread finds the timed-out work and, under torchrun
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``), tears the process down from C++ (SIGABRT) while the
 main thread is blocked in the step's host sync (``.tolist()``), so no Python handler runs. This
@@ -40,7 +40,7 @@ Costs: one daemon thread per rank, asleep on a condition variable: it wakes abou
 period (at the deadline it was sleeping until, then sleeps until the new one), not per step.
 Per step, ``step()`` (arm: a clock read and one lock round trip, a notify only when the new
 deadline is earlier than the one the thread sleeps until) and ``disarm()`` (one lock round
-trip): ``python -m trainer.comm_watchdog`` measured 4-12 us per step on this project's 2-core
+trip): ``python -m trainer.runtime.comm_watchdog`` measured 4-12 us per step on this project's 2-core
 CPU box under full load, where a bare lock round trip took 1.8 us (a few hundred ns each on an
 idle core): under 0.01 % of a 100 ms step. The flight recorder's ring is torch's, recorded per
 collective whatever we do (20000 entries, as torchtitan).
@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 
-from trainer.files import atomic_write
+from trainer.runtime.files import atomic_write
 
 __all__ = [
     "DUMP_WAIT_SECONDS",
@@ -85,7 +85,7 @@ process anyway (below GRACE_SECONDS, so NCCL's own timeout never overtakes it)."
 
 EXIT_COMM_TIMEOUT = 3
 """A rank's exit code when a collective (or a step) ran past its timeout: 0 = done, 1 = a bug or
-a diverged run, 2 = bad input (trainer/cli_errors.py)."""
+a diverged run, 2 = bad input (trainer/runtime/cli_errors.py)."""
 
 TRACE_FOLDER = "comm_traces"
 TRACE_PREFIX = "rank_"
@@ -459,7 +459,7 @@ class NullWatchdog:
 
 def benchmark_arm_disarm(steps: int = 100_000) -> dict[str, float]:
     """Nanoseconds per step of the watchdog's hooks (one ``step()`` arm + one ``disarm()``), with
-    its thread running, against an empty loop: ``python -m trainer.comm_watchdog``."""
+    its thread running, against an empty loop: ``python -m trainer.runtime.comm_watchdog``."""
     wd = JobWatchdog(0, "nccl", train_timeout_seconds=3600, init_timeout_seconds=3600, dump_folder=".")
     try:
         t0 = time.perf_counter_ns()

@@ -16,13 +16,13 @@ A second signal, at least :data:`REPEAT_WINDOW_S` after the first, stops the pro
 one line, exit code 128 + that signal, no new checkpoint (a save cut short never gets its final
 name: the newest complete checkpoint stays the one to resume from). A second Ctrl-C reaches a
 worker as SIGINT when it is signalled directly, and as SIGTERM through torch's elastic agent
-(torchrun, trainer/launch.py), which answers a signal during its shutdown by shutting down
+(torchrun, trainer/lifecycle/launch.py), which answers a signal during its shutdown by shutting down
 again with SIGTERM. Within the window a second signal is the first one arriving again: a
 launcher forwards the signal it gets to every worker, so under a terminal's Ctrl-C or ``srun``
 a worker may receive the same request twice. Schedulers send one SIGTERM and, after their
 grace period, SIGKILL: they never stop a save short.
 
-A step that hangs while stopping is bounded by the step watchdog (trainer/comm_watchdog.py),
+A step that hangs while stopping is bounded by the step watchdog (trainer/runtime/comm_watchdog.py),
 as every step is; the save runs under its long-phase deadline.
 """
 
@@ -44,18 +44,19 @@ REPEAT_WINDOW_S = 3.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def stop_group(cfg, peers: bool) -> dist.ProcessGroup | None:
+def stop_group(comm, peers: bool) -> dist.ProcessGroup | None:
     """The gloo group the ranks agree over to stop; None without peers. On a gloo job that is
     WORLD; otherwise a host group of every rank (parallel_dims' ``host_group``, created by every
-    rank), so the agreement never waits behind the accelerator's queue."""
+    rank), so the agreement never waits behind the accelerator's queue. ``comm``: the ``[comm]``
+    section (the group's timeout is its ``init_timeout_seconds``)."""
     from parallel_dims.process_groups import host_group
-    from trainer.distributed_init import wait_until_every_rank_joined
+    from trainer.runtime.distributed_init import wait_until_every_rank_joined
 
     if not peers:
         return None
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    group = host_group("stop_signals", datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+    group = host_group("stop_signals", datetime.timedelta(seconds=comm.init_timeout_seconds))
     wait_until_every_rank_joined(group)
     return group
 
@@ -77,7 +78,7 @@ class StopSignals:
         self.group = group
         self.newest = newest
         # ``values``: a callable giving ints that ride on the same all-reduce (max over the ranks),
-        # e.g. the data's passes that only each rank's own stripes tell (trainer/data_progress.py);
+        # e.g. the data's passes that only each rank's own stripes tell (trainer/reporting/data_progress.py);
         # the agreed ones are in ``agreed_values`` after each :meth:`agreed`
         self.values = values
         self.agreed_values: list[int] = []

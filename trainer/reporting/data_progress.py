@@ -17,7 +17,7 @@ holds (so it survives a resume, on any batch degree):
 - synthetic data only: no epoch (the config refuses ``training.epochs``).
 
 With striped reading a rank knows only its own stripes: the ranks agree on each source's fewest
-passes on the all-reduce that already agrees on a stop at every step (trainer/stop.py: a max
+passes on the all-reduce that already agrees on a stop at every step (trainer/runtime/stop.py: a max
 over the ranks, each pass count sent negated), so no collective of its own runs per step (one
 more runs at the last step of ``training.steps`` and one at the start, where the epoch is needed
 and the stop agreement does not run). Sequential reading: every rank reads every window of the

@@ -1,7 +1,8 @@
-"""The training process: config -> exit code.
+"""One rank of the job: config -> exit code.
 
-``main`` is what ``train.py`` runs on every rank: it reads the config, builds the
-:class:`~trainer.train.Trainer` (or writes the seed checkpoint) and trains, and it turns every
+:func:`run_rank` is what ``train.py`` runs on every rank (trainer/lifecycle/main.py): it reads
+the config, builds the :class:`~trainer.trainer.Trainer` (or writes the seed checkpoint,
+trainer/lifecycle/seed.py) and trains, and it turns every
 way a run ends into its exit code and at most one line per cause (bad input: exit 2, said once;
 a diverged run or a failed save: exit 1; a stop signal: 128 + the signal; a collective timeout:
 the watchdog's line), with no traceback from deep inside torch.
@@ -9,74 +10,45 @@ the watchdog's line), with no traceback from deep inside torch.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
 
-import torch
 import torch.distributed as dist
 
 from parallel_dims.torch_compat import host_side
 from trainer.checkpoint.async_save import CheckpointWriteFailed
-from trainer.checkpoint.dcp import save_seed_checkpoint
 from trainer.checkpoint.drill import drill_point
-from trainer.cli_errors import EXIT_BAD_INPUT, error_line, user_error
-from trainer.config import ConfigError, JobConfig, load_config
-from trainer.console import say_once
-from trainer.data.tokenizer import load_tokenizer
-from trainer.distributed_init import (
+from trainer.config import load_config
+from trainer.lifecycle.seed import create_seed_checkpoint
+from trainer.runtime.cli_errors import EXIT_BAD_INPUT, error_line, user_error
+from trainer.runtime.console import say_once
+from trainer.runtime.distributed_init import (
     EXIT_PEER_GONE,
-    init_distributed,
     is_collective_timeout,
     is_peer_gone,
     report_collective_timeout,
-    require_writable_folder,
 )
-from trainer.distributed_init import log as _log
-from trainer.fake_backend import is_fake_backend
-from trainer.model_spec import config_model_spec
-from trainer.plan import model_overrides
+from trainer.runtime.stop import exit_code
+from trainer.simulation.run_mode import RunMode
 from trainer.step import TrainingDiverged
-from trainer.stop import exit_code
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
-__all__ = ["create_seed_checkpoint", "main"]
-
-
-def create_seed_checkpoint(cfg: JobConfig) -> str:
-    """Initial weights from the seed, written once by one process; every layout loads them."""
-    device = init_distributed(cfg)
-    if dist.get_world_size() != 1:
-        raise ConfigError(
-            "--checkpoint.create_seed_checkpoint runs on one process: use "
-            "torchrun --nproc_per_node=1 (or plain python train.py)"
-        )
-    require_writable_folder(cfg.job.dump_folder, "job.dump_folder")
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    spec = config_model_spec(cfg)
-    args = dataclasses.replace(spec.args, **model_overrides(cfg, tokenizer.vocab_size, tokenizer.eos_id))
-    args.validate()
-    with torch.device("cpu"):
-        model = spec.model_cls(args)
-    with torch.no_grad():
-        model.init_weights(cfg.training.seed)
-    folder = cfg.resolve_path(cfg.checkpoint.folder)
-    path = save_seed_checkpoint(model.to(device), folder)
-    _log(f"wrote seed checkpoint {path}")
-    return path
+__all__ = ["run_rank"]
 
 
 def _rank() -> int:
     """This process's rank for what it prints (a fake-backend or local_tensor run is one
     process: rank 0)."""
-    if not dist.is_initialized() or is_fake_backend():
+    if not dist.is_initialized() or RunMode.simulating():
         return int(os.environ.get("RANK", "0")) if not dist.is_initialized() else 0
     with host_side():
         return dist.get_rank()
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_rank(argv: list[str] | None = None) -> int:
+    """This process as one rank of the job (``argv``: the config arguments, default
+    ``sys.argv[1:]``): the seed checkpoint or the training run; the exit code."""
     try:
         cfg = load_config(argv)
     except ValueError as exc:  # every rank reads the same config: said once (under torchrun RANK is set already)
@@ -135,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, Exception) or not is_collective_timeout(exc):
             raise
         # gloo (the exception path; on NCCL the step watchdog speaks first): the same one line
-        return report_collective_timeout(cfg, exc, getattr(getattr(trainer, "watchdog", None), "phase", ""))
+        phase = getattr(getattr(trainer, "watchdog", None), "phase", "")
+        return report_collective_timeout(cfg.comm, cfg.job.dump_folder, exc, phase)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -8,9 +8,9 @@ reductions summed over the ``loss`` mesh.
 
 After ``plan_job`` the layout and the batch come from the :class:`~trainer.plan.JobPlan` only
 (the stages, the schedule, the loader's batch, the parallelize options). The rooms around the
-loop: trainer/distributed_init.py (joining the job, timeouts, the watchdog), trainer/build.py
+loop: trainer/runtime/distributed_init.py (joining the job, timeouts, the watchdog), trainer/build.py
 (model parts and pipeline from the plan), trainer/forward.py (the forward + loss shared with
-validation), trainer/step.py (the step's result and reductions), trainer/run_mode.py (real or
+validation), trainer/step.py (the step's result and reductions), trainer/simulation/run_mode.py (real or
 fake backend) and trainer/instruments/ (the step hooks).
 """
 
@@ -35,34 +35,36 @@ from trainer.bad_steps import BadSteps
 from trainer.build import build_model_parts, build_pipeline, trainable_params
 from trainer.checkpoint.dcp import CheckpointFolder
 from trainer.checkpoint.drill import hold_until_stopped, stop_gate
-from trainer.checkpoint.local_tensor import LocalTensorFolder
+from trainer.checkpoint.local_tensor import LocalTensorFolder, load_local_initial_weights
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import JobConfig
-from trainer.console import configure_console
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
-from trainer.data_progress import DataProgress
-from trainer.distributed_init import (
+from trainer.faults import Faults
+from trainer.forward import ModelForward, cross_entropy_sum
+from trainer.instruments import Instruments, build_instruments
+from trainer.mtp import MTPLoss
+from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
+from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
+from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
+from trainer.reporting.data_progress import DataProgress
+from trainer.reporting.metrics import MetricsLogger, training_flops_per_token
+from trainer.reporting.run_metrics import open_metrics
+from trainer.reporting.run_summary import RunTotals, commit_run, end_lines
+from trainer.reporting.stragglers import Stragglers
+from trainer.runtime.console import configure_console
+from trainer.runtime.distributed_init import (
     apply_train_timeout,
     init_distributed,
     require_writable_folder,
     start_watchdog,
     wait_until_every_rank_joined,
 )
-from trainer.distributed_init import log as _log
-from trainer.faults import Faults
-from trainer.forward import ModelForward, cross_entropy_sum
-from trainer.grad_clip import clip_grad_norm_, finalize_grads
-from trainer.instruments import Instruments, build_instruments
-from trainer.local_tensor import PerRankLoader, check_all_local, load_local_initial_weights, rank0_view
-from trainer.metrics import MetricsLogger, training_flops_per_token
-from trainer.mtp import MTPLoss
-from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
-from trainer.precision import apply_precision_policy
-from trainer.run_metrics import open_metrics
-from trainer.run_mode import RunMode
-from trainer.run_summary import RunTotals, commit_run, end_lines
+from trainer.runtime.distributed_init import log as _log
+from trainer.runtime.precision import apply_precision_policy
+from trainer.runtime.stop import StopSignals, stop_group
+from trainer.simulation.local_tensor import rank0_view
+from trainer.simulation.run_mode import RunMode
 from trainer.startup import plan_startup
 from trainer.step import (
     StepResult,
@@ -73,8 +75,6 @@ from trainer.step import (
     reduce_loss,
     update_expert_bias,
 )
-from trainer.stop import StopSignals, stop_group
-from trainer.stragglers import Stragglers
 from trainer.validation import Validator
 
 __all__ = ["StepResult", "Trainer", "TrainingDiverged"]
@@ -95,7 +95,7 @@ class Trainer:
         self.totals = RunTotals(time.perf_counter())  # the end-of-run summary's figures
         self.mode = RunMode.from_config(cfg)
         mode_notes = self.mode.prepare(cfg)
-        # training.deterministic and training.enable_tf32 (trainer/precision.py), first: before
+        # training.deterministic and training.enable_tf32 (trainer/runtime/precision.py), first: before
         # init_distributed's set_device and any CUDA work, so CUBLAS_WORKSPACE_CONFIG is in the
         # environment before the first cuBLAS handle
         precision_notes = apply_precision_policy(cfg, default_device_type())
@@ -149,7 +149,7 @@ class Trainer:
             self.loss_fn = self.mtp_loss
         # every parameter of the whole model (all stages) after the converters (LoRA trains its
         # adapters only): the optimizer's groups are checked and summarised against the trainable
-        # ones (trainer/optim_groups.py)
+        # ones (trainer/optim/groups.py)
         all_params, frozen_params = trainable_params(plan, model)
         self.model_parts = build_model_parts(plan, model, self.device, cfg.training.seed)
         self.float8_precompute = False
@@ -171,17 +171,16 @@ class Trainer:
         )
 
         # the next step's micro-batches are prepared on a background thread (training.prefetch)
-        if self.mode.local:  # every simulated rank's slice, as one LocalTensor per micro-batch
-            loader = PerRankLoader(
-                lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False),
-                self.pd,
-                self.world_size,
-            )
-            load_local_initial_weights(cfg, self.model_parts, _log)
-        else:
-            # the sources say nothing when they start over: the trainer's epoch line does (trainer/data_progress.py)
-            c = self.pd.coordinate("batch")
-            loader = build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False)
+        # every simulated rank's slice under local_tensor (one LocalTensor per micro-batch); the
+        # sources say nothing when they start over: the trainer's epoch line does
+        # (trainer/reporting/data_progress.py)
+        loader = self.mode.loader(
+            lambda c: build_dataloader(cfg, self.tokenizer, batch_rank=c, batch=plan.batch, log_epochs=False),
+            self.pd,
+            self.world_size,
+        )
+        if self.mode.local:  # a seed checkpoint read on the host, cut per simulated rank
+            load_local_initial_weights(cfg.checkpoint, self.model_parts, _log)
         self.data = wrap_loader(loader, cfg.training.prefetch, self.device)
         self.validator = None
         if cfg.validation.enable:
@@ -205,7 +204,7 @@ class Trainer:
             lora=plan.parallelize.lora,
         )
         self.step = 0
-        self.stopped_by: int | None = None  # the signal that stopped train() early (trainer/stop.py)
+        self.stopped_by: int | None = None  # the signal that stopped train() early (trainer/runtime/stop.py)
         self.stop_signals: StopSignals | None = None  # while and after train() runs
         self.instruments = Instruments()  # the step hooks; train() builds the config's
         # training.on_nonfinite and debug.fault (docs/long_runs.md)
@@ -268,7 +267,7 @@ class Trainer:
         # AdamW's found_inf), it comes after the optimizer and the rest of the step are queued,
         # so the device never waits for the host; otherwise before the optimizer step, which
         # must not apply a non-finite update.
-        ok = self.mode.checks_divergence and not self.mode.local and self.bad_steps.device_skip_ok(moes)
+        ok = self.mode.skips_on_device and self.bad_steps.device_skip_ok(moes)
         skip_on_device, bad = ok and self.optimizer.skips_on_device, False
         if not skip_on_device:
             (loss_value, norm_value, *mtp_value), counts, bad = self._read_scalars(scalars, n_targets)
@@ -277,8 +276,7 @@ class Trainer:
         no_step = self.bad_steps.no_step(scalars, targets) if skip_on_device else None
         if not bad:  # a bad step read on the host (training.on_nonfinite = skip / rollback) is not applied
             self.optimizer.step(found_inf=no_step)
-        if self.mode.local:  # every parameter, gradient and optimizer state holds every rank's value
-            check_all_local(self.model_parts, self.optimizer)
+        self.mode.check_step(self.model_parts, self.optimizer)  # local_tensor: every state holds every rank's value
         if self.float8_precompute:  # the next forward's float8 all-gathers need their weights' scales
             precompute_float8_scales(self.model_parts)
         lr_used = self.lr_scheduler.get_last_lr()  # the rate this step's update ran at, before the schedule moves on
@@ -335,7 +333,7 @@ class Trainer:
             f"config: {os.path.join(run_folder, 'config.toml')} (the resolved config, written once the first step "
             "is done; --job.print_config prints it)"
         )
-        metrics = open_metrics(self, resumed is not None, _log)  # trainer/run_metrics.py
+        metrics = open_metrics(self, resumed is not None, _log)  # trainer/reporting/run_metrics.py
         batch = self.plan.batch
         _log(
             f"training {cfg.model.name}/{cfg.model.flavor} ({self.num_params / 1e6:.1f}M params) for "
@@ -349,13 +347,15 @@ class Trainer:
         steps_since_log = 0
         data_wait = 0.0  # seconds the loop waited for data since the last log
         timeout_applied = False
-        # every step (and save, validation) under a deadline: trainer/comm_watchdog.py
-        self.watchdog = start_watchdog(cfg, self.mode, self.rank, self.world_size)
+        # every step (and save, validation) under a deadline: trainer/runtime/comm_watchdog.py
+        self.watchdog = start_watchdog(cfg.comm, cfg.job.dump_folder, self.mode, self.rank, self.world_size)
         peers = self.mode.has_peers(self.world_size)
         self.progress = progress = DataProgress(self.data, epochs=cfg.training.epochs, peers=peers)
         values = progress.local_values if progress.agree else None  # striped passes ride on the stop agreement
-        self.stop_signals = stop = StopSignals(stop_group(cfg, peers), newest=self.ckpt.newest, values=values)
-        timing = Stragglers(cfg, stop.group, self.world_size, self.step, _log)  # trainer/stragglers.py
+        self.stop_signals = stop = StopSignals(stop_group(cfg.comm, peers), newest=self.ckpt.newest, values=values)
+        timing = Stragglers(
+            cfg.metrics, stop.group, self.world_size, self.step, _log
+        )  # trainer/reporting/stragglers.py
         with metrics, self._build_instruments() as instruments, self.data, self.watchdog, stop:
             for message in instruments.messages:
                 _log(message)
@@ -423,7 +423,7 @@ class Trainer:
                         num_tokens=steps_since_log * self.data.tokens_per_step,
                         data_wait_s=data_wait / steps_since_log,
                         # result.extra(): the MTP loss; then a mixture's tokens per source so far (the
-                        # position after this step), the epoch and the target tokens (trainer/data_progress.py)
+                        # position after this step), the epoch and the target tokens (trainer/reporting/data_progress.py)
                         extra={**(step_extra or {}), **ckpt, **result.extra(), **tokens, **progress.metrics(tokens)}
                         | self.bad_steps.metrics()
                         | strag

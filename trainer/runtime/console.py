@@ -6,7 +6,7 @@ ranks; torch's own ``UserWarning`` s the same). :func:`configure_console` makes 
 that speaks: its log records of level WARNING and up, and Python warnings (routed through
 logging, each shown once per place as Python's default filter does), go to stderr as plain
 lines. Every other rank prints only records of level ERROR and up, prefixed with its rank, for
-what only that rank knows. The trainer's own lines (``trainer.distributed_init.log``) are
+what only that rank knows. The trainer's own lines (``trainer.runtime.distributed_init.log``) are
 rank 0's already; a rank-specific line is printed by that rank with its rank in it.
 """
 
@@ -44,7 +44,7 @@ def configure_console(rank: int) -> None:
 def say_once(line: str, rank: int) -> None:
     """An ``error:`` line that every rank may meet (a config error, a bad checkpoint, a diverged
     loss), printed once. Rank 0 prints it at once. Another rank waits :data:`RANK_ZERO_GRACE_S`
-    first: rank 0's exit ends the job (torchrun, trainer/launch.py and tools/launcher.py stop
+    first: rank 0's exit ends the job (torchrun, trainer/lifecycle/launch.py and tools/forkserver.py stop
     the other ranks when one fails), so when rank 0 met the error too this rank never prints,
     and when only this rank met it (rank 0 still running), it prints it with its rank. Without
     the wait a rank that exits first can have rank 0 stopped before its line is out."""

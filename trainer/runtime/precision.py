@@ -67,7 +67,7 @@ DETERMINISTIC_CUBLAS_CONFIGS = (":4096:8", ":16:8")
 
 def matmul_precision(param_dtype: str, tf32: bool) -> str:
     """The precision the model's matmuls run in on CUDA, the key of the peak table
-    (``trainer/metrics.py`` ``PRECISIONS``) MFU divides by: the FSDP compute dtype
+    (``trainer/reporting/metrics.py`` ``PRECISIONS``) MFU divides by: the FSDP compute dtype
     (``parallelism.mixed_precision_param``), with float32 split into "tf32" and IEEE "float32"."""
     if param_dtype == "float32":
         return "tf32" if tf32 else "float32"

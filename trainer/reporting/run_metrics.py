@@ -1,9 +1,9 @@
-"""The run's metrics logger, opened as the training loop starts (moved out of trainer/train.py)."""
+"""The run's metrics logger, opened as the training loop starts (moved out of trainer/trainer.py)."""
 
 from __future__ import annotations
 
-from trainer.metrics import MetricsLogger
-from trainer.wandb_log import agree_on_start
+from trainer.reporting.metrics import MetricsLogger
+from trainer.reporting.wandb_log import agree_on_start
 
 __all__ = ["open_metrics"]
 

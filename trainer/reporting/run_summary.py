@@ -24,7 +24,7 @@ import os
 import signal
 import time
 
-from trainer.metrics import MetricsLogger, format_duration
+from trainer.reporting.metrics import MetricsLogger, format_duration
 
 __all__ = ["RunTotals", "commit_run", "end_lines", "summary_lines"]
 
@@ -64,7 +64,7 @@ class RunTotals:
         self.validation = (loss, step)
 
     def data_read(self, progress, epochs: int) -> None:
-        """What the data loop read (trainer/data_progress.py ``DataProgress``) and
+        """What the data loop read (trainer/reporting/data_progress.py ``DataProgress``) and
         ``training.epochs``: the summary's ``data`` and ``targets`` rows."""
         self.epoch, self.epochs = progress.epoch, epochs
         self.epochs_reached = progress.reached

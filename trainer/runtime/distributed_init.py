@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from parallel_dims import default_backend, default_device_type
-from trainer.cli_errors import dcp_failures
-from trainer.comm_watchdog import (
+from trainer.config import Comm, ConfigError, JobConfig
+from trainer.runtime.cli_errors import dcp_failures
+from trainer.runtime.comm_watchdog import (
     EXIT_COMM_TIMEOUT,
     JobWatchdog,
     NullWatchdog,
@@ -26,10 +27,7 @@ from trainer.comm_watchdog import (
     pg_timeout_seconds,
     write_flight_recorder_dump,
 )
-from trainer.config import ConfigError, JobConfig
-from trainer.fake_backend import init_fake_process_group, is_fake_backend
-from trainer.local_tensor import enter_local_tensor_mode
-from trainer.run_mode import RunMode
+from trainer.simulation.run_mode import RunMode
 
 __all__ = [
     "apply_train_timeout",
@@ -45,7 +43,7 @@ __all__ = [
 
 def log(msg: str) -> None:
     """Print on rank 0 (a fake-backend or local_tensor run is one process: it prints)."""
-    if not dist.is_initialized() or is_fake_backend() or dist.get_rank() == 0:
+    if not dist.is_initialized() or RunMode.simulating() or dist.get_rank() == 0:
         print(msg, flush=True)
 
 
@@ -58,23 +56,11 @@ def init_distributed(cfg: JobConfig) -> torch.device:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if not dist.is_initialized() and cfg.comm.mode == "fake_backend":
-        # one rank of a comm.fake_world_size job in this process (trainer/fake_backend.py)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError(
-                f"comm.mode = 'fake_backend' runs one process that plays rank comm.fake_rank of "
-                f"comm.fake_world_size ranks, but this launch started {os.environ['WORLD_SIZE']} "
-                f"processes: use python train.py (or torchrun --nproc_per_node=1)"
-            )
-        init_fake_process_group(cfg.comm.fake_world_size, cfg.comm.fake_rank)
-    if not dist.is_initialized() and cfg.comm.mode == "local_tensor":
-        # every rank of a comm.fake_world_size job in this process (trainer/local_tensor.py)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError(
-                f"comm.mode = 'local_tensor' simulates all comm.fake_world_size ranks in one process, but "
-                f"this launch started {os.environ['WORLD_SIZE']} processes: use python train.py"
-            )
-        enter_local_tensor_mode(cfg.comm.fake_world_size)
+    if not dist.is_initialized():
+        # a simulated run makes its own default group: one rank of comm.fake_world_size on the
+        # fake backend (trainer/simulation/fake_backend.py) or every rank of the job in this
+        # process (trainer/simulation/local_tensor.py); a real run joins its job below
+        RunMode.from_config(cfg).start_process_group()
     if not dist.is_initialized():
         backend = default_backend(device_type)
         # NCCL's flight recorder reads its environment when the first group is created
@@ -110,7 +96,7 @@ def wait_until_every_rank_joined(group: dist.ProcessGroup | None = None) -> None
     every rank has joined, so a rank that ends leaves no peer half-connected. NCCL connects at a
     group's first collective (no barrier there; the checkpoint writer's groups are gloo on every
     job); a process without peers has nothing to wait for."""
-    if not dist.is_initialized() or is_fake_backend() or dist.get_world_size(group) == 1:
+    if not dist.is_initialized() or RunMode.simulating() or dist.get_world_size(group) == 1:
         return
     if dist.get_backend(group) != "gloo":
         return
@@ -136,7 +122,7 @@ def apply_train_timeout(seconds: int) -> None:
     after the long start-up timeout. Placeholder groups (size-1 axes) have no communicator;
     groups passed to :func:`keep_creation_timeout` keep theirs.
     NCCL groups get ``seconds`` + the watchdog's grace: the step watchdog speaks at ``seconds``
-    (trainer/comm_watchdog.py)."""
+    (trainer/runtime/comm_watchdog.py)."""
     if not dist.is_initialized():
         return
     dist.barrier()  # every rank finished its first step: nothing is in flight under the old timeout
@@ -147,32 +133,32 @@ def apply_train_timeout(seconds: int) -> None:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def start_watchdog(cfg: JobConfig, mode: RunMode, rank: int, world_size: int) -> JobWatchdog | NullWatchdog:
-    """The step watchdog of a run with peers; nothing for one process or the fake backend."""
+def start_watchdog(c: Comm, dump_folder: str, mode: RunMode, rank: int, world_size: int) -> JobWatchdog | NullWatchdog:
+    """The step watchdog of a run with peers (``[comm]``'s timeouts, flight-recorder dumps into
+    ``dump_folder``); nothing for one process or the fake backend."""
     if not mode.has_peers(world_size):
         return NullWatchdog()
-    c = cfg.comm
     return JobWatchdog(
         rank,
         dist.get_backend(),
         train_timeout_seconds=c.train_timeout_seconds,
         init_timeout_seconds=c.init_timeout_seconds,
-        dump_folder=cfg.job.dump_folder,
+        dump_folder=dump_folder,
     )
 
 
-def report_collective_timeout(cfg: JobConfig, exc: Exception, phase: str) -> int:
+def report_collective_timeout(c: Comm, dump_folder: str, exc: Exception, phase: str) -> int:
     """The one line a rank prints when a collective ran past its timeout (``phase``: what the
     run was doing, from the watchdog), with a flight-recorder dump; the exit code."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     backend = dist.get_backend() if dist.is_initialized() else ""
     # without the Python stacks (seconds to symbolize the first time); the entries' states and
     # sequence numbers say which collective each rank waits in
-    dump = write_flight_recorder_dump(rank, backend, dump_prefix(), cfg.job.dump_folder, stack_traces=False)
+    dump = write_flight_recorder_dump(rank, backend, dump_prefix(), dump_folder, stack_traces=False)
     print(
         f"error: rank {rank}: {phase + ': ' if phase else ''}a collective did not finish within "
-        f"comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds} s (comm.init_timeout_seconds = "
-        f"{cfg.comm.init_timeout_seconds} s until the first step): another rank is hung or "
+        f"comm.train_timeout_seconds = {c.train_timeout_seconds} s (comm.init_timeout_seconds = "
+        f"{c.init_timeout_seconds} s until the first step): another rank is hung or "
         f"dead, see its log; if steps legitimately take that long, raise the timeout; "
         f"flight-recorder dump: {dump}. ({str(exc).splitlines()[0][:200]})",
         file=sys.stderr,
@@ -188,7 +174,7 @@ def is_collective_timeout(exc: BaseException) -> bool:
     )
 
 
-# gloo's words when the other end of a pair is gone (trainer/entry.py: a peer's exit, not this
+# gloo's words when the other end of a pair is gone (trainer/lifecycle/rank.py: a peer's exit, not this
 # rank's failure); NCCL's peers are watched by the step watchdog instead
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 # a rank whose collective failed because a peer rank had ended first (its own line says why)

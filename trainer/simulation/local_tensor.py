@@ -21,7 +21,8 @@ What is rank-dependent on the host is handled here, explicitly:
   ``distribute_tensor`` under the mode. FSDP2 cuts every rank's shard as rank 0's (its shard
   index is the fake group's rank), so the per-rank write after sharding is what makes each
   rank's piece right. A seed checkpoint (``checkpoint.initial_load_path``) is read the same way:
-  full tensors on the host, then cut (:func:`load_full_weights`).
+  full tensors on the host, then cut (trainer/checkpoint/local_tensor.py
+  :func:`~trainer.checkpoint.local_tensor.load_full_weights`).
 * **Data**: :class:`PerRankLoader` reads every batch coordinate's slice of the global batch from
   the real loader and hands the step a LocalTensor of them.
 * **Host reads**: the step's loss and gradient norm are reduced over every rank before they are
@@ -51,9 +52,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallel_dims.torch_compat import host_side, install_local_tensor_fsdp_storage, simulating_ranks
-from trainer.checkpoint.errors import CheckpointError
-from trainer.checkpoint.state import checkpoint_keys
+from parallel_dims.torch_compat import install_local_tensor_fsdp_storage, simulating_ranks
 
 __all__ = [
     "LOCAL_TENSOR_NOTE",
@@ -61,9 +60,6 @@ __all__ = [
     "PlainTensorInLocalMode",
     "check_all_local",
     "enter_local_tensor_mode",
-    "load_full_weights",
-    "load_local_initial_weights",
-    "local_tensor_available",
     "prepare_local_tensor_config",
     "rank0_view",
 ]
@@ -79,20 +75,12 @@ class PlainTensorInLocalMode(RuntimeError):
     hold one value for every rank and silently break the simulated update."""
 
 
-def local_tensor_available() -> bool:
-    try:
-        from torch.distributed._local_tensor import LocalTensorMode  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def enter_local_tensor_mode(world_size: int):
     """The fake default group of ``world_size`` ranks (this process is rank 0) and torch's
     LocalTensorMode over all of them, entered for the rest of the process; returns the mode."""
     from torch.distributed._local_tensor import LocalTensorMode
 
-    from trainer.fake_backend import init_fake_process_group
+    from trainer.simulation.fake_backend import init_fake_process_group
 
     init_fake_process_group(world_size, 0)
     install_local_tensor_fsdp_storage()
@@ -217,38 +205,3 @@ class PerRankLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for loader in self.loaders.values():
             loader.load_state_dict(state)
-
-
-def load_local_initial_weights(cfg, model_parts: list[nn.Module], log) -> None:
-    """local_tensor mode: a seed checkpoint's full weights (``checkpoint.initial_load_path``)
-    read on the host and cut per simulated rank (DCP's distributed load cannot run there)."""
-    path = cfg.checkpoint.initial_load_path
-    if path:
-        count = load_full_weights(path, model_parts)
-        cfg.checkpoint.initial_load_path = ""  # read: the checkpoint manager has nothing to load
-        log(f"loaded initial weights from {path} ({count} tensors, read once and cut per simulated rank)")
-
-
-def load_full_weights(path: str, model_parts: list[nn.Module]) -> int:
-    """Read every parameter of ``model_parts`` in full from the DCP checkpoint ``path`` on the
-    host (no process group: the same bytes for every rank) and cut each rank's piece from it, as
-    the FQN-seeded init does; returns how many tensors were read."""
-    import torch.distributed.checkpoint as dcp
-
-    from models.common.init import canonical_fqn, write_full_into
-
-    params = {}
-    for part in model_parts:
-        for name, p in part.named_parameters():
-            params[canonical_fqn(name)] = p
-    stored = checkpoint_keys(path)
-    missing = sorted(k for k in params if f"model.{k}" not in stored)
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} model weights, e.g. {missing[:3]}")
-    with host_side():
-        full = {k: torch.empty(tuple(p.shape), dtype=p.dtype, device="cpu") for k, p in params.items()}
-        dcp.load({"model": full}, checkpoint_id=path, no_dist=True)
-    with torch.no_grad():
-        for k, p in params.items():
-            write_full_into(p, full[k])
-    return len(full)

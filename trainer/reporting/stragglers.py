@@ -11,7 +11,7 @@ anything the host does before the next step: the slowest rank arrives last at th
 agreement, where the others wait, and that wait is not in their compute) and its data wait (a
 rank's own). The figures are the means over the interval; the first step (compilation, first
 use of everything) is left out. One all-gather of a few floats per interval over the gloo group
-the ranks already agree over (trainer/stop.py), none per step, none with one rank.
+the ranks already agree over (trainer/runtime/stop.py), none per step, none with one rank.
 
 The row gets ``step_s_min``, ``step_s_median``, ``step_s_max``, ``step_s_slowest_rank`` (step =
 compute + data), and ``data_wait_s_max``, ``data_wait_s_slowest_rank``; a rank whose step time
@@ -34,10 +34,9 @@ __all__ = ["Stragglers"]
 
 class Stragglers:
     """Per-step timing of this rank and the interval's gather (collective: every rank calls
-    :meth:`after_step` at every step)."""
+    :meth:`after_step` at every step). ``m``: the ``[metrics]`` section."""
 
-    def __init__(self, cfg, group: dist.ProcessGroup | None, world_size: int, first_step: int, log=print):
-        m = cfg.metrics
+    def __init__(self, m, group: dist.ProcessGroup | None, world_size: int, first_step: int, log=print):
         self.interval = m.straggler_interval or m.log_freq
         self.threshold = m.straggler_threshold
         self.group = group if world_size > 1 else None

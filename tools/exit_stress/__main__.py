@@ -6,7 +6,7 @@ complete outputs.
     python -m tools.exit_stress --layouts deepseek_v3:dp_replicate=2,fsdp=2,ep=2 --runs 20
 
 A finished training run that then dies at exit (a C++ thread touching a finalizing
-interpreter: "terminate called without an active exception", SIGABRT; trainer/shutdown.py)
+interpreter: "terminate called without an active exception", SIGABRT; trainer/lifecycle/shutdown.py)
 is rare and load dependent, so one run proves nothing: this tool repeats short runs of layouts
 that touch every axis, with ``--busy`` processes spinning on the cores, and checks each run:
 
@@ -21,7 +21,7 @@ that touch every axis, with ``--busy`` processes spinning on the cores, and chec
 ``gloo_tcp_loop``, NCCL's watchdog) to nice 19 while the busy processes hold the cores: a
 worker thread then lags seconds behind the main thread that it has just woken, which widens
 the exit race from a rare event to most runs of the MoE layout (without the fix of
-trainer/shutdown.py). Only this tool's own child processes are touched.
+trainer/lifecycle/shutdown.py). Only this tool's own child processes are touched.
 
 The summary (per layout: runs, failures, exit codes, the first line of each failure's
 signature) is printed and written as JSON (``--json``). Exit status: 0 when every run passed,
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 from tools.compare_loss.layouts import UsageError, parse_layout, slug
 from tools.compare_loss.runner import TRAIN_PY, run_streaming, torchrun_cmd
-from trainer.cli_errors import report_user_error
+from trainer.runtime.cli_errors import report_user_error
 
 # (model config, layout): the four layouts together use every axis (dp_replicate, dp_shard,
 # cp, tp, pp, ep, etp); the first is the layout whose exit aborted in the field.

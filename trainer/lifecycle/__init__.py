@@ -1,0 +1,16 @@
+"""A process's way in and out: which process this is, how it starts and how it ends.
+
+main.py           ``main(argv)``, what ``train.py`` runs: launcher flags -> launch, else run
+                  this rank
+launch.py         the launcher (``python train.py --nproc_per_node N ...``): torch's elastic
+                  agent in this process, the job checked before any worker starts
+rank.py           ``run_rank``: one rank of the job, config -> exit code (every way a run ends
+                  as its code and at most one line)
+seed.py           ``--checkpoint.create_seed_checkpoint``: the job plan's model, written once
+shutdown.py       the exit of a process that may hold process groups (no interpreter teardown)
+start_signals.py  SIGINT / SIGTERM while a process starts: one line, no traceback
+
+The top of the trainer: it may import every other part of it (the Trainer, the plan, the
+checkpoint, runtime/, simulation/, config/), and nothing in the trainer imports it; the root
+``train.py`` and the tools that run training in-process do.
+"""
