@@ -58,12 +58,12 @@ def variants() -> dict[str, list[str]]:
 
 def write_hf_config(folder: Path, dim: int, n_layers: int) -> None:
     """A config.json of the llama3 debug model at width ``dim`` with ``n_layers`` blocks."""
-    from models.llama3.args import llama3_flavors
-    from models.llama3.hf_adapter import Llama3HFAdapter
+    from models.registry import get_hf_adapter, get_model_spec
 
-    args = dataclasses.replace(llama3_flavors["debugmodel"], dim=dim, n_layers=n_layers)
+    debug = get_model_spec("llama3", "debugmodel").args  # through the registry, as every shared module asks
+    args = dataclasses.replace(debug, dim=dim, n_layers=n_layers)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(Llama3HFAdapter(args).hf_config("float32")))
+    (folder / "config.json").write_text(json.dumps(get_hf_adapter("llama3", args).hf_config("float32")))
 
 
 def train_argv(hf_folder: Path, seq_len: int, steps: int, dump: Path) -> list[str]:
