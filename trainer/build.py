@@ -8,7 +8,6 @@ Everything about the layout comes from the :class:`~trainer.plan.JobPlan`; nothi
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,11 +45,15 @@ def trainable_params(plan: JobPlan, model: nn.Module) -> tuple[Params, Params]:
     """(trainable, frozen) parameters of the whole model (every pipeline stage) as they are after
     every converter of ``model.converters`` (LoRA adds adapters and freezes the base; float8
     keeps names and shapes): FQN and global shape, for the optimizer's group check and start-up
-    summary. ``model``: the unconverted model on the meta device (left as it is: a copy is
-    converted). The meshes must be built."""
+    summary. ``model``: the unconverted model on the meta device (left as it is: a second one,
+    built from the plan as it was, is converted; not a deepcopy, which under local_tensor mode
+    returns the parameters as plain tensors that torchao's float8 swap refuses). The meshes must
+    be built."""
     opts = plan.parallelize
     if opts.float8 is not None or opts.lora is not None:
-        model = apply_converters(copy.deepcopy(model), plan.parallel_dims, opts)
+        with torch.device("meta"):
+            model = plan.model.model_cls(plan.model.args)
+        model = apply_converters(model, plan.parallel_dims, opts)
     trainable: Params = []
     frozen: Params = []
     for name, p in model.named_parameters():
