@@ -5,6 +5,8 @@ runs it after a note: parallel_dims/moved_commands.py).
     python -m tools.planner --model llama3 --flavor 70B --world-size 256 \\
         --gpus-per-node 8 --gpu h100 --seq-len 8192 --global-batch 512 [--top 10] [--json] [--toml PATH]
         [--float8 [RECIPE] [--float8-all-gather]] [--float8-experts] [--lora RANK [--lora-experts]]
+        [--node-failures-per-day RATE | --node-mtbf-hours H --save-seconds C --restart-seconds R
+         [--save-write-seconds W]]
 
 Exit codes: 0 a plan was printed; 1 no layout fits (the output names the smallest world size
 that would); 2 bad input (unknown model, flavor or GPU: the valid choices are listed).
@@ -23,6 +25,7 @@ from trainer.runtime.cli_errors import report_user_error
 from trainer.runtime.files import atomic_write
 
 from .estimate import Estimate, Job
+from .failures import describe, parse_failure_args, plan_checkpoints
 from .hardware import GIB, STEP_BYTES_PER_PARAM, load_hardware, step_bytes_per_param
 from .search import plan_layouts, smallest_world_size, summarize_losers
 
@@ -123,6 +126,28 @@ def _parse(argv):
     p.add_argument("--memory-gib", type=float, default=None, help="override the GPU's memory")
     p.add_argument("--profile", metavar="FILE", help="JSON with hardware keys overriding the GPU table")
     p.add_argument("--ac", nargs="*", choices=("none", "selective", "full"), help="AC modes to consider (default all)")
+    f = p.add_argument_group("failures: the checkpoint interval that loses the least time (docs/long_runs.md)")
+    f.add_argument(
+        "--node-failures-per-day",
+        metavar="RATE",
+        help="failures per node per day (Llama 3's 16k-GPU run: 0.0038 per 8-GPU node; no default)",
+    )
+    f.add_argument("--node-mtbf-hours", metavar="H", help="or a node's mean time between failures, in hours")
+    f.add_argument(
+        "--save-seconds",
+        metavar="C",
+        help="seconds a save holds training: checkpoint_stall_s in metrics.jsonl (no default)",
+    )
+    f.add_argument(
+        "--restart-seconds",
+        metavar="R",
+        help="a failure's detection plus a resumed run's start to its first step (no default)",
+    )
+    f.add_argument(
+        "--save-write-seconds",
+        metavar="W",
+        help="async saves: the save's start to its last byte, checkpoint_write_s (default 0: synchronous)",
+    )
     return p.parse_args(argv)
 
 
@@ -300,6 +325,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     try:
         job = _job(args)
+        failures = parse_failure_args(args)
     except (ValueError, OSError) as exc:  # bad input, an unreadable --profile: before the search
         return report_user_error(exc)
     ac = tuple(args.ac) if args.ac else ("none", "selective", "full")
@@ -330,6 +356,8 @@ def main(argv=None) -> int:
         return 1
     top = fitting[: args.top]
     reasons = summarize_losers(result, job, len(top))
+    nodes = -(-job.world_size // job.gpus_per_node)
+    ckpt = plan_checkpoints(failures, nodes, top[0].time["total"]) if failures else None
     if args.toml:
         try:
             atomic_write(args.toml, toml_snippet(top[0], job))
@@ -347,6 +375,7 @@ def main(argv=None) -> int:
             "mtp_layers": dict(job.model_overrides).get("mtp_layers", 0), "layouts": result.layouts,
             "fitting": len(fitting), "assumptions": _ASSUMPTIONS,
             "top": [e.as_json() for e in top], "losing_reasons": dict(reasons.most_common()),
+            "checkpoint": ckpt,
         }, indent=1))  # fmt: skip
         return 0
     tokens = job.global_batch * job.seq_len
@@ -379,6 +408,8 @@ def main(argv=None) -> int:
         for line in _breakdown(e):
             print(line)
     print("\nwhy the other layouts lost: " + "; ".join(f"{r} {n:,}" for r, n in reasons.most_common()))
+    if ckpt:
+        print("\n".join(describe(ckpt)))
     print("assumptions:\n" + "\n".join(f"  - {a}" for a in _ASSUMPTIONS))
     if args.toml:
         print(f"\nwrote the winner to {args.toml}")
