@@ -83,8 +83,8 @@ def plan_checkpoints(f: FailureModel, nodes: int, step_s: float) -> dict:
     mtbf = job_mtbf_s(f.node_failures_per_day, nodes)
     restart = f.restart_s + f.write_s  # an async save's write window falls back one save
     young, daly = young_interval(f.save_s, mtbf), daly_interval(f.save_s, mtbf)
-    floor = max(f.write_s - f.save_s, step_s)  # no save waits for the previous write; a step at least
-    steps = max(1, round(max(daly, floor) / step_s))
+    # no save waits for the previous one's write (at least W - C between saves); a step at least
+    steps = max(1, round(daly / step_s), math.ceil((f.write_s - f.save_s) / step_s))
     tau = steps * step_s
     g = goodput(tau, f.save_s, mtbf, restart)
     failures_per_day = DAY_S / mtbf
