@@ -175,7 +175,7 @@ def _failure_line(exc, cfg=None, max_restarts: int = 0) -> tuple[str | None, int
     if max_restarts > 0 and code not in NOT_RESTARTED:
         return (
             f"gave up after {max_restarts} restart{'s' if max_restarts > 1 else ''}: {describe(rank, failure)} "
-            f"{where(cfg).replace('; resuming from', '; the newest checkpoint is')} (its output is above)",
+            f"{where(cfg, gave_up=True)} (its output is above)",
             128 - code if code < 0 else code,
         )
     if code < 0:  # killed by a signal

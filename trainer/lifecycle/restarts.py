@@ -34,7 +34,7 @@ NOT_RESTARTED = {2, 128 + signal.SIGINT, 128 + signal.SIGTERM}  # bad input; a s
 def cause(failures: dict):
     """The failure that ended the worker group: ``(rank, failure)`` from ``{rank: failure}``.
     After one rank fails the others end as a consequence (their collectives fail on the gone
-    peer: exit code 4; the agent's SIGTERM: 143), possibly within the same second; so bad input
+    peer: exit code 4; the agent's SIGTERM: 143 or -15), possibly within the same second; so bad input
     (2) first, then any other failure (a bug, a kill), then a stop signal, then a rank whose
     peer was gone; the earliest within each."""
     from trainer.runtime.distributed_init import EXIT_PEER_GONE
@@ -44,7 +44,9 @@ def cause(failures: dict):
             return 0
         if code == EXIT_PEER_GONE:
             return 3
-        return 2 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else 1
+        # a stop: the worker's own exit after one (128 + the signal) or the signal itself (the
+        # agent's SIGTERM to the group's other workers once one failed)
+        return 2 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM) else 1
 
     return min(failures.items(), key=lambda kv: (priority(kv[1].exitcode), kv[1].timestamp, kv[0]))
 
@@ -69,13 +71,15 @@ def _newest_checkpoint(cfg) -> int | None:
         return None
 
 
-def where(cfg) -> str:
+def where(cfg, gave_up: bool = False) -> str:
     """``at step 7; resuming from step-6``: the step the group was in (the one after the last
     row of metrics.jsonl; with ``metrics.log_freq`` > 1, after the last row) and the newest
-    complete checkpoint, as the workers will find it."""
+    complete checkpoint, as the workers will find it (``gave_up``: as the run leaves it)."""
     last = last_logged_step(cfg.job.dump_folder) or 0
     at = f"at step {last + 1}" if cfg.metrics.log_freq == 1 else f"after step {last}"
     step = _newest_checkpoint(cfg)
+    if gave_up:
+        return f"{at}; the newest checkpoint is step-{step}" if step is not None else f"{at}; no checkpoint"
     return f"{at}; resuming from step-{step}" if step is not None else f"{at}; no checkpoint: starting from step 0"
 
 
