@@ -39,7 +39,10 @@ _RANKS = textwrap.dedent(
     import json, os, sys, time
     rank = int(os.environ["RANK"])
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS", "MY_VAR")
-    print(json.dumps({"cwd": os.getcwd(), "argv": sys.argv[1:], **{k: os.environ.get(k) for k in keys}}))
+    # one write per record (< PIPE_BUF: atomic on the shared pipe); print writes the text and its
+    # newline separately, so two ranks' records could share a line
+    sys.stdout.write(json.dumps({"cwd": os.getcwd(), "argv": sys.argv[1:], **{k: os.environ.get(k) for k in keys}}) + "\\n")
+    sys.stdout.flush()
     print(f"rank {rank} on stderr", file=sys.stderr)
     if sys.argv[1] == "fail" and rank == 1:
         sys.exit(3)
