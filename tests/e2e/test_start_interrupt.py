@@ -30,6 +30,7 @@ import pytest
 from trainer.lifecycle.start_signals import STARTING_LINE
 
 from .helpers import ROOT, _descendants, _env, _rank_of, _stat
+from .test_train_launcher import _kill_job
 
 ARGS = ["--config", "llama3.toml", "--model.n_layers", "1", "--training.steps", "2", "--training.seq_len", "32",
         "--training.global_batch_size", "4", "--training.local_batch_size", "2"]  # fmt: skip
@@ -67,13 +68,7 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=DEADLINE)
     finally:
-        if proc.poll() is None:
-            for pid in [*_descendants(proc.pid), proc.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+        _kill_job(proc)  # a job left running after a failed assertion
     return proc.returncode, out
 
 
