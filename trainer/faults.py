@@ -4,7 +4,9 @@ cluster: ``--debug.fault "nan_loss@5"``, ``"kill@7:rank=2"``, ``"hang@4:rank=1"`
 
 A spec is ``KIND[@STEP][:key=value...]``; several are comma-separated (a TOML array in a config
 file). ``STEP`` is the training step as the log counts it (1 = the first step); ``rank`` the
-global rank (default: every rank). The kinds:
+global rank (default: every rank); ``restart`` the workers' start it fires in (0: the first,
+1: after the first automatic restart, ...; default: every start, so ``kill@7`` under
+``--max_restarts K`` fires again in each start: the restarts are used up). The kinds:
 
 ``nan_loss@STEP``  the step's loss and this rank's gradients become NaN after the backward (the
                    whole step is then non-finite: ``training.on_nonfinite`` decides what happens).
@@ -42,7 +44,12 @@ class Faults:
 
     def __init__(self, specs: list[str], rank: int, world_size: int):
         self.rank = rank
-        self.faults = [f for f in parse_faults(specs, world_size) if f.rank is None or f.rank == rank]
+        start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # the elastic agent's
+        self.faults = [
+            f
+            for f in parse_faults(specs, world_size)
+            if (f.rank is None or f.rank == rank) and (f.restart is None or f.restart == start)
+        ]
         self._fired: set[Fault] = set()
 
     def _announce(self, fault: Fault, step: int, what: str) -> None:

@@ -27,6 +27,17 @@ def test_the_documented_forms_parse():
         Fault("slow", None, 3, 2.0),
         Fault("slow", 3, None, 1.5),
     ]
+    # restart=N: only in the workers' start N (trainer/lifecycle/restarts.py); default every start
+    assert parse_faults(["kill@7:rank=2:restart=0"]) == [Fault("kill", 7, 2, restart=0)]
+
+
+def test_a_fault_with_restart_fires_only_in_that_start(monkeypatch):
+    from trainer.faults import Faults
+
+    for start, kinds in (("0", ["kill", "hang"]), ("1", ["hang"])):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", start)
+        faults = Faults(["kill@4:restart=0", "hang@5"], rank=0, world_size=2)
+        assert [f.kind for f in faults.faults] == kinds, start
 
 
 @pytest.mark.parametrize(
@@ -38,6 +49,7 @@ def test_the_documented_forms_parse():
         ("kill@x", "integer >= 1"),
         ("kill@7:rank=-1", "rank must be an integer"),
         ("kill@7:ranks=2", "not a key=value of 'kill'"),
+        ("kill@7:restart=x", "restart must be an integer"),
         ("kill@7:rank=2:rank=3", "given twice"),
         ("nan_loss@5:factor=2", "not a key=value of 'nan_loss'"),
         ("slow:rank=1", "needs factor=F"),

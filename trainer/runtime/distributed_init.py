@@ -71,9 +71,27 @@ def init_distributed(cfg: JobConfig) -> torch.device:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend=backend, timeout=timeout)
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
         wait_until_every_rank_joined()
     return device
+
+
+def _restart_store(timeout: datetime.timedelta):
+    """Under torch's elastic agent, workers started again after a failure (``--max_restarts``,
+    TORCHELASTIC_RESTART_COUNT > 0) share the agent's store with the workers before them: its
+    TCPStore lives on across restarts and torch's ``env://`` adds no prefix per attempt, so a
+    new rank would read a gone peer's address and fail to connect. Their store is the agent's
+    under a prefix of their attempt (None: ``env://`` as usual)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt <= 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/worker/attempt_{attempt}", store)
 
 
 def wait_until_every_rank_joined(group: dist.ProcessGroup | None = None) -> None:
