@@ -117,15 +117,43 @@ def test_restarts_spent_end_in_one_gave_up_line_and_bad_input_is_never_restarted
     on ends the job, once K restarts are spent, with one line naming the rank, the step and the
     checkpoint left; bad input and a stop keep today's ending (the workers' own line)."""
     cfg = _run_folder(tmp_path, 6)
-    line, code = _failure_line(_job((0, 4, 100), (2, -9, 100)), cfg, 2)
+    line, code = _failure_line(_job((0, 4, 100), (2, -9, 100)), cfg, 2, 0)
     assert (
         code == 137
-        and line == "gave up after 2 restarts: rank 2 died (SIGKILL) at step 7; no checkpoint (its output is above)"
+        and line == "gave up after 0 restarts: rank 2 died (SIGKILL) at step 7; no checkpoint (its output is above)"
     )
-    line, code = _failure_line(_job((1, 3, 100)), cfg, 1)
-    assert code == 3 and line.startswith("gave up after 1 restart: rank 1 exited with code 3 at step 7;")
+    line, code = _failure_line(_job((1, 3, 100)), cfg, 1, 0)
+    assert code == 3 and line.startswith("gave up after 0 restarts: rank 1 exited with code 3 at step 7;")
     assert _failure_line(_job((0, 4, 100), (1, 2, 100)), cfg, 2) == (None, 2)
     assert _failure_line(_job((0, 143, 100)), cfg, 2) == (None, 143)
+    # the failure of the last start is named: start 1 wrote its restart row and step 5, start 2
+    # none (it failed while starting)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(
+            "\n"
+            + "\n".join(json.dumps(r) for r in ({"step": 4, "restart": 1, "resumed_from": 4}, {"step": 5, "loss": 1.0}))
+        )
+        f.write("\n")
+    line, _ = _failure_line(_job((0, 4, 100), (2, -9, 100)), cfg, 2, 1)
+    assert line.startswith("gave up after 1 restart: rank 2 died (SIGKILL) at step 6;"), line
+    line, _ = _failure_line(_job((0, 1, 100)), cfg, 2, 2)
+    assert line.startswith("gave up after 2 restarts: rank 0 exited with code 1 before its first step;"), line
+
+
+def test_the_agents_own_sigterm_to_the_survivors_is_not_a_stop():
+    """Once a rank fails, torch's agent SIGTERMs the others before it reports them: a rank still
+    running ends with 143 (its stop handler) or -15. The failure seen in the drill (rank 2
+    killed, rank 0 at 143, rank 3 at -15) is restarted; a group whose cause is a stop or bad
+    input is not. Negative control: deciding on *any* stop code in the group (the reverted
+    code's rule) would not restart it."""
+    from trainer.lifecycle.restarts import NOT_RESTARTED, cause, restartable
+
+    seen = _job((2, -9, 100), (0, 143, 100), (1, 4, 100), (3, -15, 100)).failures
+    assert restartable(seen) and cause(seen)[0] == 2
+    assert any(f.exitcode in NOT_RESTARTED for f in seen.values())  # the old rule's verdict: no restart
+    assert not restartable(_job((0, 143, 100), (1, -15, 100)).failures)  # a stop
+    assert not restartable(_job((0, 2, 101), (1, -9, 100), (2, 143, 100)).failures)  # bad input
+    assert restartable(_job((0, 3, 100), (1, 4, 100)).failures)  # the watchdog's exit
 
 
 def test_a_restarted_worker_writes_a_restart_row_counting_the_redone_steps(tmp_path, monkeypatch):

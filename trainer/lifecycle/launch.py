@@ -164,18 +164,20 @@ def _wait_for_children(timeout: float) -> None:
             time.sleep(0.05)
 
 
-def _failure_line(exc, cfg=None, max_restarts: int = 0) -> tuple[str | None, int]:
+def _failure_line(exc, cfg=None, max_restarts: int = 0, restarts: int = 0, offset: int = 0) -> tuple[str | None, int]:
     """What to print for a failed job (None: the workers said it) and the exit code. Under
     ``--max_restarts K`` > 0 a failure the agent restarts on ends the job only once the K
-    restarts are spent: ``gave up after K restarts: ...`` (trainer/lifecycle/restarts.py)."""
-    from trainer.lifecycle.restarts import NOT_RESTARTED, cause, describe, where
+    restarts are spent: ``gave up after K restarts: ...``, naming the failure of the last start
+    (``restarts``: those made; the last start's rows of metrics.jsonl after byte ``offset``;
+    trainer/lifecycle/restarts.py)."""
+    from trainer.lifecycle.restarts import cause, describe, restartable, where
 
     rank, failure = cause(exc.failures)
     code = failure.exitcode
-    if max_restarts > 0 and code not in NOT_RESTARTED:
+    if max_restarts > 0 and restartable(exc.failures):
         return (
-            f"gave up after {max_restarts} restart{'s' if max_restarts > 1 else ''}: {describe(rank, failure)} "
-            f"{where(cfg, gave_up=True)} (its output is above)",
+            f"gave up after {restarts} restart{'s' if restarts != 1 else ''}: {describe(rank, failure)} "
+            f"{where(cfg, restarts, offset, gave_up=True)} (its output is above)",
             128 - code if code < 0 else code,
         )
     if code < 0:  # killed by a signal
@@ -229,7 +231,7 @@ def run(launch: list[str], rest: list[str]) -> int:
     try:
         # a signal to a starting worker waits for its first line; a failure is restarted with one
         # line, up to --max_restarts times, bad input never (trainer/lifecycle/restarts.py)
-        with workers_start_blocked(), restarting(cfg):
+        with workers_start_blocked(), restarting(cfg) as agent:
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except KeyboardInterrupt:
         # before the agent took SIGINT over (its rendezvous, the workers' start) or after it gave
@@ -239,7 +241,7 @@ def run(launch: list[str], rest: list[str]) -> int:
         _wait_for_children(getattr(args, "shutdown_timeout", 30))
         return 128 + signal.SIGINT
     except ChildFailedError as exc:
-        line, code = _failure_line(exc, cfg, config.max_restarts)
+        line, code = _failure_line(exc, cfg, config.max_restarts, agent.restarts, agent.offset)
         if line is not None:
             print(line, file=sys.stderr, flush=True)
         return code

@@ -24,11 +24,12 @@ import signal
 import sys
 import typing
 
-from trainer.reporting.restart_row import last_logged_step
+from trainer.reporting.restart_row import attempt_progress, metrics_size
 
-__all__ = ["cause", "describe", "restarting", "restarting_agent", "where"]
+__all__ = ["cause", "describe", "restartable", "restarting", "restarting_agent", "where"]
 
-NOT_RESTARTED = {2, 128 + signal.SIGINT, 128 + signal.SIGTERM}  # bad input; a stop signal
+# bad input; a stop (the worker's own exit after SIGINT / SIGTERM, or the signal itself)
+NOT_RESTARTED = {2, 128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
 
 
 def cause(failures: dict):
@@ -46,9 +47,18 @@ def cause(failures: dict):
             return 3
         # a stop: the worker's own exit after one (128 + the signal) or the signal itself (the
         # agent's SIGTERM to the group's other workers once one failed)
-        return 2 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM) else 1
+        return 2 if code in NOT_RESTARTED else 1
 
     return min(failures.items(), key=lambda kv: (priority(kv[1].exitcode), kv[1].timestamp, kv[0]))
+
+
+def restartable(failures: dict) -> bool:
+    """Whether a restart can mend the failure of a worker group, ``{rank: failure}``: decided on
+    its :func:`cause` alone. Once one worker fails, torch's agent SIGTERMs the others before it
+    reports (its ``PContext`` closes them as it polls), and those that were still running end
+    with 143 (their stop handler, trainer/runtime/stop.py) or -15: a consequence, not a stop;
+    the group was stopped only when its cause is a stop."""
+    return cause(failures)[1].exitcode not in NOT_RESTARTED
 
 
 def describe(rank: int, failure) -> str:
@@ -71,12 +81,18 @@ def _newest_checkpoint(cfg) -> int | None:
         return None
 
 
-def where(cfg, gave_up: bool = False) -> str:
-    """``at step 7; resuming from step-6``: the step the group was in (the one after the last
-    row of metrics.jsonl; with ``metrics.log_freq`` > 1, after the last row) and the newest
-    complete checkpoint, as the workers will find it (``gave_up``: as the run leaves it)."""
-    last = last_logged_step(cfg.job.dump_folder) or 0
-    at = f"at step {last + 1}" if cfg.metrics.log_freq == 1 else f"after step {last}"
+def where(cfg, attempt: int = 0, offset: int = 0, gave_up: bool = False) -> str:
+    """``at step 7; resuming from step-6``: where the workers' start ``attempt`` (0: the first)
+    was when it failed, from the rows it wrote to metrics.jsonl past byte ``offset`` (the file's
+    size as the launch began): the step after its last row (with ``metrics.log_freq`` > 1,
+    after its last row), ``before its first step`` when it wrote none (it failed while
+    starting: resuming, forming its group); then the newest complete checkpoint, as the
+    workers will find it (``gave_up``: as the run leaves it)."""
+    started, last = attempt_progress(cfg.job.dump_folder, attempt, offset)
+    if not started or last is None:
+        at = "before its first step"
+    else:
+        at = f"at step {last + 1}" if cfg.metrics.log_freq == 1 else f"after step {last}"
     step = _newest_checkpoint(cfg)
     if gave_up:
         return f"{at}; the newest checkpoint is step-{step}" if step is not None else f"{at}; no checkpoint"
@@ -89,14 +105,15 @@ def restarting_agent(cfg, base):
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     class RestartingAgent(base):
-        restarts = 0
-        failures: typing.ClassVar[dict] = {}
+        restarts = 0  # made so far: the workers' start now running is attempt ``restarts``
+        failures: typing.ClassVar[dict] = {}  # the failed attempt's, for its restart line
+        offset = metrics_size(cfg.job.dump_folder)  # this launch's rows of metrics.jsonl begin here
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
-                type(self).failures = dict(result.failures)
-                if any(f.exitcode in NOT_RESTARTED for f in result.failures.values()):
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                type(self).failures = dict(result.failures)  # this attempt's (none: unhealthy)
+                if result.failures and not restartable(result.failures):
                     self._remaining_restarts = 0  # the agent stops the others and returns the failure
             return result
 
@@ -105,10 +122,12 @@ def restarting_agent(cfg, base):
             # they finished meanwhile is then the one resumed from)
             self._stop_workers(worker_group)
             worker_group.state = WorkerState.STOPPED
-            type(self).restarts += 1
-            line = f"restart {self.restarts}/{worker_group.spec.max_restarts}"
+            line = f"restart {self.restarts + 1}/{worker_group.spec.max_restarts}"
             if self.failures:
-                line += f": {describe(*cause(self.failures))} {where(cfg)}"
+                line += f": {describe(*cause(self.failures))} {where(cfg, self.restarts, self.offset)}"
+            else:
+                line += f": the worker group was unhealthy {where(cfg, self.restarts, self.offset)}"
+            type(self).restarts += 1
             print(line, file=sys.stderr, flush=True)
             self._initialize_workers(worker_group)
 

@@ -9,23 +9,58 @@ import contextlib
 import json
 import os
 
-__all__ = ["last_logged_step", "restart_row"]
+__all__ = ["attempt_progress", "last_logged_step", "metrics_size", "restart_row"]
 
 
-def last_logged_step(run_folder: str) -> int | None:
-    """The step of the last training row of ``run_folder``'s metrics.jsonl (None: none); a
-    last line cut short by a kill is not a row."""
+def metrics_size(run_folder: str) -> int:
+    """The size in bytes of ``run_folder``'s metrics.jsonl (0: none yet)."""
+    try:
+        return os.path.getsize(os.path.join(run_folder, "metrics.jsonl"))
+    except OSError:
+        return 0
+
+
+def _rows(run_folder: str, offset: int = 0):
+    """The rows of ``run_folder``'s metrics.jsonl from byte ``offset``; a last line cut short by
+    a kill is not a row."""
     path = os.path.join(run_folder, "metrics.jsonl")
-    last = None
-    with contextlib.suppress(OSError), open(path) as f:
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        f.seek(offset)
         for line in f:
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
-            if "loss" in row:
-                last = row["step"]
+            if isinstance(row, dict):
+                yield row
+
+
+def last_logged_step(run_folder: str) -> int | None:
+    """The step of the last training row of ``run_folder``'s metrics.jsonl (None: none)."""
+    last = None
+    for row in _rows(run_folder):
+        if "loss" in row:
+            last = row["step"]
     return last
+
+
+def attempt_progress(run_folder: str, attempt: int, offset: int = 0) -> tuple[bool, int | None]:
+    """How far the workers' start ``attempt`` (TORCHELASTIC_RESTART_COUNT: 0 the first) of the
+    launch whose rows begin at byte ``offset`` of metrics.jsonl (:func:`metrics_size` as it
+    began) got: ``(started, last_step)``. A restarted start has ``started`` once it wrote its
+    ``restart`` row (after it resumed, before its first step); ``last_step`` is the step of its
+    last training row, else the step it resumed from. The first start counts as started, its
+    rows being those before the first ``restart`` row; ``last_step`` None: it wrote none."""
+    started, last = attempt == 0, None
+    for row in _rows(run_folder, offset):
+        if "restart" in row:
+            if row["restart"] == attempt:
+                started, last = True, row.get("resumed_from", row["step"])
+            elif started:
+                break  # a later start's rows
+        elif started and "loss" in row:
+            last = row["step"]
+    return started, last
 
 
 def restart_row(cfg, resumed: int | None) -> dict | None:
