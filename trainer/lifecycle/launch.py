@@ -30,7 +30,8 @@ through the agent, which waits ``--shutdown_timeout`` (default here: the checkpo
 bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; on a second
 Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once. The workers
 start with SIGINT and SIGTERM blocked until train.py's first line (trainer/lifecycle/start_signals.py), so
-a Ctrl-C while they start is one line too.
+a Ctrl-C while they start is one line too. A launcher SIGKILLed takes its workers with it
+(trainer/lifecycle/parent_death.py: they are SIGKILLed as their parent ends).
 """
 
 from __future__ import annotations
@@ -226,6 +227,9 @@ def run(launch: list[str], rest: list[str]) -> int:
     if int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does, without its banner
     args.training_script, args.training_script_args = TRAIN_PY, rest
+    from trainer.lifecycle.parent_death import LAUNCHER_PID
+
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers end with this process (parent_death.py)
     _quiet_agent()
     config, cmd, cmd_args = config_from_args(args)
     try:
