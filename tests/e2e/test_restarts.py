@@ -11,8 +11,9 @@ claim is the elastic agent's: processes killed, restarted, their exit codes), so
   bitwise the uninterrupted run's on the same layout (its ranks forked:
   tests/e2e/test_launcher.py proves a forked run bitwise the torchrun run). The whole output
   of the launch (every start's workers print through it) is in each assertion's message;
-* restarts spent: 2 processes, ``--max_restarts 1``, ``kill@2:rank=1`` in every start: one
-  restart line, then one ``gave up after 1 restart`` line, exit 137 (SIGKILL's code).
+* restarts spent: 1 process, ``--max_restarts 1``, ``kill@2`` in every start: one restart
+  line, then one ``gave up after 1 restart`` line naming the second start's failure, exit 137
+  (SIGKILL's code);
 
 * no orphans: the launcher SIGKILLed once its 2 workers train: both are gone within seconds
   (trainer/lifecycle/parent_death.py; before it they trained on, orphaned).
@@ -82,17 +83,18 @@ def test_a_killed_rank_is_restarted_and_the_loss_curve_is_the_uninterrupted_runs
 
 
 def test_restarts_spent_end_in_one_line(tmp_path):
-    """``kill@2:rank=1`` fires in every start (each resumes before step 2): the one restart
-    is spent, and the job ends with one line, non-zero, naming the last start's failure."""
-    fault = "kill@2:rank=1"
-    run = launch(2, "--max_restarts", "1", *DRILL, "--job.dump_folder", str(tmp_path), "--debug.fault", fault)
+    """``kill@2`` fires in every start (each resumes before step 2): the one restart is spent,
+    and the job ends with one line, non-zero, naming the last start's failure. One process: the
+    claim is the agent's count (the drill above has the group of four)."""
+    fault = "kill@2"
+    run = launch(1, "--max_restarts", "1", *DRILL, "--job.dump_folder", str(tmp_path), "--debug.fault", fault)
     out, story = run.stdout + run.stderr, _explain(run, tmp_path, fault)
     assert run.returncode == 137, story
     assert _restart_lines(out) == [
-        "restart 1/1: rank 1 died (SIGKILL) at step 2; no checkpoint: starting from step 0"
+        "restart 1/1: rank 0 died (SIGKILL) at step 2; no checkpoint: starting from step 0"
     ], story
     ends = [line for line in out.splitlines() if line.startswith("gave up")]
-    assert ends == ["gave up after 1 restart: rank 1 died (SIGKILL) at step 2; no checkpoint (its output is above)"], (
+    assert ends == ["gave up after 1 restart: rank 0 died (SIGKILL) at step 2; no checkpoint (its output is above)"], (
         story
     )
     assert "Traceback" not in out, story
