@@ -11,9 +11,10 @@ claim is the elastic agent's: processes killed, restarted, their exit codes), so
   bitwise the uninterrupted run's on the same layout (its ranks forked:
   tests/e2e/test_launcher.py proves a forked run bitwise the torchrun run). The whole output
   of the launch (every start's workers print through it) is in each assertion's message;
-* restarts spent: 1 process, ``--max_restarts 1``, ``kill@2`` in every start: one restart
-  line, then one ``gave up after 1 restart`` line naming the second start's failure, exit 137
-  (SIGKILL's code);
+* restarts spent, and a group that cannot form: 2 processes, ``--max_restarts 1``, rank 1
+  killed in the first start and hung before joining its group in the second: one restart
+  line, rank 0's one line naming rank 1 as missing within ``comm.init_timeout_seconds``, then
+  one ``gave up after 1 restart`` line naming the second start's failure, exit 3;
 
 * no orphans: the launcher SIGKILLed once its 2 workers train: both are gone within seconds
   (trainer/lifecycle/parent_death.py; before it they trained on, orphaned).
@@ -82,22 +83,29 @@ def test_a_killed_rank_is_restarted_and_the_loss_curve_is_the_uninterrupted_runs
     assert got == want and len(got) == 6, (fault, got, want)
 
 
-def test_restarts_spent_end_in_one_line(tmp_path):
-    """``kill@2`` fires in every start (each resumes before step 2): the one restart is spent,
-    and the job ends with one line, non-zero, naming the last start's failure. One process: the
-    claim is the agent's count (the drill above has the group of four)."""
-    fault = "kill@2"
-    run = launch(1, "--max_restarts", "1", *DRILL, "--job.dump_folder", str(tmp_path), "--debug.fault", fault)
+def test_restarts_spent_and_a_group_that_cannot_form_end_in_one_line_each(tmp_path):
+    """``--max_restarts 1``; start 0: rank 1 killed at step 3 (restart line); start 1: rank 1
+    hangs before joining its group (``hang@0``), so rank 0 ends within
+    ``comm.init_timeout_seconds`` with one line naming rank 1, and the restart being spent the
+    launcher gives up in one line naming *that* start's failure (rank 0's exit 3 before its
+    first step), not the first one."""
+    fault = "kill@3:rank=1:restart=0,hang@0:rank=1:restart=1"
+    run = launch(2, "--max_restarts", "1", *DRILL, "--comm.init_timeout_seconds", "15",
+                 "--job.dump_folder", str(tmp_path), "--debug.fault", fault)  # fmt: skip
     out, story = run.stdout + run.stderr, _explain(run, tmp_path, fault)
-    assert run.returncode == 137, story
-    assert _restart_lines(out) == [
-        "restart 1/1: rank 0 died (SIGKILL) at step 2; no checkpoint: starting from step 0"
+    assert run.returncode == 3, story
+    assert _restart_lines(out) == ["restart 1/1: rank 1 died (SIGKILL) at step 3; resuming from step-2"], story
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: the workers' start after restart 1 could not form its group: rank 1 of 2 did not join within "
+        "comm.init_timeout_seconds = 15 s (hung or gone while starting: see its output); rank 0 waited"
     ], story
     ends = [line for line in out.splitlines() if line.startswith("gave up")]
-    assert ends == ["gave up after 1 restart: rank 0 died (SIGKILL) at step 2; no checkpoint (its output is above)"], (
-        story
-    )
-    assert "Traceback" not in out, story
+    assert ends == [
+        "gave up after 1 restart: rank 0 exited with code 3 before its first step; the newest checkpoint is step-2 "
+        "(its output is above)"
+    ], story
+    assert "Traceback" not in out and "[W" not in out, story
 
 
 def _alive(pid: int) -> bool:

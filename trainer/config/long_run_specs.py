@@ -44,8 +44,9 @@ def _parse_one(spec: str) -> Fault:
         raise _bad(spec, f"unknown fault {kind!r} (one of {', '.join(FAULT_KINDS)})")
     step = None
     if at:
-        if not step_text.isdigit() or int(step_text) < 1:
-            raise _bad(spec, f"the step after '@' must be an integer >= 1, got {step_text!r}")
+        lowest = 0 if kind == "hang" else 1  # hang@0: before the rank joins its group
+        if not step_text.isdigit() or int(step_text) < lowest:
+            raise _bad(spec, f"the step after '@' must be an integer >= {lowest}, got {step_text!r}")
         step = int(step_text)
     elif kind != "slow":
         raise _bad(spec, f"'{kind}' needs the step it happens at: '{kind}@STEP'")
@@ -69,6 +70,10 @@ def _parse_one(spec: str) -> Fault:
                 spec, f"restart must be an integer >= 0 (the workers' start: 0 is the first), got {values['restart']!r}"
             )
         restart = int(values["restart"])
+    if step == 0 and not restart:
+        raise _bad(
+            spec, "'hang@0' (before the rank joins its group) fires in a restarted start only: add restart=N, N >= 1"
+        )
     factor = 1.0
     if kind == "slow":
         if "factor" not in values:
