@@ -165,3 +165,42 @@ def test_a_restarted_worker_writes_a_restart_row_counting_the_redone_steps(tmp_p
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert restart_row(cfg, 4) == {"restart": 2, "resumed_from": 4, "redone_steps": 3}
     assert restart_row(cfg, None) == {"restart": 2, "resumed_from": 0, "redone_steps": 7}
+
+
+def test_restarted_workers_that_cannot_form_their_group_name_who_is_missing():
+    """trainer/runtime/distributed_init.py ``_join`` on an in-process store: ranks 0 and 1 of 3
+    come, rank 2 never does; both end after the timeout naming rank 2, and only rank 0 speaks.
+    With every rank there it returns at once."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from trainer.runtime.distributed_init import GroupNotFormed, _join
+
+    store, ended = dist.HashStore(), {}
+
+    def rank(r: int) -> None:
+        try:
+            _join(store, r, 3, 1)
+            ended[r] = None
+        except GroupNotFormed as exc:
+            ended[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(ended[r], GroupNotFormed) for r in (0, 1)), ended
+    assert "rank 2 of 3 did not join within comm.init_timeout_seconds = 1 s" in str(ended[0])
+    assert "ranks 0, 1 waited" in str(ended[0]) and ended[0].speaks and not ended[1].speaks
+
+    store = dist.HashStore()
+    threads = [threading.Thread(target=_join, args=(store, r, 2, 30)) for r in (0, 1)]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - began < 5 and not any(t.is_alive() for t in threads)
