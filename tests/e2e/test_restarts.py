@@ -15,7 +15,6 @@ claim is the elastic agent's: processes killed, restarted, their exit codes), so
   killed in the first start and hung before joining its group in the second: one restart
   line, rank 0's one line naming rank 1 as missing within ``comm.init_timeout_seconds``, then
   one ``gave up after 1 restart`` line naming the second start's failure, exit 3;
-
 * no orphans: the launcher SIGKILLed once its 2 workers train: both are gone within seconds
   (trainer/lifecycle/parent_death.py; before it they trained on, orphaned).
 
