@@ -10,6 +10,11 @@ from trainer.lifecycle.start_signals import quiet_start
 
 quiet_start()
 
+# a launcher's worker ends with it, even when it is SIGKILLed (trainer/lifecycle/parent_death.py)
+from trainer.lifecycle.parent_death import die_with_launcher  # noqa: E402
+
+die_with_launcher()
+
 import gc  # noqa: E402
 
 # Start-up (every rank pays it): importing torch and the trainer creates about a million

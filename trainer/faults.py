@@ -4,14 +4,18 @@ cluster: ``--debug.fault "nan_loss@5"``, ``"kill@7:rank=2"``, ``"hang@4:rank=1"`
 
 A spec is ``KIND[@STEP][:key=value...]``; several are comma-separated (a TOML array in a config
 file). ``STEP`` is the training step as the log counts it (1 = the first step); ``rank`` the
-global rank (default: every rank). The kinds:
+global rank (default: every rank); ``restart`` the workers' start it fires in (0: the first,
+1: after the first automatic restart, ...; default: every start, so ``kill@7`` under
+``--max_restarts K`` fires again in each start: the restarts are used up). The kinds:
 
 ``nan_loss@STEP``  the step's loss and this rank's gradients become NaN after the backward (the
                    whole step is then non-finite: ``training.on_nonfinite`` decides what happens).
                    Fires once: a step redone after a rollback is clean, as a transient fault is.
 ``kill@STEP``      the rank SIGKILLs itself as the step starts (a dead process, nothing flushed).
 ``hang@STEP``      the rank stops in a sleep as the step starts (a hung process; the step
-                   watchdog, trainer/runtime/comm_watchdog.py, ends the job).
+                   watchdog, trainer/runtime/comm_watchdog.py, ends the job). ``hang@0``: in a
+                   restarted start (``restart=N``, N >= 1), before the rank joins its group
+                   (the others end within ``comm.init_timeout_seconds`` naming it).
 ``slow``           every step (from ``@STEP``, default 1) the rank sleeps ``factor - 1`` times its
                    own step time (``factor`` > 1, required) after its step: a rank ``factor`` times
                    slower, which trainer/reporting/stragglers.py names.
@@ -34,7 +38,20 @@ import torch
 
 from trainer.config.long_run_specs import Fault, parse_faults
 
-__all__ = ["Faults"]
+__all__ = ["Faults", "before_joining"]
+
+
+def _start() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # the elastic agent's
+
+
+def before_joining(specs: list[str], rank: int, world_size: int) -> None:
+    """A restarted worker, before it joins its group: a due ``hang@0`` hangs it there."""
+    for f in parse_faults(specs, world_size):
+        if f.kind == "hang" and f.step == 0 and f.rank in (None, rank) and f.restart in (None, _start()):
+            print(f"debug.fault: hang before joining the group on rank {rank}: hanging", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(60)
 
 
 class Faults:
@@ -42,7 +59,12 @@ class Faults:
 
     def __init__(self, specs: list[str], rank: int, world_size: int):
         self.rank = rank
-        self.faults = [f for f in parse_faults(specs, world_size) if f.rank is None or f.rank == rank]
+        start = _start()
+        self.faults = [
+            f
+            for f in parse_faults(specs, world_size)
+            if (f.rank is None or f.rank == rank) and (f.restart is None or f.restart == start)
+        ]
         self._fired: set[Fault] = set()
 
     def _announce(self, fault: Fault, step: int, what: str) -> None:

@@ -49,6 +49,7 @@ from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
 from trainer.reporting.data_progress import DataProgress
 from trainer.reporting.metrics import MetricsLogger, training_flops_per_token
+from trainer.reporting.restart_row import restart_row
 from trainer.reporting.run_metrics import open_metrics
 from trainer.reporting.run_summary import RunTotals, commit_run, end_lines
 from trainer.reporting.stragglers import Stragglers
@@ -333,7 +334,10 @@ class Trainer:
             f"config: {os.path.join(run_folder, 'config.toml')} (the resolved config, written once the first step "
             "is done; --job.print_config prints it)"
         )
+        restart = restart_row(cfg, resumed)  # a worker restarted by the elastic agent (before any row of its own)
         metrics = open_metrics(self, resumed is not None, _log)  # trainer/reporting/run_metrics.py
+        if restart is not None:
+            metrics.log_event(self.step, restart)
         batch = self.plan.batch
         _log(
             f"training {cfg.model.name}/{cfg.model.flavor} ({self.num_params / 1e6:.1f}M params) for "

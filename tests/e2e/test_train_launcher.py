@@ -8,7 +8,8 @@ The kinds of error: an unknown key, a bad degree, a missing data file, an unknow
 (found by the launcher before any worker starts), and a bad checkpoint (a truncated
 ``.metadata``: found by the workers' resume). Under the launcher each at 2 and 4 processes;
 under torchrun each at 4 processes (the most copies of a line to print once) and two of them
-at 2 as well (the world size in the message)."""
+at 2 as well (the world size in the message). The launches as the user types them carry
+``--max_restarts 2``: a user error is not restarted (one line, no restart line, exit 2)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ SUBPROCESS = {("unknown_key", 4), ("bad_checkpoint", 2), ("bad_checkpoint", 4)}
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_user_error_is_one_line_under_the_launcher(tmp_path, kind, nproc, capsys):
     if (kind, nproc) in SUBPROCESS:
-        res = launch(nproc, *_case(tmp_path, kind))
+        # with restarts allowed: bad input is never restarted (trainer/lifecycle/restarts.py)
+        res = launch(nproc, "--max_restarts", "2", *_case(tmp_path, kind))
         code, out = res.returncode, res.stdout + res.stderr
     else:
         from trainer.lifecycle.launch import main
@@ -87,6 +89,7 @@ def test_every_user_error_is_one_line_under_the_launcher(tmp_path, kind, nproc, 
     errors = _error_lines(out)
     assert len(errors) == 1 and KINDS[kind][1] in errors[0], out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+    assert not [line for line in out.splitlines() if line.startswith("restart ")], out[-3000:]
     if kind != "bad_checkpoint":  # found before any worker started: nothing else was printed
         assert out.strip() == errors[0], out[-3000:]
 

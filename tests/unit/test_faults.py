@@ -27,6 +27,42 @@ def test_the_documented_forms_parse():
         Fault("slow", None, 3, 2.0),
         Fault("slow", 3, None, 1.5),
     ]
+    # restart=N: only in the workers' start N (trainer/lifecycle/restarts.py); default every start
+    assert parse_faults(["kill@7:rank=2:restart=0"]) == [Fault("kill", 7, 2, restart=0)]
+
+
+def test_hang_before_joining_fires_in_its_restarted_start_only(monkeypatch):
+    """``hang@0:restart=N``: the rank hangs before it joins its group in start N (a drill of
+    restarted workers that cannot form their group, tests/e2e/test_restarts.py); in any other
+    start, or on another rank, it returns at once."""
+    from trainer import faults as faults_module
+
+    assert parse_faults(["hang@0:rank=1:restart=1"]) == [Fault("hang", 0, 1, restart=1)]
+
+    class Hung(Exception):
+        pass
+
+    def sleep(_seconds):
+        raise Hung
+
+    monkeypatch.setattr(faults_module.time, "sleep", sleep)
+    for start, rank, hangs in (("0", 1, False), ("1", 0, False), ("1", 1, True), ("2", 1, False)):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", start)
+        try:
+            faults_module.before_joining(["hang@0:rank=1:restart=1", "kill@3"], rank, 2)
+            hung = False
+        except Hung:
+            hung = True
+        assert hung == hangs, (start, rank)
+
+
+def test_a_fault_with_restart_fires_only_in_that_start(monkeypatch):
+    from trainer.faults import Faults
+
+    for start, kinds in (("0", ["kill", "hang"]), ("1", ["hang"])):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", start)
+        faults = Faults(["kill@4:restart=0", "hang@5"], rank=0, world_size=2)
+        assert [f.kind for f in faults.faults] == kinds, start
 
 
 @pytest.mark.parametrize(
@@ -35,9 +71,12 @@ def test_the_documented_forms_parse():
         ("nan@5", "unknown fault 'nan'"),
         ("kill", "needs the step"),
         ("kill@0", "integer >= 1"),
+        ("hang@0:rank=1", "add restart=N, N >= 1"),
+        ("hang@0:restart=0", "add restart=N, N >= 1"),
         ("kill@x", "integer >= 1"),
         ("kill@7:rank=-1", "rank must be an integer"),
         ("kill@7:ranks=2", "not a key=value of 'kill'"),
+        ("kill@7:restart=x", "restart must be an integer"),
         ("kill@7:rank=2:rank=3", "given twice"),
         ("nan_loss@5:factor=2", "not a key=value of 'nan_loss'"),
         ("slow:rank=1", "needs factor=F"),

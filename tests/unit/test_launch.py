@@ -4,6 +4,7 @@ to end: tests/e2e/test_train_launcher.py.)"""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -81,7 +82,7 @@ def test_the_launcher_names_the_cause_not_the_ranks_that_ended_after_it():
     ahead of the ranks stopped or left without their peer."""
     assert _failure_line(_job((0, 4, 100), (1, 2, 100))) == (None, 2)
     assert _failure_line(_job((0, 143, 100), (1, 2, 101))) == (None, 2)
-    line, code = _failure_line(_job((0, 4, 100), (1, -9, 100), (2, 143, 100)))
+    line, code = _failure_line(_job((0, -15, 100), (1, -9, 100), (2, 143, 100)))
     assert code == 137 and line.startswith("error: rank 1 (pid 1001) was ended by SIGKILL")
     line, code = _failure_line(_job((0, 4, 99), (1, 1, 100)))
     assert code == 1 and line.startswith("rank 1 (pid 1001) exited with code 1")
@@ -97,3 +98,109 @@ def test_a_collective_that_failed_on_a_gone_peer_is_told_apart_from_a_bug():
     assert is_peer_gone(RuntimeError("[pair.cc:598] Read error [127.0.0.1]:1: Connection reset by peer"))
     assert not is_peer_gone(RuntimeError("shape mismatch in all_reduce"))  # a bug keeps its traceback
     assert not is_peer_gone(ValueError(gloo))  # bad input is its own line
+
+
+def _run_folder(tmp_path, last_step: int):
+    """A config's view of a run folder whose metrics.jsonl ends at ``last_step`` (and a last
+    line cut short by a kill), checkpoints off."""
+    rows = [json.dumps({"step": s, "loss": 1.0}) for s in range(1, last_step + 1)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": ')
+    return SimpleNamespace(
+        job=SimpleNamespace(dump_folder=str(tmp_path)),
+        metrics=SimpleNamespace(log_freq=1),
+        checkpoint=SimpleNamespace(enable=False),
+    )
+
+
+def test_restarts_spent_end_in_one_gave_up_line_and_bad_input_is_never_restarted(tmp_path):
+    """Under --max_restarts K > 0 (trainer/lifecycle/restarts.py): a failure the agent restarts
+    on ends the job, once K restarts are spent, with one line naming the rank, the step and the
+    checkpoint left; bad input and a stop keep today's ending (the workers' own line)."""
+    cfg = _run_folder(tmp_path, 6)
+    line, code = _failure_line(_job((0, 4, 100), (2, -9, 100)), cfg, 2, 0)
+    assert (
+        code == 137
+        and line == "gave up after 0 restarts: rank 2 died (SIGKILL) at step 7; no checkpoint (its output is above)"
+    )
+    line, code = _failure_line(_job((1, 3, 100)), cfg, 1, 0)
+    assert code == 3 and line.startswith("gave up after 0 restarts: rank 1 exited with code 3 at step 7;")
+    assert _failure_line(_job((0, 4, 100), (1, 2, 100)), cfg, 2) == (None, 2)
+    assert _failure_line(_job((0, 143, 100)), cfg, 2) == (None, 143)
+    # the failure of the last start is named: start 1 wrote its restart row and step 5, start 2
+    # none (it failed while starting)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(
+            "\n"
+            + "\n".join(json.dumps(r) for r in ({"step": 4, "restart": 1, "resumed_from": 4}, {"step": 5, "loss": 1.0}))
+        )
+        f.write("\n")
+    line, _ = _failure_line(_job((0, 4, 100), (2, -9, 100)), cfg, 2, 1)
+    assert line.startswith("gave up after 1 restart: rank 2 died (SIGKILL) at step 6;"), line
+    line, _ = _failure_line(_job((0, 1, 100)), cfg, 2, 2)
+    assert line.startswith("gave up after 2 restarts: rank 0 exited with code 1 before its first step;"), line
+
+
+def test_the_agents_own_sigterm_to_the_survivors_is_not_a_stop():
+    """Once a rank fails, torch's agent SIGTERMs the others before it reports them: a rank still
+    running ends with 143 (its stop handler) or -15. The failure seen in the drill (rank 2
+    killed, rank 0 at 143, rank 3 at -15) is restarted; a group whose cause is a stop or bad
+    input is not. Negative control: deciding on *any* stop code in the group (the reverted
+    code's rule) would not restart it."""
+    from trainer.lifecycle.restarts import NOT_RESTARTED, cause, restartable
+
+    seen = _job((2, -9, 100), (0, 143, 100), (1, 4, 100), (3, -15, 100)).failures
+    assert restartable(seen) and cause(seen)[0] == 2
+    assert any(f.exitcode in NOT_RESTARTED for f in seen.values())  # the old rule's verdict: no restart
+    assert not restartable(_job((0, 143, 100), (1, -15, 100)).failures)  # a stop
+    assert not restartable(_job((0, 2, 101), (1, -9, 100), (2, 143, 100)).failures)  # bad input
+    assert restartable(_job((0, 3, 100), (1, 4, 100)).failures)  # the watchdog's exit
+
+
+def test_a_restarted_worker_writes_a_restart_row_counting_the_redone_steps(tmp_path, monkeypatch):
+    from trainer.reporting.restart_row import restart_row
+
+    cfg = _run_folder(tmp_path, 7)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert restart_row(cfg, 6) is None  # a first start (or a plain resume): no row
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert restart_row(cfg, 4) == {"restart": 2, "resumed_from": 4, "redone_steps": 3}
+    assert restart_row(cfg, None) == {"restart": 2, "resumed_from": 0, "redone_steps": 7}
+
+
+def test_restarted_workers_that_cannot_form_their_group_name_who_is_missing():
+    """trainer/runtime/distributed_init.py ``_join`` on an in-process store: ranks 0 and 1 of 3
+    come, rank 2 never does; both end after the timeout naming rank 2, and only rank 0 speaks.
+    With every rank there it returns at once."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from trainer.runtime.distributed_init import GroupNotFormed, _join
+
+    store, ended = dist.HashStore(), {}
+
+    def rank(r: int) -> None:
+        try:
+            _join(store, r, 3, 1)
+            ended[r] = None
+        except GroupNotFormed as exc:
+            ended[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(ended[r], GroupNotFormed) for r in (0, 1)), ended
+    assert "rank 2 of 3 did not join within comm.init_timeout_seconds = 1 s" in str(ended[0])
+    assert "ranks 0, 1 waited" in str(ended[0]) and ended[0].speaks and not ended[1].speaks
+
+    store = dist.HashStore()
+    threads = [threading.Thread(target=_join, args=(store, r, 2, 30)) for r in (0, 1)]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - began < 5 and not any(t.is_alive() for t in threads)

@@ -13,7 +13,12 @@ from trainer.config.errors import ConfigError
 __all__ = ["FAULT_KINDS", "Fault", "parse_faults", "parse_skip_samples"]
 
 FAULT_KINDS = ("nan_loss", "kill", "hang", "slow")
-_KEYS = {"nan_loss": ("rank",), "kill": ("rank",), "hang": ("rank",), "slow": ("rank", "factor")}
+_KEYS = {
+    "nan_loss": ("rank", "restart"),
+    "kill": ("rank", "restart"),
+    "hang": ("rank", "restart"),
+    "slow": ("rank", "factor", "restart"),
+}
 _FORMS = "'nan_loss@5', 'kill@7:rank=2', 'hang@4:rank=1', 'slow:rank=3:factor=2'"
 
 
@@ -23,6 +28,9 @@ class Fault:
     step: int | None  # None: slow from step 1
     rank: int | None  # None: every rank
     factor: float = 1.0
+    # only in the workers' start number ``restart`` (0: the first; TORCHELASTIC_RESTART_COUNT,
+    # set by torch's elastic agent); None: in every start, so a kill fires again after a restart
+    restart: int | None = None
 
 
 def _bad(spec: str, why: str) -> ConfigError:
@@ -36,8 +44,9 @@ def _parse_one(spec: str) -> Fault:
         raise _bad(spec, f"unknown fault {kind!r} (one of {', '.join(FAULT_KINDS)})")
     step = None
     if at:
-        if not step_text.isdigit() or int(step_text) < 1:
-            raise _bad(spec, f"the step after '@' must be an integer >= 1, got {step_text!r}")
+        lowest = 0 if kind == "hang" else 1  # hang@0: before the rank joins its group
+        if not step_text.isdigit() or int(step_text) < lowest:
+            raise _bad(spec, f"the step after '@' must be an integer >= {lowest}, got {step_text!r}")
         step = int(step_text)
     elif kind != "slow":
         raise _bad(spec, f"'{kind}' needs the step it happens at: '{kind}@STEP'")
@@ -54,6 +63,17 @@ def _parse_one(spec: str) -> Fault:
         if not values["rank"].isdigit():
             raise _bad(spec, f"rank must be an integer >= 0, got {values['rank']!r}")
         rank = int(values["rank"])
+    restart = None
+    if "restart" in values:
+        if not values["restart"].isdigit():
+            raise _bad(
+                spec, f"restart must be an integer >= 0 (the workers' start: 0 is the first), got {values['restart']!r}"
+            )
+        restart = int(values["restart"])
+    if step == 0 and not restart:
+        raise _bad(
+            spec, "'hang@0' (before the rank joins its group) fires in a restarted start only: add restart=N, N >= 1"
+        )
     factor = 1.0
     if kind == "slow":
         if "factor" not in values:
@@ -64,7 +84,7 @@ def _parse_one(spec: str) -> Fault:
             factor = math.nan
         if not (math.isfinite(factor) and factor > 1):
             raise _bad(spec, f"factor must be a number > 1, got {values['factor']!r}")
-    return Fault(kind, step, rank, factor)
+    return Fault(kind, step, rank, factor, restart)
 
 
 def parse_faults(specs: list[str], world_size: int | None = None) -> list[Fault]:

@@ -17,7 +17,11 @@ flag, every ``--section.key`` a config key) and then:
    the rank that met it (exit code 2; ranks whose collectives then failed on the gone peer end
    quietly with exit code 4, and the launcher reports the cause, not them); a run stopped by SIGINT / SIGTERM printed its stop line (exit code
    128 + the signal, trainer/runtime/stop.py); a worker that crashed or was killed gets one line naming
-   the rank, its exit code or signal, and that its output is above.
+   the rank, its exit code or signal, and that its output is above. Under ``--max_restarts K``
+   a failed worker makes the agent restart every worker (they resume from the newest complete
+   checkpoint), one line each time, and the job ends only when K restarts are spent (``gave up
+   after K restarts: ...``); bad input and a stop signal are never restarted
+   (trainer/lifecycle/restarts.py).
 
 What torchrun adds and this leaves out: the OMP_NUM_THREADS banner (the variable is still set
 to 1 for several workers when unset), the agent's warnings, the ``ChildFailedError``
@@ -26,7 +30,8 @@ through the agent, which waits ``--shutdown_timeout`` (default here: the checkpo
 bound, ``comm.init_timeout_seconds``, plus 60 s) for them to save and exit; on a second
 Ctrl-C the agent shuts down again with SIGTERM, and the workers stop at once. The workers
 start with SIGINT and SIGTERM blocked until train.py's first line (trainer/lifecycle/start_signals.py), so
-a Ctrl-C while they start is one line too.
+a Ctrl-C while they start is one line too. A launcher SIGKILLed takes its workers with it
+(trainer/lifecycle/parent_death.py: they are SIGKILLed as their parent ends).
 """
 
 from __future__ import annotations
@@ -160,30 +165,22 @@ def _wait_for_children(timeout: float) -> None:
             time.sleep(0.05)
 
 
-def _cause(exc):
-    """The failure that ended the job: ``(rank, failure)``. After one rank fails the others
-    end as a consequence (their collectives fail on the gone peer: exit code 4; the agent's
-    SIGTERM: 143), possibly within the same second, which torch's first-failure timestamp does
-    not tell apart; so bad input (2) first, then any other failure (a bug, a kill), then a
-    stop signal, then a rank whose peer was gone; the earliest within each."""
-    from trainer.runtime.distributed_init import EXIT_PEER_GONE
+def _failure_line(exc, cfg=None, max_restarts: int = 0, restarts: int = 0, offset: int = 0) -> tuple[str | None, int]:
+    """What to print for a failed job (None: the workers said it) and the exit code. Under
+    ``--max_restarts K`` > 0 a failure the agent restarts on ends the job only once the K
+    restarts are spent: ``gave up after K restarts: ...``, naming the failure of the last start
+    (``restarts``: those made; the last start's rows of metrics.jsonl after byte ``offset``;
+    trainer/lifecycle/restarts.py)."""
+    from trainer.lifecycle.restarts import cause, describe, restartable, where
 
-    def priority(code: int) -> int:
-        if code == EXIT_BAD_INPUT:
-            return 0
-        if code == EXIT_PEER_GONE:
-            return 3
-        return 2 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else 1
-
-    first = exc.get_first_failure()[0]
-    ranked = sorted(exc.failures.items(), key=lambda kv: (priority(kv[1].exitcode), kv[1].timestamp, kv[0] != first))
-    return ranked[0]
-
-
-def _failure_line(exc) -> tuple[str | None, int]:
-    """What to print for a failed job (None: the workers said it) and the exit code."""
-    rank, failure = _cause(exc)
+    rank, failure = cause(exc.failures)
     code = failure.exitcode
+    if max_restarts > 0 and restartable(exc.failures):
+        return (
+            f"gave up after {restarts} restart{'s' if restarts != 1 else ''}: {describe(rank, failure)} "
+            f"{where(cfg, restarts, offset, gave_up=True)} (its output is above)",
+            128 - code if code < 0 else code,
+        )
     if code < 0:  # killed by a signal
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
         return (
@@ -197,6 +194,7 @@ def _failure_line(exc) -> tuple[str | None, int]:
 
 def run(launch: list[str], rest: list[str]) -> int:
     from trainer.config import load_config
+    from trainer.lifecycle.restarts import restarting
     from trainer.lifecycle.start_signals import hand_over, workers_start_blocked
     from trainer.startup import preflight
 
@@ -229,10 +227,15 @@ def run(launch: list[str], rest: list[str]) -> int:
     if int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does, without its banner
     args.training_script, args.training_script_args = TRAIN_PY, rest
+    from trainer.lifecycle.parent_death import LAUNCHER_PID
+
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers end with this process (parent_death.py)
     _quiet_agent()
     config, cmd, cmd_args = config_from_args(args)
     try:
-        with workers_start_blocked():  # a signal to a starting worker waits for its first line
+        # a signal to a starting worker waits for its first line; a failure is restarted with one
+        # line, up to --max_restarts times, bad input never (trainer/lifecycle/restarts.py)
+        with workers_start_blocked(), restarting(cfg) as agent:
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except KeyboardInterrupt:
         # before the agent took SIGINT over (its rendezvous, the workers' start) or after it gave
@@ -242,7 +245,7 @@ def run(launch: list[str], rest: list[str]) -> int:
         _wait_for_children(getattr(args, "shutdown_timeout", 30))
         return 128 + signal.SIGINT
     except ChildFailedError as exc:
-        line, code = _failure_line(exc)
+        line, code = _failure_line(exc, cfg, config.max_restarts, agent.restarts, agent.offset)
         if line is not None:
             print(line, file=sys.stderr, flush=True)
         return code

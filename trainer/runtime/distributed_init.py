@@ -30,6 +30,7 @@ from trainer.runtime.comm_watchdog import (
 from trainer.simulation.run_mode import RunMode
 
 __all__ = [
+    "GroupNotFormed",
     "apply_train_timeout",
     "init_distributed",
     "is_collective_timeout",
@@ -71,9 +72,72 @@ def init_distributed(cfg: JobConfig) -> torch.device:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend=backend, timeout=timeout)
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            from trainer.faults import before_joining
+
+            before_joining(cfg.debug.fault, rank, world)  # a drill's rank that never joins (hang@0)
+            _join(store, rank, world, cfg.comm.init_timeout_seconds)
+            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
         wait_until_every_rank_joined()
     return device
+
+
+def _restart_store(timeout: datetime.timedelta):
+    """Under torch's elastic agent, workers started again after a failure (``--max_restarts``,
+    TORCHELASTIC_RESTART_COUNT > 0) share the agent's store with the workers before them: its
+    TCPStore lives on across restarts and torch's ``env://`` adds no prefix per attempt, so a
+    new rank would read a gone peer's address and fail to connect. Their store is the agent's
+    under a prefix of their attempt (None: ``env://`` as usual)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt <= 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/worker/attempt_{attempt}", store)
+
+
+class GroupNotFormed(RuntimeError):
+    """Restarted workers could not form their group: some ranks did not join in time.
+    ``speaks``: this rank prints the job's one line (the lowest rank that joined)."""
+
+    def __init__(self, message: str, speaks: bool):
+        super().__init__(message)
+        self.speaks = speaks
+
+
+def _join(store, rank: int, world: int, seconds: int) -> None:
+    """Before a restarted worker joins its process group: every rank of the start writes its
+    key and counts itself in, then waits up to ``seconds`` (``comm.init_timeout_seconds``) for
+    the count to reach ``world``. A rank that never comes (hung while starting, its node gone)
+    would otherwise leave the others in ``init_process_group`` with no word of who is missing;
+    here they end with :class:`GroupNotFormed` naming the ranks that did not join. The count is
+    polled (one store request per poll, at most one a second per rank), not waited on with the
+    store's own timeout, whose expiry c10d reports in warnings of its own."""
+    import time
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    store.set(f"joined/{rank}", socket.gethostname())
+    store.add("joined", 1)
+    deadline, pause = time.monotonic() + seconds, 0.02
+    while store.add("joined", 0) < world:
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(world) if not store.check([f"joined/{r}"])]
+            if not missing:  # every rank came as the time ran out
+                return
+            present = [r for r in range(world) if r not in missing]
+            many, names = len(missing) > 1, ", ".join(map(str, missing))
+            raise GroupNotFormed(
+                f"error: the workers' start after restart {attempt} could not form its group: "
+                f"rank{'s' if many else ''} {names} of {world} did not join within comm.init_timeout_seconds = "
+                f"{seconds} s (hung or gone while starting: see {'their' if many else 'its'} output); "
+                f"rank{'s' if len(present) > 1 else ''} {', '.join(map(str, present))} waited",
+                speaks=bool(present) and rank == present[0],
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
 
 
 def wait_until_every_rank_joined(group: dist.ProcessGroup | None = None) -> None:

@@ -1,0 +1,150 @@
+"""Automatic restarts (trainer/lifecycle/restarts.py, docs/long_runs.md) through the launcher,
+as users type it: ``python train.py --nproc_per_node N --max_restarts K``. Real launches (the
+claim is the elastic agent's: processes killed, restarted, their exit codes), so few of them.
+
+* the drill: 4 processes (fsdp=4), ``--max_restarts 2``, checkpoints every 2 steps, a random
+  rank SIGKILLed as a random step from 3 to 6 starts, in the first start only (e.g.
+  ``kill@4:rank=2:restart=0``, named in every assertion): the agent restarts all four once,
+  they resume from the newest checkpoint before it, redo the steps past it and finish; exit
+  0, exactly one restart line naming the rank, SIGKILL, the step and the checkpoint; a
+  ``restart`` row counting the redone steps; the loss curve (the last row of each step)
+  bitwise the uninterrupted run's on the same layout (its ranks forked:
+  tests/e2e/test_launcher.py proves a forked run bitwise the torchrun run). The whole output
+  of the launch (every start's workers print through it) is in each assertion's message;
+* restarts spent, and a group that cannot form: 2 processes, ``--max_restarts 1``, rank 1
+  killed in the first start and hung before joining its group in the second: one restart
+  line, rank 0's one line naming rank 1 as missing within ``comm.init_timeout_seconds``, then
+  one ``gave up after 1 restart`` line naming the second start's failure, exit 3;
+* no orphans: the launcher SIGKILLed once its 2 workers train: both are gone within seconds
+  (trainer/lifecycle/parent_death.py; before it they trained on, orphaned).
+
+Bad input under ``--max_restarts 2`` is not restarted: tests/e2e/test_train_launcher.py (its
+launches of the workers' user error carry the flag)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .helpers import FAST, ROOT, _descendants, _env, _rank_of, all_records, metric_records, read_metrics, run_forked
+from .test_train_launcher import _kill_job, launch
+
+pytestmark = pytest.mark.e2e
+
+DRILL = ["--config", "llama3.toml", "--model.n_layers", "2", *FAST, "--training.steps", "6",
+         "--checkpoint.enable", "true", "--checkpoint.interval", "2"]  # fmt: skip
+
+
+def _restart_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("restart ")]
+
+
+def _explain(run, folder, fault: str) -> str:
+    """The whole story of a launch for an assertion message: the fault, the exit code, every
+    line the launcher and every start's workers printed, and metrics.jsonl."""
+    rows = (folder / "metrics.jsonl").read_text() if (folder / "metrics.jsonl").exists() else "(none)\n"
+    return (
+        f"fault {fault}; exit code {run.returncode}\n--- stdout ---\n{run.stdout}--- stderr ---\n{run.stderr}"
+        f"--- metrics.jsonl ---\n{rows}"
+    )
+
+
+def test_a_killed_rank_is_restarted_and_the_loss_curve_is_the_uninterrupted_runs(tmp_path):
+    rng = random.Random()
+    rank, at = rng.randrange(4), rng.randint(3, 6)
+    resumed = (at - 1) // 2 * 2  # checkpoints at 2, 4, 6: the newest complete one before step ``at``
+    fault = f"kill@{at}:rank={rank}:restart=0"
+    drill = tmp_path / "drill"
+    run = launch(4, "--max_restarts", "2", *DRILL, "--job.dump_folder", str(drill), "--debug.fault", fault)
+    out, story = run.stdout + run.stderr, _explain(run, drill, fault)
+    assert run.returncode == 0, story
+    want_line = f"restart 1/2: rank {rank} died (SIGKILL) at step {at}; resuming from step-{resumed}"
+    assert _restart_lines(out) == [want_line], story
+    assert "error:" not in out and "gave up" not in out, story
+
+    rows = all_records(drill)
+    events = [r for r in rows if "restart" in r]
+    want_event = {"step": resumed, "restart": 1, "resumed_from": resumed, "redone_steps": at - 1 - resumed}
+    assert events == [{**events[0], **want_event}], (events, story)
+    steps = [r["step"] for r in metric_records(drill)]
+    assert steps == [*range(1, at), *range(resumed + 1, 7)], (steps, story)
+
+    reference = run_forked(4, *DRILL, "--job.dump_folder", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr
+    got = {step: row["loss"] for step, row in read_metrics(drill).items()}  # the last row of a step
+    want = {step: row["loss"] for step, row in read_metrics(tmp_path / "reference").items()}
+    assert got == want and len(got) == 6, (fault, got, want)
+
+
+def test_restarts_spent_and_a_group_that_cannot_form_end_in_one_line_each(tmp_path):
+    """``--max_restarts 1``; start 0: rank 1 killed at step 3 (restart line); start 1: rank 1
+    hangs before joining its group (``hang@0``), so rank 0 ends within
+    ``comm.init_timeout_seconds`` with one line naming rank 1, and the restart being spent the
+    launcher gives up in one line naming *that* start's failure (rank 0's exit 3 before its
+    first step), not the first one."""
+    fault = "kill@3:rank=1:restart=0,hang@0:rank=1:restart=1"
+    run = launch(2, "--max_restarts", "1", *DRILL, "--comm.init_timeout_seconds", "15",
+                 "--job.dump_folder", str(tmp_path), "--debug.fault", fault)  # fmt: skip
+    out, story = run.stdout + run.stderr, _explain(run, tmp_path, fault)
+    assert run.returncode == 3, story
+    assert _restart_lines(out) == ["restart 1/1: rank 1 died (SIGKILL) at step 3; resuming from step-2"], story
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: the workers' start after restart 1 could not form its group: rank 1 of 2 did not join within "
+        "comm.init_timeout_seconds = 15 s (hung or gone while starting: see its output); rank 0 waited"
+    ], story
+    ends = [line for line in out.splitlines() if line.startswith("gave up")]
+    assert ends == [
+        "gave up after 1 restart: rank 0 exited with code 3 before its first step; the newest checkpoint is step-2 "
+        "(its output is above)"
+    ], story
+    assert "Traceback" not in out and "[W" not in out, story
+
+
+def _alive(pid: int) -> bool:
+    """Running: not gone, not a zombie (an orphan's zombie waits for a reaper that may never
+    come in a container, and is dead all the same)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
+    """Once its 2 workers train (step 1 of 50 printed), the launcher is SIGKILLed: both workers
+    are gone within 10 s (measured: 0.1-0.2 s). Negative control, by hand: without
+    ``die_with_launcher`` in train.py they were still training 20 s later (step 21, orphaned)."""
+    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", "--max_restarts", "1", *DRILL,
+           "--training.steps", "50", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True
+    )
+    workers, lines = [], []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.split()[:2] == ["step", "1/50"]:
+                break
+        workers = [pid for pid in _descendants(proc.pid) if _rank_of(pid) is not None]
+        assert len(workers) == 2, (workers, "".join(lines))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed, deadline = time.monotonic(), time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [pid for pid in workers if _alive(pid)]
+        assert not left, f"workers {left} outlived their launcher by {time.monotonic() - killed:.1f} s"
+    finally:
+        _kill_job(proc)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
