@@ -45,11 +45,11 @@ class Faults:
     def __init__(self, specs: list[str], rank: int, world_size: int):
         self.rank = rank
         start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # the elastic agent's
-        self.faults = [
-            f
-            for f in parse_faults(specs, world_size)
-            if (f.rank is None or f.rank == rank) and (f.restart is None or f.restart == start)
-        ]
+        # a rank outside the job is refused for the faults of this start only: after a lost node
+        # (--nnodes MIN:MAX) a fault meant for the first start may name a rank the smaller world lacks
+        parse_faults(specs)  # every spec well-formed
+        now = [s for s in specs if s.strip() and parse_faults([s])[0].restart in (None, start)]
+        self.faults = [f for f in parse_faults(now, world_size) if f.rank is None or f.rank == rank]
         self._fired: set[Fault] = set()
 
     def _announce(self, fault: Fault, step: int, what: str) -> None:

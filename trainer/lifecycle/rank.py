@@ -22,9 +22,11 @@ from trainer.checkpoint.drill import drill_point
 from trainer.config import load_config
 from trainer.lifecycle.seed import create_seed_checkpoint
 from trainer.runtime.cli_errors import EXIT_BAD_INPUT, error_line, user_error
+from trainer.runtime.comm_watchdog import EXIT_COMM_TIMEOUT
 from trainer.runtime.console import say_once
 from trainer.runtime.distributed_init import (
     EXIT_PEER_GONE,
+    GroupNotFormed,
     is_collective_timeout,
     is_peer_gone,
     report_collective_timeout,
@@ -67,6 +69,9 @@ def run_rank(argv: list[str] | None = None) -> int:
             return exit_code(trainer.stopped_by)
         drill_point("exit", trainer.step, trainer.rank)  # tests only: held, not exiting (trainer/checkpoint/drill.py)
         return 0
+    except GroupNotFormed as exc:  # its peers never joined: the rank's own line (a restart may mend it)
+        print(str(exc), file=sys.stderr, flush=True)
+        return EXIT_COMM_TIMEOUT
     except KeyboardInterrupt:  # Ctrl-C before the training loop (which stops at a step instead)
         if _rank() == 0:  # every rank got it (the launcher sends it to each): one speaks
             print("interrupted (SIGINT) before training began: nothing to save", file=sys.stderr, flush=True)

@@ -105,14 +105,35 @@ def restarting_agent(cfg, base):
             # they finished meanwhile is then the one resumed from)
             self._stop_workers(worker_group)
             worker_group.state = WorkerState.STOPPED
-            type(self).restarts += 1
-            line = f"restart {self.restarts}/{worker_group.spec.max_restarts}"
+            before = _world(worker_group)
             if self.failures:
-                line += f": {describe(*cause(self.failures))} {where(cfg)}"
-            print(line, file=sys.stderr, flush=True)
+                type(self).restarts += 1
+                line = f"restart {self.restarts}/{worker_group.spec.max_restarts}: {describe(*cause(self.failures))}"
+                type(self).failures = {}  # said; a later restart has its own
+            else:
+                # torch restarts healthy workers when a node waits to join a node range
+                # (--nnodes MIN:MAX), without spending a restart: not a failure
+                line = "a node is joining: restarting the workers to take it in"
+            print(f"{line} {where(cfg)}", file=sys.stderr, flush=True)
             self._initialize_workers(worker_group)
+            after = _world(worker_group)
+            if before and after and after != before:
+                print(
+                    f"elastic: the job goes on with {after[0]} node{'s' if after[0] != 1 else ''} ({after[1]} ranks), "
+                    f"was {before[0]} ({before[1]} ranks); the layout is planned for it (docs/long_runs.md)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     return RestartingAgent
+
+
+def _world(worker_group) -> tuple[int, int] | None:
+    """``(nodes, ranks)`` of the agent's last rendezvous (None before the first)."""
+    workers = getattr(worker_group, "workers", None)
+    if not workers or worker_group.group_world_size is None:
+        return None
+    return worker_group.group_world_size, workers[0].world_size
 
 
 @contextlib.contextmanager

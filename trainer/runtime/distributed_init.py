@@ -30,6 +30,7 @@ from trainer.runtime.comm_watchdog import (
 from trainer.simulation.run_mode import RunMode
 
 __all__ = [
+    "GroupNotFormed",
     "apply_train_timeout",
     "init_distributed",
     "is_collective_timeout",
@@ -71,12 +72,12 @@ def init_distributed(cfg: JobConfig) -> torch.device:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = _restart_store(timeout)
         if store is None:
-            dist.init_process_group(backend=backend, timeout=timeout)
-        else:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
+            store = _env_store(rank, world, timeout, cfg.comm.init_timeout_seconds)
+        roll_call(store, rank, world, cfg.comm.init_timeout_seconds)
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
         wait_until_every_rank_joined()
     return device
 
@@ -92,6 +93,59 @@ def _restart_store(timeout: datetime.timedelta):
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"/worker/attempt_{attempt}", store)
+
+
+class GroupNotFormed(RuntimeError):
+    """The job's ranks did not all join within ``comm.init_timeout_seconds`` (its message is
+    the one line the rank prints; exit code 3, trainer/lifecycle/rank.py)."""
+
+
+def _env_store(rank: int, world: int, timeout: datetime.timedelta, seconds: int):
+    """The job's store as ``env://`` makes it (MASTER_ADDR / MASTER_PORT; rank 0 hosts it unless
+    the elastic agent's is shared), its failure to connect within the timeout as one line."""
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    except (RuntimeError, dist.DistStoreError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise GroupNotFormed(
+            f"error: rank {rank}: could not reach the job's store at {where} within comm.init_timeout_seconds = "
+            f"{seconds} s, so the {world} ranks cannot form their group (the rank that hosts it, rank 0, or its node "
+            f"is gone); ({str(exc).splitlines()[0][:160]})"
+        ) from None
+    store.set_timeout(timeout)
+    return store
+
+
+ROLL_CALL = "meshtrain/joined/"
+
+
+def roll_call(store, rank: int, world: int, seconds: int) -> None:
+    """Every rank writes its key and waits for the others' within ``seconds``: a rank whose
+    peers never come (a node lost while the workers restart, a rank that died starting) ends
+    with one line naming the ranks missing, not a hang inside the backend's connect (issue 52:
+    restarted workers waited 15 minutes in ``init_process_group`` for a gone peer's address).
+    The store is this start's (a fresh one, or the agent's under this attempt's prefix)."""
+    if world <= 1:
+        return
+    store.set(f"{ROLL_CALL}{rank}", str(os.getpid()))
+    keys = [f"{ROLL_CALL}{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except (RuntimeError, dist.DistStoreError) as exc:
+        try:
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+        except (RuntimeError, dist.DistStoreError):  # the store itself went away
+            missing = None
+        who = (
+            f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {world} never joined"
+            if missing
+            else f"the job's store stopped answering ({str(exc).splitlines()[0][:120]})"
+        )
+        raise GroupNotFormed(
+            f"error: rank {rank}: the job's {world} ranks did not form their group within "
+            f"comm.init_timeout_seconds = {seconds} s: {who} (a lost node, or a process that died "
+            f"starting: see its log); under --max_restarts the agent starts the workers again"
+        ) from None
 
 
 def wait_until_every_rank_joined(group: dist.ProcessGroup | None = None) -> None:
