@@ -124,3 +124,45 @@ def test_ranks_that_never_join_are_named_within_the_timeout():
     store.set("meshtrain/joined/3", "1")
     with pytest.raises(GroupNotFormed, match="rank 2 of 4 never joined"):
         roll_call(store, 1, 4, 1)
+
+
+def test_a_joining_node_spends_no_restart_and_a_new_world_is_one_line(tmp_path, capsys):
+    """The launcher's agent (trainer/lifecycle/restarts.py) on torch's two restarts: a healthy
+    group restarted to admit a waiting node, and a failed group, each followed by the world the
+    rendezvous gathered. A stand-in for torch's agent: its stop and its rendezvous-and-start."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    from trainer.lifecycle.restarts import restarting_agent
+
+    class Torch:
+        def _stop_workers(self, group):
+            pass
+
+        def _initialize_workers(self, group):  # the rendezvous gathers ``group.next``: (nodes, ranks)
+            group.group_world_size, group.workers = group.next[0], [SimpleNamespace(world_size=group.next[1])]
+
+    cfg = load_config([*BASE, "--job.dump_folder", str(tmp_path)])
+    agent = restarting_agent(cfg, Torch)()
+    group = SimpleNamespace(state=WorkerState.HEALTHY, group_world_size=1, workers=[SimpleNamespace(world_size=2)],
+                            spec=SimpleNamespace(max_restarts=2), next=(2, 4))  # fmt: skip
+    agent._restart_workers(group)
+    tail = "; the layout is planned for it (docs/long_runs.md)"
+    assert capsys.readouterr().err.splitlines() == [
+        "a node is joining: restarting the workers to take it in at step 1; no checkpoint: starting from step 0",
+        "elastic: the job goes on with 2 nodes (4 ranks), was 1 (2 ranks)" + tail,
+    ]
+    assert agent.restarts == 0
+    group.state, group.next = WorkerState.FAILED, (1, 2)
+    type(agent).failures = {3: SimpleNamespace(exitcode=-9, pid=1, timestamp=0)}
+    agent._restart_workers(group)
+    assert capsys.readouterr().err.splitlines() == [
+        "restart 1/2: rank 3 died (SIGKILL) at step 1; no checkpoint: starting from step 0",
+        "elastic: the job goes on with 1 node (2 ranks), was 2 (4 ranks)" + tail,
+    ]
+    group.next = (1, 2)
+    agent._restart_workers(group)  # the same world again: no world line
+    assert capsys.readouterr().err.splitlines() == [
+        "restart 2/2: rank 3 died (SIGKILL) at step 1; no checkpoint: starting from step 0"
+    ]
