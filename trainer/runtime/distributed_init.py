@@ -1,8 +1,10 @@
 """Joining the job: the process group (real, one process, or the fake backend), the timeouts
 every group runs under, the step watchdog, and printing from one rank.
 
-``init_distributed`` runs before the job plan (it needs only ``[comm]`` and ``[job]``);
-``apply_train_timeout`` after the first step; ``start_watchdog`` as the loop starts.
+``init_distributed`` runs before the job plan (it needs only ``[comm]`` and ``[job]``): the
+job's store, a roll call of the ranks in it (``roll_call``: ranks that never come are named in
+one line within ``comm.init_timeout_seconds``), then the group; ``apply_train_timeout`` after
+the first step; ``start_watchdog`` as the loop starts.
 """
 
 from __future__ import annotations
