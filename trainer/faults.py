@@ -45,10 +45,20 @@ def _start() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # the elastic agent's
 
 
+def _this_start(specs: list[str], world_size: int) -> list[Fault]:
+    """The faults due in this start of the workers. A rank outside the job is refused for these
+    only: after a lost node (--nnodes MIN:MAX) a fault meant for the first start may name a rank
+    the smaller world lacks."""
+    parse_faults(specs)  # every spec well-formed
+    start = _start()
+    now = [s for s in specs if s.strip() and parse_faults([s])[0].restart in (None, start)]
+    return parse_faults(now, world_size)
+
+
 def before_joining(specs: list[str], rank: int, world_size: int) -> None:
     """A restarted worker, before it joins its group: a due ``hang@0`` hangs it there."""
-    for f in parse_faults(specs, world_size):
-        if f.kind == "hang" and f.step == 0 and f.rank in (None, rank) and f.restart in (None, _start()):
+    for f in _this_start(specs, world_size):
+        if f.kind == "hang" and f.step == 0 and f.rank in (None, rank):
             print(f"debug.fault: hang before joining the group on rank {rank}: hanging", file=sys.stderr, flush=True)
             while True:
                 time.sleep(60)
@@ -59,12 +69,7 @@ class Faults:
 
     def __init__(self, specs: list[str], rank: int, world_size: int):
         self.rank = rank
-        start = _start()
-        self.faults = [
-            f
-            for f in parse_faults(specs, world_size)
-            if (f.rank is None or f.rank == rank) and (f.restart is None or f.restart == start)
-        ]
+        self.faults = [f for f in _this_start(specs, world_size) if f.rank is None or f.rank == rank]
         self._fired: set[Fault] = set()
 
     def _announce(self, fault: Fault, step: int, what: str) -> None:

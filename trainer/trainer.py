@@ -418,7 +418,13 @@ class Trainer:
                     stopping=stopping is not None,
                 )
                 if metrics.should_log(self.step) or end or ckpt or stopping or strag or result.bad:
-                    tokens = self.data.source_metrics(self.data.state_dict())
+                    position = self.data.state_dict()
+                    tokens = self.data.source_metrics(position)
+                    # the global samples this step trained, [end - G, end) (skipped ranges are
+                    # passed before a step reads): what a restart or a lost node must not repeat
+                    # or lose among the steps that count (docs/long_runs.md)
+                    end_sample = int(position["sample_index"])
+                    samples = {"samples": f"{end_sample - self.data.global_batch_size}:{end_sample}"}
                     metrics.log(
                         self.step,
                         loss=result.loss,
@@ -430,6 +436,7 @@ class Trainer:
                         # position after this step), the epoch and the target tokens (trainer/reporting/data_progress.py)
                         extra={**(step_extra or {}), **ckpt, **result.extra(), **tokens, **progress.metrics(tokens)}
                         | self.bad_steps.metrics()
+                        | samples
                         | strag
                         or None,
                     )

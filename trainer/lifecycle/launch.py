@@ -7,7 +7,8 @@ flag, every ``--section.key`` a config key) and then:
 
 1. checks before any worker starts what can be checked without one, with the workers' own
    start-up functions (trainer/startup.py ``preflight``): the config, the layout against the
-   world size (``nnodes x nproc_per_node``; an elastic node range is checked at its smallest),
+   world size (``nnodes x nproc_per_node``; an elastic node range ``MIN:MAX`` at every node
+   count, trainer/lifecycle/elastic.py, the data at its smallest),
    the tokenizer, the Hugging Face folder to start from, and the training and validation
    loaders as batch rank 0 builds them (every dataset kind, mixtures, striped rows). Most user
    errors end here: one ``error:`` line, exit code 2, no worker started;
@@ -192,6 +193,26 @@ def _failure_line(exc, cfg=None, max_restarts: int = 0, restarts: int = 0, offse
     return f"rank {rank} (pid {failure.pid}) exited with code {code}; the job stopped (its output is above)", code
 
 
+def _check_elastic(cfg, args) -> None:
+    """``--nnodes MIN:MAX``: the layout re-planned at every node count (the smallest was
+    checked whole by ``preflight``), and the rendezvous setting a range needs
+    (trainer/lifecycle/elastic.py)."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    from trainer.lifecycle.elastic import check_node_range, share_no_store
+    from trainer.startup import plan_startup
+
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    if max_nodes > min_nodes:
+        from parallel_dims import default_device_type
+
+        device_type = default_device_type()
+        check_node_range(
+            cfg, min_nodes, max_nodes, int(args.nproc_per_node), lambda c, w: plan_startup(c, w, device_type)
+        )
+        share_no_store(min_nodes, max_nodes)
+
+
 def run(launch: list[str], rest: list[str]) -> int:
     from trainer.config import load_config
     from trainer.lifecycle.restarts import restarting
@@ -202,6 +223,7 @@ def run(launch: list[str], rest: list[str]) -> int:
     try:
         args, world_size = _parse_launch(launch)
         cfg = load_config(rest)
+        _check_elastic(cfg, args)  # a node range: every node count's layout, the lost node's worded
         preflight(cfg, world_size)
     except KeyboardInterrupt:
         print("interrupted (SIGINT) before the workers started: nothing to save", file=sys.stderr, flush=True)

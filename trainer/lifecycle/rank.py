@@ -69,7 +69,7 @@ def run_rank(argv: list[str] | None = None) -> int:
             return exit_code(trainer.stopped_by)
         drill_point("exit", trainer.step, trainer.rank)  # tests only: held, not exiting (trainer/checkpoint/drill.py)
         return 0
-    except GroupNotFormed as exc:  # restarted workers a rank never joined: one line, restartable
+    except GroupNotFormed as exc:  # a rank of the start never joined: one line, restartable
         if exc.speaks:
             print(str(exc), file=sys.stderr, flush=True)
         return EXIT_COMM_TIMEOUT

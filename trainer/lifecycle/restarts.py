@@ -119,19 +119,46 @@ def restarting_agent(cfg, base):
 
         def _restart_workers(self, worker_group):
             # torch's: stop, rendezvous, start; the line once the old workers are gone (a save
-            # they finished meanwhile is then the one resumed from)
+            # they finished meanwhile is then the one resumed from). A healthy group is restarted
+            # to admit a node waiting to join a node range (--nnodes MIN:MAX): no restart spent
+            joining = worker_group.state == WorkerState.HEALTHY
+            before = _world(worker_group)
             self._stop_workers(worker_group)
             worker_group.state = WorkerState.STOPPED
-            line = f"restart {self.restarts + 1}/{worker_group.spec.max_restarts}"
-            if self.failures:
-                line += f": {describe(*cause(self.failures))} {where(cfg, self.restarts, self.offset)}"
+            if joining:
+                line = f"a node is joining: restarting the workers to take it in {where(cfg, self.restarts, self.offset)}"
             else:
-                line += f": the worker group was unhealthy {where(cfg, self.restarts, self.offset)}"
-            type(self).restarts += 1
+                line = f"restart {self.restarts + 1}/{worker_group.spec.max_restarts}"
+                if self.failures:
+                    line += f": {describe(*cause(self.failures))} {where(cfg, self.restarts, self.offset)}"
+                else:
+                    line += f": the worker group was unhealthy {where(cfg, self.restarts, self.offset)}"
+                type(self).restarts += 1
             print(line, file=sys.stderr, flush=True)
             self._initialize_workers(worker_group)
+            _say_world(before, _world(worker_group))
 
     return RestartingAgent
+
+
+def _world(worker_group) -> tuple[int, int] | None:
+    """``(nodes, ranks)`` of the agent's last rendezvous (None before the first)."""
+    workers = getattr(worker_group, "workers", None)
+    if not workers or worker_group.group_world_size is None:
+        return None
+    return worker_group.group_world_size, workers[0].world_size
+
+
+def _say_world(before: tuple[int, int] | None, after: tuple[int, int] | None) -> None:
+    """One line when a restart's rendezvous gathered another number of nodes (a node lost or
+    taken in, trainer/lifecycle/elastic.py): the workers plan their layout for it."""
+    if before and after and after != before:
+        print(
+            f"elastic: the job goes on with {after[0]} node{'s' if after[0] != 1 else ''} ({after[1]} ranks), "
+            f"was {before[0]} ({before[1]} ranks); the layout is planned for it (docs/long_runs.md)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @contextlib.contextmanager

@@ -1,8 +1,10 @@
 """Joining the job: the process group (real, one process, or the fake backend), the timeouts
 every group runs under, the step watchdog, and printing from one rank.
 
-``init_distributed`` runs before the job plan (it needs only ``[comm]`` and ``[job]``);
-``apply_train_timeout`` after the first step; ``start_watchdog`` as the loop starts.
+``init_distributed`` runs before the job plan (it needs only ``[comm]`` and ``[job]``): the
+job's store, a roll call of the ranks in it (``_join``: ranks that never come are named in
+one line within ``comm.init_timeout_seconds``), then the group; ``apply_train_timeout`` after
+the first step; ``start_watchdog`` as the loop starts.
 """
 
 from __future__ import annotations
@@ -72,16 +74,16 @@ def init_distributed(cfg: JobConfig) -> torch.device:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = _restart_store(timeout)
         if store is None:
-            dist.init_process_group(backend=backend, timeout=timeout)
+            store = _env_store(rank, world, timeout, cfg.comm.init_timeout_seconds)
         else:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             from trainer.faults import before_joining
 
             before_joining(cfg.debug.fault, rank, world)  # a drill's rank that never joins (hang@0)
-            _join(store, rank, world, cfg.comm.init_timeout_seconds)
-            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
+        _join(store, rank, world, cfg.comm.init_timeout_seconds)
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
         wait_until_every_rank_joined()
     return device
 
@@ -100,16 +102,17 @@ def _restart_store(timeout: datetime.timedelta):
 
 
 class GroupNotFormed(RuntimeError):
-    """Restarted workers could not form their group: some ranks did not join in time.
+    """The workers of a start could not form their group: some ranks did not join in time.
     ``speaks``: this rank prints the job's one line (the lowest rank that joined)."""
 
-    def __init__(self, message: str, speaks: bool):
+    def __init__(self, message: str, speaks: bool = True):
         super().__init__(message)
         self.speaks = speaks
 
 
 def _join(store, rank: int, world: int, seconds: int) -> None:
-    """Before a restarted worker joins its process group: every rank of the start writes its
+    """Before a worker joins its process group (every start of a job of several ranks: the
+    first, a restart, the survivors of a lost node): every rank of the start writes its
     key and counts itself in, then waits up to ``seconds`` (``comm.init_timeout_seconds``) for
     the count to reach ``world``. A rank that never comes (hung while starting, its node gone)
     would otherwise leave the others in ``init_process_group`` with no word of who is missing;
@@ -130,7 +133,8 @@ def _join(store, rank: int, world: int, seconds: int) -> None:
             present = [r for r in range(world) if r not in missing]
             many, names = len(missing) > 1, ", ".join(map(str, missing))
             raise GroupNotFormed(
-                f"error: the workers' start after restart {attempt} could not form its group: "
+                f"error: the workers' {f'start after restart {attempt}' if attempt else 'first start'} could not "
+                "form its group: "
                 f"rank{'s' if many else ''} {names} of {world} did not join within comm.init_timeout_seconds = "
                 f"{seconds} s (hung or gone while starting: see {'their' if many else 'its'} output); "
                 f"rank{'s' if len(present) > 1 else ''} {', '.join(map(str, present))} waited",
@@ -138,6 +142,22 @@ def _join(store, rank: int, world: int, seconds: int) -> None:
             )
         time.sleep(pause)
         pause = min(pause * 2, 1.0)
+
+
+def _env_store(rank: int, world: int, timeout: datetime.timedelta, seconds: int):
+    """The job's store as ``env://`` makes it (MASTER_ADDR / MASTER_PORT; rank 0 hosts it unless
+    the elastic agent's is shared), its failure to connect within the timeout as one line."""
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    except (RuntimeError, dist.DistStoreError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise GroupNotFormed(
+            f"error: rank {rank}: could not reach the job's store at {where} within comm.init_timeout_seconds = "
+            f"{seconds} s, so the {world} ranks cannot form their group (the rank that hosts it, rank 0, or its node "
+            f"is gone); ({str(exc).splitlines()[0][:160]})"
+        ) from None
+    store.set_timeout(timeout)
+    return store
 
 
 def wait_until_every_rank_joined(group: dist.ProcessGroup | None = None) -> None:
