@@ -126,7 +126,9 @@ def restarting_agent(cfg, base):
             self._stop_workers(worker_group)
             worker_group.state = WorkerState.STOPPED
             if joining:
-                line = f"a node is joining: restarting the workers to take it in {where(cfg, self.restarts, self.offset)}"
+                line = (
+                    f"a node is joining: restarting the workers to take it in {where(cfg, self.restarts, self.offset)}"
+                )
             else:
                 line = f"restart {self.restarts + 1}/{worker_group.spec.max_restarts}"
                 if self.failures:
