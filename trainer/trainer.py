@@ -28,6 +28,7 @@ from torch import nn
 from models.kernels import kernels_line
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from models.parallel.lora import lora_startup_line
+from models.parallel.offload import memory_options_line
 from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
 from parallel_dims import default_device_type
 from parallel_dims.torch_compat import host_side
@@ -160,6 +161,8 @@ class Trainer:
             self._float8_scales_due = self.float8_precompute
         if plan.parallelize.lora is not None:
             _log(lora_startup_line(self.model_parts, plan.parallelize.lora))
+        if line := memory_options_line(self.model_parts, plan, cfg.optimizer.name):  # models/parallel/offload.py
+            _log(line)
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)
         self.forward = ModelForward(
             self.pd,

@@ -1,0 +1,94 @@
+"""Activation offload (models/parallel/activation_offload.py) on the llama3 debug model, 2 blocks,
+one process, float32, batch 2 x 32 tokens:
+
+* what the hooks offload per forward is exactly what the prediction says: the RoPE rows once
+  (:func:`attention_input_bytes`) and, with full AC, the blocks' inputs (:func:`block_input_bytes`), with no AC everything the blocks keep for backward (the
+  planner's activation model, ``tools.planner.activations.layer_bytes``, itself checked against
+  the tensors a CPU forward keeps alive in tests/unit/test_planner.py), and with selective AC
+  every 2nd block one of each;
+* with a real host copy (``copy=True``: what a GPU run does; on a CPU device the hooks only hold
+  references) the gradients are bitwise those without offload (same kernels on the same
+  shapes; the copy is exact), under no AC and full AC;
+* negative control: hooks that restore zeros in place of the saved values change the gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.parallel.activation_checkpoint import apply_activation_checkpointing
+from models.parallel.activation_offload import (
+    ActivationOffload,
+    apply_activation_offload,
+    attention_input_bytes,
+    block_input_bytes,
+)
+from models.registry import build_model
+from tools.planner.activations import layer_bytes
+
+B, S = 2, 32
+
+
+def _model(ac: str, option: str = "op"):
+    torch.manual_seed(0)
+    m = build_model("llama3", "debugmodel", device="cpu", max_seq_len=S, n_layers=2)
+    m.init_weights(0)
+    apply_activation_checkpointing(m, ac, option)
+    return m
+
+
+def _grads(m, tokens):
+    logits = m(tokens)
+    F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+    return [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 2048, (B, S), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("ac,option", [("none", "op"), ("full", "op"), ("selective", "2")])
+def test_offloaded_bytes_are_the_prediction(tokens, ac, option):
+    m = _model(ac, option)
+    offload = apply_activation_offload(m)
+    m(tokens)
+    args = m.args
+    held = {a: [layer_bytes(args, i, B, S, 1, 1, 1, False, 4, a) for i in range(2)] for a in ("none", "full")}
+    rope = attention_input_bytes(tuple(m.rope.table.shape[1:]), B, S)  # once per forward: [S, 8, 2] float32
+    assert rope == S * (args.head_dim // 2) * 2 * 4
+    if ac == "full":
+        expected = block_input_bytes(2, B, S, args.dim)
+        assert expected == sum(held["full"])
+    elif ac == "none":
+        expected = sum(held["none"])
+    else:  # every 2nd block checkpointed: block 0 full, block 1 none
+        expected = held["full"][0] + held["none"][1]
+    assert offload.offloaded_bytes == expected + rope
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_host_copy_round_trip_is_bitwise(tokens, ac):
+    ref = _grads(_model(ac), tokens)
+    m = _model(ac)
+    offload = apply_activation_offload(m, copy=True)
+    got = _grads(m, tokens)
+    assert offload.offloaded_bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_negative_control_restoring_zeros_changes_gradients(tokens, monkeypatch):
+    ref = _grads(_model("full"), tokens)
+    real = ActivationOffload.unpack
+
+    def zeros(packed):
+        t = real(packed)
+        return torch.zeros_like(t) if t is not packed else t
+
+    monkeypatch.setattr(ActivationOffload, "unpack", staticmethod(zeros))
+    m = _model("full")
+    apply_activation_offload(m, copy=True)
+    got = _grads(m, tokens)
+    assert not all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
