@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
-from models.parallel.activation_offload import apply_activation_offload
+from models.parallel.activation_offload import ActivationOffload, apply_activation_offload
 from models.parallel.context_parallel import apply_context_parallel
 from models.parallel.expert_parallel import apply_expert_parallel
 from models.parallel.float8 import Float8Options, convert_to_float8
@@ -92,9 +92,10 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
         shard_adapters_like_base(model)
     if pd.cp > 1:
         apply_context_parallel(model, pd.get_mesh("cp"))
-    apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option)
-    if opts.ac_offload:  # outside the checkpoint wrappers: their saved block inputs are offloaded too
-        apply_activation_offload(model)
+    offload = ActivationOffload(model) if opts.ac_offload else None
+    apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option, offload)
+    if offload is not None:  # outside the checkpoint wrappers: their saved block inputs are offloaded too
+        apply_activation_offload(model, offload=offload)
     if opts.compile:
         for block in model.blocks():
             block.compile()

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.common.args import DecoderArgs
-from models.parallel.activation_offload import check_activation_offload
 from models.parallel.float8 import (
     FLOAT8_CONVERTERS,
     FLOAT8_EXPERT_CONVERTERS,
@@ -27,7 +26,6 @@ from models.parallel.float8 import (
     check_float8_support,
 )
 from models.parallel.lora import LORA_CONVERTERS, LoRAOptions, check_lora
-from models.parallel.offload import check_cpu_offload
 from models.parallel.pipeline import StagePlan, plan_stages
 from models.parallel.pipeline.plan import schedule_facts
 from models.parallelize import ParallelizeOptions
@@ -288,10 +286,6 @@ def plan_job(
                 attempt(lambda: check_float8_support(opts.float8, device_type, opts.compile))
         else:
             attempt(lambda: _check_varlen_cp(cfg, pd.cp))
-    if opts.ac_offload:
-        attempt(lambda: check_activation_offload(opts.ac_mode, opts.ac_selective_option))
-    if opts.cpu_offload and pd is not None:
-        attempt(lambda: check_cpu_offload(opts, pd, device_type))
     if pd is not None and spec is not None:
         attempt(
             lambda: check_model_layout(pd.degrees, model_rules(spec.args, cfg.training.seq_len, opts.sequence_parallel))

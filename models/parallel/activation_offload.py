@@ -9,9 +9,14 @@ wrapper goes around the activation-checkpoint wrapper, models/parallel/activatio
   non-reentrant checkpoint saves the block's inputs (``_NoopSaveInputs``) under the hooks that
   are active where it is called, so those are offloaded, and what the ops inside save goes to the
   checkpoint's own hooks (discarded and recomputed in backward);
-* per-op selective AC (``selective_ac_option = 'op'``) is refused (:func:`check_activation_offload`):
-  the outputs it keeps live in torch's selective-checkpoint cache, which no saved-tensor hook
-  sees, so only the block inputs would move.
+* per-op selective AC (``selective_ac_option = 'op'``): the block inputs as under full AC, and
+  the outputs the policy keeps (matmuls, attention, collectives), which live in torch's
+  selective-checkpoint cache where no saved-tensor hook sees them: :class:`SavedOutputs` (handed
+  to models/parallel/activation_checkpoint.py) records them from the policy (``ctx.op_output``),
+  moves their storages to the host once the block's forward has returned (device storage
+  resized to 0) and brings them back when the backward recomputes the block, before the
+  recomputation reads the cache. What is recomputed is never offloaded. Under torch.compile the
+  compiled graph decides what it saves: the recorder stays out of traced code.
 
 What is not offloaded: parameters and views of them (FSDP2's gathered weights, re-gathered in
 backward anyway), and the model's buffers and views of them (the RoPE table, which every block
@@ -37,19 +42,8 @@ __all__ = [
     "apply_activation_offload",
     "attention_input_bytes",
     "block_input_bytes",
-    "check_activation_offload",
     "model_offloads",
 ]
-
-
-def check_activation_offload(ac_mode: str, selective_option: str) -> None:
-    """``activation_checkpoint.offload = true`` where it works; a ValueError naming the fix."""
-    if ac_mode == "selective" and str(selective_option) == "op":
-        raise ValueError(
-            "activation_checkpoint.offload = true with mode = 'selective' and selective_ac_option = 'op': the "
-            "matmul outputs per-op selective AC keeps live in torch's checkpoint cache, which saved-tensor hooks "
-            "cannot offload; use mode = 'full' or 'none', or selective_ac_option = N (every N-th block)"
-        )
 
 
 class _Storage:
@@ -81,15 +75,19 @@ class _Storage:
 
 
 class _View:
-    """A saved tensor as a view (dtype, size, stride, offset) of an offloaded storage."""
+    """A saved tensor as a view (dtype, size, stride, offset) of an offloaded storage; ``then``:
+    the kept outputs of the selective-AC block whose input it is (restored when it is unpacked,
+    which is when the backward recomputes that block)."""
 
-    __slots__ = ("dtype", "offset", "shape", "storage", "stride")
+    __slots__ = ("dtype", "offset", "shape", "storage", "stride", "then")
 
-    def __init__(self, t: torch.Tensor, storage: _Storage):
-        self.storage, self.dtype = storage, t.dtype
+    def __init__(self, t: torch.Tensor, storage: _Storage, then=None):
+        self.storage, self.dtype, self.then = storage, t.dtype, then
         self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
 
     def get(self) -> torch.Tensor:
+        if self.then is not None:
+            self.then.restore()
         raw = self.storage.get()
         return torch.empty(0, dtype=self.dtype, device=raw.device).set_(
             raw.untyped_storage(), self.offset, self.shape, self.stride
@@ -99,16 +97,18 @@ class _View:
 class _Local:
     """A saved DTensor: its local tensor moved (per view) and the DTensor rebuilt around it."""
 
-    __slots__ = ("device", "host", "meta")
+    __slots__ = ("device", "host", "meta", "then")
 
-    def __init__(self, t, copy: bool):
-        local = t._local_tensor
+    def __init__(self, t, copy: bool, then=None):
+        local, self.then = t._local_tensor, then
         self.device, self.meta = local.device, (t.device_mesh, t.placements, t.shape, t.stride())
         self.host = local.to("cpu", copy=True) if copy else local
 
     def get(self):
         from torch.distributed.tensor import DTensor
 
+        if self.then is not None:
+            self.then.restore()
         mesh, placements, shape, stride = self.meta
         local = self.host.to(self.device, non_blocking=True)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
@@ -123,9 +123,14 @@ class ActivationOffload:
         self.offloaded_bytes = 0  # since reset(): bytes of the storages moved to host, each once
         self.offloaded_tensors = 0  # saved tensors offloaded (views of one storage each count)
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.restoring: SavedOutputs | None = None  # set while a selective-AC block saves its inputs
 
     def reset(self) -> None:
         self.offloaded_bytes = self.offloaded_tensors = 0
+
+    def saved_outputs(self) -> SavedOutputs:
+        """A recorder for one forward of a per-op selective-AC block."""
+        return SavedOutputs(self)
 
     def _kept(self, t: torch.Tensor) -> bool:
         """Parameters, buffers and views of either stay where they are."""
@@ -143,14 +148,14 @@ class ActivationOffload:
         self.offloaded_tensors += 1
         if hasattr(t, "_local_tensor"):  # a DTensor (TP): its local shard, per saved view
             self.offloaded_bytes += t._local_tensor.numel() * t._local_tensor.element_size()
-            return _Local(t, copy)
+            return _Local(t, copy, self.restoring)
         storage = t.untyped_storage()
         saved = self._live.get(storage.data_ptr())
         if saved is None or saved.source() is None:
             saved = _Storage(t, copy)  # a storage seen first: one host copy for all its views
             self._live[storage.data_ptr()] = saved
             self.offloaded_bytes += storage.nbytes()
-        return _View(t, saved)
+        return _View(t, saved, self.restoring)
 
     @staticmethod
     def unpack(packed):
@@ -160,10 +165,64 @@ class ActivationOffload:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def apply_activation_offload(model: nn.Module, copy: bool | None = None) -> ActivationOffload:
+class SavedOutputs:
+    """The outputs per-op selective AC keeps for one forward of one block (see the module
+    docstring): recorded by the policy, moved to the host after the forward, back before the
+    recomputation."""
+
+    def __init__(self, owner: ActivationOffload):
+        self.owner = owner
+        self.outputs: list[torch.Tensor] = []
+        self.moved: list[tuple] = []  # (storage, nbytes, host copy or None)
+
+    def keep(self, out) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                self.outputs.append(t)
+
+    def forward_done(self, result) -> None:
+        owner, outputs, self.outputs = self.owner, self.outputs, []
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        escaped = {r.untyped_storage().data_ptr() for r in results if isinstance(r, torch.Tensor)}
+        seen: set[int] = set()
+        for t in outputs:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in seen or ptr in escaped or owner._kept(t):
+                continue  # once per storage; never what the block returns (the next block reads it)
+            seen.add(ptr)
+            nbytes = storage.nbytes()
+            owner.offloaded_bytes += nbytes
+            owner.offloaded_tensors += 1
+            copy = owner.copy if owner.copy is not None else t.device.type != "cpu"
+            host = None
+            if copy:
+                pin = t.device.type != "cpu"
+                raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=pin)
+                host.copy_(raw, non_blocking=pin)
+                if pin:  # the copy must be done before the device memory is reused
+                    torch.accelerator.current_stream().synchronize()
+                storage.resize_(0)
+            self.moved.append((storage, nbytes, host, t.device))
+
+    def restore(self) -> None:
+        for storage, nbytes, host, device in self.moved:
+            if host is not None:
+                storage.resize_(nbytes)
+                torch.empty(0, dtype=torch.uint8, device=device).set_(storage).copy_(host, non_blocking=True)
+        self.moved = []
+
+
+def apply_activation_offload(
+    model: nn.Module, copy: bool | None = None, offload: ActivationOffload | None = None
+) -> ActivationOffload:
     """Wrap every block's forward of ``model`` (after activation checkpointing) in the offload
-    hooks; the :class:`ActivationOffload` is also ``model.activation_offload``."""
-    offload = ActivationOffload(model, copy)
+    hooks; the :class:`ActivationOffload` (``offload``, the one per-op selective AC was given,
+    or a new one) is also ``model.activation_offload``."""
+    offload = offload if offload is not None else ActivationOffload(model, copy)
     blocks = model.blocks() if hasattr(model, "blocks") else list(model.layers.values())
     for block in blocks:
         inner = block.forward

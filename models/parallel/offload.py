@@ -26,7 +26,6 @@ from torch import nn
 
 __all__ = [
     "OPTIMIZER_STATE_BYTES",
-    "check_cpu_offload",
     "cpu_offload_bytes",
     "materialize",
     "memory_options_line",
@@ -35,11 +34,6 @@ __all__ = [
 # bytes of optimizer state per float32 trainable element: AdamW's two moments; Muon keeps one
 # momentum for its matrices (and AdamW's two for the rest): the larger figure is the bound
 OPTIMIZER_STATE_BYTES = {"AdamW": 8, "Muon": 8}
-
-
-def check_cpu_offload(opts, parallel_dims, device_type: str | None) -> None:
-    """``training.cpu_offload = true`` where it works; a ValueError naming the fix."""
-    return None
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ Bitwise is the rule's case: on a CPU compute device the offloaded shards are the
 the same kernels run on the same shapes in the same order, and full AC recomputes each block
 with the same kernels (the saved-tensor hooks only hold references; the copy round trip on a
 real host copy is tests/unit/test_activation_offload.py). The start-up line says what the options
-save. The refusal (per-op selective AC with offload) is one line with exit code 2.
+save. Nothing is refused: every layout tried on this CPU host ran bitwise equal with and without
+CPU offload (docs/memory.md lists them); the predicted bytes are tests/unit/test_cpu_offload.py's.
 """
 
 from __future__ import annotations
@@ -72,12 +73,3 @@ def test_startup_line_says_what_offload_saves(runs):
     assert len(lines) == 1, runs["stdout"][-2000:]
     assert "cpu_offload saves" in lines[0] and "optimizer state" in lines[0]
     assert f"activation offload saves {inputs:.1f} MiB (the blocks' inputs and RoPE rows) per micro-batch" in lines[0]
-
-
-def test_selective_op_offload_refused_in_one_line(tmp_path):
-    args = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.offload", "true"]
-    res = run_forked(1, *BASE[:-2], *args, "--job.dump_folder", str(tmp_path), env=_env())
-    assert res.returncode == 2, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr
-    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "selective_ac_option" in errors[0], res.stderr[-2000:]
