@@ -93,7 +93,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
     if pd.cp > 1:
         apply_context_parallel(model, pd.get_mesh("cp"))
     offload = ActivationOffload(model) if opts.ac_offload else None
-    apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option, offload)
+    # compiled blocks: what the compiled graph saves goes through the outer hooks; the per-op
+    # selective-AC recorder (a policy closure dynamo cannot trace as a context_fn) stays out
+    apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option, None if opts.compile else offload)
     if offload is not None:  # outside the checkpoint wrappers: their saved block inputs are offloaded too
         apply_activation_offload(model, offload=offload)
     if opts.compile:

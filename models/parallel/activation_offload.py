@@ -15,8 +15,9 @@ wrapper goes around the activation-checkpoint wrapper, models/parallel/activatio
   to models/parallel/activation_checkpoint.py) records them from the policy (``ctx.op_output``),
   moves their storages to the host once the block's forward has returned (device storage
   resized to 0) and brings them back when the backward recomputes the block, before the
-  recomputation reads the cache. What is recomputed is never offloaded. Under torch.compile the
-  compiled graph decides what it saves: the recorder stays out of traced code.
+  recomputation reads the cache. What is recomputed is never offloaded. Compiled blocks do not use the recorder (dynamo cannot
+  trace its policy closure as a ``context_fn``; models/parallelize.py): what the compiled graph
+  saves passes through the hooks.
 
 What is not offloaded: parameters and views of them (FSDP2's gathered weights, re-gathered in
 backward anyway), and the model's buffers and views of them (the RoPE table, which every block
