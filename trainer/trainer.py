@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.kernels import kernels_line
+from models.parallel.activation_offload import activation_offload_line
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from models.parallel.lora import lora_startup_line
 from models.parallel.offload import memory_options_line
@@ -396,6 +397,8 @@ class Trainer:
                     apply_train_timeout(cfg.comm.train_timeout_seconds)
                     timeout_applied = True
                     commit_run(cfg, self.rank, metrics)  # config.toml, metrics files, W&B id
+                    if line := activation_offload_line(self.model_parts, self.step):  # what step 1 moved
+                        _log(line)
                 steps_since_log += 1
                 # a SIGINT or SIGTERM on any rank: every rank stops after this step, with a save; the
                 # agreement also carries striped data's passes (at the last step too, for its epoch)

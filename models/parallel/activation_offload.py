@@ -40,6 +40,7 @@ from torch import nn
 
 __all__ = [
     "ActivationOffload",
+    "activation_offload_line",
     "apply_activation_offload",
     "attention_input_bytes",
     "block_input_bytes",
@@ -240,6 +241,22 @@ def apply_activation_offload(
 def model_offloads(model_parts: list[nn.Module]) -> list[ActivationOffload]:
     """The offload hooks of this rank's model parts (none without activation offload)."""
     return [m.activation_offload for m in model_parts if getattr(m, "activation_offload", None) is not None]
+
+
+def activation_offload_line(model_parts: list[nn.Module], step: int) -> str | None:
+    """What the hooks of this rank's model parts moved to host memory in the first step of a
+    launch (``step``), counted: None without activation offload."""
+    offloads = model_offloads(model_parts)
+    if not offloads:
+        return None
+    moved = sum(o.offloaded_bytes for o in offloads)
+    tensors = sum(o.offloaded_tensors for o in offloads)
+    for o in offloads:
+        o.reset()
+    return (
+        f"activation offload: step {step} moved {moved:,} bytes ({moved / 2**20:.1f} MiB, {tensors} saved tensors) "
+        "to host memory on this rank, all micro-batches together"
+    )
 
 
 def block_input_bytes(

@@ -73,3 +73,6 @@ def test_startup_line_says_what_offload_saves(runs):
     assert len(lines) == 1, runs["stdout"][-2000:]
     assert "cpu_offload saves" in lines[0] and "optimizer state" in lines[0]
     assert f"activation offload saves {inputs:.1f} MiB (the blocks' inputs and RoPE rows) per micro-batch" in lines[0]
+    # what the hooks counted in step 1 (rank 0): 2 micro-batches of 2 sequences per rank
+    moved = 2 * (block_input_bytes(2, 2, 64, 256) + attention_input_bytes((8, 2), 2, 64))
+    assert f"activation offload: step 1 moved {moved:,} bytes" in runs["stdout"], runs["stdout"][-2000:]
