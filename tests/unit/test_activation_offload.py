@@ -2,8 +2,9 @@
 one process, float32, batch 2 x 32 tokens:
 
 * what the hooks offload per forward is exactly what the prediction says: the RoPE rows once
-  (:func:`attention_input_bytes`) and, with full AC, the blocks' inputs (:func:`block_input_bytes`), with no AC everything the blocks keep for backward (the
-  planner's activation model, ``tools.planner.activations.layer_bytes``, itself checked against
+  (:func:`attention_input_bytes`) and, with full AC, the blocks' inputs
+  (:func:`block_input_bytes`), with no AC everything the blocks keep for backward (the planner's
+  activation model, ``tools.planner.activations.layer_bytes``, itself checked against
   the tensors a CPU forward keeps alive in tests/unit/test_planner.py), with selective AC every
   2nd block one of each, and with per-op selective AC each block's input and the outputs the
   policy keeps (the planner's selective figure);
@@ -11,7 +12,8 @@ one process, float32, batch 2 x 32 tokens:
   references) the gradients are bitwise those without offload (same kernels on the same
   shapes; the copy is exact), under no AC, full AC and per-op selective AC (whose kept outputs
   are really freed, storage resized to 0, and restored before the recomputation);
-* negative control: hooks that restore zeros in place of the saved values change the gradients.
+* negative controls: hooks that restore zeros in place of the saved values change the gradients;
+  selective AC's kept outputs are freed (0 bytes) between the forward and the recomputation.
 """
 
 from __future__ import annotations
@@ -99,3 +101,23 @@ def test_negative_control_restoring_zeros_changes_gradients(tokens, monkeypatch)
     monkeypatch.setattr(ActivationOffload, "unpack", staticmethod(zeros))
     got = _grads(_model("full", offload=True, copy=True), tokens)
     assert not all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_selective_kept_outputs_are_freed_until_restored(tokens, monkeypatch):
+    """Per-op selective AC's kept outputs really leave the device storage after the forward
+    (resized to 0 bytes) and are back, whole, after the backward's recomputation read them."""
+    recorders = []
+    real = ActivationOffload.saved_outputs
+
+    def record(self):
+        recorders.append(real(self))
+        return recorders[-1]
+
+    monkeypatch.setattr(ActivationOffload, "saved_outputs", record)
+    m = _model("selective", offload=True, copy=True)
+    logits = m(tokens)
+    moved = [entry for r in recorders for entry in r.moved]
+    assert len(recorders) == 2 and len(moved) > 4
+    assert all(storage.nbytes() == 0 for storage, *_ in moved)
+    F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+    assert all(storage.nbytes() == nbytes for storage, nbytes, *_ in moved)
