@@ -48,6 +48,11 @@ __all__ = [
 ]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what owns device memory), or the tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
 class _Storage:
     """One offloaded storage: its host copy (on a CPU device, the storage itself) and, once the
     backward asked for it, the device copy every view saved from it shares."""
@@ -139,8 +144,7 @@ class ActivationOffload:
         base = t._base if t._base is not None else t
         if isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter):
             return True
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t
-        ptr = local.untyped_storage().data_ptr()
+        ptr = _local(t).untyped_storage().data_ptr()
         return any(b.untyped_storage().data_ptr() == ptr for b in self.model.buffers())
 
     def pack(self, t: torch.Tensor):
@@ -181,13 +185,19 @@ class SavedOutputs:
         if torch.compiler.is_compiling():
             return
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > 0:
-                self.outputs.append(t)
+            if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                continue
+            t = _local(t)  # under TP the policy sees DTensors: their local shards hold the memory
+            try:
+                t.untyped_storage().data_ptr()
+            except RuntimeError:  # a wrapper without a storage of its own: left on the device
+                continue
+            self.outputs.append(t)
 
     def forward_done(self, result) -> None:
         owner, outputs, self.outputs = self.owner, self.outputs, []
         results = result if isinstance(result, (tuple, list)) else (result,)
-        escaped = {r.untyped_storage().data_ptr() for r in results if isinstance(r, torch.Tensor)}
+        escaped = {_local(r).untyped_storage().data_ptr() for r in results if isinstance(r, torch.Tensor)}
         seen: set[int] = set()
         for t in outputs:
             storage = t.untyped_storage()

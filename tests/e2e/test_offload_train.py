@@ -1,13 +1,16 @@
 """CPU offload and activation offload through ``train.py`` (issue 53 items 2 and 3).
 
-Three forked 2-rank runs of the llama3 debug model (2 blocks, seq_len 64, global batch 8, 3 steps):
+Four forked 2-rank runs of the llama3 debug model (2 blocks, seq_len 64, global batch 8, 3 steps):
 
 * P: plain fsdp=2;
 * O: fsdp=2 with ``training.cpu_offload`` (FSDP2's CPUOffloadPolicy on every unit, the optimizer
   stepping on the host shards) and ``activation_checkpoint.offload`` under full AC, checkpoint at
   step 2;
 * R: O resumed from its step-2 checkpoint (DCP load into the offloaded parameters and the
-  optimizer state on the host).
+  optimizer state on the host);
+* T: tp=2 (activations are DTensors) with both offloads under per-op selective AC, whose kept
+  outputs move too, within compare_loss's default tolerance (1e-5) of P: another layout sums in
+  another order.
 
 Asserted bitwise: O's loss and grad norm equal P's on every step, and R's step 3 equals O's.
 Bitwise is the rule's case: on a CPU compute device the offloaded shards are the same tensors,
@@ -46,7 +49,10 @@ def runs(tmp_path_factory):
     (tmp / "resume" / "checkpoint").mkdir(parents=True)
     shutil.copytree(tmp / "offload" / "checkpoint" / "step-2", tmp / "resume" / "checkpoint" / "step-2")
     _, resumed = _run(tmp / "resume", 3, *OFFLOAD, *ckpt)
-    return {"plain": plain, "offload": offloaded, "resume": resumed, "stdout": res.stdout}
+    # tp=2 (DTensor activations) with per-op selective AC, whose kept outputs are offloaded too
+    selective = ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--activation_checkpoint.mode", "selective"]
+    _, tp = _run(tmp / "tp", 3, *OFFLOAD, *selective)
+    return {"plain": plain, "offload": offloaded, "resume": resumed, "tp": tp, "stdout": res.stdout}
 
 
 def test_offload_curve_is_the_plain_curve(runs):
@@ -55,6 +61,13 @@ def test_offload_curve_is_the_plain_curve(runs):
     for step in (1, 2, 3):
         assert off[step]["loss"] == plain[step]["loss"], step
         assert off[step]["grad_norm"] == plain[step]["grad_norm"], step
+
+
+def test_tp_selective_offload_follows_the_plain_curve(runs):
+    """Another layout sums in another order: compare_loss's default tolerance (measured: 6e-8)."""
+    for step in (1, 2, 3):
+        assert runs["tp"][step]["loss"] == pytest.approx(runs["plain"][step]["loss"], rel=1e-5, abs=1e-5)
+        assert runs["tp"][step]["grad_norm"] == pytest.approx(runs["plain"][step]["grad_norm"], rel=1e-5, abs=1e-5)
 
 
 def test_offload_resumes_bitwise(runs):
