@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from models.parallel.activation_checkpoint import apply_activation_checkpointing
+from models.parallel.activation_offload import ActivationOffload, apply_activation_offload
 from models.parallel.context_parallel import apply_context_parallel
 from models.parallel.expert_parallel import apply_expert_parallel
 from models.parallel.float8 import Float8Options, convert_to_float8
@@ -47,6 +48,8 @@ class ParallelizeOptions:
     compile: bool = False
     float8: Float8Options | None = None  # model.converters = ["float8"] and/or ["float8_experts"]
     lora: LoRAOptions | None = None  # model.converters = ["lora"] (models/parallel/lora.py)
+    cpu_offload: bool = False  # training.cpu_offload: FSDP2's CPUOffloadPolicy on every unit
+    ac_offload: bool = False  # activation_checkpoint.offload (models/parallel/activation_offload.py)
 
 
 def apply_converters(model: nn.Module, parallel_dims: ParallelDims, opts: ParallelizeOptions) -> nn.Module:
@@ -89,7 +92,12 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
         shard_adapters_like_base(model)
     if pd.cp > 1:
         apply_context_parallel(model, pd.get_mesh("cp"))
-    apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option)
+    offload = ActivationOffload(model) if opts.ac_offload else None
+    # compiled blocks: what the compiled graph saves goes through the outer hooks; the per-op
+    # selective-AC recorder (a policy closure dynamo cannot trace as a context_fn) stays out
+    apply_activation_checkpointing(model, opts.ac_mode, opts.ac_selective_option, None if opts.compile else offload)
+    if offload is not None:  # outside the checkpoint wrappers: their saved block inputs are offloaded too
+        apply_activation_offload(model, offload=offload)
     if opts.compile:
         for block in model.blocks():
             block.compile()
@@ -100,7 +108,13 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
     dense_mesh = pd.fsdp_mesh_for("dense")
     expert_mesh = pd.fsdp_mesh_for("expert") if separate else None
     one_rank = dense_mesh is None and expert_mesh is None and pd.pp == 1
-    if mixed and one_rank and opts.param_dtype != "float32" and ONE_RANK_MIXED_PRECISION == "compute_copies":
+    if (
+        mixed
+        and one_rank
+        and not opts.cpu_offload
+        and opts.param_dtype != "float32"
+        and ONE_RANK_MIXED_PRECISION == "compute_copies"
+    ):
         # No parameter is sharded over data-parallel ranks and there is no pipeline (one GPU,
         # pure TP): fp32 masters with compute copies, the work of a mixed-precision loop and
         # no more (see models/parallel/mixed_precision.py; FSDP2 on a size-1 mesh computes the
@@ -109,15 +123,18 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
         return model
     # Otherwise mixed precision is FSDP2's: without data parallelism (a pipeline stage, EP
     # without data parallelism) FSDP2 wraps on the size-1 shard mesh, where it only casts (see
-    # models/parallel/fsdp.py).
+    # models/parallel/fsdp.py). CPU offload is FSDP2's too, so with it FSDP2 wraps every layout,
+    # on the size-1 mesh where nothing is sharded (one GPU, pure TP, PP, EP without dp).
+    trivial = mixed or opts.cpu_offload
     apply_fsdp(
         model,
-        pd.fsdp_mesh_for("dense", allow_trivial=mixed),
-        pd.fsdp_mesh_for("expert", allow_trivial=mixed) if separate else None,
+        pd.fsdp_mesh_for("dense", allow_trivial=trivial),
+        pd.fsdp_mesh_for("expert", allow_trivial=trivial) if separate else None,
         param_dtype=opts.param_dtype,
         reduce_dtype=opts.reduce_dtype,
         reshard_after_forward=opts.reshard_after_forward,
         pp_enabled=pd.pp > 1,
         separate_experts=separate,
+        cpu_offload=opts.cpu_offload,
     )
     return model

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from models.common.init import canonical_fqn
+from models.parallel.offload import materialize
 from models.parallel.pipeline import split_model
 from models.parallelize import apply_converters
 from trainer.forward import LossFn
@@ -32,9 +33,8 @@ def build_model_parts(plan: JobPlan, model: nn.Module, device: torch.device, see
     parts = list(split_model(model, plan.stages, plan.parallel_dims).modules) if plan.stages is not None else [model]
     for part in parts:
         plan.model.parallelize_fn(part, plan.parallel_dims, plan.parallelize)
-        part.to_empty(device=device)
-        with torch.no_grad():
-            part.init_weights(seed)
+        # with CPU offload on an accelerator the parameters in host memory (models/parallel/offload.py)
+        materialize(part, device, seed, plan.parallelize.cpu_offload)
     return parts
 
 

@@ -198,6 +198,8 @@ def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
         compile=cfg.compile.enable and "model" in cfg.compile.components,
         float8=float8_options(cfg),
         lora=lora_options(cfg),
+        cpu_offload=cfg.training.cpu_offload,
+        ac_offload=cfg.activation_checkpoint.offload,
     )
 
 

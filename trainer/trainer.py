@@ -26,8 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from models.kernels import kernels_line
+from models.parallel.activation_offload import activation_offload_line
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from models.parallel.lora import lora_startup_line
+from models.parallel.offload import memory_options_line
 from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
 from parallel_dims import default_device_type
 from parallel_dims.torch_compat import host_side
@@ -161,6 +163,8 @@ class Trainer:
             self._float8_scales_due = self.float8_precompute
         if plan.parallelize.lora is not None:
             _log(lora_startup_line(self.model_parts, plan.parallelize.lora))
+        if line := memory_options_line(self.model_parts, plan, cfg.optimizer.name):  # models/parallel/offload.py
+            _log(line)
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)
         self.forward = ModelForward(
             self.pd,
@@ -397,6 +401,8 @@ class Trainer:
                     apply_train_timeout(cfg.comm.train_timeout_seconds)
                     timeout_applied = True
                     commit_run(cfg, self.rank, metrics)  # config.toml, metrics files, W&B id
+                    if line := activation_offload_line(self.model_parts, self.step):  # what step 1 moved
+                        _log(line)
                 steps_since_log += 1
                 # a SIGINT or SIGTERM on any rank: every rank stops after this step, with a save; the
                 # agreement also carries striped data's passes (at the last step too, for its epoch)

@@ -86,9 +86,42 @@ def _checkpoint_block(block: nn.Module, context_fn=None) -> None:
     block.forward = forward
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option: str = "op") -> None:
+def _checkpoint_block_offloaded(block: nn.Module, offload) -> None:
+    """Per-op selective AC whose kept outputs ``offload`` moves to host memory: a recorder per
+    forward (models/parallel/activation_offload.py ``SavedOutputs``) sees every output the policy
+    keeps, frees them once the block's forward returns and restores them when the backward
+    recomputes the block (the checkpointed function's second call)."""
+    inner = block.forward
+
+    def forward(*args, **kw):
+        saved = offload.saved_outputs()
+
+        def policy(ctx, op, *a, **k):
+            decision = _op_policy(ctx, op, *a, **k)
+            if decision == CheckpointPolicy.MUST_SAVE:
+                saved.keep(ctx.op_output)
+            return decision
+
+        # the block's inputs, which the checkpoint saves under the offload hooks, bring the kept
+        # outputs back when the backward unpacks them for the recomputation
+        offload.restoring = saved
+        try:
+            out = checkpoint(
+                inner, *args, **kw, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy)
+            )
+        finally:
+            offload.restoring = None
+        saved.forward_done(out)
+        return out
+
+    block.forward = forward
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option: str = "op", offload=None) -> None:
     """``mode``: none | full | selective. ``selective_option``: ``op`` (save matmul and
-    attention outputs, recompute the rest) or an integer N (fully checkpoint every N-th block)."""
+    attention outputs, recompute the rest) or an integer N (fully checkpoint every N-th block).
+    ``offload``: the model's activation offload (models/parallel/activation_offload.py), which
+    per-op selective AC hands the outputs it keeps to."""
     if mode == "none":
         return
     # our decoders list their blocks (MTP depths included); a model without ``blocks()``
@@ -103,7 +136,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option
     option = str(selective_option)
     if option == "op":
         for block in blocks:
-            _checkpoint_block(block, _selective_context)
+            _checkpoint_block_offloaded(block, offload) if offload is not None else _checkpoint_block(
+                block, _selective_context
+            )
         return
     if not option.isdigit() or int(option) < 1:
         raise ValueError(

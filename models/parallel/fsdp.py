@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 __all__ = ["apply_fsdp", "reshard_policy"]
 
@@ -40,6 +40,16 @@ def reshard_policy(policy: str, pp_enabled: bool, mesh_size: int) -> bool:
     raise ValueError(f"fsdp_reshard_after_forward={policy!r}; legal values: default, always, never")
 
 
+def _offload_policy(cpu_offload: bool, mesh: DeviceMesh | None) -> OffloadPolicy:
+    """FSDP2's CPU offload where asked. Pinned host memory (asynchronous copies) only where the
+    mesh's device is an accelerator: torch cannot pin memory on a host without one ("Cannot
+    access accelerator device"), and with a CPU compute device FSDP2's host copies are the
+    tensors themselves."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=mesh is not None and mesh.device_type != "cpu")
+
+
 def _dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"mixed precision dtype {name!r}; legal values: {', '.join(_DTYPES)}")
@@ -56,18 +66,29 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     pp_enabled: bool = False,
     separate_experts: bool = False,
+    cpu_offload: bool = False,
 ) -> None:
     """Wrap each block (and, when ``separate_experts``, each block's routed experts on
     ``expert_mesh``), then the embeddings, the norm+output head and the root, in place. With
     tied embeddings the embeddings, norm and head stay in the root unit (one unit per
-    parameter)."""
+    parameter). ``cpu_offload``: every unit under FSDP2's ``CPUOffloadPolicy`` (its sharded
+    parameters and their gradients, and so the optimizer state, in host memory; the optimizer
+    steps there: models/parallel/offload.py)."""
     mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype), reduce_dtype=_dtype(reduce_dtype))
+    offload = _offload_policy(cpu_offload, dense_mesh if dense_mesh is not None else expert_mesh)
     reshard_policy(reshard_after_forward, pp_enabled, 2)  # a bad policy fails even if nothing is wrapped
     wrapped: list[tuple[FSDPModule, int]] = []  # with the number of ranks of its mesh
 
     def wrap(module: nn.Module, mesh: DeviceMesh, reshard_flag: bool) -> None:
         reshard_flag = reshard_flag and reshard_policy(reshard_after_forward, pp_enabled, mesh.size())
-        wrapped.append((fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_flag), mesh.size()))
+        wrapped.append(
+            (
+                fully_shard(
+                    module, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_flag
+                ),
+                mesh.size(),
+            )
+        )
 
     blocks = model.blocks()
     for i, block in enumerate(blocks):
@@ -91,7 +112,7 @@ def apply_fsdp(
         if model.output is not None:
             head = [m for m in (model.norm, model.output) if m is not None]
             # norm + output form one FSDP group (one all-gather); the returned handle is the list
-            fully_shard(head, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
+            fully_shard(head, mesh=dense_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
             wrapped.append((head[0], dense_mesh.size()))
     if dense_mesh is not None:
         wrap(model, dense_mesh, True)

@@ -4,7 +4,7 @@
   ``split_model`` for pp, the model's parallelize function, materialized on CPU) on torch's
   ``fake`` backend (collectives move no data, so values are garbage but every tensor training
   keeps exists with its real shape, dtype and storage); one forward/backward and one AdamW
-  step (``foreach=False``), or with ``optimizer`` (keys of the config's ``[optimizer]``
+  step (``foreach=False``; ``cpu_offload``: FSDP2's CPU offload policy), or with ``optimizer`` (keys of the config's ``[optimizer]``
   section: name, param_groups, ...) one step of the trainer's own optimizer
   (``trainer.optim.optimizers.build_optimizer``, for-loop AdamW beside Muon). Reports, in bytes, the
   distinct storages behind the parameters (FSDP2's padded chunks), behind the gradients
@@ -50,11 +50,13 @@ def _storage_bytes(tensors) -> int:
 def measure_training_state(
     model: str, flavor: str, degrees: dict, rank: int, param_dtype: str = "float32", reduce_dtype: str = "float32",
     schedule: str = "1F1B", seq_len: int = 64, lora: dict | None = None, optimizer: dict | None = None,
+    cpu_offload: bool = False,
 ) -> dict:  # fmt: skip
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from models.parallel.offload import cpu_offload_bytes
     from models.parallel.pipeline import plan_stages, split_model
     from models.parallelize import ParallelizeOptions
     from models.registry import build_model, get_model_spec
@@ -76,7 +78,10 @@ def measure_training_state(
         from models.parallel.lora import LoRAOptions
 
         opts = ParallelizeOptions(
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype, lora=LoRAOptions(**lora) if lora else None
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            lora=LoRAOptions(**lora) if lora else None,
+            cpu_offload=cpu_offload,
         )
         params = []
         cp_seq = seq_len // pd.cp
@@ -131,6 +136,8 @@ def measure_training_state(
             "optimizer_bytes": _storage_bytes(states),
             "muon_local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in muon),
             "fsdp_group_unsharded_numels": sorted(groups),
+            # what CPU offload's prediction says these three are (models/parallel/offload.py)
+            "cpu_offload_bytes": cpu_offload_bytes(parts),
         }
     finally:
         dist.destroy_process_group()

@@ -223,6 +223,12 @@ class Training:
         "Global sample ranges 'START:END' (END excluded) never trained on: a step whose first sample lies in "
         "a range reads on from END (what a rollback adds; docs/long_runs.md).",
     )
+    cpu_offload: bool = _opt(
+        False,
+        "Keep the sharded parameters, their gradients and the optimizer state in host memory and step the "
+        "optimizer there (FSDP2's CPUOffloadPolicy; FSDP2 then wraps every layout): the device holds only what "
+        "a step gathers (docs/memory.md).",
+    )
     prefetch: bool = _opt(
         True,
         "Prepare the next step's micro-batches on a background thread while the current step "
@@ -285,6 +291,11 @@ class ActivationCheckpoint:
     selective_ac_option: str = _opt(
         "op",
         "'op' = per-op selective AC; an integer N = checkpoint every N-th transformer block.",
+    )
+    offload: bool = _opt(
+        False,
+        "Move what the transformer blocks save for backward (with mode = 'full': their inputs) to host memory "
+        "in the forward, back in the backward (docs/memory.md).",
     )
 
 

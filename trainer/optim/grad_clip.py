@@ -97,12 +97,15 @@ def grad_norm(params: Iterable[torch.Tensor], pp_mesh: DeviceMesh | None = None)
     for key, grads in by_groups.items():
         sq = _sum_of_squares(grads)
         for mesh, dim in reducers.get(key, ()):
+            # gradients in host memory (training.cpu_offload) on an accelerator's mesh: the
+            # collective runs on the mesh's device (NCCL has no CPU tensors)
+            sq = sq if sq.device.type == mesh.device_type else sq.to(mesh.device_type)
             _all_reduce_on(sq, mesh, dim)
         total = sq if total is None else total + sq.to(total.device)
     if total is None:
         total = torch.zeros((), dtype=torch.float64)
     if pp_mesh is not None and pp_mesh.size() > 1:
-        total = total.clone()
+        total = total.to(pp_mesh.device_type, copy=True)
         dist.all_reduce(total, group=pp_mesh.get_group())
     return total.sqrt().float()
 
