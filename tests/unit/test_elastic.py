@@ -139,7 +139,8 @@ def test_ranks_that_never_join_the_first_start_are_named_within_the_timeout(monk
 def test_a_joining_node_spends_no_restart_and_a_new_world_is_one_line(tmp_path, capsys):
     """The launcher's agent (trainer/lifecycle/restarts.py) on torch's two restarts: a healthy
     group restarted to admit a waiting node, and a failed group, each followed by the world the
-    rendezvous gathered. A stand-in for torch's agent: its stop and its rendezvous-and-start."""
+    rendezvous gathered. A stand-in for torch's agent: its stop and its rendezvous-and-start (no
+    metrics rows: each start failed before its first step)."""
     from types import SimpleNamespace
 
     from torch.distributed.elastic.agent.server.api import WorkerState
@@ -160,7 +161,7 @@ def test_a_joining_node_spends_no_restart_and_a_new_world_is_one_line(tmp_path, 
     agent._restart_workers(group)
     tail = "; the layout is planned for it (docs/long_runs.md)"
     assert capsys.readouterr().err.splitlines() == [
-        "a node is joining: restarting the workers to take it in at step 1; no checkpoint: starting from step 0",
+        "a node is joining: restarting the workers to take it in before its first step; no checkpoint: starting from step 0",
         "elastic: the job goes on with 2 nodes (4 ranks), was 1 (2 ranks)" + tail,
     ]
     assert agent.restarts == 0
@@ -168,11 +169,11 @@ def test_a_joining_node_spends_no_restart_and_a_new_world_is_one_line(tmp_path, 
     type(agent).failures = {3: SimpleNamespace(exitcode=-9, pid=1, timestamp=0)}
     agent._restart_workers(group)
     assert capsys.readouterr().err.splitlines() == [
-        "restart 1/2: rank 3 died (SIGKILL) at step 1; no checkpoint: starting from step 0",
+        "restart 1/2: rank 3 died (SIGKILL) before its first step; no checkpoint: starting from step 0",
         "elastic: the job goes on with 1 node (2 ranks), was 2 (4 ranks)" + tail,
     ]
     group.next = (1, 2)
     agent._restart_workers(group)  # the same world again: no world line
     assert capsys.readouterr().err.splitlines() == [
-        "restart 2/2: rank 3 died (SIGKILL) at step 1; no checkpoint: starting from step 0"
+        "restart 2/2: rank 3 died (SIGKILL) before its first step; no checkpoint: starting from step 0"
     ]
