@@ -43,11 +43,12 @@ sequences per rank (gradient accumulation is part of what is checked). A layout 
 pipeline parallelism trains and records its first step: nothing in it is one-off (its records
 equal the planner's, as a later step's did when step 2 was recorded), and a second step cost a
 fifth of the launch's CPU time. A pipelined layout trains 2 steps and records step 2 (step 1 also runs
-the pipeline's one-off shape exchange). All
-the layouts a session selects of one world size run one after another in ONE launch (two
-launches: 4 ranks, and 8 ranks for the few layouts that need them;
-``tools.forkserver.run_distributed``; a layout that fails ends its launch, naming the layout): a
-launch per layout paid the ranks' start and first-step warm-up again for every layout. Several
+the pipeline's one-off shape exchange). The
+layouts a session selects of one world size run one after another in few launches (three:
+4 ranks in two halves of at most ``LAUNCH_LAYOUTS`` = 12 layouts, as all 24 in one launch took
+71 s on a loaded host, over the 60 s per-test budget; and 8 ranks for the few layouts that need
+them; ``tools.forkserver.run_distributed``; a layout that fails ends its launch, naming the
+layout): a launch per layout paid the ranks' start and first-step warm-up again for every layout. Several
 Trainers in one process share DTensor's sharding-propagation and redistribution caches, whose
 keys compare meshes by value, so a later layout's equal mesh would get back specs holding an
 earlier layout's mesh objects and process groups (seen: without the drop, 12 of 20 layouts
@@ -97,6 +98,9 @@ LOCAL = 2
 ACCUM = 2
 PP_RECORD_STEP = 2  # the step a pipelined layout records (step 1 runs the one-off shape exchange)
 N_LAYERS = {"llama3": 2, "deepseek_v3": 3}  # deepseek: one dense layer, two MoE layers
+# layouts per launch: the 24 layouts of 4 ranks in one launch took 71 s on a loaded 2-core host,
+# over the 60 s per-test budget (a launch is charged to its first test)
+LAUNCH_LAYOUTS = 12
 
 
 class Layout(NamedTuple):
@@ -429,9 +433,10 @@ _TEST = "test_predicted_collectives_equal_a_recorded_step"
 
 @pytest.fixture(scope="module")
 def recorded(request, tmp_path_factory):
-    """``recorded(name)``: the per-rank records of a layout's recorded step. The first call
-    for a world size records every layout this session selected of :data:`LAYOUTS` with that
-    world size in one launch; a layout not among them (none normally) gets a launch of its own."""
+    """``recorded(name)``: the per-rank records of a layout's recorded step. The layouts this
+    session selected of :data:`LAYOUTS` with one world size are recorded in launches of at most
+    :data:`LAUNCH_LAYOUTS` of them (in the order of :data:`LAYOUTS`), each at the first call for
+    one of its layouts; a layout not among them (none normally) gets a launch of its own."""
     selected = [
         item.callspec.params["name"]
         for item in request.session.items
@@ -442,8 +447,15 @@ def recorded(request, tmp_path_factory):
     def get(name: str) -> list[list[dict]]:
         if name not in cache:
             world = LAYOUTS[name].world
-            names = [n for n in dict.fromkeys(selected) if n not in cache and LAYOUTS[n].world == world]
-            names = names if name in selected else [name]
+            names = [n for n in dict.fromkeys(selected) if LAYOUTS[n].world == world]
+            # the launch of this layout's group: at most LAUNCH_LAYOUTS consecutive layouts
+            names = [
+                n
+                for i in range(0, len(names), LAUNCH_LAYOUTS)
+                if name in (g := names[i : i + LAUNCH_LAYOUTS])
+                for n in g
+            ]
+            names = names or [name]
             folder = tmp_path_factory.mktemp("comm")
             ranks = run_distributed(_record_layouts, world, str(folder), names, timeout=120 + 45 * len(names))
             cache.update({n: [r[n] for r in ranks] for n in names})
