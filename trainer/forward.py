@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     # the pipeline runtime is imported where pp > 1 uses it (see trainer/trainer.py)
     from models.parallel.pipeline import Pipeline
 
-__all__ = ["ModelForward", "cross_entropy_sum", "full_tensor"]
+__all__ = ["ModelForward", "cross_entropy_sum", "full_tensor", "token_loss_sum"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -36,6 +36,18 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The trainer's loss function: the SUM of the token cross-entropies (float32 logits)."""
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+def token_loss_sum(token_losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss function of the chunked loss (``training.loss_chunk_tokens``): the model's head
+    already returned each token's float32 cross-entropy (0 at ignored targets,
+    ``models/common/chunked_loss.py``); their SUM, as :func:`cross_entropy_sum` returns."""
+    if tuple(token_losses.shape) != tuple(labels.shape[:2]) or token_losses.dtype != torch.float32:
+        raise ValueError(
+            f"chunked loss: expected per-token float32 losses of shape {tuple(labels.shape[:2])}, got "
+            f"{tuple(token_losses.shape)} {token_losses.dtype}"
+        )
+    return token_losses.sum()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -62,6 +74,9 @@ class ModelForward:
     ) -> None:
         self.pd, self.model_parts, self.loss_fn, self.device = pd, list(model_parts), loss_fn, device
         self.loss_parallel, self.pipeline = loss_parallel, pipeline
+        # chunked loss: the model takes the labels and returns per-token losses (the pipeline
+        # passes them to its last stage itself)
+        self.head_labels = getattr(self.model_parts[0], "loss_chunk_tokens", 0) > 0
         # DeepSeek-V3 multi-token prediction (trainer/mtp.py): the depths' inputs and targets are
         # built on the whole rows, before the cp shard; block-causal attention keeps each
         # target inside its position's document
@@ -117,6 +132,8 @@ class ModelForward:
             reported = None if part is None else full_tensor(part.detach()).float()
         else:
             with loss_parallel_context(self.loss_parallel):
+                if self.head_labels:
+                    extra["labels"] = labels
                 logits = self.model_parts[0](inputs, **extra)
                 loss = self.loss_fn(logits, labels) / global_tokens
                 if backward:
