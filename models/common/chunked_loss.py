@@ -3,8 +3,9 @@
 Plain, the head turns the ``[tokens, dim]`` hidden states into ``[tokens, vocab]`` logits and
 the loss casts them to float32: with a 151,936-token vocabulary that is 0.6 MB per token, and
 autograd keeps the logits (or their softmax) until the backward, which makes a gradient of the
-same size. :class:`OutputHead` is the model's ``output`` ``nn.Linear`` (same parameter, same
-name, same plain forward); called with ``labels`` it instead returns each token's cross-entropy
+same size. The model's ``output`` head stays an ``nn.Linear`` (same class, parameter, name and
+plain forward); :func:`enable_chunked_head` lets it take ``labels``, and then it returns each
+token's cross-entropy
 (``[bs, n]`` float32, 0 at ignored targets) computed ``chunk_tokens`` rows at a time by
 :class:`_ChunkedHeadCE`, which keeps only the hidden states, the labels and one float32
 log-sum-exp per token for the backward. The backward recomputes each chunk's logits (one more
@@ -27,13 +28,15 @@ reduces it (reduce-scatter onto the sequence shard under sequence parallelism).
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["IGNORE_INDEX", "OutputHead", "chunked_head_losses", "chunked_loss_saving_bytes"]
+__all__ = ["IGNORE_INDEX", "chunked_head_losses", "chunked_loss_saving_bytes", "enable_chunked_head"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default and trainer/data/packing.py's
 
@@ -162,16 +165,23 @@ def chunked_head_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return flat.view(bs, n)
 
 
-class OutputHead(nn.Linear):
-    """The model's output head: ``nn.Linear(dim, vocab, bias=False)``; ``forward(h)`` is the plain
-    linear (the logits), ``forward(h, labels=..., chunk_tokens=c)`` the per-token cross-entropy
-    of :func:`chunked_head_losses`. Called through the module so that FSDP gathers (and TP
-    shards) the weight exactly as for the logits."""
+def _head_forward(
+    self: nn.Linear, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 0
+) -> torch.Tensor:
+    if labels is None:
+        return F.linear(h, self.weight, self.bias)
+    return chunked_head_losses(h, self.weight, labels, chunk_tokens)
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 0) -> torch.Tensor:  # type: ignore[override]
-        if labels is None:
-            return super().forward(h)
-        return chunked_head_losses(h, self.weight, labels, chunk_tokens)
+
+def enable_chunked_head(head: nn.Linear) -> nn.Linear:
+    """Give the model's output head ``head`` (an ``nn.Linear(dim, vocab, bias=False)``, which stays
+    exactly that class: the float8 and LoRA converters, checkpoints and the TP plan see the plain
+    linear) a forward that also takes the chunked loss: ``head(h)`` is the plain linear (the
+    logits), ``head(h, labels=..., chunk_tokens=c)`` the per-token cross-entropy of
+    :func:`chunked_head_losses`. Called through the module, so that FSDP gathers (and TP shards)
+    the weight exactly as for the logits."""
+    head.forward = types.MethodType(_head_forward, head)
+    return head
 
 
 def chunked_loss_saving_bytes(

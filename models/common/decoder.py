@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from models.common.args import DecoderArgs
-from models.common.chunked_loss import OutputHead
+from models.common.chunked_loss import enable_chunked_head
 from models.common.documents import Documents, document_ids, positions_in_document
 from models.common.flops import model_flops_per_token
 from models.common.init import InitRule, full_init_tensor, init_parameters, standard_rule, write_full_into
@@ -117,7 +117,7 @@ class Decoder(nn.Module):
         self.rope = self.build_rope(args)
         self.layers = nn.ModuleDict({str(i): self.build_block(i, args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = OutputHead(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Linear | None = enable_chunked_head(nn.Linear(args.dim, args.vocab_size, bias=False))
         if args.tie_word_embeddings:
             # one Parameter for both uses ([vocab, dim] either way): named_parameters lists it
             # once, as tok_embeddings.weight, so init, optimizer and checkpoints see one tensor
