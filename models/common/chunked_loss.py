@@ -107,6 +107,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
             logits = F.linear(h[s:e], weight).float()
             # d loss_i / d logit_ij = softmax_ij - [j == target_i], times the token's incoming gradient
             grad = logits.sub_(lse[s:e, None]).exp_()  # in place: one [chunk, vocab] float32 buffer
+            del logits  # (the same buffer: the name alone would keep it past the loop's next matmul)
             target = labels[s:e] - vocab_start
             in_slice = (labels[s:e] != IGNORE_INDEX) & (target >= 0) & (target < weight.size(0))
             rows = in_slice.nonzero().squeeze(1)
@@ -193,18 +194,18 @@ def chunked_loss_saving_bytes(
     vocabulary slice (rounded up); ``dim`` the model width; ``compute_bytes`` the head's compute
     dtype (4 float32, 2 bf16). 0 when ``chunk_tokens`` is 0 (off).
 
-    Plain, at the peak of the loss's backward four ``[tokens, vocab / tp]`` tensors are alive
-    (measured with ``tools/tensor_census.py``): the logits in the compute dtype (the trainer's
-    forward holds them until its backward returns), the float32 log-softmax autograd saved, the
-    NLL's float32 gradient and the log-softmax's float32 gradient: ``12 + compute_bytes`` bytes
-    per element. Chunked, the peak holds one chunk's float32 logits and their exponentials or
-    gradient (8 bytes per element of ``min(chunk, tokens)`` rows) and the float32 accumulator of
-    the head-weight gradient (``vocab / tp x dim x 4``; below float32 also its cast to the
-    compute dtype)."""
+    What is alive at each path's peak, measured with ``tools/tensor_census.py`` (docs/memory.md):
+    plain, four ``[tokens, vocab / tp]`` tensors (the logits in the compute dtype, which the
+    trainer's forward holds until its backward returns; the float32 log-softmax autograd saved;
+    the NLL's float32 gradient; the log-softmax's float32 gradient: ``12 + compute_bytes`` bytes
+    per element) and the head weight's gradient; chunked, one chunk's float32 logits buffer
+    (reused for the softmax gradient; below float32 also its cast), the float32 accumulator of
+    the weight gradient and the weight gradient itself. Exact in float32 (to the census's byte
+    on the bench's shapes), within 5% in bf16."""
     if chunk_tokens <= 0:
         return 0
     v = -(-vocab // tp)
-    plain = tokens * v * (12 + compute_bytes)
-    accumulator = v * dim * (4 + (compute_bytes if compute_bytes != 4 else 0))
-    chunked = min(chunk_tokens, tokens) * v * 8 + accumulator
+    low = compute_bytes if compute_bytes != 4 else 0
+    plain = tokens * v * (12 + compute_bytes) + v * dim * compute_bytes
+    chunked = min(chunk_tokens, tokens) * v * (4 + low) + v * dim * (4 + compute_bytes)
     return max(plain - chunked, 0)
