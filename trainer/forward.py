@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     # the pipeline runtime is imported where pp > 1 uses it (see trainer/trainer.py)
     from models.parallel.pipeline import Pipeline
 
-__all__ = ["ModelForward", "cross_entropy_sum", "full_tensor", "token_loss_sum"]
+__all__ = ["ModelForward", "chunked_loss_line", "cross_entropy_sum", "full_tensor", "token_loss_sum"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,6 +48,27 @@ def token_loss_sum(token_losses: torch.Tensor, labels: torch.Tensor) -> torch.Te
             f"{tuple(token_losses.shape)} {token_losses.dtype}"
         )
     return token_losses.sum()
+
+
+def chunked_loss_line(plan, pd: ParallelDims, pipeline: Pipeline | None, chunk: int) -> str:
+    """Start-up line of the chunked loss (``plan``: the job's ``JobPlan``): what one head call's
+    logits would have held on this rank, and the saving ``chunked_loss_saving_bytes`` predicts
+    (docs/memory.md)."""
+    from models.common.chunked_loss import chunked_loss_saving_bytes
+
+    args, batch = plan.model.args, plan.batch
+    rows = batch.local_batch_size
+    if pipeline is not None:
+        rows = pipeline.local_batch_size // pipeline.n_microbatches
+    tokens = rows * (batch.seq_len // pd.cp) * (1 + getattr(args, "mtp_layers", 0))
+    compute_bytes = 2 if plan.parallelize.param_dtype == "bfloat16" else 4
+    vocab = -(-args.vocab_size // pd.tp)
+    saving = chunked_loss_saving_bytes(tokens, args.vocab_size, args.dim, chunk, tp=pd.tp, compute_bytes=compute_bytes)
+    return (
+        f"chunked loss: the head and cross-entropy {chunk} tokens at a time; one head call holds {tokens} tokens x "
+        f"{vocab} vocabulary rows on this rank: predicted peak saving {saving / 2**20:,.1f} MiB per micro-batch "
+        "(training.loss_chunk_tokens, docs/memory.md)"
+    )
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

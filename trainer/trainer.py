@@ -41,7 +41,7 @@ from trainer.config import JobConfig
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.faults import Faults
-from trainer.forward import ModelForward, cross_entropy_sum, token_loss_sum
+from trainer.forward import ModelForward, chunked_loss_line, cross_entropy_sum, token_loss_sum
 from trainer.instruments import Instruments, build_instruments
 from trainer.mtp import MTPLoss
 from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
@@ -169,6 +169,8 @@ class Trainer:
         if plan.parallelize.lora is not None:
             _log(lora_startup_line(self.model_parts, plan.parallelize.lora))
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)
+        if chunk:
+            _log(chunked_loss_line(plan, self.pd, self.pipeline, chunk))
         self.forward = ModelForward(
             self.pd,
             self.model_parts,
