@@ -41,6 +41,15 @@ SECTIONS: list[tuple[str, str, str]] = [
         "2, 3, 4, 8, from the real sharded model on the fake backend; reference: ideal = fsdp=1 bytes / N",
     ),
     (
+        "chunked_loss",
+        "Chunked cross-entropy",
+        "`make bench` section `chunked_loss` (also `python -m benchmarks.run --only chunked_loss --out "
+        "bench_results/chunked_loss.json`): peak live tensor bytes (tools/tensor_census.py) and CPU time (one "
+        "thread, median of 3) of one forward + backward of a 151,936-token-vocabulary model at width 64 "
+        "(1 block, 1,024 tokens) with `training.loss_chunk_tokens`, and the saving the planner predicts "
+        "(`chunked_loss_saving_bytes`); reference: the plain head + loss (chunk 0) in the same run",
+    ),
+    (
         "lora",
         "LoRA against full fine-tuning",
         "`make bench` section `lora`: one rank of an fsdp=2 llama3 debug job through the real trainer on the "

@@ -13,6 +13,7 @@ from pathlib import Path
 SECTIONS = [
     "mesh_build",
     "memory",
+    "chunked_loss",
     "param_traffic",
     "throughput",
     "pipeline",

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     # the pipeline runtime is imported where pp > 1 uses it (see trainer/trainer.py)
     from models.parallel.pipeline import Pipeline
 
-__all__ = ["ModelForward", "cross_entropy_sum", "full_tensor"]
+__all__ = ["ModelForward", "chunked_loss_line", "cross_entropy_sum", "full_tensor", "token_loss_sum"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -36,6 +36,39 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The trainer's loss function: the SUM of the token cross-entropies (float32 logits)."""
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+def token_loss_sum(token_losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss function of the chunked loss (``training.loss_chunk_tokens``): the model's head
+    already returned each token's float32 cross-entropy (0 at ignored targets,
+    ``models/common/chunked_loss.py``); their SUM, as :func:`cross_entropy_sum` returns."""
+    if tuple(token_losses.shape) != tuple(labels.shape[:2]) or token_losses.dtype != torch.float32:
+        raise ValueError(
+            f"chunked loss: expected per-token float32 losses of shape {tuple(labels.shape[:2])}, got "
+            f"{tuple(token_losses.shape)} {token_losses.dtype}"
+        )
+    return token_losses.sum()
+
+
+def chunked_loss_line(plan, pd: ParallelDims, pipeline: Pipeline | None, chunk: int) -> str:
+    """Start-up line of the chunked loss (``plan``: the job's ``JobPlan``): what one head call's
+    logits would have held on this rank, and the saving ``chunked_loss_saving_bytes`` predicts
+    (docs/memory.md)."""
+    from models.common.chunked_loss import chunked_loss_saving_bytes
+
+    args, batch = plan.model.args, plan.batch
+    rows = batch.local_batch_size
+    if pipeline is not None:
+        rows = pipeline.local_batch_size // pipeline.n_microbatches
+    tokens = rows * (batch.seq_len // pd.cp) * (1 + getattr(args, "mtp_layers", 0))
+    compute_bytes = 2 if plan.parallelize.param_dtype == "bfloat16" else 4
+    vocab = -(-args.vocab_size // pd.tp)
+    saving = chunked_loss_saving_bytes(tokens, args.vocab_size, args.dim, chunk, tp=pd.tp, compute_bytes=compute_bytes)
+    return (
+        f"chunked loss: the head and cross-entropy {chunk} tokens at a time; one head call holds {tokens} tokens x "
+        f"{vocab} vocabulary rows on this rank: predicted peak saving {saving / 2**20:,.1f} MiB per micro-batch "
+        "(training.loss_chunk_tokens, docs/memory.md)"
+    )
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -62,6 +95,9 @@ class ModelForward:
     ) -> None:
         self.pd, self.model_parts, self.loss_fn, self.device = pd, list(model_parts), loss_fn, device
         self.loss_parallel, self.pipeline = loss_parallel, pipeline
+        # chunked loss: the model takes the labels and returns per-token losses (the pipeline
+        # passes them to its last stage itself)
+        self.head_labels = getattr(self.model_parts[0], "loss_chunk_tokens", 0) > 0
         # DeepSeek-V3 multi-token prediction (trainer/mtp.py): the depths' inputs and targets are
         # built on the whole rows, before the cp shard; block-causal attention keeps each
         # target inside its position's document
@@ -117,6 +153,8 @@ class ModelForward:
             reported = None if part is None else full_tensor(part.detach()).float()
         else:
             with loss_parallel_context(self.loss_parallel):
+                if self.head_labels:
+                    extra["labels"] = labels
                 logits = self.model_parts[0](inputs, **extra)
                 loss = self.loss_fn(logits, labels) / global_tokens
                 if backward:

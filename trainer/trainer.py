@@ -43,7 +43,7 @@ from trainer.config import JobConfig
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.faults import Faults
-from trainer.forward import ModelForward, cross_entropy_sum
+from trainer.forward import ModelForward, chunked_loss_line, cross_entropy_sum, token_loss_sum
 from trainer.instruments import Instruments, build_instruments
 from trainer.mtp import MTPLoss
 from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
@@ -139,7 +139,13 @@ class Trainer:
         )
         self.loss_parallel = self.pd.tp > 1 and plan.parallelize.loss_parallel
         self.loss_fn = cross_entropy_sum
-        if cfg.compile.enable and "loss" in cfg.compile.components:
+        chunk = cfg.training.loss_chunk_tokens
+        if chunk:
+            # the head and the cross-entropy run chunk by chunk inside the model's head
+            # (models/common/chunked_loss.py, eager: each chunk is one head matmul); the loss
+            # function only sums the per-token losses, so compiling it would buy nothing
+            self.loss_fn = token_loss_sum
+        elif cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
         # DeepSeek-V3 multi-token prediction (trainer/mtp.py): the depths' loss is added with
         # training.mtp_loss_weight; validation reports the main next-token loss (weight 0)
@@ -155,6 +161,8 @@ class Trainer:
         # ones (trainer/optim/groups.py)
         all_params, frozen_params = trainable_params(plan, model)
         self.model_parts = build_model_parts(plan, model, self.device, cfg.training.seed)
+        for part in self.model_parts:
+            part.loss_chunk_tokens = chunk
         self.float8_precompute = False
         self._float8_scales_due = False  # precomputed float8 scales are missing or stale
         if plan.parallelize.float8 is not None:
@@ -166,6 +174,8 @@ class Trainer:
         if line := memory_options_line(self.model_parts, plan, cfg.optimizer.name):  # models/parallel/offload.py
             _log(line)
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)
+        if chunk:
+            _log(chunked_loss_line(plan, self.pd, self.pipeline, chunk))
         self.forward = ModelForward(
             self.pd,
             self.model_parts,

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from models.common.args import DecoderArgs
+from models.common.chunked_loss import enable_chunked_head
 from models.common.documents import Documents, document_ids, positions_in_document
 from models.common.flops import model_flops_per_token
 from models.common.init import InitRule, full_init_tensor, init_parameters, standard_rule, write_full_into
@@ -116,7 +117,7 @@ class Decoder(nn.Module):
         self.rope = self.build_rope(args)
         self.layers = nn.ModuleDict({str(i): self.build_block(i, args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Linear | None = enable_chunked_head(nn.Linear(args.dim, args.vocab_size, bias=False))
         if args.tie_word_embeddings:
             # one Parameter for both uses ([vocab, dim] either way): named_parameters lists it
             # once, as tok_embeddings.weight, so init, optimizer and checkpoints see one tensor
@@ -132,6 +133,10 @@ class Decoder(nn.Module):
         # pipeline stage boundaries sharded along the sequence into this many parts (tp), so
         # each tp rank sends its own shard to the same tp rank of the next stage.
         self.boundary_seq_shards = 1
+        # Set by the trainer (training.loss_chunk_tokens): called with ``labels``, the last stage
+        # returns each token's cross-entropy computed this many tokens at a time instead of the
+        # logits (models/common/chunked_loss.py)
+        self.loss_chunk_tokens = 0
 
     def to_empty(self, *, device, recurse: bool = True):
         """``nn.Module.to_empty``, which materialises a meta model by giving each module's
@@ -174,8 +179,12 @@ class Decoder(nn.Module):
             return inputs.shape[1]
         return inputs.shape[1] * self.boundary_seq_shards
 
-    def forward(self, tokens: torch.Tensor, doc_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """``tokens`` [bs, s] -> logits [bs, s, vocab]. On pipeline stages without
+    def forward(
+        self, tokens: torch.Tensor, doc_tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``tokens`` [bs, s] -> logits [bs, s, vocab]; with ``labels`` [bs, s] (and
+        ``loss_chunk_tokens`` set) each token's float32 cross-entropy [bs, s] instead, the head
+        and loss run chunk by chunk (:meth:`head`). On pipeline stages without
         ``tok_embeddings`` the input is hidden states [bs, s / boundary_seq_shards, dim] and
         ``doc_tokens`` the micro-batch's token ids [bs, s] (needed when ``args.needs_documents``);
         without ``output`` the hidden states after the last local layer (normed if ``norm`` is
@@ -186,7 +195,17 @@ class Decoder(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
-        return self.output(h)
+        return self.head(h, labels)
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The output head on the normed states ``h``: the logits, or with ``labels`` each
+        token's cross-entropy, ``loss_chunk_tokens`` tokens at a time
+        (``models/common/chunked_loss.py``)."""
+        if labels is None:
+            return self.output(h)
+        if self.loss_chunk_tokens < 1:
+            raise ValueError("the model got labels but training.loss_chunk_tokens is 0: the plain head returns logits")
+        return self.output(h, labels=labels, chunk_tokens=self.loss_chunk_tokens)
 
     def trunk(
         self, tokens: torch.Tensor, doc_tokens: torch.Tensor | None = None

@@ -30,7 +30,8 @@ class DeepSeekV3(Decoder):
     ``[bs, s, D]`` (column ``k-1``: the token ids ``t_{i+k}`` depth ``k`` embeds, built before the
     cp shard by ``trainer/mtp.py``) the last stage returns the logits of the main model and of
     every depth concatenated along the sequence: ``[bs, (1 + D) * s, vocab]`` (one call of the
-    output head); without ``mtp_tokens`` the main logits only (inference, parity checks)."""
+    output head; with ``labels`` and the chunked loss, the per-token losses ``[bs, (1 + D) * s]``);
+    without ``mtp_tokens`` the main logits only (inference, parity checks)."""
 
     args: DeepSeekV3Args
 
@@ -50,10 +51,14 @@ class DeepSeekV3(Decoder):
         return [*self.layers.values(), *(self.mtp.values() if self.mtp is not None else ())]
 
     def forward(
-        self, tokens: torch.Tensor, doc_tokens: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        doc_tokens: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.mtp is None or self.output is None or mtp_tokens is None:
-            return super().forward(tokens, doc_tokens)
+            return super().forward(tokens, doc_tokens, labels)
         h, rope, mask = self.trunk(tokens, doc_tokens)
         depth = len(self.mtp)
         # the whole local sequence: under sequence parallelism h is this rank's sequence shard, and
@@ -67,7 +72,8 @@ class DeepSeekV3(Decoder):
         for k, block in enumerate(self.mtp.values()):
             h, normed = block(h, mtp_tokens[..., k], rope, mask)
             outs.append(normed)
-        return self.output(torch.cat(outs, dim=1))
+        # chunked loss: labels [bs, s, 1 + D] (trainer/mtp.py), per-token losses [bs, (1 + D) * s]
+        return self.head(torch.cat(outs, dim=1), labels)
 
     def embedding_copies(self) -> list[nn.Parameter]:
         """The MTP depths' copies of ``tok_embeddings.weight`` this model (or stage) holds."""

@@ -209,6 +209,18 @@ def _own_storage(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output.clone(memory_format=torch.contiguous_format)
 
 
+class _HeadColwise(ColwiseParallel):
+    """The head's column-wise (vocabulary) sharding; the chunked loss
+    (``models/common/chunked_loss.py``) returns plain per-token losses, already reduced over tp,
+    which pass through as they are."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -226,7 +238,7 @@ def apply_tensor_parallel(
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = ColwiseParallel(
+        top["output"] = _HeadColwise(
             input_layouts=seq,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,

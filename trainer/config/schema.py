@@ -136,6 +136,13 @@ class Training:
         "lambda of DeepSeek-V3 multi-token prediction (model.mtp_layers > 0): the loss is main + lambda / D * "
         "sum of the D depths' losses. 0.3 is the report's value for the first 10T of its 14.8T tokens (0.1 after).",
     )
+    loss_chunk_tokens: int = _opt(
+        0,
+        "Compute the output head and the cross-entropy this many tokens at a time (0 = off): no "
+        "[tokens, vocab] logits tensor or its gradient is alive at once; the backward recomputes each "
+        "chunk's logits (one more head matmul). Works with TP (vocabulary-sharded head), CP, PP, MTP, "
+        "tied embeddings and masks (docs/memory.md).",
+    )
     seed: int = _opt(0, "Seed for parameter init and the synthetic corpus.")
     deterministic: bool = _opt(
         False,

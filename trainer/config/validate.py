@@ -148,6 +148,10 @@ def _validate_values(cfg: JobConfig) -> None:
     need(t.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {t.max_norm}")
     need(t.mtp_loss_weight >= 0, f"training.mtp_loss_weight must be >= 0, got {t.mtp_loss_weight}")
     need(
+        t.loss_chunk_tokens >= 0,
+        f"training.loss_chunk_tokens must be >= 0 (0 = off), got {t.loss_chunk_tokens}; e.g. 1024",
+    )
+    need(
         t.dataset == "synthetic" or t.dataset_path != "",
         f"training.dataset = '{t.dataset}' needs training.dataset_path (a file or folder)",
     )

@@ -128,6 +128,9 @@ class Pipeline:
     # every stage needs the micro-batch's token ids (document masking / positions): the
     # schedule passes them to each stage as the keyword argument doc_tokens
     needs_documents: bool = False
+    # chunked loss (training.loss_chunk_tokens): the last stage takes the micro-batch's labels as
+    # the keyword argument labels and returns per-token losses (models/common/chunked_loss.py)
+    head_labels: bool = False
     has_first_stage: bool = field(init=False)
     has_last_stage: bool = field(init=False)
 
@@ -279,11 +282,12 @@ def build_pipeline_schedule(
         # with MTP depths the last stage's logits are the main ones and each depth's, concatenated
         # along the sequence (models/deepseek_v3/model.py)
         logit_rows = seq_local * (1 + getattr(module.args, "mtp_layers", 0))
-        outputs = (
-            torch.empty(mb, logit_rows, module.args.vocab_size, dtype=activation_dtype, device="meta")
-            if last
-            else hidden
+        # (with the chunked loss: each row's float32 cross-entropy)
+        last_shape = (
+            (mb, logit_rows) if getattr(module, "loss_chunk_tokens", 0) else (mb, logit_rows, module.args.vocab_size)
         )
+        last_dtype = torch.float32 if len(last_shape) == 2 else activation_dtype
+        outputs = torch.empty(last_shape, dtype=last_dtype, device="meta") if last else hidden
         pipeline_stages.append(
             CheckedStage(
                 module,
@@ -316,6 +320,7 @@ def build_pipeline_schedule(
         seq_len_local=seq_local,
         loss_parallel=loss_parallel,
         needs_documents=any(module.args.needs_documents for module in stages),
+        head_labels=any(getattr(module, "loss_chunk_tokens", 0) for module in stages),
     )
 
 
@@ -388,6 +393,8 @@ def pipeline_step(
             doc_kwargs = {"doc_tokens": inputs} if pipe.needs_documents else {}
             if mtp_tokens is not None:
                 doc_kwargs["mtp_tokens"] = mtp_tokens
+            if pipe.head_labels and pipe.has_last_stage:
+                doc_kwargs["labels"] = labels
             run(*args, target=target, losses=losses, return_outputs=False, **doc_kwargs)
     except RuntimeError as exc:
         # torch wraps errors raised in a stage's forward in a RuntimeError; surface ours as the
