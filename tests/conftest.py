@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import sys
@@ -79,12 +80,16 @@ def pytest_collection(session):
     on the Intel Xeon AMX host: a pytest process running six unit files (test_models,
     test_moe_kernels, test_optim, test_config, test_layout, test_planner) spent 5.6 of its 37.7 CPU
     s in the collector, 4.2 of them in 24 full collections that walked those objects each time.
-    Objects the tests create are collected as before."""
+    Collection alone (``pytest --collect-only tests``): 13.6 CPU s before, 8.6 after. Objects the
+    tests create are collected as before."""
     gc.disable()
     try:
         yield
     finally:
         gc.freeze()
+        # at this process's exit, give them back: left frozen, extension modules that count their
+        # live objects at interpreter shutdown (triton's nanobind) report them as leaked on stderr
+        atexit.register(gc.unfreeze)
         gc.enable()
 
 
