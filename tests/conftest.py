@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 from pathlib import Path
@@ -67,6 +69,28 @@ def pytest_collection_modifyitems(config, items):
     # last and running alone.
     order = {name: i for i, name in enumerate(run_order({_repo_path(item) for item in items}))}
     items.sort(key=lambda item: order[_repo_path(item)])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """Collection imports torch, the trainer and the test modules: about a million objects that
+    live as long as this process. As train.py does for its own imports, the garbage collector is
+    paused while they are created (it would scan them over and over without freeing any) and they
+    then go to its permanent generation (``gc.freeze``), which no later collection walks. Measured
+    on the Intel Xeon AMX host: a pytest process running six unit files (test_models,
+    test_moe_kernels, test_optim, test_config, test_layout, test_planner) spent 5.6 of its 37.7 CPU
+    s in the collector, 4.2 of them in 24 full collections that walked those objects each time.
+    Collection alone (``pytest --collect-only tests``): 13.6 CPU s before, 8.6 after. Objects the
+    tests create are collected as before."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        # at this process's exit, give them back: left frozen, extension modules that count their
+        # live objects at interpreter shutdown (triton's nanobind) report them as leaked on stderr
+        atexit.register(gc.unfreeze)
+        gc.enable()
 
 
 def _repo_path(item) -> str:

@@ -57,23 +57,9 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # everything a rank imports anyway: paid once in the server instead of once per rank
-        _CTX.set_forkserver_preload(
-            [
-                "torch",
-                "torch.distributed",
-                "torch.distributed.tensor",
-                "torch.distributed.pipelining",
-                "models.registry",
-                "models.parallelize",
-                "trainer.optim.grad_clip",
-                # train.py's imports, and torch._dynamo: torch imports it lazily at the first
-                # call of a function it keeps out of compilation (the optimizer's step and
-                # zero_grad among them), so every training process pays for it
-                "trainer.lifecycle.main",
-                "torch._dynamo",
-            ]
-        )
+        # everything a rank imports, paid once in the server instead of once per rank, with the
+        # garbage collector paused and the result frozen (tools/forkserver_preload.py)
+        _CTX.set_forkserver_preload(["tools.forkserver_preload"])
     return _CTX
 
 

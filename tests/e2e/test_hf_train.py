@@ -20,7 +20,9 @@ saved with ``save_pretrained`` in several shards. Then:
 The trainings and the successful conversions, whose claims are the numbers, run on processes
 forked from tools/forkserver.py's server (``run_forked``; ``_convert_forked`` for
 scripts/convert_hf.py), bitwise what torchrun and ``python`` start (tests/e2e/test_launcher.py);
-the bad-input cases run ``python train.py`` and ``python scripts/convert_hf.py`` as users do.
+so do train.py's bad-input cases (the same ``__main__`` and exit, so the same stderr and exit
+code; a fresh ``python train.py`` on bad input: tests/e2e/test_exit.py's bad_input case). The
+script's bad input runs ``python scripts/convert_hf.py`` as users do.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 
 from tests.hf_models import hf_model, llama_config
 
-from .helpers import FAST, ROOT, _env, read_metrics, run_forked, run_train
+from .helpers import FAST, ROOT, _env, read_metrics, run_forked
 
 RTOL = 1e-5
 LLAMA = ["--config", "llama3.toml", *FAST]
@@ -334,7 +336,7 @@ def _broken_copy(hf_dir, tmp_path, how: str):
 def test_bad_hf_folder_through_train_py(hf_dir, tmp_path, how, needles):
     folder = tmp_path / "nope" if how == "missing_folder" else _broken_copy(hf_dir, tmp_path, how)
     run = tmp_path / "run"
-    res = run_train(
+    res = run_forked(
         1,
         *LLAMA,
         "--parallelism.dp_shard",

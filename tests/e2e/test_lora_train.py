@@ -24,7 +24,9 @@ merged folder ``step-3-hf`` and the PEFT folder ``step-3-peft``). Claims on it:
   (exit 2).
 
 Forked ranks (tools/forkserver.py) for the runs whose claim is the math (bitwise the torchrun
-runs, tests/e2e/test_launcher.py), torchrun for the kill, ``python train.py`` for the user error.
+runs, tests/e2e/test_launcher.py) and for the user error (the same train.py ``__main__`` and exit,
+so the same stderr and exit code; a fresh ``python train.py`` on bad input:
+tests/e2e/test_exit.py's bad_input case), torchrun for the kill.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 
 from tests.hf_models import hf_model, llama_config
 
-from .helpers import FAST, read_metrics, run_forked, run_train, run_until
+from .helpers import FAST, read_metrics, run_forked, run_until
 
 pytestmark = pytest.mark.e2e
 
@@ -198,7 +200,7 @@ def test_kill_resume_is_bitwise_and_another_base_is_refused(lora_run):
     wrong = root / "wrong"
     shutil.copytree(run / "checkpoint" / "step-2", wrong / "checkpoint" / "step-2")
     cmd = [*LORA, *RUN, "--parallelism.dp_shard", "1", "--job.dump_folder", str(wrong), *HF_LOAD, str(other)]
-    res = run_train(1, *cmd)
+    res = run_forked(1, *cmd)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]

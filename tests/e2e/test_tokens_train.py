@@ -6,7 +6,8 @@ The trainings run on ranks forked from tools/forkserver.py's server (``run_forke
 torchrun starts: tests/e2e/test_launcher.py), with 2 layers (``--model.n_layers 2``): the claims
 are about which tokens each rank reads, which the depth does not change, and two blocks still
 make every sample's loss depend on the weights of each layout's shards. The bad-shard errors run
-``python train.py``, as users do."""
+forked too: the same train.py ``__main__`` and exit, so the same stderr and exit code (a fresh
+``python train.py`` on bad input: tests/e2e/test_exit.py's bad_input case)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from tools.tokenize.writer import tokenize_to_shards
 
-from .helpers import FAST, metric_records, read_metrics, run_forked, run_train
+from .helpers import FAST, metric_records, read_metrics, run_forked
 
 STEPS = 4
 COMMON = [
@@ -116,7 +117,7 @@ def one_error_line(res) -> str:
 def test_mismatched_tokenizer_and_truncated_shard_exit_2(tmp_path, shards):
     other = tmp_path / "bytes"
     tokenize_to_shards(["synthetic:42:20"], str(other), tokenizer_path="bytes", shard_tokens=1000, workers=1, log=None)
-    res = run_train(1, *COMMON, *tokens_args(other), "--job.dump_folder", str(tmp_path / "a"))
+    res = run_forked(1, *COMMON, *tokens_args(other), "--job.dump_folder", str(tmp_path / "a"))
     err = one_error_line(res)
     assert "bytes (vocab 259" in err and "tokenizer/tokenizer.json (vocab 2048" in err and "tokenizer_path" in err
     # a truncated shard (in a copy of the good folder)
@@ -124,5 +125,5 @@ def test_mismatched_tokenizer_and_truncated_shard_exit_2(tmp_path, shards):
     shutil.copytree(shards, broken)
     shard = json.loads((broken / "index.json").read_text())["shards"][1]["file"]
     (broken / shard).write_bytes((broken / shard).read_bytes()[:123])
-    err = one_error_line(run_train(1, *COMMON, *tokens_args(broken), "--job.dump_folder", str(tmp_path / "b")))
+    err = one_error_line(run_forked(1, *COMMON, *tokens_args(broken), "--job.dump_folder", str(tmp_path / "b")))
     assert f"{shard} is truncated (123 bytes, the index says 2000)" in err and "re-run `python scripts/" in err

@@ -8,8 +8,9 @@ The layout runs, whose claim is the numbers, run on ranks forked from tools/fork
 (``run_forked``, bitwise what torchrun starts: tests/e2e/test_launcher.py), with 2 layers
 (``--model.n_layers 2``): FSDP and TP shard each block alike, and pp=2 (1F1B) puts one block on
 each stage, so the evaluation still runs through both stages of the pipeline's forward-only
-schedule and every layout's reduction of the loss over its loss mesh. The user errors run
-``python train.py``, as users do."""
+schedule and every layout's reduction of the loss over its loss mesh. The user errors run forked
+too: the same train.py ``__main__`` and exit, so the same stderr and exit code (what a fresh
+``python train.py`` prints and returns on bad input: tests/e2e/test_exit.py's bad_input case)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from tools.compare_loss.compare import DEFAULT_ATOL, DEFAULT_RTOL, compare, compare_validation, load_metrics
 
-from .helpers import FAST, read_metrics, run_forked, run_train, validation_records
+from .helpers import FAST, read_metrics, run_forked, validation_records
 
 STEPS = 2
 COMMON = [
@@ -118,13 +119,13 @@ def one_error_line(res) -> str:
 
 
 def test_validation_config_error_and_background_dataset_error_exit_2(tmp_path):
-    err = one_error_line(run_train(1, *COMMON, "--validation.steps", "-1", "--job.dump_folder", str(tmp_path / "a")))
+    err = one_error_line(run_forked(1, *COMMON, "--validation.steps", "-1", "--job.dump_folder", str(tmp_path / "a")))
     assert "validation.steps = -1" in err and "--validation.steps 10" in err
     # a dataset error raised on the background loading thread reaches the user unchanged
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": oops}\n')
     err = one_error_line(
-        run_train(
+        run_forked(
             1,
             *COMMON,
             "--validation.enable",
