@@ -27,8 +27,17 @@ from parallel_dims.torch_compat import per_rank, per_rank_int
 if TYPE_CHECKING:
     # the pipeline runtime is imported where pp > 1 uses it (see trainer/trainer.py)
     from models.parallel.pipeline import Pipeline
+    from trainer.mtp import MTPLoss
 
-__all__ = ["ModelForward", "chunked_loss_line", "cross_entropy_sum", "full_tensor", "token_loss_sum"]
+__all__ = [
+    "ModelForward",
+    "chunked_loss_line",
+    "cross_entropy_sum",
+    "full_tensor",
+    "loss_functions",
+    "memory_lines",
+    "token_loss_sum",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,6 +57,38 @@ def token_loss_sum(token_losses: torch.Tensor, labels: torch.Tensor) -> torch.Te
             f"{tuple(token_losses.shape)} {token_losses.dtype}"
         )
     return token_losses.sum()
+
+
+def loss_functions(cfg, mtp_depth: int) -> tuple[Callable, Callable, MTPLoss | None]:
+    """The training loss, validation's, and the MTP loss (None without MTP depths). With
+    ``training.loss_chunk_tokens`` the head and the cross-entropy run chunk by chunk inside the
+    model's head (models/common/chunked_loss.py, eager: each chunk is one head matmul) and the
+    loss only sums the per-token losses, so compiling it would buy nothing; else the plain
+    cross-entropy, compiled when ``compile.components`` has ``loss``. DeepSeek-V3's MTP
+    (trainer/mtp.py) adds its depths' loss with ``training.mtp_loss_weight``; validation
+    reports the main next-token loss (weight 0)."""
+    from trainer.mtp import MTPLoss
+
+    loss_fn = cross_entropy_sum
+    if cfg.training.loss_chunk_tokens:
+        loss_fn = token_loss_sum
+    elif cfg.compile.enable and "loss" in cfg.compile.components:
+        loss_fn = torch.compile(cross_entropy_sum)
+    if not mtp_depth:
+        return loss_fn, loss_fn, None
+    mtp = MTPLoss(loss_fn, mtp_depth, cfg.training.mtp_loss_weight)
+    return mtp, MTPLoss(loss_fn, mtp_depth, 0.0), mtp
+
+
+def memory_lines(plan, pd: ParallelDims, model_parts, pipeline: Pipeline | None, cfg) -> list[str]:
+    """The start-up lines of the memory options the job chose (docs/memory.md): what CPU and
+    activation offload save (models/parallel/offload.py) and the chunked loss's peak saving."""
+    from models.parallel.offload import memory_options_line
+
+    lines = [line] if (line := memory_options_line(model_parts, plan, cfg.optimizer.name)) else []
+    if cfg.training.loss_chunk_tokens:
+        lines.append(chunked_loss_line(plan, pd, pipeline, cfg.training.loss_chunk_tokens))
+    return lines
 
 
 def chunked_loss_line(plan, pd: ParallelDims, pipeline: Pipeline | None, chunk: int) -> str:

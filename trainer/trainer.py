@@ -29,7 +29,6 @@ from models.kernels import kernels_line
 from models.parallel.activation_offload import activation_offload_line
 from models.parallel.float8 import float8_startup_line, precompute_float8_scales
 from models.parallel.lora import lora_startup_line
-from models.parallel.offload import memory_options_line
 from models.parallel.pipeline.tied import sync_tied_embedding_grads, tied_copies
 from parallel_dims import default_device_type
 from parallel_dims.torch_compat import host_side
@@ -43,9 +42,8 @@ from trainer.config import JobConfig
 from trainer.data.doc_stats import document_stats_line
 from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.faults import Faults
-from trainer.forward import ModelForward, chunked_loss_line, cross_entropy_sum, token_loss_sum
+from trainer.forward import ModelForward, loss_functions, memory_lines
 from trainer.instruments import Instruments, build_instruments
-from trainer.mtp import MTPLoss
 from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
@@ -138,24 +136,10 @@ class Trainer:
             f"mesh builder: {self.pd.mesh_builder} (torch {torch.__version__})"
         )
         self.loss_parallel = self.pd.tp > 1 and plan.parallelize.loss_parallel
-        self.loss_fn = cross_entropy_sum
+        # the training loss, MTP's (its depths added with training.mtp_loss_weight) and validation's
+        # (the main next-token loss), chunked or compiled as configured (trainer/forward.py)
+        self.loss_fn, val_loss_fn, self.mtp_loss = loss_functions(cfg, getattr(plan.model.args, "mtp_layers", 0))
         chunk = cfg.training.loss_chunk_tokens
-        if chunk:
-            # the head and the cross-entropy run chunk by chunk inside the model's head
-            # (models/common/chunked_loss.py, eager: each chunk is one head matmul); the loss
-            # function only sums the per-token losses, so compiling it would buy nothing
-            self.loss_fn = token_loss_sum
-        elif cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_sum)
-        # DeepSeek-V3 multi-token prediction (trainer/mtp.py): the depths' loss is added with
-        # training.mtp_loss_weight; validation reports the main next-token loss (weight 0)
-        self.mtp_loss: MTPLoss | None = None
-        val_loss_fn = self.loss_fn
-        depth = getattr(plan.model.args, "mtp_layers", 0)
-        if depth:
-            self.mtp_loss = MTPLoss(self.loss_fn, depth, cfg.training.mtp_loss_weight)
-            val_loss_fn = MTPLoss(self.loss_fn, depth, 0.0)
-            self.loss_fn = self.mtp_loss
         # every parameter of the whole model (all stages) after the converters (LoRA trains its
         # adapters only): the optimizer's groups are checked and summarised against the trainable
         # ones (trainer/optim/groups.py)
@@ -171,11 +155,9 @@ class Trainer:
             self._float8_scales_due = self.float8_precompute
         if plan.parallelize.lora is not None:
             _log(lora_startup_line(self.model_parts, plan.parallelize.lora))
-        if line := memory_options_line(self.model_parts, plan, cfg.optimizer.name):  # models/parallel/offload.py
-            _log(line)
         self.pipeline = build_pipeline(plan, self.model_parts, self.loss_fn, loss_parallel=self.loss_parallel)
-        if chunk:
-            _log(chunked_loss_line(plan, self.pd, self.pipeline, chunk))
+        for line in memory_lines(plan, self.pd, self.model_parts, self.pipeline, cfg):  # what the memory options save
+            _log(line)
         self.forward = ModelForward(
             self.pd,
             self.model_parts,

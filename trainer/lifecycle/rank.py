@@ -20,6 +20,7 @@ from parallel_dims.torch_compat import host_side
 from trainer.checkpoint.async_save import CheckpointWriteFailed
 from trainer.checkpoint.drill import drill_point
 from trainer.config import load_config
+from trainer.faults import before_joining
 from trainer.lifecycle.seed import create_seed_checkpoint
 from trainer.runtime.cli_errors import EXIT_BAD_INPUT, error_line, user_error
 from trainer.runtime.comm_watchdog import EXIT_COMM_TIMEOUT
@@ -61,6 +62,8 @@ def run_rank(argv: list[str] | None = None) -> int:
         if cfg.checkpoint.create_seed_checkpoint:
             create_seed_checkpoint(cfg)
             return 0
+        # a drill's restarted rank that never joins its group (hang@0:restart=N, trainer/faults.py)
+        before_joining(cfg.debug.fault, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
         trainer = Trainer(cfg)
         if trainer.rank == 0 and cfg.job.print_config:
             print("resolved config:\n" + cfg.to_toml(), flush=True)

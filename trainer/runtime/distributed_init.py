@@ -78,10 +78,6 @@ def init_distributed(cfg: JobConfig) -> torch.device:
         store = _restart_store(timeout)
         if store is None:
             store = _env_store(rank, world, timeout, cfg.comm.init_timeout_seconds)
-        else:
-            from trainer.faults import before_joining
-
-            before_joining(cfg.debug.fault, rank, world)  # a drill's rank that never joins (hang@0)
         _join(store, rank, world, cfg.comm.init_timeout_seconds)
         dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
         wait_until_every_rank_joined()
