@@ -40,6 +40,7 @@ ONE_RANK_MIXED_PRECISION = "compute_copies"
 class ParallelizeOptions:
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    chunked_head: bool = False  # training.loss_chunk_tokens > 0 (models/common/chunked_loss.py)
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     reshard_after_forward: str = "default"
@@ -82,6 +83,7 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, opts: Paral
             pd.get_mesh("tp"),
             sequence_parallel=opts.sequence_parallel,
             loss_parallel=opts.loss_parallel,
+            chunked_head=opts.chunked_head,
         )
     moes = model.moe_layers()
     if moes and (pd.ep > 1 or pd.etp > 1):

@@ -190,6 +190,7 @@ def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
     return ParallelizeOptions(
         sequence_parallel=p.enable_sequence_parallel,
         loss_parallel=p.enable_loss_parallel,
+        chunked_head=cfg.training.loss_chunk_tokens > 0,
         param_dtype=p.mixed_precision_param,
         reduce_dtype=p.mixed_precision_reduce,
         reshard_after_forward=p.fsdp_reshard_after_forward,

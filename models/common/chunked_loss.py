@@ -138,7 +138,8 @@ def chunked_head_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     ``labels``: ``[bs, n]`` targets, or ``[bs, n / (1 + D), 1 + D]`` (DeepSeek-V3 MTP: ``h`` holds
     the main and each depth's states concatenated along the sequence, ``trainer/mtp.py``).
     Under tensor parallelism ``weight`` is a vocabulary-sharded DTensor (``Shard(0)``) and ``h``
-    a DTensor replicated over the same mesh."""
+    a DTensor replicated over the same mesh; the losses come back as a DTensor replicated over
+    it, which the head's TP output hook hands on as the local tensor (models/parallel/tensor_parallel.py)."""
     if chunk < 1:
         raise ValueError(f"loss chunk must be a positive number of tokens, got {chunk}")
     bs, n = h.shape[0], h.shape[1]
@@ -146,7 +147,7 @@ def chunked_head_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         labels = labels.transpose(1, 2).reshape(bs, -1)
     if tuple(labels.shape) != (bs, n):
         raise ValueError(f"chunked loss: labels {tuple(labels.shape)} do not match the hidden states {tuple(h.shape)}")
-    group, vocab_start = None, 0
+    group, vocab_start, mesh = None, 0, None
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
@@ -163,6 +164,8 @@ def chunked_head_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         group, vocab_start = mesh.get_group(), _vocab_start(weight)
         weight = weight.to_local()
     flat = _ChunkedHeadCE.apply(h.reshape(bs * n, h.shape[-1]), weight, labels.reshape(-1), chunk, vocab_start, group)
+    if mesh is not None:  # every tp rank holds the whole losses: the head's output layout (Replicate)
+        return DTensor.from_local(flat.view(bs, n), mesh, (Replicate(),), run_check=False)
     return flat.view(bs, n)
 
 

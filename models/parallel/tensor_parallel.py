@@ -209,27 +209,19 @@ def _own_storage(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output.clone(memory_format=torch.contiguous_format)
 
 
-class _HeadColwise(ColwiseParallel):
-    """The head's column-wise (vocabulary) sharding; the chunked loss
-    (``models/common/chunked_loss.py``) returns plain per-token losses, already reduced over tp,
-    which pass through as they are."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if not isinstance(outputs, DTensor):
-            return outputs
-        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-
-
 def apply_tensor_parallel(
     model: nn.Module,
     tp_mesh: DeviceMesh,
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
+    chunked_head: bool = False,
 ) -> None:
     """Shard ``model`` (a :class:`~models.common.decoder.Decoder`, possibly one pipeline
-    stage) over ``tp_mesh`` in place."""
+    stage) over ``tp_mesh`` in place. ``chunked_head``: the head computes the chunked loss
+    (models/common/chunked_loss.py) on its vocabulary shard and returns each token's loss,
+    already reduced over tp, replicated: its output layout is then ``Replicate``, handed back
+    as the local tensor."""
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
     top: dict[str, ParallelStyle] = {}
@@ -238,10 +230,11 @@ def apply_tensor_parallel(
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = _HeadColwise(
+        vocab_sharded = loss_parallel and not chunked_head
+        top["output"] = ColwiseParallel(
             input_layouts=seq,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
+            output_layouts=Shard(-1) if vocab_sharded else Replicate(),
+            use_local_output=not vocab_sharded,
         )
     tied = (
         model.tok_embeddings is not None

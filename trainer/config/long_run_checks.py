@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-__all__ = ["validate_long_run"]
+__all__ = ["check_node_range_config", "nodes_text", "validate_long_run"]
+
+DP_SHARD_KEY = "parallelism.data_parallel_shard_degree"
 
 
 def validate_long_run(cfg, need) -> None:
@@ -34,3 +36,30 @@ def validate_long_run(cfg, need) -> None:
     )
     need(m.straggler_interval >= 0, f"metrics.straggler_interval must be >= 0, got {m.straggler_interval}")
     need(m.straggler_threshold > 0, f"metrics.straggler_threshold must be > 0, got {m.straggler_threshold}")
+
+
+def nodes_text(n: int) -> str:
+    return f"{n} node{'s' if n != 1 else ''}"
+
+
+def check_node_range_config(cfg, min_nodes: int, max_nodes: int, nproc_per_node: int) -> None:
+    """The config's part of a node range's check (``--nnodes MIN:MAX``, trainer/lifecycle/elastic.py):
+    ``dp_shard = -1`` absorbs the change of world, and a set global batch keeps the data order."""
+    from trainer.config.errors import ConfigError
+
+    flag = f"--nnodes {min_nodes}:{max_nodes}"
+    dp_shard = cfg.parallelism.data_parallel_shard_degree
+    if dp_shard != -1:
+        raise ConfigError(
+            f"{flag}: {DP_SHARD_KEY} = {dp_shard} is fixed, so the job fits only one world size, but the "
+            f"world may be {min_nodes * nproc_per_node} to {max_nodes * nproc_per_node} ranks; set "
+            f"--{DP_SHARD_KEY} -1 (the degree that absorbs a lost node; every other degree stays as set)"
+        )
+    t = cfg.training
+    if t.global_batch_size == -1:
+        raise ConfigError(
+            f"{flag}: training.global_batch_size = -1 (local batch x batch degree) would shrink with the "
+            f"world; set it (e.g. --training.global_batch_size {t.local_batch_size * max_nodes * nproc_per_node}, "
+            f"its value on {nodes_text(max_nodes)}) so a lost node keeps the global batch and the data order "
+            f"(gradient accumulation grows instead)"
+        )

@@ -29,19 +29,14 @@ from __future__ import annotations
 import os
 
 from trainer.config import ConfigError, JobConfig
+from trainer.config.long_run_checks import check_node_range_config, nodes_text
 
 __all__ = ["check_node_range", "node_worlds", "share_no_store"]
-
-DP_SHARD_KEY = "parallelism.data_parallel_shard_degree"
 
 
 def node_worlds(min_nodes: int, max_nodes: int, nproc_per_node: int) -> list[tuple[int, int]]:
     """``(nodes, world size)`` for every node count the job may run on, smallest first."""
     return [(n, n * nproc_per_node) for n in range(min_nodes, max_nodes + 1)]
-
-
-def _nodes(n: int) -> str:
-    return f"{n} node{'s' if n != 1 else ''}"
 
 
 def check_node_range(cfg: JobConfig, min_nodes: int, max_nodes: int, nproc_per_node: int, plan) -> None:
@@ -51,21 +46,7 @@ def check_node_range(cfg: JobConfig, min_nodes: int, max_nodes: int, nproc_per_n
     if max_nodes <= min_nodes:
         return
     flag = f"--nnodes {min_nodes}:{max_nodes}"
-    dp_shard = cfg.parallelism.data_parallel_shard_degree
-    if dp_shard != -1:
-        raise ConfigError(
-            f"{flag}: {DP_SHARD_KEY} = {dp_shard} is fixed, so the job fits only one world size, but the "
-            f"world may be {min_nodes * nproc_per_node} to {max_nodes * nproc_per_node} ranks; set "
-            f"--{DP_SHARD_KEY} -1 (the degree that absorbs a lost node; every other degree stays as set)"
-        )
-    t = cfg.training
-    if t.global_batch_size == -1:
-        raise ConfigError(
-            f"{flag}: training.global_batch_size = -1 (local batch x batch degree) would shrink with the "
-            f"world; set it (e.g. --training.global_batch_size {t.local_batch_size * max_nodes * nproc_per_node}, "
-            f"its value on {_nodes(max_nodes)}) so a lost node keeps the global batch and the data order "
-            f"(gradient accumulation grows instead)"
-        )
+    check_node_range_config(cfg, min_nodes, max_nodes, nproc_per_node)  # dp_shard = -1, a set global batch
     failed = []
     for nodes, world in node_worlds(min_nodes, max_nodes, nproc_per_node):
         try:
@@ -79,7 +60,7 @@ def check_node_range(cfg: JobConfig, min_nodes: int, max_nodes: int, nproc_per_n
         why = "; ".join(line.strip(" -") for line in str(exc).splitlines() if line.strip())
         who = "a lost node" if nodes < max_nodes else "the full job"
         raise ConfigError(
-            f"{flag}: no valid layout on {_nodes(nodes)} ({world} ranks), which {who} would run on: {why}"
+            f"{flag}: no valid layout on {nodes_text(nodes)} ({world} ranks), which {who} would run on: {why}"
         )
 
 
