@@ -179,7 +179,11 @@ class AdamWLowPrecision(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
     ):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # torch AdamW's group keys too (its flags at their for-loop values): a flat state dict
+        # then has the same keys under either state dtype, so checkpoints load across them
+        flags = dict(amsgrad=False, maximize=False, foreach=False, capturable=False, differentiable=False, fused=False)
+        flags["decoupled_weight_decay"] = True
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags))
         self.state_dtype = state_dtype
         self.seed = seed
         self._number = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
