@@ -259,9 +259,18 @@ class Optimizers:
                         # update it twice per step
                         v = state_dict[checkpoint_optim_key(part, k)]
                         sd[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            if isinstance(opt, Muon) and opt.state_dtype != torch.float32:
+                sd = _with_step_counts(part, opt, sd)
             set_optimizer_state_dict(part, opt, optim_state_dict=sd, options=_FLAT)
             for group, values in zip(opt.param_groups, configured):
                 group.update(values)
+
+
+def _with_step_counts(part: nn.Module, opt: Muon, sd: dict[str, Any]) -> dict[str, Any]:
+    """A float32-state checkpoint has no Muon step counts (only bf16 momentum keeps one, to salt
+    its stochastic rounding): loaded into bf16 state, each count restarts at 0."""
+    missing = [k for k in get_optimizer_state_dict(part, opt, options=_FLAT) if k.endswith(".step") and k not in sd]
+    return {**sd, **{k: torch.tensor(0.0) for k in missing}} if missing else sd
 
 
 def build_optimizer(
