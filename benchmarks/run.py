@@ -24,6 +24,7 @@ SECTIONS = [
     "local_tensor",
     "optimizer",
     "muon_lr",
+    "bf16_state",
     "lora",
     "float8_cpu",
 ]

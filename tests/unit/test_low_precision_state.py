@@ -26,6 +26,8 @@ import torch.nn as nn
 from trainer.config import Optimizer as OptimizerConfig
 from trainer.optim.low_precision import (
     AdamWLowPrecision,
+    high_bits,
+    low_bits,
     random_bits,
     salt,
     state_bytes,
@@ -52,14 +54,15 @@ def test_stochastic_rounding_is_unbiased_within_its_variance():
     idx = torch.arange(x.numel())
     _, ulp, p = _ulp_parts(x)
     draws = 32
-    total = torch.zeros_like(ulp)
-    for step in range(draws):
-        r = stochastic_round_bf16(x, random_bits(idx, salt(0, step, 3, 1))).double()
-        assert ((r - x.double()).abs() < ulp).all()  # one of the two neighbours
-        total += r
-    err = (total / draws - x.double()).sum()
-    sd = math.sqrt(float((p * (1 - p) * ulp**2).sum()) / draws)
-    assert abs(float(err)) < 5 * sd, (float(err), sd)
+    for half in (low_bits, high_bits):  # the two moments' halves of one hash
+        total = torch.zeros_like(ulp)
+        for step in range(draws):
+            r = stochastic_round_bf16(x, half(random_bits(idx, salt(0, step, 3, 1)))).double()
+            assert ((r - x.double()).abs() < ulp).all()  # one of the two neighbours
+            total += r
+        err = (total / draws - x.double()).sum()
+        sd = math.sqrt(float((p * (1 - p) * ulp**2).sum()) / draws)
+        assert abs(float(err)) < 5 * sd, (half.__name__, float(err), sd)
     # the control: constant bits (truncation, a biased rounding) are far outside that bound
     zero = stochastic_round_bf16(x, torch.zeros_like(idx, dtype=torch.int32)).double()
     assert (zero - x.double()).sum().abs() > 100 * sd
@@ -71,7 +74,7 @@ def test_ema_round_to_nearest_freezes_stochastic_rounding_tracks():
     sr = torch.ones(n, dtype=torch.bfloat16)
     rtn = torch.ones(n, dtype=torch.bfloat16)
     for t in range(1, steps + 1):
-        sr = stochastic_round_bf16(sr.float() * b2 + (1 - b2) * c, random_bits(idx, salt(0, t, 0, 1)))
+        sr = stochastic_round_bf16(sr.float() * b2 + (1 - b2) * c, low_bits(random_bits(idx, salt(0, t, 0, 1))))
         rtn = (rtn.float() * b2 + (1 - b2) * c).to(torch.bfloat16)
     exact = c + (1 - c) * b2**steps  # fp64: 0.835
     # SR: each step adds a rounding error of variance <= ulp^2 / 4 (ulp <= 2^-8 below 1), damped

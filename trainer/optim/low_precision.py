@@ -21,7 +21,8 @@ The random bits. Rounding up adds a 16-bit integer to the fp32 bit pattern and t
 draw from a generator: every layout (one process, FSDP shards, TP shards, strided FSDP x TP
 shards) rounds each element of the whole tensor with the same bits, the stream needs no state in
 the checkpoint (a resume is bitwise the uninterrupted run) and no RNG is consumed (dropout and
-data order are unaffected). The hash is Thomas Mueller's 32-bit integer mix on int64 tensors.
+data order are unaffected). The hash is Thomas Mueller's 32-bit integer mix on int32 tensors; one
+hash per element serves both AdamW moments (its low and high 16 bits).
 
 Checkpoints carry the moments in their stored dtype. Resuming across state dtypes casts: DCP
 reads a float32 checkpoint into the bf16 state by round-to-nearest (once; the run then goes on
@@ -72,11 +73,18 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def _signed32(v: int) -> int:
+    v &= _MASK32
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """Thomas Mueller's 32-bit integer hash on int64 values in [0, 2^32) (products stay < 2^59)."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
+    """Thomas Mueller's 32-bit integer hash on int32 tensors, in place: products wrap modulo
+    2^32 (two's complement, as torch's integer kernels do on CPU and GPU), right shifts masked to
+    be logical."""
+    for _ in range(2):
+        x = x.bitwise_xor_((x >> 16) & 0xFFFF).mul_(0x45D9F3B)
+    return x.bitwise_xor_((x >> 16) & 0xFFFF)
 
 
 def _split_rule(pl):
@@ -90,11 +98,13 @@ def _split_rule(pl):
 def global_index(p: torch.Tensor) -> torch.Tensor:
     """The flat index in the whole tensor of every element of ``p``'s local shard (int64, shaped
     like the local shard): each sharded dimension's positions follow the placements' own split
-    rule, applied over the mesh dimensions left to right as DTensor does."""
+    rule, applied over the mesh dimensions left to right as DTensor does. A plain tensor, or a
+    shard that is one contiguous run of the whole (dim-0 shards only), takes one arange."""
+    local = p.to_local() if isinstance(p, DTensor) else p
     if not isinstance(p, DTensor):
         return torch.arange(p.numel(), device=p.device).view(p.shape)
     mesh, coord = p.device_mesh, p.device_mesh.get_coordinate()
-    index = [torch.arange(s, device=p.to_local().device) for s in p.shape]
+    index = [torch.arange(s) for s in p.shape]
     for i, pl in enumerate(p.placements):
         dim = getattr(pl, "dim", None)
         if dim is None:
@@ -102,44 +112,61 @@ def global_index(p: torch.Tensor) -> torch.Tensor:
         d = dim % p.ndim
         pieces, _ = _split_rule(pl)._split_tensor(index[d], mesh.size(i), with_padding=False)
         index[d] = pieces[coord[i]]
-    flat = torch.zeros((), dtype=torch.int64, device=index[0].device if index else p.to_local().device)
+    rows = index[0] if p.ndim else None
+    inner = all(len(index[d]) == p.shape[d] for d in range(1, p.ndim))
+    if p.ndim and inner and (len(rows) == 0 or int(rows[-1] - rows[0]) + 1 == len(rows)):
+        start = int(rows[0]) * (p.numel() // max(p.shape[0], 1)) if len(rows) else 0
+        return torch.arange(start, start + local.numel(), device=local.device).view(local.shape)
+    flat = torch.zeros((), dtype=torch.int64)
     stride = 1
     for d in reversed(range(p.ndim)):
         shape = [1] * p.ndim
         shape[d] = -1
         flat = flat + index[d].view(shape) * stride
         stride *= p.shape[d]
-    return flat.expand(p.to_local().shape)
+    return flat.expand(local.shape).to(local.device)
 
 
 def random_bits(index: torch.Tensor, salt: int) -> torch.Tensor:
-    """16 pseudo-random bits per element (int32 in [0, 65536)) from its global index and a salt."""
-    x = ((index & _MASK32) * 0x61C88647 & _MASK32) ^ (salt & _MASK32)
-    return (_mix32(x) & 0xFFFF).to(torch.int32)
+    """32 pseudo-random bits per element (int32) from its global index (modulo 2^32) and a salt:
+    the low and high 16 bits round two moments (:func:`low_bits`, :func:`high_bits`)."""
+    x = index.to(torch.int32).mul_(0x61C88647).bitwise_xor_(_signed32(salt))
+    return _mix32(x)
+
+
+def low_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits & 0xFFFF
+
+
+def high_bits(bits: torch.Tensor) -> torch.Tensor:
+    return (bits >> 16) & 0xFFFF
 
 
 def stochastic_round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``x`` (float32) rounded to bfloat16, up in magnitude with probability equal to the dropped
-    fraction of an ulp: adds the 16 random ``bits`` to the low half of the fp32 pattern and
-    truncates it. Non-finite values are cast as they are."""
+    fraction of an ulp: adds the 16 random ``bits`` (int32 in [0, 2^16)) to the low half of the
+    fp32 pattern and truncates it. Infinities stay (their low half is 0, so nothing carries);
+    torch's NaNs (quiet, the top mantissa bit set) stay NaN; a finite value above bf16's largest
+    rounds up to inf with the probability of its fraction, as rounding should."""
     i = x.contiguous().view(torch.int32)
-    r = ((i + bits) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
-    return torch.where(torch.isfinite(x), r, x.to(torch.bfloat16))
+    return ((i + bits) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
 
 
 def salt(seed: int, step: int, param_no: int, moment: int) -> int:
     """One 32-bit salt per (seed, step, parameter, moment), itself hashed so neighbouring steps
     and parameters get unrelated streams."""
-    v = torch.tensor([(seed * 0x9E37 + step * 0x85EB + param_no * 0xC2B2 + moment * 0x27D4) & _MASK32])
-    return int(_mix32(_mix32(v) ^ (param_no & _MASK32))[0])
+    v = torch.tensor(
+        [_signed32(seed * 0x9E37 + step * 0x85EB + param_no * 0xC2B2 + moment * 0x27D4)], dtype=torch.int32
+    )
+    return int(_mix32(_mix32(v) ^ _signed32(param_no))[0])
 
 
-def store(dst: torch.Tensor, x32: torch.Tensor, index: torch.Tensor | None, salt_value: int) -> None:
-    """Write the fp32 ``x32`` into the local state tensor ``dst``: stochastically rounded when
-    ``dst`` is bf16, else copied."""
+def store(dst: torch.Tensor, x32: torch.Tensor, bits: torch.Tensor | None) -> None:
+    """Write the fp32 ``x32`` into the local state tensor ``dst``: stochastically rounded with
+    the 16 ``bits`` (int32) when ``dst`` is bf16, else copied."""
     if dst.dtype == torch.bfloat16:
-        dst.copy_(stochastic_round_bf16(x32, random_bits(index, salt_value)))
-    else:
+        dst.copy_(stochastic_round_bf16(x32, bits))
+    elif dst.data_ptr() != x32.data_ptr():
         dst.copy_(x32)
 
 
@@ -212,10 +239,13 @@ class AdamWLowPrecision(torch.optim.Optimizer):
                 m_dst, v_dst = _local(st["exp_avg"]), _local(st["exp_avg_sq"])
                 m = m_dst.float().lerp_(g, 1 - b1)
                 v = v_dst.float().mul_(b2).addcmul_(g, g, value=1 - b2)
-                index = global_index(p) if self.state_dtype == torch.bfloat16 else None
-                n = self._number[id(p)]
-                store(m_dst, m, index, salt(self.seed, t, n, 0))
-                store(v_dst, v, index, salt(self.seed, t, n, 1))
+                lo = hi = None
+                if self.state_dtype == torch.bfloat16:  # one hash per element rounds both moments
+                    bits = random_bits(global_index(p), salt(self.seed, t, self._number[id(p)], 0))
+                    lo, hi = low_bits(bits), high_bits(bits)
+                    del bits
+                store(m_dst, m, lo)
+                store(v_dst, v, hi)
                 w = _local(p)
                 w.mul_(1 - lr * wd)
                 denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)

@@ -54,7 +54,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from trainer.optim.low_precision import cast_state_hook, global_index, salt, store
+from trainer.optim.low_precision import cast_state_hook, global_index, low_bits, random_bits, salt, store
 from trainer.optim.muon_dist import RoundRobin, matrix_mesh_dims
 
 __all__ = ["DISTRIBUTIONS", "Muon", "newton_schulz", "orthogonalized_update"]
@@ -176,7 +176,8 @@ class Muon(torch.optim.Optimizer):
                     state["step"] = state.get("step", torch.tensor(0.0)) + 1
                     stored, buf = buf, buf.float().mul_(mu).add_(g)
                     t, n = int(state["step"].item()), self._number[id(p)]
-                    store(stored, buf, global_index(p), salt(self.seed, t, n, 2))
+                    bits = random_bits(global_index(p), salt(self.seed, t, n, 2))
+                    store(stored, buf, low_bits(bits))
                 else:
                     buf.mul_(mu).add_(g)
                 updates.append((group, p, g.add(buf, alpha=mu) if group["nesterov"] else buf.clone()))
