@@ -11,8 +11,9 @@ clipping (the shipped max_norm = 1.0), 4 steps, checkpoints at 2 and 4.
   step-4 moments rounded to bf16 (round-to-nearest), differ from the bf16 run's in > 20% of the
   elements (stochastic rounding of one draw is ~50% off the nearest).
 - A resume from step 2 on fsdp=2: steps 3-4 bitwise the uninterrupted run.
-- Across state dtypes: the float32 run's step-2 checkpoint resumes into bf16 state on fsdp=2 (a
-  cast, docs/optimizers.md), and its steps 3-4 are within the layout tolerance of the bf16 run.
+- Across state dtypes (a cast, docs/optimizers.md): the float32 run's step-2 checkpoint resumes
+  into bf16 state on fsdp=2 and the bf16 run's into float32 state; steps 3-4 within the layout
+  tolerance of the run in the new dtype.
 """
 
 from __future__ import annotations
@@ -82,10 +83,17 @@ def test_bf16_state_resume_is_bitwise(runs, tmp_path):
         assert (b[step]["loss"], b[step]["grad_norm"]) == (a[step]["loss"], a[step]["grad_norm"]), step
 
 
-def test_float32_checkpoint_resumes_into_bf16_state(runs, tmp_path):
-    run = tmp_path / "cast"
-    _copy_checkpoint(runs["fp32"], 2, run)
-    res = _train(2, run, *BF16)
-    assert f"resumed from {run / 'checkpoint'} at step 2" in res.stdout, res.stdout[-2000:]
-    assert all(v.dtype == torch.bfloat16 for v in _moments(run, 4).values())
-    _near(read_metrics(runs["fsdp"]), read_metrics(run), (3, 4), "fp32 checkpoint -> bf16 state")
+def test_checkpoints_resume_across_state_dtypes(runs, tmp_path):
+    """A float32 checkpoint into bf16 state (round-to-nearest cast) and a bf16 one into float32
+    state (exact), both on fsdp=2: the state takes the new dtype, and steps 3-4 stay within the
+    layout tolerance of the run they continue in the new dtype."""
+    for src, extra, dtype, ref in (
+        (runs["fp32"], BF16, torch.bfloat16, "fsdp"),
+        (runs["fsdp"], [], torch.float32, "fp32"),
+    ):
+        run = tmp_path / f"into_{dtype}".replace("torch.", "")
+        _copy_checkpoint(src, 2, run)
+        res = _train(2, run, *extra)
+        assert f"resumed from {run / 'checkpoint'} at step 2" in res.stdout, res.stdout[-2000:]
+        assert all(v.dtype == dtype for v in _moments(run, 4).values())
+        _near(read_metrics(runs[ref]), read_metrics(run), (3, 4), f"resume into {dtype}")
