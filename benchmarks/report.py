@@ -166,6 +166,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "default) and 1.0, and the hidden matrices' update RMS; reference: AdamW in the same run",
     ),
     (
+        "bf16_state",
+        "bf16 optimizer state against float32",
+        "`make bench` section `bf16_state` (also `python -m benchmarks.bf16_state --out "
+        "bench_results/bf16_state.json`): train.py on one process, the llama3 debug model (6 blocks, dim 256), "
+        "200 steps, lr 8e-4 cosine, `optimizer.state_dtype` bfloat16 (stochastically rounded moments) against "
+        "float32 with the same seed and batches: max and final relative gap of the 10-step mean loss against "
+        "the stated bound, the optimizer state bytes of the trainer's optimizers, the optimizer step time "
+        "([optimizers.md](optimizers.md#bf16-optimizer-state))",
+    ),
+    (
         "muon_lr_full",
         "Muon at AdamW's learning rate (full)",
         "`python -m benchmarks.muon_lr --full --out bench_results/muon_lr_full.json`: as `muon_lr` at widths "

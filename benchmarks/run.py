@@ -25,6 +25,7 @@ SECTIONS = [
     "local_tensor",
     "optimizer",
     "muon_lr",
+    "bf16_state",
     "lora",
     "float8_cpu",
 ]
