@@ -40,9 +40,10 @@ stage) -- every assumption is also printed with the result:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from models.parallel.pipeline.plan import bubble_fraction as bubble_fraction_of
 
@@ -93,7 +94,7 @@ class Job:
     muon_distribution: str = "round_robin"
     muon_ns_steps: int = 5
 
-    @property
+    @cached_property  # (frozen: kept in the instance's __dict__, outside the fields)
     def overrides(self) -> dict:
         return {**_overrides(self.model, self.flavor, self.seq_len), **dict(self.model_overrides)}
 
@@ -400,8 +401,12 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     per_node = _per_node(d, job.gpus_per_node) if any(crossing.values()) else {}
     comm: dict[str, float] = {}
     fsdp_total = fsdp_first = 0.0
+    # selective AC's per-op policy re-runs no collective: its records are no AC's (one
+    # prediction serves both choices)
+    same = dataclasses.replace(choice, ac="none") if choice.ac == "selective" and not selective_every(choice) else choice
+    key = tuple(sorted(job.overrides.items()))
     records = max(
-        (predict_collectives(job.model, job.flavor, d, choice, r, layout, **job.overrides) for r in ranks),
+        (_collectives(job.model, job.flavor, d, same, r, key) for r in ranks),
         key=lambda recs: sum(x["count"] * x["bytes"] for x in recs),
     )
     for r in records:
@@ -460,6 +465,11 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         bubble_fraction=bubble_fraction,
         grad_accum=grad_accum_steps(choice, d),
     )
+
+
+@lru_cache(maxsize=8192)
+def _collectives(model, flavor, d, choice: LayoutChoice, rank: int, key: tuple) -> list:
+    return predict_collectives(model, flavor, d, choice, rank, cached_layout(d), **dict(key))
 
 
 def _muon(job: Job, d, choice: LayoutChoice, rank: int):
