@@ -403,7 +403,9 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     fsdp_total = fsdp_first = 0.0
     # selective AC's per-op policy re-runs no collective: its records are no AC's (one
     # prediction serves both choices)
-    same = dataclasses.replace(choice, ac="none") if choice.ac == "selective" and not selective_every(choice) else choice
+    same = (
+        dataclasses.replace(choice, ac="none") if choice.ac == "selective" and not selective_every(choice) else choice
+    )
     key = tuple(sorted(job.overrides.items()))
     records = max(
         (_collectives(job.model, job.flavor, d, same, r, key) for r in ranks),

@@ -143,10 +143,11 @@ class PlanResult:
         return len(self.estimates) + self.pruned_oom
 
 
-def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES) -> PlanResult:
+def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES, prune_state: bool = True) -> PlanResult:
     """Every valid layout of ``job``, estimated and ranked. Degrees whose training state
     (fp32 parameters, gradients, AdamW) alone exceeds the usable memory are counted as out of
-    memory without estimating each of their choices."""
+    memory without estimating each of their choices (``prune_state`` False: estimated too, for
+    ``--fit``, where CPU offload takes that state off the GPU)."""
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     usable = job.hardware.usable_gib * GIB
     ests: list[Estimate] = []
@@ -160,7 +161,7 @@ def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES) -> PlanResult
             sum(memory_for_rank(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
             for r in sorted({0, (degrees.pp - 1) * stride_pp})
         )
-        if static > usable:
+        if static > usable and prune_state:
             pruned += len(choices)
             continue
         ests.extend(estimate(job, degrees, c, time_if_oom=False) for c in choices)
