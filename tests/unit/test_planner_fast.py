@@ -2,17 +2,17 @@
 ``--fit`` picks the memory options a hand-worked case needs.
 
 Identity: every estimate of :func:`tools.planner.search.plan_layouts` (degrees, choice, memory
-terms, time terms, tokens/s, as exact float reprs, in rank order) hashed for two cases, against
-the hashes the search before the speed-up (commit f4617db) gave
+terms, time terms, tokens/s, as exact float reprs, in rank order) hashed
+(:func:`tools.planner.search.ranking_digest`) for two cases, against the digests the search
+before the speed-up (commit f4617db, the same digest code run on that tree) gave
 (``tests/unit/data/planner_rankings.json``): a dense model on 16 GPUs (every schedule, split-backward
 ones with bf16 parameters under tp, so the per-rank cast order is exercised) and a MoE with both
-float8 converters on 8. The negative control: a one-ulp change of one estimate changes the hash.
+float8 converters on 8. The negative control: a one-ulp change of one estimate changes the digest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -36,34 +36,20 @@ def _cases():
     }
 
 
-def _digest(pruned: int, estimates) -> str:
-    rows = []
-    for e in estimates:
-        time = None
-        if e.time is not None:
-            time = repr(sorted((k, sorted(v.items()) if isinstance(v, dict) else v) for k, v in e.time.items()))
-        rows.append([
-            sorted(e.degrees.as_dict().items()), repr(e.choice), e.fits,
-            sorted((k, repr(v)) for k, v in e.memory.items()), time, repr(e.tokens_per_s_per_gpu),
-            e.crosses_nodes, repr(e.bubble_fraction), e.grad_accum,
-        ])  # fmt: skip
-    return hashlib.sha256(json.dumps([pruned, rows]).encode()).hexdigest()
-
-
 @pytest.mark.parametrize("name", ["llama3_8B_16", "qwen3_moe_8_f8"])
 def test_search_ranks_as_before(name):
-    from tools.planner.search import plan_layouts
+    import math
+
+    from tools.planner.search import plan_layouts, ranking_digest
 
     want = json.loads(DATA.read_text())["cases"][name]
     result = plan_layouts(_cases()[name])
     assert (len(result.estimates), result.pruned_oom) == (want["estimates"], want["pruned_oom"])
-    assert _digest(result.pruned_oom, result.estimates) == want["sha256"]
-    # negative control: one estimate's tokens/s one ulp off changes the hash
-    import math
-
+    assert ranking_digest(result) == want["sha256"]
+    # negative control: one estimate's tokens/s one ulp off changes the digest
     e = result.estimates[0]
-    moved = [dataclasses.replace(e, tokens_per_s_per_gpu=math.nextafter(e.tokens_per_s_per_gpu, 0.0))]
-    assert _digest(result.pruned_oom, moved + result.estimates[1:]) != want["sha256"]
+    moved = dataclasses.replace(e, tokens_per_s_per_gpu=math.nextafter(e.tokens_per_s_per_gpu, 0.0))
+    assert ranking_digest(dataclasses.replace(result, estimates=[moved, *result.estimates[1:]])) != want["sha256"]
 
 
 def test_rank_split_backward_casts_match_the_whole_schedule():
