@@ -345,7 +345,7 @@ def main(argv=None) -> int:
     if args.fit:
         from .fit_cli import main_fit
 
-        return main_fit(args, job, ac)
+        return main_fit(args, job, ac, toml_snippet)
     start = time.perf_counter()
     result = plan_layouts(job, ac_modes=ac)
     elapsed = time.perf_counter() - start

@@ -22,7 +22,8 @@ _NAMES = {
 }
 
 
-def main_fit(args, job, ac) -> int:
+def main_fit(args, job, ac, toml_snippet) -> int:
+    """``toml_snippet``: :func:`tools.planner.cli.toml_snippet` (the winner's layout lines)."""
     chunk = args.loss_chunk_tokens or DEFAULT_CHUNK_TOKENS
     start = time.perf_counter()
     result = plan_layouts(job, ac_modes=ac, prune_state=False)
@@ -40,8 +41,6 @@ def main_fit(args, job, ac) -> int:
     top = ranked[: args.top]
     best = top[0]
     if args.toml:
-        from .cli import toml_snippet
-
         try:
             atomic_write(
                 args.toml, toml_snippet(best.estimate, job) + "\n".join(config_lines(best.options, chunk)) + "\n"
