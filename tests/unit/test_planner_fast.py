@@ -109,14 +109,20 @@ def test_fit_picks_the_option_a_case_needs():
     assert chunk[1].estimate.time["host_link"] > chunk[0].estimate.time["loss_recompute"]
 
 
-def test_fit_cli_prints_config_lines_and_refuses_bad_input(capsys):
+def test_fit_cli_prints_config_lines_and_refuses_bad_input(capsys, tmp_path):
+    import tomllib
+
     from tools.planner.cli import main
 
     base = ["--model", "llama3", "--flavor", "1B", "--world-size", "1", "--gpus-per-node", "1", "--seq-len", "8192",
             "--global-batch", "1", "--ac", "full", "--reserve-gib", "0"]  # fmt: skip
-    assert main([*base, "--fit", "--memory-gib", "15"]) == 0
+    toml = tmp_path / "fit.toml"
+    assert main([*base, "--fit", "--memory-gib", "15", "--toml", str(toml)]) == 0
     out = capsys.readouterr().out
     assert "[training]\n  cpu_offload = true" in out and "CPU offload" in out
+    # the layout and the option in one valid config (the option under the layout's [training])
+    config = tomllib.loads(toml.read_text())
+    assert config["training"]["cpu_offload"] is True and config["training"]["seq_len"] == 8192
     for bad, needle in [
         (["--fit", "--loss-chunk-tokens", "0"], "--loss-chunk-tokens must be >= 1"),
         (["--loss-chunk-tokens", "512"], "add --fit"),

@@ -40,7 +40,7 @@ from .estimate import Estimate, Job, _in_flight, estimate, memory_for_rank
 from .hardware import GIB, step_bytes_per_param
 from .inventory import cached_layout, model_inventory
 
-__all__ = ["OPTIONS", "FitResult", "config_lines", "fit_layouts", "option_memory"]
+__all__ = ["OPTIONS", "FitResult", "config_lines", "fit_layouts", "merge_into_toml", "option_memory"]
 
 OPTIONS = ("loss_chunk_tokens", "state_dtype", "activation_offload", "cpu_offload")
 DEFAULT_CHUNK_TOKENS = 1024
@@ -196,3 +196,22 @@ def config_lines(options: tuple, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> li
     if "state_dtype" in options:
         lines += ["[optimizer]", 'state_dtype = "bfloat16"']
     return lines
+
+
+def merge_into_toml(snippet: str, lines: list[str]) -> str:
+    """``snippet`` (a config's TOML) with the option ``lines`` (:func:`config_lines`) added, each
+    under its table: at the end of that table where the snippet has it, else as a new table."""
+    out = snippet.rstrip("\n").split("\n")
+    table = None
+    for line in lines:
+        if line.startswith("["):
+            table = line
+            continue
+        if table in out:
+            end = out.index(table) + 1
+            while end < len(out) and out[end] and not out[end].startswith(("[", "#")):
+                end += 1
+            out.insert(end, line)
+        else:
+            out += ["", table, line]
+    return "\n".join(out) + "\n"

@@ -8,7 +8,7 @@ import time
 from trainer.runtime.cli_errors import report_user_error
 from trainer.runtime.files import atomic_write
 
-from .fit import DEFAULT_CHUNK_TOKENS, config_lines, fit_layouts
+from .fit import DEFAULT_CHUNK_TOKENS, config_lines, fit_layouts, merge_into_toml
 from .hardware import GIB
 from .search import plan_layouts
 
@@ -43,7 +43,7 @@ def main_fit(args, job, ac, toml_snippet) -> int:
     if args.toml:
         try:
             atomic_write(
-                args.toml, toml_snippet(best.estimate, job) + "\n".join(config_lines(best.options, chunk)) + "\n"
+                args.toml, merge_into_toml(toml_snippet(best.estimate, job), config_lines(best.options, chunk))
             )
         except OSError as exc:
             return report_user_error(
