@@ -21,6 +21,7 @@ SECTIONS = [
     "attention",
     "data_loading",
     "planner",
+    "planner_search",
     "checkpoint",
     "local_tensor",
     "optimizer",
