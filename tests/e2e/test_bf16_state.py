@@ -18,6 +18,8 @@ clipping (the shipped max_norm = 1.0), 4 steps, checkpoints at 2 and 4.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -45,8 +47,8 @@ def runs(tmp_path_factory):
     out = {"fsdp": base / "fsdp", "single": base / "single", "fp32": base / "fp32"}
     res = _train(2, out["fsdp"], *BF16)
     assert "optimizer.state_dtype = bfloat16" in res.stdout, res.stdout[-3000:]
-    _train(1, out["single"], *BF16)
-    _train(1, out["fp32"])
+    out["log"] = {"fsdp": res.stdout, "single": _train(1, out["single"], *BF16).stdout}
+    out["log"]["fp32"] = _train(1, out["fp32"]).stdout
     return out
 
 
@@ -70,6 +72,24 @@ def test_fsdp2_bf16_state_matches_one_process(runs):
     control = sum(int((a[k] == ctl[k].to(torch.bfloat16)).sum()) for k in a) / n
     assert same >= 0.99, same
     assert control < 0.8, control
+
+
+def _said_saving(log: str) -> int | None:
+    """The bytes the start-up line says ``optimizer.state_dtype`` saves (trainer/forward.py)."""
+    m = re.search(r"optimizer state in bfloat16: saves [\d.,]+ MiB \(([\d,]+) bytes\)", log)
+    return int(m.group(1).replace(",", "")) if m else None
+
+
+def test_startup_line_states_the_state_saving(runs):
+    """The start-up memory line's bf16-state saving (counted before the optimizer exists) is the
+    measured one: one process, the float32 bytes minus the bf16 bytes of the step-4 moments in
+    its checkpoint, exactly; on fsdp=2 rank 0 holds at least half the elements (FSDP's first
+    shards get the ceil rows) and at most all. Negative control: the float32 run says nothing."""
+    moments = _moments(runs["single"], 4)
+    measured = sum(v.numel() * (4 - v.element_size()) for v in moments.values())
+    assert _said_saving(runs["log"]["single"]) == measured, runs["log"]["single"][-2000:]
+    assert measured / 2 <= _said_saving(runs["log"]["fsdp"]) < measured
+    assert _said_saving(runs["log"]["fp32"]) is None and "optimizer state in" not in runs["log"]["fp32"]
 
 
 def test_bf16_state_resume_is_bitwise(runs, tmp_path):

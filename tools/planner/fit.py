@@ -6,7 +6,9 @@ The options and the config fields that turn them on (issue 53):
 * chunked cross-entropy, ``training.loss_chunk_tokens = C``: the head and the loss run C
   tokens at a time, so of the logits (compute dtype) and their fp32 log-softmax, ``(a + 4) t v``
   bytes per micro-batch of ``t`` tokens on a rank with ``v`` vocabulary columns, one chunk's
-  worth stays, ``(a + 4) min(C, t) v``; cost: the head's forward matmul once more per chunk in
+  float32 buffer stays (``(4 + a) min(C, t) v`` below float32, ``4 min(C, t) v`` in it) and the
+  weight gradient's float32 accumulator (``4 v dim``): :func:`chunked_loss_saving`, from the
+  option's own ``chunked_loss_saving_bytes``; cost: the head's forward matmul once more per chunk in
   the backward (``2 t dim v`` FLOPs per pass, times 1 + the MTP depths);
 * CPU offload, ``training.cpu_offload = true`` (FSDP2's CPUOffloadPolicy): the fp32 parameter
   shards, their gradients and the optimizer state live on the host (0 GPU bytes); cost: every
@@ -40,7 +42,15 @@ from .estimate import Estimate, Job, _in_flight, estimate, memory_for_rank
 from .hardware import GIB, step_bytes_per_param
 from .inventory import cached_layout, model_inventory
 
-__all__ = ["OPTIONS", "FitResult", "config_lines", "fit_layouts", "merge_into_toml", "option_memory"]
+__all__ = [
+    "OPTIONS",
+    "FitResult",
+    "chunked_loss_saving",
+    "config_lines",
+    "fit_layouts",
+    "merge_into_toml",
+    "option_memory",
+]
 
 OPTIONS = ("loss_chunk_tokens", "state_dtype", "activation_offload", "cpu_offload")
 DEFAULT_CHUNK_TOKENS = 1024
@@ -51,6 +61,23 @@ class FitResult:
     estimate: Estimate  # memory and time with the options applied
     options: tuple[str, ...]  # names from OPTIONS
     saved: dict  # bytes each option takes off the busiest rank's total
+
+
+def chunked_loss_saving(args, t: int, tp: int, a: int, chunk_tokens: int) -> int:
+    """What the chunked loss takes off the planner's memory of one head call of ``t`` local
+    tokens per pass (``1 + D`` passes with D MTP depths, one call): the option's own measured
+    saving (models/common/chunked_loss.py ``chunked_loss_saving_bytes``, which counts the four
+    ``[tokens, vocab / tp]`` tensors alive at the plain loss's backward, ``12 + a`` bytes per
+    element) less the two float32 gradients of that backward (``8`` bytes per element) that the
+    planner's plain estimate does not hold (its head term is what the forward and the loss save
+    for the backward: the logits and the log-softmax, ``a + 4``,
+    :func:`tools.planner.activations.head_bytes`). So the estimate with the option on is what
+    the chunked path holds: one chunk's buffer and the float32 weight-gradient accumulator."""
+    from models.common.chunked_loss import chunked_loss_saving_bytes
+
+    rows = t * (1 + getattr(args, "mtp_layers", 0))
+    saving = chunked_loss_saving_bytes(rows, args.vocab_size, args.dim, chunk_tokens, tp=tp, compute_bytes=a)
+    return saving - 8 * rows * -(-args.vocab_size // tp)
 
 
 def option_memory(job: Job, d, choice, rank: int, options: tuple, chunk_tokens: int) -> dict:
@@ -64,10 +91,7 @@ def option_memory(job: Job, d, choice, rank: int, options: tuple, chunk_tokens: 
     layers_factor, logits_held = _in_flight(choice, d.pp, plan)
     has_head = any(head for _, _, head in stages)
     if "loss_chunk_tokens" in options and has_head:
-        t = mb * (job.seq_len // d.cp)
-        v = args.vocab_size // d.tp
-        passes = 1 + getattr(args, "mtp_layers", 0)
-        mem["activations"] -= logits_held * passes * (a + 4) * (t - min(chunk_tokens, t)) * v
+        mem["activations"] -= logits_held * chunked_loss_saving(args, mb * (job.seq_len // d.cp), d.tp, a, chunk_tokens)
     if "activation_offload" in options:
         from .choice import selective_every
         from .estimate import _activations

@@ -40,7 +40,9 @@ __all__ = [
     "STATE_DTYPES",
     "AdamWLowPrecision",
     "state_bytes",
+    "state_bytes_fn",
     "state_bytes_per_param",
+    "state_dtype_saving",
     "stochastic_round_bf16",
 ]
 
@@ -60,6 +62,36 @@ def state_bytes_per_param(optimizer: str, state_dtype: str) -> int:
     if moments is None:
         raise ValueError(f"optimizer {optimizer!r}: use 'AdamW' or 'Muon'")
     return moments * STATE_DTYPES[state_dtype].itemsize
+
+
+def state_bytes_fn(cfg, state_dtype: str | None = None):
+    """``(fqn, parameter) -> bytes of optimizer state per element`` under the optimizer config
+    ``cfg``: :func:`state_bytes_per_param` of the optimizer the parameter's group routes it to
+    (trainer/optim/groups.py ``choose``: Muon's matrices one buffer, AdamW's parameters two) in
+    ``state_dtype`` (default ``cfg.state_dtype``). For models/parallel/offload.py
+    ``cpu_offload_bytes`` and :func:`state_dtype_saving`."""
+    from models.common.init import canonical_fqn
+    from trainer.optim.groups import choose
+
+    dtype = state_dtype or cfg.state_dtype
+    return lambda name, p: state_bytes_per_param(choose(canonical_fqn(name), p.ndim, cfg).optimizer, dtype)
+
+
+def state_dtype_saving(model_parts, cfg) -> int:
+    """Bytes of optimizer state this rank saves with ``cfg.state_dtype`` (``cfg``: the optimizer
+    config) against float32 state, from the model before the optimizer exists: each trainable
+    parameter's local shard elements times the bytes per element :func:`state_bytes_fn` gives,
+    float32 minus ``cfg.state_dtype``. What ``state_bytes`` of the built optimizer measures
+    after its first step (the per-tensor step counters aside)."""
+    fp32, ours = state_bytes_fn(cfg, "float32"), state_bytes_fn(cfg)
+    saved, seen = 0, set()
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            saved += (p.to_local() if isinstance(p, DTensor) else p).numel() * (fp32(name, p) - ours(name, p))
+    return saved
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
