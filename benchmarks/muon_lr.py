@@ -84,11 +84,11 @@ def _record_update_rms(out_path: str) -> None:
     import torch
 
     from models.common.init import canonical_fqn
-    from trainer import optim
     from trainer.optim.groups import is_hidden_matrix
+    from trainer.optim.optimizers import Optimizers
 
     per_step: list[float] = []
-    step = optim.Optimizers.step
+    step = Optimizers.step
 
     def recording_step(self, found_inf=None):
         hidden = {
@@ -110,7 +110,7 @@ def _record_update_rms(out_path: str) -> None:
         per_step.append(math.sqrt(sq / sum(w.numel() for _, w, _, _ in before)))
         Path(out_path).write_text(json.dumps(per_step))
 
-    optim.Optimizers.step = recording_step
+    Optimizers.step = recording_step
 
 
 def summarize(metrics: Path, rms_file: Path, steps: int) -> dict:
@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     if args.train:
         _record_update_rms(args.train)
-        from trainer.lifecycle.rank import main as train_main
+        from trainer.lifecycle.rank import run_rank
 
-        return train_main(rest[1:] if rest[:1] == ["--"] else rest)
+        return run_rank(rest[1:] if rest[:1] == ["--"] else rest)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     result = run(FULL if args.full else REDUCED)
     print(json.dumps(result, indent=1))

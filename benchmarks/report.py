@@ -166,6 +166,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "default) and 1.0, and the hidden matrices' update RMS; reference: AdamW in the same run",
     ),
     (
+        "bf16_state",
+        "bf16 optimizer state against float32",
+        "`make bench` section `bf16_state` (also `python -m benchmarks.bf16_state --out "
+        "bench_results/bf16_state.json`): train.py on one process, the llama3 debug model (6 blocks, dim 256), "
+        "200 steps, lr 8e-4 cosine, `optimizer.state_dtype` bfloat16 (stochastically rounded moments) against "
+        "float32 with the same seed and batches: max and final relative gap of the 10-step mean loss against "
+        "the stated bound, the optimizer state bytes of the trainer's optimizers, the optimizer step time "
+        "([optimizers.md](optimizers.md#bf16-optimizer-state))",
+    ),
+    (
         "muon_lr_full",
         "Muon at AdamW's learning rate (full)",
         "`python -m benchmarks.muon_lr --full --out bench_results/muon_lr_full.json`: as `muon_lr` at widths "
@@ -175,8 +185,10 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "planner_search",
         "Layout planner search time",
-        "`python -m tools.planner --model llama3 --flavor 70B --world-size 256 --gpus-per-node 8 "
-        "--gpu h100 --seq-len 8192 --global-batch 512 --top 5`",
+        "`make bench` section `planner_search` (also `python -m benchmarks.planner_search`): the search of "
+        "`python -m tools.planner --model llama3 --flavor 405B --world-size 16384 --gpus-per-node 8 "
+        "--gpu h100 --seq-len 8192 --global-batch 2048` (goal <= 10 s, one thread), its ranking's digest "
+        "against the search's before issue 53's speed-up; archived: the 70B / 256 example's time",
     ),
     (
         "equivalence",

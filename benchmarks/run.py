@@ -21,10 +21,12 @@ SECTIONS = [
     "attention",
     "data_loading",
     "planner",
+    "planner_search",
     "checkpoint",
     "local_tensor",
     "optimizer",
     "muon_lr",
+    "bf16_state",
     "lora",
     "float8_cpu",
 ]

@@ -82,12 +82,21 @@ def loss_functions(cfg, mtp_depth: int) -> tuple[Callable, Callable, MTPLoss | N
 
 def memory_lines(plan, pd: ParallelDims, model_parts, pipeline: Pipeline | None, cfg) -> list[str]:
     """The start-up lines of the memory options the job chose (docs/memory.md): what CPU and
-    activation offload save (models/parallel/offload.py) and the chunked loss's peak saving."""
+    activation offload save (models/parallel/offload.py), the chunked loss's peak saving and
+    what ``optimizer.state_dtype`` saves (trainer/optim/low_precision.py ``state_dtype_saving``:
+    the line comes before the optimizer is built, so it is counted from the trainable shards)."""
     from models.parallel.offload import memory_options_line
+    from trainer.optim.low_precision import state_bytes_fn, state_dtype_saving
 
-    lines = [line] if (line := memory_options_line(model_parts, plan, cfg.optimizer.name)) else []
+    lines = [line] if (line := memory_options_line(model_parts, plan, state_bytes_fn(cfg.optimizer))) else []
     if cfg.training.loss_chunk_tokens:
         lines.append(chunked_loss_line(plan, pd, pipeline, cfg.training.loss_chunk_tokens))
+    if cfg.optimizer.state_dtype != "float32":
+        saved = state_dtype_saving(model_parts, cfg.optimizer)
+        lines.append(
+            f"optimizer state in {cfg.optimizer.state_dtype}: saves {saved / 2**20:,.1f} MiB ({saved:,} bytes) of "
+            "optimizer state per rank against float32 (optimizer.state_dtype, docs/memory.md)"
+        )
     return lines
 
 

@@ -60,15 +60,19 @@ def _shard_bytes(p: torch.Tensor) -> int:
     return -(-rows // shards) * rest * local.element_size()
 
 
-def cpu_offload_bytes(model_parts: list[nn.Module], optimizer: str = "AdamW") -> dict[str, int]:
+def cpu_offload_bytes(model_parts: list[nn.Module], optimizer="AdamW") -> dict[str, int]:
     """Device memory per rank that CPU offload moves to the host: the sharded parameters (FSDP2's
     padded shards), the gradients of the trainable ones (same dtype; FSDP2's padded
-    reduce-scatter output) and the optimizer state (:data:`OPTIMIZER_STATE_BYTES` per element of
-    each trainable local shard, unpadded). Works on meta-device models."""
+    reduce-scatter output) and the optimizer state per element of each trainable local shard,
+    unpadded: with ``optimizer`` a name, :data:`OPTIMIZER_STATE_BYTES` (for Muon a bound); or a
+    function ``(fqn, parameter) -> bytes per element``, exact with the trainer's
+    (trainer/optim/low_precision.py ``state_bytes_fn``: the optimizer each parameter's group
+    routes it to and ``optimizer.state_dtype``). Works on meta-device models."""
+    per_param = _state_bytes_fn(optimizer)
     params = grads = state = 0
     seen: set[int] = set()
     for part in model_parts:
-        for p in part.parameters():
+        for name, p in part.named_parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -77,8 +81,14 @@ def cpu_offload_bytes(model_parts: list[nn.Module], optimizer: str = "AdamW") ->
             if p.requires_grad:
                 grads += nbytes
                 # the moments are created like the (unpadded) local shard
-                state += _local(p).numel() * OPTIMIZER_STATE_BYTES.get(optimizer, 8)
+                state += _local(p).numel() * per_param(name, p)
     return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}
+
+
+def _state_bytes_fn(optimizer):
+    if isinstance(optimizer, str):
+        return lambda name, p: OPTIMIZER_STATE_BYTES.get(optimizer, 8)
+    return optimizer
 
 
 def materialize(part: nn.Module, device: torch.device, seed: int, cpu_offload: bool) -> None:
@@ -99,9 +109,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def memory_options_line(model_parts: list[nn.Module], plan, optimizer: str) -> str | None:
+def memory_options_line(model_parts: list[nn.Module], plan, optimizer) -> str | None:
     """The start-up line of the memory options ``plan`` (trainer/plan.py ``JobPlan``) chose: what
-    CPU offload keeps on the host per rank (:func:`cpu_offload_bytes`), and what activation
+    CPU offload keeps on the host per rank (:func:`cpu_offload_bytes` of ``optimizer``, a name or
+    a per-parameter state-bytes function), and what activation
     offload moves per micro-batch (under full AC the blocks' inputs,
     models/parallel/activation_offload.py ``block_input_bytes``; otherwise what the blocks save
     for backward, the planner's activation model)."""

@@ -1,8 +1,9 @@
 """``training.on_nonfinite = skip`` on real layouts (trainer/bad_steps.py): a step made non-finite
 by ``debug.fault nan_loss@2`` is not applied on any rank: every rank's weights and optimizer
 state (moments and step counts, its own shards) are bitwise what they were before the step,
-with the fused AdamW kernel (skipped on the device, ``found_inf``) and with foreach (the
-optimizer step not called); the next step trains (finite, the weights move), and replicas stay
+with the fused AdamW kernel (skipped on the device, ``found_inf``), with foreach (the
+optimizer step not called) and with bf16 moments (``optimizer.state_dtype``, on fsdp=2 x tp=2:
+the step not called either); the next step trains (finite, the weights move), and replicas stay
 equal. Layouts on 4 ranks, one launch: dp_replicate=2 x fsdp=2, fsdp=2 x tp=2, pp=2 x fsdp=2.
 
 Negative control: the replica check is real: where rank 0 alone applies the bad step (its
@@ -59,7 +60,10 @@ def _run(layout: str, implementation: str, folder: str, rank: int, rank0_applies
     from trainer.trainer import Trainer
 
     args = ["--config", "llama3.toml", "--job.dump_folder", f"{folder}/{layout}_{implementation}", *ARGS]
-    trainer = Trainer(load_config([*args, *LAYOUTS[layout], "--optimizer.implementation", implementation]))
+    opt_args = ["--optimizer.implementation", implementation]
+    if implementation == "bf16":  # bf16 moments (trainer/optim/low_precision.py): the step not called
+        opt_args = ["--optimizer.state_dtype", "bfloat16"]
+    trainer = Trainer(load_config([*args, *LAYOUTS[layout], *opt_args]))
     if rank0_applies and rank == 0:  # the negative control: a policy that skips on every rank but this one
         trainer.bad_steps.judge = lambda *a: False
         trainer.bad_steps.no_step = lambda scalars, targets: None
@@ -82,6 +86,7 @@ def _all(rank: int, world_size: int, folder: str) -> dict:
     for layout in LAYOUTS:
         for implementation in ("fused", "foreach"):
             out[(layout, implementation)] = _run(layout, implementation, folder, rank)
+    out[("fsdp2_tp2", "bf16")] = _run("fsdp2_tp2", "bf16", folder, rank)
     out["control"] = _run("dp_replicate2_fsdp2", "foreach", folder, rank, rank0_applies=True)
     return out
 
@@ -91,8 +96,10 @@ def results(tmp_path_factory):
     return run_distributed(_all, 4, str(tmp_path_factory.mktemp("bad_steps")))
 
 
-@pytest.mark.parametrize("implementation", ["fused", "foreach"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout, implementation",
+    [(layout, impl) for layout in LAYOUTS for impl in ("fused", "foreach")] + [("fsdp2_tp2", "bf16")],
+)
 def test_a_skipped_step_leaves_every_rank_as_it_was_and_the_run_goes_on(results, layout, implementation):
     for rank, r in enumerate(results):
         got = r[(layout, implementation)]

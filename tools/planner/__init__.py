@@ -7,8 +7,9 @@ batches and recomputed blocks it means for a rank), :mod:`.collectives` (the col
 issues: the prediction API the measured communication is checked against, with
 :mod:`.param_groups` and :mod:`.schedule_order`), :mod:`.compute` (matmul FLOPs per rank),
 :mod:`.hardware` (GPU table, ring cost model), :mod:`.estimate` (memory and time of one layout),
-:mod:`.search` (enumeration and ranking), :mod:`.cli`, :mod:`.measure` (what the estimates are
-checked against).
+:mod:`.search` (enumeration and ranking), :mod:`.fit` (``--fit``: the memory options priced, the
+cheapest layout + options that fits; :mod:`.fit_cli` its output), :mod:`.cli`, :mod:`.measure`
+(what the estimates are checked against).
 """
 
 from tools.planner.choice import LayoutChoice

@@ -125,6 +125,15 @@ def _parse(argv):
     p.add_argument("--reserve-gib", type=float, default=None, help="GPU memory kept free (default 6 GiB)")
     p.add_argument("--memory-gib", type=float, default=None, help="override the GPU's memory")
     p.add_argument("--profile", metavar="FILE", help="JSON with hardware keys overriding the GPU table")
+    p.add_argument(
+        "--fit", action="store_true",
+        help="rank the cheapest combination of layout + the memory options (chunked loss, bf16 optimizer state, "
+        "activation offload, CPU offload) that fits the GPU, and print the config fields that turn them on",
+    )  # fmt: skip
+    p.add_argument(
+        "--loss-chunk-tokens", type=int, default=None, metavar="C",
+        help="with --fit: the chunk of training.loss_chunk_tokens it prices (default 1024)",
+    )  # fmt: skip
     p.add_argument("--ac", nargs="*", choices=("none", "selective", "full"), help="AC modes to consider (default all)")
     f = p.add_argument_group("failures: the checkpoint interval that loses the least time (docs/long_runs.md)")
     f.add_argument(
@@ -175,6 +184,10 @@ def _job(args) -> Job:
             f"--mtp-layers {args.mtp_layers}: multi-token prediction is a DeepSeek-V3 feature, and --model {args.model} "
             "has none; drop --mtp-layers or use --model deepseek_v3"
         )
+    if args.loss_chunk_tokens is not None and not args.fit:
+        raise ValueError("--loss-chunk-tokens prices chunked loss for --fit: add --fit, or drop --loss-chunk-tokens")
+    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 1:
+        raise ValueError(f"--loss-chunk-tokens must be >= 1, got {args.loss_chunk_tokens}")
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     if args.profile and not os.path.isfile(args.profile):
@@ -329,6 +342,10 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as exc:  # bad input, an unreadable --profile: before the search
         return report_user_error(exc)
     ac = tuple(args.ac) if args.ac else ("none", "selective", "full")
+    if args.fit:
+        from .fit_cli import main_fit
+
+        return main_fit(args, job, ac, toml_snippet)
     start = time.perf_counter()
     result = plan_layouts(job, ac_modes=ac)
     elapsed = time.perf_counter() - start

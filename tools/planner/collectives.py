@@ -101,7 +101,7 @@ from functools import lru_cache
 from .choice import DTYPE_BYTES, LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
 from .float8 import float8_all_gather, float8_gathered_numel
 from .param_groups import grad_norm_all_reduces, tp_colwise_modules, tp_partial_adapter_grads, tp_partial_grads
-from .schedule_order import split_backward_casts
+from .schedule_order import rank_split_backward_casts
 
 __all__ = ["predict_collectives"]
 
@@ -270,7 +270,9 @@ def predict_collectives(
                 if not pp:
                     gb = rb if accum > 1 else pb
                 else:
-                    casts = split_backward_casts(plan.schedule, d.pp, plan.stages_per_rank, m)
+                    casts = rank_split_backward_casts(
+                        plan.schedule, d.pp, plan.stages_per_rank, m, layout.coordinate("pp", rank)
+                    )
                     gb = rb if casts is None or casts[stage_id] else pb
             partial_syncs = syncs if dense_size is not None else 1
             partial = (

@@ -40,9 +40,10 @@ stage) -- every assumption is also printed with the result:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from models.parallel.pipeline.plan import bubble_fraction as bubble_fraction_of
 
@@ -93,7 +94,7 @@ class Job:
     muon_distribution: str = "round_robin"
     muon_ns_steps: int = 5
 
-    @property
+    @cached_property  # (frozen: kept in the instance's __dict__, outside the fields)
     def overrides(self) -> dict:
         return {**_overrides(self.model, self.flavor, self.seq_len), **dict(self.model_overrides)}
 
@@ -172,9 +173,12 @@ def _per_node(degrees, gpus_per_node: int) -> dict[str, int]:
     layout = cached_layout(degrees)
     out = {}
     for n in _MESH_NAMES:
-        groups = layout.groups(n)
-        nodes = groups // gpus_per_node
-        out[n] = int(min(np.unique(row, return_counts=True)[1].min() for row in nodes))
+        nodes = layout.groups(n) // gpus_per_node
+        # the fewest members of one group in one node, over every (group, node) pair at once:
+        # one count of the distinct (row, node) keys (was a np.unique per group: most of a
+        # 16,384-rank search's time)
+        keys = np.arange(nodes.shape[0], dtype=np.int64)[:, None] * (int(nodes.max()) + 1) + nodes
+        out[n] = int(np.unique(keys, return_counts=True)[1].min())
     return out
 
 
@@ -212,18 +216,9 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     accum = grad_accum_steps(choice, d)
     m = choice.n_microbatches if d.pp > 1 else 1
     mb = choice.local_batch // m
-    dense_size, expert_size, _ = fsdp_meshes(d, args.has_experts, choice.mixed)
-    padded = local = 0
-    gathered_groups: dict = {}
     key = tuple(sorted(job.overrides.items()))
-    for layers, embed, head in stages:
-        for g in stage_summary(job.model, job.flavor, key, d, rank, choice.mixed, layers, embed, head):
-            padded += g.shard
-            local += g.local
-            gathered_groups[(g.name, layers.start)] = g.tp_local
-    sharded = any(size is not None and size > 1 for size in (dense_size, expert_size))
+    padded, local, biggest, sharded = _rank_groups(job.model, job.flavor, key, d, rank, choice.mixed, tuple(stages))
     cast = sharded or (choice.mixed and pb != 4)
-    biggest = sorted(gathered_groups.values(), reverse=True)
     unsharded_total = sum(biggest)
     keeps_all = d.pp > 1 or choice.reshard == "never" or not sharded
     if cast:
@@ -269,6 +264,25 @@ def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[
     }
     mem["total"] = sum(mem.values())
     return mem
+
+
+@lru_cache(maxsize=65536)
+def _rank_groups(model, flavor, key: tuple, d, rank: int, mixed: bool, stages: tuple) -> tuple:
+    """(padded and unpadded local elements ``rank`` stores, its FSDP groups' gathered (TP-local)
+    elements largest first, whether a shard mesh has more than one rank) over its ``stages``:
+    the part of :func:`memory_for_rank` that no AC, reshard or batch choice changes (cached: the
+    search asks for it once per choice)."""
+    _, args = model_inventory(model, flavor, **dict(key))
+    dense_size, expert_size, _ = fsdp_meshes(d, args.has_experts, mixed)
+    padded = local = 0
+    gathered_groups: dict = {}
+    for layers, embed, head in stages:
+        for g in stage_summary(model, flavor, key, d, rank, mixed, layers, embed, head):
+            padded += g.shard
+            local += g.local
+            gathered_groups[(g.name, layers.start)] = g.tp_local
+    sharded = any(size is not None and size > 1 for size in (dense_size, expert_size))
+    return padded, local, tuple(sorted(gathered_groups.values(), reverse=True)), sharded
 
 
 def _adapter_shards(job: Job, d, choice: LayoutChoice, rank: int, stages, layout) -> tuple[int, int, dict]:
@@ -387,8 +401,14 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     per_node = _per_node(d, job.gpus_per_node) if any(crossing.values()) else {}
     comm: dict[str, float] = {}
     fsdp_total = fsdp_first = 0.0
+    # selective AC's per-op policy re-runs no collective: its records are no AC's (one
+    # prediction serves both choices)
+    same = (
+        dataclasses.replace(choice, ac="none") if choice.ac == "selective" and not selective_every(choice) else choice
+    )
+    key = tuple(sorted(job.overrides.items()))
     records = max(
-        (predict_collectives(job.model, job.flavor, d, choice, r, layout, **job.overrides) for r in ranks),
+        (_collectives(job.model, job.flavor, d, same, r, key) for r in ranks),
         key=lambda recs: sum(x["count"] * x["bytes"] for x in recs),
     )
     for r in records:
@@ -447,6 +467,11 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         bubble_fraction=bubble_fraction,
         grad_accum=grad_accum_steps(choice, d),
     )
+
+
+@lru_cache(maxsize=8192)
+def _collectives(model, flavor, d, choice: LayoutChoice, rank: int, key: tuple) -> list:
+    return predict_collectives(model, flavor, d, choice, rank, cached_layout(d), **dict(key))
 
 
 def _muon(job: Job, d, choice: LayoutChoice, rank: int):

@@ -197,6 +197,17 @@ class Hardware:
     # Memory bandwidth the optimizer step streams the rank's parameter shards, gradients and
     # AdamW states at (GB/s). GPUs: the HBM bandwidth; a CPU profile measures it.
     memory_gbps: float = 3350.0
+    # The host link (GPU <-> host memory) one GPU gets, effective GB/s per direction: what the
+    # planner's --fit prices CPU offload (training.cpu_offload) and activation offload
+    # (activation_checkpoint.offload) over. H100 SXM hosts: PCIe Gen5 x16 per GPU, 64 GB/s raw
+    # per direction (PCI-SIG, PCIe 5.0 base spec: 32 GT/s x 16 lanes, 128b/130b) and about 55
+    # GB/s measured host-to-device on pinned memory (NVIDIA's nvbandwidth / bandwidthTest on
+    # DGX H100; the same figure torchtitan's and DeepSpeed's offload notes assume): 55.
+    host_link_gbps: float = 55.0
+    # Host memory bandwidth one GPU's share of the host gets, GB/s: where CPU offload runs the
+    # optimizer step. DGX H100: 2 x Xeon Platinum 8480C, 8 channels of DDR5-4800 each (Intel ARK:
+    # 307 GB/s per socket), 614 GB/s for 8 GPUs: 76.
+    host_memory_gbps: float = 76.0
     # Per collective kind (all_gather, reduce_scatter, all_reduce, all_to_all, send_recv): a
     # factor on the ring model's bandwidth term and a latency added to each call, for a backend
     # whose kinds do not follow the ring figures of one link (a measured profile's; empty on GPUs).

@@ -35,6 +35,7 @@ __all__ = [
     "enumerate_layouts",
     "losing_reason",
     "plan_layouts",
+    "ranking_digest",
     "smallest_world_size",
     "summarize_losers",
 ]
@@ -143,10 +144,11 @@ class PlanResult:
         return len(self.estimates) + self.pruned_oom
 
 
-def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES) -> PlanResult:
+def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES, prune_state: bool = True) -> PlanResult:
     """Every valid layout of ``job``, estimated and ranked. Degrees whose training state
     (fp32 parameters, gradients, AdamW) alone exceeds the usable memory are counted as out of
-    memory without estimating each of their choices."""
+    memory without estimating each of their choices (``prune_state`` False: estimated too, for
+    ``--fit``, where CPU offload takes that state off the GPU)."""
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     usable = job.hardware.usable_gib * GIB
     ests: list[Estimate] = []
@@ -160,12 +162,28 @@ def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES) -> PlanResult
             sum(memory_for_rank(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
             for r in sorted({0, (degrees.pp - 1) * stride_pp})
         )
-        if static > usable:
+        if static > usable and prune_state:
             pruned += len(choices)
             continue
         ests.extend(estimate(job, degrees, c, time_if_oom=False) for c in choices)
     ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
     return PlanResult(ests, pruned)
+
+
+def ranking_digest(result: PlanResult) -> str:
+    """sha256 of every estimate of ``result`` in rank order (degrees, choice, memory and time
+    terms, tokens/s, as exact reprs) and the pruned count: equal digests, identical rankings
+    (tests/unit/test_planner_fast.py, benchmarks/planner_search.py)."""
+    import hashlib
+    import json
+
+    rows = [
+        [e.degrees.as_dict(), repr(e.choice), e.fits, {k: repr(v) for k, v in e.memory.items()},
+         None if e.time is None else repr(e.time), repr(e.tokens_per_s_per_gpu), e.crosses_nodes,
+         repr(e.bubble_fraction), e.grad_accum]
+        for e in result.estimates
+    ]  # fmt: skip
+    return hashlib.sha256(json.dumps([result.pruned_oom, rows]).encode()).hexdigest()
 
 
 def losing_reason(e: Estimate, best: Estimate, job: Job) -> str:

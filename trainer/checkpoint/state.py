@@ -169,5 +169,14 @@ def is_complete(path: str) -> bool:
 def stored_optimizer_keys(optim_state: dict[str, Any], stored: set[str]) -> dict[str, Any]:
     """The optimizer state to load from a checkpoint holding ``stored`` keys: all of it, except
     the parameter grouping (trainer/optim/groups.py ``GROUPING_KEY``) when a checkpoint written
-    before groups existed lacks it (the optimizer then compares against plain AdamW's)."""
-    return {k: v for k, v in optim_state.items() if k != GROUPING_KEY or f"optimizer.{k}" in stored}
+    before groups existed lacks it (the optimizer then compares against plain AdamW's), and the
+    step counts a checkpoint lacks (:func:`_muon_step`)."""
+    keep = {k for k in optim_state if k != GROUPING_KEY and not _muon_step(k, stored)}
+    return {k: v for k, v in optim_state.items() if k in keep or f"optimizer.{k}" in stored}
+
+
+def _muon_step(key: str, stored: set[str]) -> bool:
+    """A Muon parameter's step count: it exists only with bf16 momentum (it salts the stochastic
+    rounding, trainer/optim/low_precision.py), so a float32-state checkpoint (which has the
+    parameter's ``momentum_buffer``) lacks it, and a resume into bf16 state restarts the count."""
+    return key.startswith("state.") and key.endswith(".step") and f"optimizer.{key[:-4]}momentum_buffer" in stored

@@ -45,6 +45,14 @@ class Optimizer:
         "foreach on CPU.",
         choices=("auto", "fused", "foreach", "for-loop"),
     )
+    state_dtype: str = _opt(
+        "float32",
+        "Dtype of the optimizer state (AdamW's moments, Muon's momentum): float32, or bfloat16 (half "
+        "the bytes; stochastically rounded, the weights and the update stay float32; with bfloat16, "
+        "AdamW runs meshtrain's own per-parameter kernel whatever optimizer.implementation says). "
+        "Resuming across state dtypes casts the stored state (docs/optimizers.md).",
+        choices=("float32", "bfloat16"),
+    )
     param_groups: list[dict] = _opt(
         [],
         "Parameter groups, as [[optimizer.param_groups]] tables (on the command line a TOML array of "

@@ -6,6 +6,8 @@ groups.py       parameter groups (weight decay, per-group learning rates, Muon's
 muon.py         the Muon optimizer; muon_dist.py its distributed update (gather / round_robin)
 lr_schedule.py  warmup, stable and decay phases of the learning rate
 grad_clip.py    the gradient norm over every sharding group, and clipping to it
+low_precision.py  bf16 optimizer state (``optimizer.state_dtype``): stochastic rounding, AdamW
+                with bf16 moments, the state's bytes per parameter
 
 It may import ``trainer.config`` (its ``[optimizer]``, ``[lr_scheduler]`` sections) and
 ``trainer.simulation`` (the run mode: a local_tensor run distributes Muon by gather), ``models``

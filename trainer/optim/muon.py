@@ -54,6 +54,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from trainer.optim.low_precision import cast_state_hook, global_index, low_bits, random_bits, salt, store
 from trainer.optim.muon_dist import RoundRobin, matrix_mesh_dims
 
 __all__ = ["DISTRIBUTIONS", "Muon", "newton_schulz", "orthogonalized_update"]
@@ -126,6 +127,8 @@ class Muon(torch.optim.Optimizer):
         ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
         update_rms: float = 0.2,
         distribution: str = "round_robin",
+        state_dtype: torch.dtype = torch.float32,
+        seed: int = 0,
     ):
         defaults = dict(
             lr=lr,
@@ -146,6 +149,11 @@ class Muon(torch.optim.Optimizer):
         self.distribution = distribution
         self._round_robin = RoundRobin()
         self.per_shard = os.environ.get(PER_SHARD_ENV) == "1"
+        # bf16 momentum: stochastically rounded (trainer/optim/low_precision.py); the step count
+        # salts the rounding bits
+        self.state_dtype, self.seed = state_dtype, seed
+        self._number = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self.register_load_state_dict_post_hook(cast_state_hook(state_dtype))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -161,9 +169,17 @@ class Muon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype)
                 g, buf = _local(p.grad), _local(state["momentum_buffer"])
-                buf.mul_(mu).add_(g)
+                if buf.dtype == torch.bfloat16:
+                    # a step count (as AdamW's) salts the rounding bits; only bf16 state has it
+                    state["step"] = state.get("step", torch.tensor(0.0)) + 1
+                    stored, buf = buf, buf.float().mul_(mu).add_(g)
+                    t, n = int(state["step"].item()), self._number[id(p)]
+                    bits = random_bits(global_index(p), salt(self.seed, t, n, 2))
+                    store(stored, buf, low_bits(bits))
+                else:
+                    buf.mul_(mu).add_(g)
                 updates.append((group, p, g.add(buf, alpha=mu) if group["nesterov"] else buf.clone()))
         for (group, p, _), o in zip(updates, self._orthogonalize(updates)):
             lr, wd = group["lr"], group["weight_decay"]

@@ -39,6 +39,7 @@ from models.parallel.pipeline.tied import checkpoint_optim_key, head_only
 from trainer.config import JobConfig
 from trainer.config import Optimizer as OptimizerConfig
 from trainer.optim.groups import GROUPING_KEY, check_grouping, check_patterns, choose, grouping_signature, summary_lines
+from trainer.optim.low_precision import STATE_DTYPES, AdamWLowPrecision
 from trainer.optim.lr_schedule import LRSchedulers, build_lr_scheduler, lr_multiplier
 from trainer.optim.muon import Muon
 from trainer.simulation.run_mode import RunMode
@@ -134,6 +135,16 @@ class Optimizers:
         self.summary = summary_lines(all_params, cfg, frozen=frozen_params)
         self.signature = grouping_signature(cfg)
         impl = resolve_implementation(cfg.implementation, [p for part in self.model_parts for p in part.parameters()])
+        self.state_dtype = cfg.state_dtype
+        low = STATE_DTYPES[cfg.state_dtype] if cfg.state_dtype != "float32" else None
+        if low is not None:
+            # torch's kernels keep moments in the parameter's dtype: bf16 moments run meshtrain's
+            # own per-parameter kernel (stochastic rounding, trainer/optim/low_precision.py)
+            impl = "for-loop"
+            self.summary.append(
+                f"optimizer.state_dtype = {cfg.state_dtype}: moments stored in {cfg.state_dtype} with "
+                "stochastic rounding (half the state bytes); AdamW runs meshtrain's per-parameter kernel"
+            )
         self.implementation = impl
         self.has_muon = False
         for part in self.model_parts:
@@ -141,7 +152,16 @@ class Optimizers:
             if adamw_groups:
                 self._add(
                     part,
-                    torch.optim.AdamW(
+                    AdamWLowPrecision(
+                        adamw_groups,
+                        lr=cfg.lr,
+                        betas=tuple(cfg.betas),
+                        eps=cfg.eps,
+                        weight_decay=cfg.weight_decay,
+                        state_dtype=low,
+                    )
+                    if low is not None
+                    else torch.optim.AdamW(
                         adamw_groups,
                         lr=cfg.lr,
                         betas=tuple(cfg.betas),
@@ -165,6 +185,7 @@ class Optimizers:
                         ns_coefficients=cfg.muon_ns_coefficients,
                         update_rms=cfg.muon_update_rms,
                         distribution=cfg.muon_distribution,
+                        state_dtype=STATE_DTYPES[cfg.state_dtype],
                     ),
                 )
         # the config's hyperparameters of every group, re-applied after a checkpoint load (as
@@ -238,9 +259,18 @@ class Optimizers:
                         # update it twice per step
                         v = state_dict[checkpoint_optim_key(part, k)]
                         sd[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            if isinstance(opt, Muon) and opt.state_dtype != torch.float32:
+                sd = _with_step_counts(part, opt, sd)
             set_optimizer_state_dict(part, opt, optim_state_dict=sd, options=_FLAT)
             for group, values in zip(opt.param_groups, configured):
                 group.update(values)
+
+
+def _with_step_counts(part: nn.Module, opt: Muon, sd: dict[str, Any]) -> dict[str, Any]:
+    """A float32-state checkpoint has no Muon step counts (only bf16 momentum keeps one, to salt
+    its stochastic rounding): loaded into bf16 state, each count restarts at 0."""
+    missing = [k for k in get_optimizer_state_dict(part, opt, options=_FLAT) if k.endswith(".step") and k not in sd]
+    return {**sd, **{k: torch.tensor(0.0) for k in missing}} if missing else sd
 
 
 def build_optimizer(

@@ -1,0 +1,80 @@
+"""`make bench` section `planner_search`: how long the layout planner's search takes for Llama 3
+405B on 16,384 H100s (issue 53's goal: <= 10 s on one thread), and whether it still ranks what
+the search before the speed-up ranked.
+
+The search is the one ``python -m tools.planner --model llama3 --flavor 405B --world-size 16384
+--gpus-per-node 8 --gpu h100 --seq-len 8192 --global-batch 2048`` runs (its ``plan_layouts``,
+timed in process as the command's "searched in" line times it), wall and CPU seconds. Its full
+ranking is hashed (:func:`tools.planner.search.ranking_digest`) and compared with the digest of
+the search before issue 53's speed-up (commit f4617db: 324 s on the Intel host, one thread),
+recorded below with that run's top layout.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+COMMAND = [
+    "--model", "llama3", "--flavor", "405B", "--world-size", "16384", "--gpus-per-node", "8", "--gpu", "h100",
+    "--seq-len", "8192", "--global-batch", "2048",
+]  # fmt: skip
+# The search before the speed-up (f4617db), the same command, on the Intel host: 324 s on a
+# quiet host (issue 53); 359.5 CPU s in the run that recorded its digest (2026-12-07, the host
+# shared with 7 other jobs; the search now: 34.1 CPU s in the same conditions). Its winner:
+# dp_replicate 8 x dp_shard 2 x cp 16 x tp 2 x pp 32, InterleavedZeroBubble/128, selective AC,
+# 154.7 tokens/s per GPU; 221,463 layouts, 43,873 fit.
+BEFORE = {
+    "commit": "f4617db",
+    "search_s": 324,
+    "ranking_sha256": "7f3841cefd0c1189b9a0edde8b915880355fc11957350ef2f29129ff716a5923",
+}
+
+
+def _row(e) -> dict:
+    d, c = e.degrees, e.choice
+    return {
+        "degrees": {k: v for k, v in d.as_dict().items() if k != "world_size"},
+        "schedule": f"{c.schedule}/{c.n_microbatches}" if d.pp > 1 else "-",
+        "ac": c.ac,
+        "local_batch x accum": f"{c.local_batch} x {e.grad_accum}",
+        "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1),
+        "memory_gib": round(e.memory["total"] / 2**30, 2),
+    }
+
+
+def run() -> dict:
+    from tools.planner.cli import _job, _parse
+    from tools.planner.search import plan_layouts, ranking_digest
+
+    job = _job(_parse(COMMAND))
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = plan_layouts(job)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    fitting = [e for e in result.estimates if e.fits]
+    digest = ranking_digest(result)
+    out = {
+        "command": "python -m tools.planner " + " ".join(COMMAND),
+        "search_s": round(wall, 2),
+        "search_cpu_s": round(cpu, 2),
+        "goal_s": 10,
+        "layouts": result.layouts,
+        "fitting": len(fitting),
+        "top5": [_row(e) for e in fitting[:5]],
+        "ranking_sha256": digest,
+        "before": BEFORE,
+        # None: no digest of the earlier search recorded
+        "same_ranking_as_before": None if BEFORE["ranking_sha256"] is None else digest == BEFORE["ranking_sha256"],
+    }
+    print(
+        f"planner_search: 405B / 16,384 in {wall:.1f} s ({cpu:.1f} CPU s), {result.layouts:,} layouts, "
+        f"same ranking as before: {out['same_ranking_as_before']}",
+        file=sys.stderr,
+    )
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=1))

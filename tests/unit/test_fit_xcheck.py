@@ -1,0 +1,182 @@
+"""The planner's ``--fit`` prices (tools/planner/fit.py) against the memory options' own
+functions, which their tests measure exact (issue 53):
+
+- chunked loss: the fit's saving on the last stage's rank is ``chunked_loss_saving_bytes``
+  (models/common/chunked_loss.py: the four ``[tokens, vocab / tp]`` tensors alive at the plain
+  loss's backward, ``12 + a`` bytes per element) less what the planner's plain estimate does
+  not hold: its head term (tools/planner/activations.py ``head_bytes``, what forward and loss
+  save for the backward) holds ``a + 4`` of those bytes, so the rest, ``8`` (the two float32
+  gradients of the loss backward), is taken off the option's saving. Exact, over llama3
+  debugmodel on one rank, tp=2, fsdp=2, cp=2 and the last stage of pp=2 (1F1B, 2 micro-batches),
+  float32 and bf16, MTP (deepseek_v3 debugmodel, one depth: the head runs on 2 t rows), and a
+  chunk larger than the micro-batch. Negative control: the fit's former formula,
+  ``(a + 4) (t - min(C, t)) v``, misses the weight gradient's float32 accumulator.
+- activation offload under full AC: the fit's saving is the option's ``block_input_bytes`` of the
+  rank's blocks (models/parallel/activation_offload.py, what the hooks move and the e2e test
+  counts) less two blocks' worth, which the fit keeps on the GPU (the block being saved and the
+  one in transit); the RoPE rows (``attention_input_bytes``, offloaded once per forward) are
+  not in the planner's estimate and not in its saving. Exact on one rank, tp=2 with sequence
+  parallelism, cp=2, in bf16 and float32. Negative control: the whole moved amount is not it.
+- bf16 optimizer state and CPU offload: one rank of dp_shard=3 (FSDP2 pads dim 0) and of
+  tp=2 x dp_shard=2, the model parallelized by the real code on the meta device under the fake
+  backend (in one forked process, tools/forkserver.py): the planner's ``optimizer / 2`` equals
+  ``state_dtype_saving`` (trainer/optim/low_precision.py, what the start-up line says) and its
+  params / grads / optimizer equal ``cpu_offload_bytes`` with the trainer's ``state_bytes_fn``, to the
+  byte, for AdamW and for Muon (one momentum buffer for the hidden matrices). Negative control:
+  ``cpu_offload_bytes`` by optimizer name, the old Muon bound (8 bytes per element), is above
+  the planner's Muon state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+CHUNK_CASES = [  # (model, degrees, choice overrides, chunk)
+    ("llama3", {}, {}, 32),
+    ("llama3", {}, {"param_dtype": "float32"}, 32),
+    ("llama3", {"tp": 2}, {}, 48),
+    ("llama3", {"dp_shard": 2}, {"param_dtype": "float32"}, 32),
+    ("llama3", {"cp": 2}, {}, 16),
+    ("llama3", {"pp": 2}, {"schedule": "1F1B", "n_microbatches": 2}, 32),
+    ("llama3", {}, {}, 4096),  # the chunk holds the whole micro-batch
+    ("deepseek_v3", {}, {}, 32),
+]
+
+
+def _job(model: str, world: int, optimizer: str = "AdamW"):
+    from tools.planner.estimate import Job
+    from tools.planner.hardware import load_hardware
+
+    return Job(model, "debugmodel", world, world, 128, 4, load_hardware("h100"), optimizer=optimizer)
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2].get('param_dtype', 'bf16')}-{c[3]}")
+def test_fit_chunked_loss_saving_is_the_options_own(case):
+    from models.common.chunked_loss import chunked_loss_saving_bytes
+    from parallel_dims.layout import validate_degrees
+    from tools.planner.activations import head_bytes
+    from tools.planner.choice import DTYPE_BYTES, LayoutChoice
+    from tools.planner.fit import option_memory
+    from tools.planner.inventory import model_inventory
+
+    model, degrees, over, chunk = case
+    world = 1
+    for v in degrees.values():
+        world *= v
+    d = validate_degrees(world_size=world, **degrees)
+    c = LayoutChoice(global_batch=4, local_batch=2 * (2 if d.pp > 1 else 1), seq_len=128, **over)
+    job = _job(model, world)
+    rank = (d.pp - 1) * (world // d.pp)  # the rank with the head
+    _, args = model_inventory(model, "debugmodel")
+    a = DTYPE_BYTES[c.param_dtype]
+    mb = c.local_batch // (c.n_microbatches if d.pp > 1 else 1)
+    plain = option_memory(job, d, c, rank, (), chunk)["activations"]
+    fit = plain - option_memory(job, d, c, rank, ("loss_chunk_tokens",), chunk)["activations"]
+
+    t = mb * (128 // d.cp)
+    rows = t * (1 + getattr(args, "mtp_layers", 0))
+    v = args.vocab_size // d.tp
+    no_vocab = dataclasses.replace(args, vocab_size=0)
+    sp = c.sequence_parallel
+    held = head_bytes(args, mb, 128, d.tp, d.cp, sp, a) - head_bytes(no_vocab, mb, 128, d.tp, d.cp, sp, a)
+    assert held == (a + 4) * rows * v  # the planner's plain logits + log-softmax
+    unheld = (12 + a) * rows * v - held  # the option's plain peak tensors the planner does not count
+    option = chunked_loss_saving_bytes(rows, args.vocab_size, args.dim, chunk, tp=d.tp, compute_bytes=a)
+    assert option > 0 and fit == option - unheld, (fit, option, unheld)
+    assert fit != (a + 4) * (rows - min(chunk, rows)) * v  # negative control: the former formula
+
+
+@pytest.mark.parametrize("degrees", [{}, {"tp": 2}, {"cp": 2}], ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fit_activation_offload_saving_is_the_options_own(degrees, dtype):
+    from models.parallel.activation_offload import block_input_bytes
+    from parallel_dims.layout import validate_degrees
+    from tools.planner.choice import DTYPE_BYTES, LayoutChoice
+    from tools.planner.fit import option_memory
+    from tools.planner.inventory import model_inventory
+
+    world = 1
+    for v in degrees.values():
+        world *= v
+    d = validate_degrees(world_size=world, **degrees)
+    c = LayoutChoice(global_batch=2, local_batch=2, seq_len=128, ac="full", param_dtype=dtype)
+    job = _job("llama3", world)
+    _, args = model_inventory("llama3", "debugmodel")
+    on = option_memory(job, d, c, 0, ("activation_offload",), 32)["activations"]
+    fit = option_memory(job, d, c, 0, (), 32)["activations"] - on
+
+    def moved(n: int) -> int:
+        return block_input_bytes(n, 2, 128, args.dim, cp=d.cp, tp=d.tp, sp=c.sequence_parallel, a=DTYPE_BYTES[dtype])
+
+    assert fit == moved(args.n_layers) - moved(2) > 0, (fit, moved(args.n_layers))
+    assert fit != moved(args.n_layers)  # negative control: what the hooks move, all of it
+
+
+def rank_option_bytes(degrees: dict, rank: int) -> dict:
+    """One rank of ``degrees`` (llama3 debugmodel parallelized on the meta device, fake
+    backend): per optimizer, ``cpu_offload_bytes`` by config and by name, and
+    ``state_dtype_saving``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from models.parallel.offload import cpu_offload_bytes
+    from models.parallelize import ParallelizeOptions
+    from models.registry import build_model, get_model_spec
+    from parallel_dims import ParallelDims
+    from parallel_dims.process_groups import register_fake_backend
+    from trainer.config import Optimizer
+    from trainer.optim.low_precision import state_bytes_fn, state_dtype_saving
+
+    register_fake_backend()
+    pd = ParallelDims(**degrees)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pd.world_size)
+    try:
+        pd.build_mesh("cpu")
+        part = build_model("llama3", "debugmodel", device="meta")
+        get_model_spec("llama3", "debugmodel").parallelize_fn(part, pd, ParallelizeOptions(param_dtype="float32"))
+        out = {}
+        for optimizer in ("AdamW", "Muon"):
+            cfg = Optimizer(name=optimizer, state_dtype="bfloat16")
+            out[optimizer] = {
+                "offload": cpu_offload_bytes([part], state_bytes_fn(cfg, "float32")),
+                "offload_by_name": cpu_offload_bytes([part], optimizer),
+                "bf16_saving": state_dtype_saving([part], cfg),
+            }
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fit_state_and_offload_prices_are_the_options_own():
+    from parallel_dims.layout import validate_degrees
+    from tests.distributed.run_json import run_on_own_process
+    from tools.planner.choice import LayoutChoice
+    from tools.planner.estimate import memory_for_rank
+    from tools.planner.fit import option_memory
+
+    cases = [({"dp_shard": 3, "world_size": 3}, 2), ({"dp_shard": 2, "tp": 2, "world_size": 4}, 3)]
+    for degrees, rank in cases:
+        d = validate_degrees(**degrees)
+        c = LayoutChoice(global_batch=4, local_batch=4 // d.dp_shard if d.dp_shard < 4 else 1, seq_len=128)
+        c = dataclasses.replace(c, global_batch=c.local_batch * d.dp_shard)
+        both = run_on_own_process(f"{__name__}:rank_option_bytes", degrees, rank)
+        for optimizer, got in both.items():
+            job = _job("llama3", d.world_size, optimizer)
+            mem = memory_for_rank(job, d, c, rank)
+            half = option_memory(job, d, c, rank, ("state_dtype",), 32)
+            where = (degrees, rank, optimizer)
+            assert mem["optimizer"] - half["optimizer"] == got["bf16_saving"], (where, mem, got)
+            off = got["offload"]
+            assert (mem["params"], mem["grads"], mem["optimizer"]) == (off["params"], off["grads"], off["optimizer"]), (
+                where,
+                mem,
+                off,
+            )
+            gone = option_memory(job, d, c, rank, ("cpu_offload",), 32)
+            assert mem["total"] - gone["total"] == off["total"], where
+            if optimizer == "Muon":  # negative control: the name-only bound overcounts Muon's state
+                assert got["offload_by_name"]["optimizer"] > mem["optimizer"], where

@@ -1,0 +1,133 @@
+"""The planner's search after issue 53's speed-up ranks exactly what it ranked before, and
+``--fit`` picks the memory options a hand-worked case needs.
+
+Identity: every estimate of :func:`tools.planner.search.plan_layouts` (degrees, choice, memory
+terms, time terms, tokens/s, as exact float reprs, in rank order) hashed
+(:func:`tools.planner.search.ranking_digest`) for two cases, against the digests the search
+before the speed-up (commit f4617db, the same digest code run on that tree) gave
+(``tests/unit/data/planner_rankings.json``): a dense model on 16 GPUs (every schedule, split-backward
+ones with bf16 parameters under tp, so the per-rank cast order is exercised) and a MoE with both
+float8 converters on 8. The negative control: a one-ulp change of one estimate changes the digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+DATA = Path(__file__).parent / "data" / "planner_rankings.json"
+
+
+def _cases():
+    from models.parallel.float8 import Float8Options
+    from tools.planner.estimate import Job
+    from tools.planner.hardware import load_hardware
+
+    h = load_hardware("h100")
+    f8 = Float8Options(recipe="tensorwise", fsdp_float8_all_gather=True, linears=True, moe_fqns=("experts",))
+    return {
+        "llama3_8B_16": Job("llama3", "8B", 16, 8, 4096, 32, h),
+        "qwen3_moe_8_f8": Job("qwen3", "30B-A3B", 8, 4, 2048, 16, h, float8=f8),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama3_8B_16", "qwen3_moe_8_f8"])
+def test_search_ranks_as_before(name):
+    import math
+
+    from tools.planner.search import plan_layouts, ranking_digest
+
+    want = json.loads(DATA.read_text())["cases"][name]
+    result = plan_layouts(_cases()[name])
+    assert (len(result.estimates), result.pruned_oom) == (want["estimates"], want["pruned_oom"])
+    assert ranking_digest(result) == want["sha256"]
+    # negative control: one estimate's tokens/s one ulp off changes the digest
+    e = result.estimates[0]
+    moved = dataclasses.replace(e, tokens_per_s_per_gpu=math.nextafter(e.tokens_per_s_per_gpu, 0.0))
+    assert ranking_digest(dataclasses.replace(result, estimates=[moved, *result.estimates[1:]])) != want["sha256"]
+
+
+def test_rank_split_backward_casts_match_the_whole_schedule():
+    """The per-rank cast answer (that rank's actions alone, no bubbles) equals the whole
+    schedule's on every rank's stages."""
+    from tools.planner.schedule_order import rank_split_backward_casts, split_backward_casts
+
+    for sched, pp, v, m in [
+        ("InterleavedZeroBubble", 2, 2, 2), ("InterleavedZeroBubble", 4, 2, 8), ("InterleavedZeroBubble", 3, 3, 3),
+        ("ZBVZeroBubble", 2, 2, 4), ("ZBVZeroBubble", 4, 2, 4), ("ZBVZeroBubble", 4, 2, 16),
+    ]:  # fmt: skip
+        whole = split_backward_casts(sched, pp, v, m)
+        parts = {}
+        for r in range(pp):
+            part = rank_split_backward_casts(sched, pp, v, m, r)
+            assert part == {s: whole[s] for s in part}, (sched, pp, v, m, r)
+            parts.update(part)
+        assert parts == whole
+    assert rank_split_backward_casts("1F1B", 4, 1, 4, 0) is None
+
+
+def _fit(seq_len: int, memory_gib: float, reserve_gib: float = 0.0):
+    from tools.planner.estimate import Job
+    from tools.planner.fit import fit_layouts
+    from tools.planner.hardware import load_hardware
+    from tools.planner.search import plan_layouts
+
+    hw = dataclasses.replace(load_hardware("h100"), memory_gib=memory_gib, reserve_gib=reserve_gib)
+    job = Job("llama3", "1B", 1, 1, seq_len, 1, hw)
+    return job, fit_layouts(job, plan_layouts(job, ac_modes=("full",), prune_state=False).estimates)
+
+
+def test_fit_picks_the_option_a_case_needs():
+    """llama3 1B, one GPU, one sequence, full AC (GiB, the planner's terms): at 8192 tokens
+    params 5.58 + grads 5.58 + AdamW 11.16 + gathered 2.79 + activations 7.37 = 32.49; chunked
+    loss (1024-token chunks) saves 4.16 (the option's own ``chunked_loss_saving_bytes`` less the
+    loss backward's two float32 gradients the plain estimate does not hold: tools/planner/fit.py
+    ``chunked_loss_saving``), bf16 state 5.58, activation offload 0.44, CPU offload 22.33
+    (params, grads, state). At 32,768 tokens activations are 29.49 (total 54.61) and chunked
+    loss saves 21.77.
+
+    * 80 GiB: fits as it is, no option;
+    * 15 GiB at 8192: only CPU offload can (32.49 - 22.33 = 10.16; all the others together
+      take 10.18 off: 22.31 > 15);
+    * 33 GiB at 32,768: chunked loss alone fits (32.84) and so does CPU offload alone (32.28),
+      but its host copies cost more than the head's recomputation, so chunked loss ranks first."""
+    gib = 2**30
+    _, plain = _fit(8192, 80.0, 6.0)
+    assert plain[0].options == () and plain[0].estimate.fits
+    _, offload = _fit(8192, 15.0)
+    assert {r.options for r in offload} == {("cpu_offload",)}
+    assert offload[0].saved["cpu_offload"] == pytest.approx(22.33 * gib, rel=1e-3)
+    _, chunk = _fit(32768, 33.0)
+    assert chunk[0].options == ("loss_chunk_tokens",)
+    assert {r.options for r in chunk} == {("loss_chunk_tokens",), ("cpu_offload",)}
+    assert chunk[0].saved["loss_chunk_tokens"] == pytest.approx(21.77 * gib, rel=1e-3)
+    assert chunk[0].estimate.time["loss_recompute"] > 0
+    assert chunk[1].estimate.time["host_link"] > chunk[0].estimate.time["loss_recompute"]
+
+
+def test_fit_cli_prints_config_lines_and_refuses_bad_input(capsys, tmp_path):
+    import tomllib
+
+    from tools.planner.cli import main
+
+    base = ["--model", "llama3", "--flavor", "1B", "--world-size", "1", "--gpus-per-node", "1", "--seq-len", "8192",
+            "--global-batch", "1", "--ac", "full", "--reserve-gib", "0"]  # fmt: skip
+    toml = tmp_path / "fit.toml"
+    assert main([*base, "--fit", "--memory-gib", "15", "--toml", str(toml)]) == 0
+    out = capsys.readouterr().out
+    assert "[training]\n  cpu_offload = true" in out and "CPU offload" in out
+    # the layout and the option in one valid config (the option under the layout's [training])
+    config = tomllib.loads(toml.read_text())
+    assert config["training"]["cpu_offload"] is True and config["training"]["seq_len"] == 8192
+    for bad, needle in [
+        (["--fit", "--loss-chunk-tokens", "0"], "--loss-chunk-tokens must be >= 1"),
+        (["--loss-chunk-tokens", "512"], "add --fit"),
+    ]:
+        assert main([*base, *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err

@@ -1,0 +1,241 @@
+"""``--fit``: the cheapest combination of a layout (degrees, batch split, schedule, AC, reshard)
+and the memory options that fits the GPU.
+
+The options and the config fields that turn them on (issue 53):
+
+* chunked cross-entropy, ``training.loss_chunk_tokens = C``: the head and the loss run C
+  tokens at a time, so of the logits (compute dtype) and their fp32 log-softmax, ``(a + 4) t v``
+  bytes per micro-batch of ``t`` tokens on a rank with ``v`` vocabulary columns, one chunk's
+  float32 buffer stays (``(4 + a) min(C, t) v`` below float32, ``4 min(C, t) v`` in it) and the
+  weight gradient's float32 accumulator (``4 v dim``): :func:`chunked_loss_saving`, from the
+  option's own ``chunked_loss_saving_bytes``; cost: the head's forward matmul once more per chunk in
+  the backward (``2 t dim v`` FLOPs per pass, times 1 + the MTP depths);
+* CPU offload, ``training.cpu_offload = true`` (FSDP2's CPUOffloadPolicy): the fp32 parameter
+  shards, their gradients and the optimizer state live on the host (0 GPU bytes); cost: every
+  FSDP unshard copies the rank's fp32 shards host-to-device (4 bytes per padded element per
+  gather), every gradient reduction copies them back (4 bytes each), over the host link, counted
+  exposed; the optimizer step runs on the CPU at the host memory bandwidth instead of the GPU's;
+* activation offload, ``activation_checkpoint.offload = true``: the saved activations of the
+  transformer blocks go to the host in the forward and come back in the backward; the GPU keeps
+  two blocks' worth (the one being saved and the one in transit), the head's buffers and the
+  recomputation; cost: those bytes twice over the host link per forward, hidden behind the
+  rank's compute except what exceeds it;
+* bf16 optimizer state, ``optimizer.state_dtype = "bfloat16"``: AdamW's moments and Muon's
+  momentum in bf16, half the state bytes; time: AdamW's step reads and writes 8 bytes fewer per
+  parameter (the two states at 2 instead of 4 bytes, read and written).
+
+Per layout the options are tried in sets of increasing size and only the minimal sets that fit
+are kept (an option the layout does not need is not added); the results are ranked by
+estimated tokens/s per GPU like the plain search. Memory is priced per rank (the first and the
+last pipeline stage, as :func:`tools.planner.estimate.estimate`), from the same terms the
+planner prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from .choice import DTYPE_BYTES, grad_accum_steps, stage_layers
+from .estimate import Estimate, Job, _in_flight, estimate, memory_for_rank
+from .hardware import GIB, step_bytes_per_param
+from .inventory import cached_layout, model_inventory
+
+__all__ = [
+    "OPTIONS",
+    "FitResult",
+    "chunked_loss_saving",
+    "config_lines",
+    "fit_layouts",
+    "merge_into_toml",
+    "option_memory",
+]
+
+OPTIONS = ("loss_chunk_tokens", "state_dtype", "activation_offload", "cpu_offload")
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+@dataclass
+class FitResult:
+    estimate: Estimate  # memory and time with the options applied
+    options: tuple[str, ...]  # names from OPTIONS
+    saved: dict  # bytes each option takes off the busiest rank's total
+
+
+def chunked_loss_saving(args, t: int, tp: int, a: int, chunk_tokens: int) -> int:
+    """What the chunked loss takes off the planner's memory of one head call of ``t`` local
+    tokens per pass (``1 + D`` passes with D MTP depths, one call): the option's own measured
+    saving (models/common/chunked_loss.py ``chunked_loss_saving_bytes``, which counts the four
+    ``[tokens, vocab / tp]`` tensors alive at the plain loss's backward, ``12 + a`` bytes per
+    element) less the two float32 gradients of that backward (``8`` bytes per element) that the
+    planner's plain estimate does not hold (its head term is what the forward and the loss save
+    for the backward: the logits and the log-softmax, ``a + 4``,
+    :func:`tools.planner.activations.head_bytes`). So the estimate with the option on is what
+    the chunked path holds: one chunk's buffer and the float32 weight-gradient accumulator."""
+    from models.common.chunked_loss import chunked_loss_saving_bytes
+
+    rows = t * (1 + getattr(args, "mtp_layers", 0))
+    saving = chunked_loss_saving_bytes(rows, args.vocab_size, args.dim, chunk_tokens, tp=tp, compute_bytes=a)
+    return saving - 8 * rows * -(-args.vocab_size // tp)
+
+
+def option_memory(job: Job, d, choice, rank: int, options: tuple, chunk_tokens: int) -> dict:
+    """:func:`memory_for_rank` of ``rank`` with ``options`` on (bytes per term, ``total``)."""
+    mem = dict(memory_for_rank(job, d, choice, rank))
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    stages, plan = stage_layers(args, d, choice, rank, cached_layout(d))
+    m = choice.n_microbatches if d.pp > 1 else 1
+    mb = choice.local_batch // m
+    a = DTYPE_BYTES[choice.param_dtype]
+    layers_factor, logits_held = _in_flight(choice, d.pp, plan)
+    has_head = any(head for _, _, head in stages)
+    if "loss_chunk_tokens" in options and has_head:
+        mem["activations"] -= logits_held * chunked_loss_saving(args, mb * (job.seq_len // d.cp), d.tp, a, chunk_tokens)
+    if "activation_offload" in options:
+        from .choice import selective_every
+        from .estimate import _activations
+
+        key = tuple(sorted(job.overrides.items()))
+        held = n_layers = 0
+        for layers, _e, head in stages:
+            est = _activations(
+                job.model, job.flavor, key, layers, mb, job.seq_len, d.tp, d.cp, d.etp, a, choice.ac, head,
+                selective_every(choice), choice.sequence_parallel,
+            )  # fmt: skip
+            held += est.layers
+            n_layers += len(layers)
+        kept = 2 * held / n_layers if n_layers else 0
+        mem["activations"] -= max(0.0, held * layers_factor - kept)
+    if "state_dtype" in options:
+        mem["optimizer"] = mem["optimizer"] / 2
+    if "cpu_offload" in options:
+        mem["params"] = mem["grads"] = mem["optimizer"] = 0
+    mem["total"] = sum(v for k, v in mem.items() if k != "total")
+    return mem
+
+
+def _host_seconds(job: Job, d, choice, rank: int, options: tuple, busy: float) -> float:
+    """Exposed host-link time of ``options`` on ``rank`` (CPU offload's copies; the part of
+    activation offload's copies that its compute does not hide)."""
+    hw = job.hardware
+    link = hw.host_link_gbps * 1e9
+    base = memory_for_rank(job, d, choice, rank)
+    m = choice.n_microbatches if d.pp > 1 else 1
+    forwards = grad_accum_steps(choice, d) * m
+    total = 0.0
+    if "cpu_offload" in options:
+        padded_bytes = base["params"]  # 4 bytes per padded element
+        syncs = grad_accum_steps(choice, d) if d.pp > 1 else 1
+        gathers = forwards * (2 if choice.reshard == "default" and d.pp == 1 else 1)
+        total += padded_bytes * (gathers + syncs) / link
+    if "activation_offload" in options:
+        mem = option_memory(job, d, choice, rank, (), 0)
+        off = option_memory(job, d, choice, rank, ("activation_offload",), 0)
+        moved = (mem["activations"] - off["activations"]) * forwards * 2
+        total += max(0.0, moved / link - busy)
+    return total
+
+
+def _with_options(job: Job, base: Estimate, options: tuple, chunk_tokens: int) -> Estimate:
+    d, c = base.degrees, base.choice
+    stride_pp = d.world_size // d.pp
+    ranks = sorted({0, (d.pp - 1) * stride_pp})
+    mems = [option_memory(job, d, c, r, options, chunk_tokens) for r in ranks]
+    mem = max(mems, key=lambda x: x["total"])
+    fits = mem["total"] <= job.hardware.usable_gib * GIB
+    t = dict(base.time)
+    hw = job.hardware
+    rate = hw.peak_flops(c.param_dtype) * job.efficiency
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    extra = 0.0
+    if "loss_chunk_tokens" in options:
+        tokens = c.local_batch * grad_accum_steps(c, d) * (job.seq_len // d.cp)
+        passes = 1 + getattr(args, "mtp_layers", 0)
+        extra += 2 * tokens * args.dim * (args.vocab_size // d.tp) * passes / rate
+    busy = t["compute"] + t["recompute"] + t["tp_overhead"] + t["cp_overhead"] + t["elementwise"]
+    host = max(_host_seconds(job, d, c, r, options, busy) for r in ranks)
+    optimizer = t["optimizer"]
+    if "state_dtype" in options and job.optimizer == "AdamW":
+        per = step_bytes_per_param(c.param_dtype, c.reduce_dtype)
+        optimizer *= (per - 8) / per
+    if "cpu_offload" in options:
+        optimizer *= hw.memory_gbps / hw.host_memory_gbps
+    t["loss_recompute"] = extra
+    t["host_link"] = host
+    t["total"] = t["total"] + extra * (1 + base.bubble_fraction / max(1e-12, 1 - base.bubble_fraction)) + host
+    t["total"] += optimizer - t["optimizer"]
+    t["optimizer"] = optimizer
+    tokens = job.global_batch * job.seq_len
+    return dataclasses.replace(
+        base, memory=mem, fits=fits, time=t, tokens_per_s_per_gpu=tokens / t["total"] / d.world_size
+    )
+
+
+def fit_layouts(job: Job, estimates, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, top: int | None = None):
+    """For every estimated layout (``PlanResult.estimates``; a layout not priced is priced
+    here when some option set fits it), the minimal option sets that make it fit, each priced;
+    ranked by tokens/s per GPU (fewer options first on ties)."""
+    usable = job.hardware.usable_gib * GIB
+    out: list[FitResult] = []
+    for e in estimates:
+        if e.fits:
+            out.append(FitResult(e, (), {}))
+            continue
+        d, c = e.degrees, e.choice
+        stride_pp = d.world_size // d.pp
+        ranks = sorted({0, (d.pp - 1) * stride_pp})
+        minimal: list[tuple] = []
+        for k in range(1, len(OPTIONS) + 1):
+            for opts in itertools.combinations(OPTIONS, k):
+                if any(set(s) <= set(opts) for s in minimal):
+                    continue
+                worst = max(option_memory(job, d, c, r, opts, chunk_tokens)["total"] for r in ranks)
+                if worst <= usable:
+                    minimal.append(opts)
+        if not minimal:
+            continue
+        priced = e if e.time is not None else estimate(job, d, c, time_if_oom=True)
+        for opts in minimal:
+            f = _with_options(job, priced, opts, chunk_tokens)
+            saved = {o: priced.memory["total"] - _with_options(job, priced, (o,), chunk_tokens).memory["total"]
+                     for o in opts}  # fmt: skip
+            out.append(FitResult(f, opts, saved))
+    out.sort(key=lambda r: (-r.estimate.tokens_per_s_per_gpu, len(r.options)))
+    return out[:top] if top else out
+
+
+def config_lines(options: tuple, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[str]:
+    """The trainer config fields that turn ``options`` on, as TOML lines."""
+    lines = []
+    training = []
+    if "loss_chunk_tokens" in options:
+        training.append(f"loss_chunk_tokens = {chunk_tokens}")
+    if "cpu_offload" in options:
+        training.append("cpu_offload = true")
+    if training:
+        lines += ["[training]", *training]
+    if "activation_offload" in options:
+        lines += ["[activation_checkpoint]", "offload = true"]
+    if "state_dtype" in options:
+        lines += ["[optimizer]", 'state_dtype = "bfloat16"']
+    return lines
+
+
+def merge_into_toml(snippet: str, lines: list[str]) -> str:
+    """``snippet`` (a config's TOML) with the option ``lines`` (:func:`config_lines`) added, each
+    under its table: at the end of that table where the snippet has it, else as a new table."""
+    out = snippet.rstrip("\n").split("\n")
+    table = None
+    for line in lines:
+        if line.startswith("["):
+            table = line
+            continue
+        if table in out:
+            end = out.index(table) + 1
+            while end < len(out) and out[end] and not out[end].startswith(("[", "#")):
+                end += 1
+            out.insert(end, line)
+        else:
+            out += ["", table, line]
+    return "\n".join(out) + "\n"
