@@ -16,7 +16,11 @@ claim is the elastic agent's: processes killed, restarted, their exit codes), so
   line, rank 0's one line naming rank 1 as missing within ``comm.init_timeout_seconds``, then
   one ``gave up after 1 restart`` line naming the second start's failure, exit 3;
 * no orphans: the launcher SIGKILLed once its 2 workers train: both are gone within seconds
-  (trainer/lifecycle/parent_death.py; before it they trained on, orphaned).
+  (trainer/lifecycle/parent_death.py; before it they trained on, orphaned);
+* no process a worker forked, to kill: a run with checkpoints (sync and async) starts no
+  process from its workers (an audit hook in every worker, tests/e2e/fork_audit/), so the
+  "process a worker forked" case of "no hangs, no orphans" has nothing to kill in such a run
+  (docs/long_runs.md, "Processes of a job").
 
 Bad input under ``--max_restarts 2`` is not restarted: tests/e2e/test_train_launcher.py (its
 launches of the workers' user error carry the flag)."""
@@ -148,3 +152,39 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_workers_start_no_process_of_their_own(tmp_path):
+    """2 processes under ``--max_restarts 1``, 4 steps, checkpoints every 2 steps written in the
+    background (``checkpoint.async_mode = async``: a thread; the other kinds of process a
+    worker could start in torch, DataLoader workers, a checkpoint process, inductor's compile
+    workers, are absent or refused here: docs/long_runs.md). Every worker runs the audit hook of
+    tests/e2e/fork_audit/sitecustomize.py: each rank notes that it loaded it (so the test is not
+    vacuous) and nothing else: no fork, no exec, no spawned interpreter. Negative controls: the
+    same hook in a plain interpreter that runs ``subprocess.run(["true"])`` notes it (below); by
+    hand, ``--compile.enable true`` notes the compiler processes inductor starts (g++, ``python
+    -c`` probes)."""
+    audit = tmp_path / "audit.log"
+    env = {**_env(), "PYTHONPATH": str(ROOT / "tests/e2e/fork_audit"), "MESHTRAIN_FORK_AUDIT": str(audit)}
+    probe = subprocess.run([sys.executable, "-c", "import subprocess; subprocess.run(['true'])"],
+                           env={**env, "RANK": "7"}, capture_output=True, text=True)  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    noted = audit.read_text().splitlines()
+    assert [line.split()[4] for line in noted] == ["loaded", "subprocess.Popen", "_posixsubprocess.fork_exec"], noted
+    audit.unlink()
+
+    args = [
+        *DRILL,
+        "--training.steps",
+        "4",
+        "--checkpoint.async_mode",
+        "async",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
+    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", "--max_restarts", "1", *args]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "saved checkpoint" in run.stdout + run.stderr and (tmp_path / "run/checkpoint/step-4").is_dir(), run.stdout
+    noted = audit.read_text().splitlines()
+    assert sorted((line.split()[1], line.split()[4]) for line in noted) == [("0", "loaded"), ("1", "loaded")], noted
