@@ -16,7 +16,13 @@ claim is the elastic agent's: processes killed, restarted, their exit codes), so
   line, rank 0's one line naming rank 1 as missing within ``comm.init_timeout_seconds``, then
   one ``gave up after 1 restart`` line naming the second start's failure, exit 3;
 * no orphans: the launcher SIGKILLed once its 2 workers train: both are gone within seconds
-  (trainer/lifecycle/parent_death.py; before it they trained on, orphaned).
+  (trainer/lifecycle/parent_death.py; before it they trained on, orphaned);
+* no process a worker forked, to kill: a run with background checkpoints (async) starts no
+  process from its workers (an audit hook in every worker, tests/e2e/fork_audit/), so the
+  "process a worker forked" case of "no hangs, no orphans" has nothing to kill in such a run
+  (docs/long_runs.md, "A process a worker started");
+* a child a worker spawns (torch's checkpoint process on CUDA) lives as long as its worker and
+  ends within a second of it (trainer/lifecycle/parent_death.py ``follow_parent``).
 
 Bad input under ``--max_restarts 2`` is not restarted: tests/e2e/test_train_launcher.py (its
 launches of the workers' user error carry the flag)."""
@@ -148,3 +154,93 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_workers_start_no_process_of_their_own(tmp_path):
+    """2 processes under ``--max_restarts 1``, 4 steps, checkpoints every 2 steps written in the
+    background (``checkpoint.async_mode = async``: a thread; the other kinds of process a
+    worker could start in torch, DataLoader workers, a checkpoint process, inductor's compile
+    workers, are absent or refused here: docs/long_runs.md). Every worker runs the audit hook of
+    tests/e2e/fork_audit/sitecustomize.py: each rank notes that it loaded it (so the test is not
+    vacuous) and nothing else: no fork, no exec, no spawned interpreter. Negative controls: the
+    same hook in a plain interpreter that runs ``subprocess.run(["true"])`` notes it (below); by
+    hand, ``--compile.enable true`` notes the compiler processes inductor starts (g++, ``python
+    -c`` probes)."""
+    audit = tmp_path / "audit.log"
+    env = {**_env(), "PYTHONPATH": str(ROOT / "tests/e2e/fork_audit"), "MESHTRAIN_FORK_AUDIT": str(audit)}
+    probe = subprocess.run([sys.executable, "-c", "import subprocess; subprocess.run(['true'])"],
+                           env={**env, "RANK": "7"}, capture_output=True, text=True)  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    noted = audit.read_text().splitlines()
+    assert [line.split()[4] for line in noted] == ["loaded", "subprocess.Popen", "_posixsubprocess.fork_exec"], noted
+    audit.unlink()
+
+    args = [
+        *DRILL,
+        "--training.steps",
+        "4",
+        "--checkpoint.async_mode",
+        "async",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
+    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", "--max_restarts", "1", *args]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "saved checkpoint" in run.stdout + run.stderr and (tmp_path / "run/checkpoint/step-4").is_dir(), run.stdout
+    noted = audit.read_text().splitlines()
+    assert sorted((line.split()[1], line.split()[4]) for line in noted) == [("0", "loaded"), ("1", "loaded")], noted
+
+
+SPAWNING_WORKER = """import os, sys, time
+from trainer.lifecycle.parent_death import die_with_launcher
+
+die_with_launcher()  # as train.py's top does: it runs again, as __mp_main__, in a spawned child
+if __name__ == "__main__":
+    import multiprocessing as mp
+
+    child = mp.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_spawned_child_of_a_worker_lives_with_it_and_dies_with_it(tmp_path):
+    """A worker of an elastic agent (this test stands for the agent: ``TORCHELASTIC_RUN_ID`` and
+    ``MESHTRAIN_LAUNCHER_PID`` set to its pid) starts a child with multiprocessing's spawn, as
+    torch's checkpoint process of ``checkpoint.async_mode = async_with_pinned_mem`` is started;
+    the child runs the worker's main module (train.py's top) again. It must (1) live on: before
+    the fix the launcher check took the worker for a launcher that was gone and the child ended
+    at once (``error: the launcher (pid ...) ended before rank ? started``), which would fail
+    every such save under the launcher; (2) end within seconds of a SIGKILLed worker, with one
+    line (measured: 0.5 s; before the fix, torch's checkpoint process outlived its SIGKILLed
+    rank by 10+ minutes, orphaned: docs/long_runs.md)."""
+    script = tmp_path / "worker.py"
+    script.write_text(SPAWNING_WORKER)
+    env = {
+        **_env(),
+        "PYTHONPATH": str(ROOT),
+        "TORCHELASTIC_RUN_ID": "drill",
+        "MESHTRAIN_LAUNCHER_PID": str(os.getpid()),
+    }
+    worker = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    child = None
+    try:
+        child = int(worker.stdout.readline())
+        time.sleep(1.5)  # the launcher check runs at the child's start; the watcher's period is 0.5 s
+        assert _alive(child), f"the spawned child ended on its own: {worker.stderr.read() if worker.poll() else ''}"
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        killed, deadline = time.monotonic(), time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), f"the spawned child outlived its worker by {time.monotonic() - killed:.1f} s"
+        lines = worker.stderr.read().splitlines()  # the child's stderr is the worker's: closed once both ended
+        assert lines == [f"error: rank ? (pid {worker.pid}) ended; its child process {child} ends with it"], lines
+    finally:
+        for pid in (worker.pid, child):
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        worker.wait()
