@@ -249,3 +249,40 @@ def test_the_launcher_refuses_a_world_the_model_does_not_fit_before_any_worker(c
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --nnodes 1:2: on 1 node (2 ranks), which a lost node"), err
+
+
+@pytest.mark.parametrize("args", [[], ["--parallelism.tp", "2"], ["--parallelism.pp", "2"]])
+def test_the_check_prices_what_the_planner_prices(args):
+    """Without memory options the check's figure is the planner's estimate of the config, the
+    pipeline's first and last stage included (tools.planner.from_config.estimate_from_config)."""
+    from tools.planner.from_config import estimate_from_config
+    from tools.planner.hardware import load_hardware
+    from trainer.lifecycle.elastic_fit import peak_bytes
+
+    cfg = load_config([*BASE, *args])
+    plan = plan_job(cfg, 4, device_type="cpu")
+    want = estimate_from_config(
+        cfg, 4, load_hardware("h100"), gpus_per_node=2, tokenizer_vocab=plan.model_args.vocab_size
+    )
+    assert peak_bytes(plan, 2) == want.memory["total"]
+
+
+def test_the_device_memory_is_the_smallest_gpu_of_the_host(monkeypatch):
+    """On a GPU host (torch.cuda stood in for here): the smallest device's total_memory and its name."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainer.lifecycle.elastic_fit import device_memory
+
+    gpus = [SimpleNamespace(total_memory=95 * 2**30, name="big"), SimpleNamespace(total_memory=int(79.1 * 2**30), name="NVIDIA H100 80GB HBM3")]  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpus[i])
+    assert device_memory(load_config(BASE)) == (int(79.1 * 2**30), "of one NVIDIA H100 80GB HBM3")
+    assert device_memory(load_config([*BASE, "--job.device_memory_gib", "40"])) == (
+        40 * 2**30,
+        "set by job.device_memory_gib",
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_memory(load_config(BASE)) is None  # no accelerator: no limit to check
