@@ -9,7 +9,7 @@ from .choice import LayoutChoice
 from .estimate import Estimate, Job, estimate
 from .hardware import Hardware
 
-__all__ = ["choice_from_plan", "estimate_from_config", "job_from_plan"]
+__all__ = ["choice_from_plan", "estimate_from_config"]
 
 
 def choice_from_plan(plan) -> LayoutChoice:
@@ -45,22 +45,12 @@ def estimate_from_config(
     them (which raises for a config the trainer would refuse), float8 included (``model.converters``,
     ``[float8]``). ``tokenizer_vocab`` as for
     ``plan_job`` (None loads the config's tokenizer)."""
-    from trainer.plan import plan_job
-
-    plan = plan_job(cfg, world_size, tokenizer_vocab=tokenizer_vocab)
-    job, degrees, choice = job_from_plan(plan, hardware, gpus_per_node=gpus_per_node, efficiency=efficiency)
-    return estimate(job, degrees, choice)
-
-
-def job_from_plan(plan, hardware: Hardware, *, gpus_per_node: int = 8, efficiency: float = 0.5):
-    """The planner's ``(Job, degrees, LayoutChoice)`` of a trainer job plan (``trainer.plan.plan_job``):
-    what :func:`estimate_from_config` prices, for a caller that has the plan already (the
-    launcher's node-range memory check, trainer/lifecycle/elastic_fit.py)."""
     import dataclasses
 
     from models.registry import HF_FLAVOR, flavor_names
+    from trainer.plan import plan_job
 
-    cfg, world_size = plan.config, plan.world_size
+    plan = plan_job(cfg, world_size, tokenizer_vocab=tokenizer_vocab)
     choice = choice_from_plan(plan)
     args = plan.model_args  # the flavor's with the config's overrides (trainer.plan.model_overrides)
     overrides = {"vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len, "n_layers": args.n_layers}
@@ -78,4 +68,4 @@ def job_from_plan(plan, hardware: Hardware, *, gpus_per_node: int = 8, efficienc
         muon_ns_steps=cfg.optimizer.muon_ns_steps,
         param_groups=tuple((t["pattern"], t.get("optimizer")) for t in cfg.optimizer.param_groups),
     )  # fmt: skip
-    return job, plan.parallel_dims.degrees, choice
+    return estimate(job, plan.parallel_dims.degrees, choice)

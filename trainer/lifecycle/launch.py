@@ -195,13 +195,11 @@ def _failure_line(exc, cfg=None, max_restarts: int = 0, restarts: int = 0, offse
 
 def _check_elastic(cfg, args) -> None:
     """``--nnodes MIN:MAX``: the layout re-planned at every node count (the smallest was
-    checked whole by ``preflight``), the model's memory at each against one device's
-    (trainer/lifecycle/elastic_fit.py), and the rendezvous setting a range needs
+    checked whole by ``preflight``), and the rendezvous setting a range needs
     (trainer/lifecycle/elastic.py)."""
     from torch.distributed.run import parse_min_max_nnodes
 
     from trainer.lifecycle.elastic import check_node_range, share_no_store
-    from trainer.lifecycle.elastic_fit import device_memory
     from trainer.startup import plan_startup
 
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
@@ -210,9 +208,8 @@ def _check_elastic(cfg, args) -> None:
 
         device_type = default_device_type()
         check_node_range(
-            cfg, min_nodes, max_nodes, int(args.nproc_per_node), lambda c, w: plan_startup(c, w, device_type),
-            memory=device_memory(cfg),
-        )  # fmt: skip
+            cfg, min_nodes, max_nodes, int(args.nproc_per_node), lambda c, w: plan_startup(c, w, device_type)
+        )
         share_no_store(min_nodes, max_nodes)
 
 
