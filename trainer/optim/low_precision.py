@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "STATE_DTYPES",
     "AdamWLowPrecision",
+    "attach_state_dtype",
     "state_bytes",
     "state_bytes_fn",
     "state_bytes_per_param",
@@ -206,6 +207,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def attach_state_dtype(opt: torch.optim.Optimizer, state_dtype: torch.dtype, seed: int) -> None:
+    """What an optimizer with low-precision state carries (AdamW here, Muon): its state dtype,
+    the seed of the rounding bits, each parameter's number in the optimizer (salts the bits),
+    and the hook that casts a loaded state dict to the state dtype."""
+    opt.state_dtype, opt.seed = state_dtype, seed
+    opt._number = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    opt.register_load_state_dict_post_hook(cast_state_hook(state_dtype))
+
+
 def cast_state_hook(state_dtype: torch.dtype):
     """A load_state_dict post-hook: torch's ``Optimizer.load_state_dict`` casts floating state to
     the parameter's dtype (fp32); this casts the moments back to ``state_dtype`` (exact for
@@ -243,10 +253,7 @@ class AdamWLowPrecision(torch.optim.Optimizer):
         flags = dict(amsgrad=False, maximize=False, foreach=False, capturable=False, differentiable=False, fused=False)
         flags["decoupled_weight_decay"] = True
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags))
-        self.state_dtype = state_dtype
-        self.seed = seed
-        self._number = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        self.register_load_state_dict_post_hook(cast_state_hook(state_dtype))
+        attach_state_dtype(self, state_dtype, seed)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -54,7 +54,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from trainer.optim.low_precision import cast_state_hook, global_index, low_bits, random_bits, salt, store
+from trainer.optim.low_precision import attach_state_dtype, global_index, low_bits, random_bits, salt, store
 from trainer.optim.muon_dist import RoundRobin, matrix_mesh_dims
 
 __all__ = ["DISTRIBUTIONS", "Muon", "newton_schulz", "orthogonalized_update"]
@@ -151,9 +151,7 @@ class Muon(torch.optim.Optimizer):
         self.per_shard = os.environ.get(PER_SHARD_ENV) == "1"
         # bf16 momentum: stochastically rounded (trainer/optim/low_precision.py); the step count
         # salts the rounding bits
-        self.state_dtype, self.seed = state_dtype, seed
-        self._number = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        self.register_load_state_dict_post_hook(cast_state_hook(state_dtype))
+        attach_state_dtype(self, state_dtype, seed)
 
     @torch.no_grad()
     def step(self, closure=None):
