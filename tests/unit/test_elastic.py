@@ -253,6 +253,7 @@ def test_train_py_refuses_a_world_the_model_does_not_fit_before_any_worker(monke
     """The wiring: train.py's own ``__main__`` (run in this process) hands the planner's estimate
     through trainer/lifecycle/main.py and launch.py to the node-range check, which refuses the
     range before any worker starts: one line, exit code 2."""
+    import gc
     import runpy
     import sys
     from pathlib import Path
@@ -264,8 +265,11 @@ def test_train_py_refuses_a_world_the_model_does_not_fit_before_any_worker(monke
 
     monkeypatch.setattr(trainer.startup, "preflight", no_workers)
     monkeypatch.setattr(sys, "argv", ["train.py", "--nnodes", "1:2", "--nproc_per_node", "2", *BASE, "--job.device_memory_gib", FITS_FULL_ONLY])  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        runpy.run_path(str(Path(__file__).resolve().parents[2] / "train.py"), run_name="__main__")
+    try:
+        with pytest.raises(SystemExit) as exc:
+            runpy.run_path(str(Path(__file__).resolve().parents[2] / "train.py"), run_name="__main__")
+    finally:
+        gc.unfreeze()  # train.py's gc.freeze() at its imports, undone for the rest of the session
     err = capsys.readouterr().err
     assert exc.value.code == 2, err
     lines = err.strip().splitlines()
