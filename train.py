@@ -2,7 +2,8 @@
 
 Every config key can be overridden on the command line (``--parallelism.tp 2``); run
 ``python train.py --help`` for the list. What happens next: trainer/lifecycle/main.py
-(launcher flags -> launch, else run this rank).
+(launcher flags -> launch, else run this rank); the launcher's node-range check gets the
+layout planner's memory estimate from here (:func:`planner_memory`).
 """
 
 # first: a Ctrl-C while torch imports is one line, not a traceback (trainer/lifecycle/start_signals.py)
@@ -30,7 +31,19 @@ finally:
     gc.freeze()
     gc.enable()
 
+
+def planner_memory(plan, gpus_per_node: int) -> float:
+    """The layout planner's device memory of the busiest rank of a planned job, in bytes
+    (tools/planner/from_config.py ``peak_bytes``): the launcher prices every node count of
+    ``--nnodes MIN:MAX`` with it (trainer/lifecycle/elastic_fit.py). The entry point hands it
+    in because the trainer does not import the tools; imported when called, so a worker rank
+    does not pay for the planner."""
+    from tools.planner.from_config import peak_bytes
+
+    return peak_bytes(plan, gpus_per_node)
+
+
 if __name__ == "__main__":
     import sys
 
-    main(sys.argv[1:])
+    main(sys.argv[1:], memory_estimator=planner_memory)

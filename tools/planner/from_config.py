@@ -1,7 +1,9 @@
 """The planner's estimate of the job a trainer config describes: the config resolved by the
 trainer's own job plan (``trainer.plan.plan_job``: layout, batch split, schedule, AC, dtypes,
 model overrides, float8, LoRA, the optimizer and its parameter-group routing), turned into the planner's :class:`Job` and
-:class:`LayoutChoice` and priced by :func:`tools.planner.estimate.estimate`."""
+:class:`LayoutChoice` and priced by :func:`tools.planner.estimate.estimate`; and :func:`peak_bytes`, the busiest rank's device
+memory of a trainer job plan with the memory options the config turns on (the launcher's
+node-range check, which ``train.py`` hands it to: trainer/lifecycle/elastic_fit.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from .choice import LayoutChoice
 from .estimate import Estimate, Job, estimate
 from .hardware import Hardware
 
-__all__ = ["choice_from_plan", "estimate_from_config"]
+__all__ = ["choice_from_plan", "config_options", "estimate_from_config", "job_from_plan", "peak_bytes"]
 
 
 def choice_from_plan(plan) -> LayoutChoice:
@@ -45,12 +47,22 @@ def estimate_from_config(
     them (which raises for a config the trainer would refuse), float8 included (``model.converters``,
     ``[float8]``). ``tokenizer_vocab`` as for
     ``plan_job`` (None loads the config's tokenizer)."""
-    import dataclasses
-
-    from models.registry import HF_FLAVOR, flavor_names
     from trainer.plan import plan_job
 
     plan = plan_job(cfg, world_size, tokenizer_vocab=tokenizer_vocab)
+    job, degrees, choice = job_from_plan(plan, hardware, gpus_per_node=gpus_per_node, efficiency=efficiency)
+    return estimate(job, degrees, choice)
+
+
+def job_from_plan(plan, hardware: Hardware, *, gpus_per_node: int = 8, efficiency: float = 0.5):
+    """The planner's ``(Job, degrees, LayoutChoice)`` of a trainer job plan (``trainer.plan.plan_job``):
+    what :func:`estimate_from_config` prices, for a caller that has the plan already
+    (:func:`peak_bytes`)."""
+    import dataclasses
+
+    from models.registry import HF_FLAVOR, flavor_names
+
+    cfg, world_size = plan.config, plan.world_size
     choice = choice_from_plan(plan)
     args = plan.model_args  # the flavor's with the config's overrides (trainer.plan.model_overrides)
     overrides = {"vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len, "n_layers": args.n_layers}
@@ -68,4 +80,32 @@ def estimate_from_config(
         muon_ns_steps=cfg.optimizer.muon_ns_steps,
         param_groups=tuple((t["pattern"], t.get("optimizer")) for t in cfg.optimizer.param_groups),
     )  # fmt: skip
-    return estimate(job, plan.parallel_dims.degrees, choice)
+    return job, plan.parallel_dims.degrees, choice
+
+
+def config_options(cfg) -> tuple[str, ...]:
+    """The ``--fit`` options (:data:`tools.planner.fit.OPTIONS`) the trainer config turns on."""
+    on = {
+        "loss_chunk_tokens": cfg.training.loss_chunk_tokens > 0,
+        "state_dtype": cfg.optimizer.state_dtype == "bfloat16",
+        "activation_offload": cfg.activation_checkpoint.offload,
+        "cpu_offload": cfg.training.cpu_offload,
+    }
+    return tuple(name for name, is_on in on.items() if is_on)
+
+
+def peak_bytes(plan, gpus_per_node: int) -> float:
+    """The device memory in bytes of the busiest rank of a trainer job plan (``trainer.plan.plan_job``
+    on one world size): :func:`tools.planner.estimate.memory_for_rank` of the first and the last
+    pipeline stage, as :func:`estimate_from_config` prices them, with the memory options the
+    config turns on priced as ``--fit`` prices them (:func:`tools.planner.fit.option_memory`).
+    Raises for a model or an option the planner has no memory model of. Without options, the
+    figure is ``estimate_from_config(...).memory["total"]``; the hardware does not enter it."""
+    from .fit import option_memory
+    from .hardware import load_hardware
+
+    cfg = plan.config
+    job, d, choice = job_from_plan(plan, load_hardware("h100"), gpus_per_node=gpus_per_node)
+    ranks = sorted({0, (d.pp - 1) * (d.world_size // d.pp)})  # first and last stage, as estimate()
+    options, chunk = config_options(cfg), cfg.training.loss_chunk_tokens
+    return max(option_memory(job, d, choice, r, options, chunk)["total"] for r in ranks)

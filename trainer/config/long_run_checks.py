@@ -34,6 +34,10 @@ def validate_long_run(cfg, need) -> None:
         t.on_nonfinite != "rollback" or cfg.comm.mode == "default",
         f"training.on_nonfinite = rollback needs comm.mode = default, not {cfg.comm.mode!r}: use 'skip' or 'stop'",
     )
+    need(
+        cfg.job.device_memory_gib >= 0,
+        f"job.device_memory_gib must be >= 0 (0: the GPU's own), got {cfg.job.device_memory_gib}",
+    )
     need(m.straggler_interval >= 0, f"metrics.straggler_interval must be >= 0, got {m.straggler_interval}")
     need(m.straggler_threshold > 0, f"metrics.straggler_threshold must be > 0, got {m.straggler_threshold}")
 

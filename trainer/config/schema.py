@@ -49,6 +49,12 @@ class Job:
         "Print the resolved config whole at start (it is always written to <dump_folder>/config.toml, "
         "whose path is printed).",
     )
+    device_memory_gib: float = _opt(
+        0.0,
+        "Memory of one accelerator in GiB, for the launcher's check that the model fits every node count of "
+        "--nnodes MIN:MAX (docs/long_runs.md); 0 = the launcher host's GPU's own (torch.cuda), and on a host "
+        "without an accelerator nothing is checked.",
+    )
 
 
 @dataclass

@@ -18,7 +18,10 @@ in the config as it is. So a node range needs:
   data order stay the run's;
 * a valid plan (degrees, batch, model vs layout) at every node count from MIN to MAX, each
   checked with the workers' own ``plan_job`` before any worker starts (a config wrong on
-  every world gets its own error, as without a range; one wrong on some names the node count).
+  every world gets its own error, as without a range; one wrong on some names the node count);
+* a model that fits one device at every node count, by the layout planner's memory estimate
+  (trainer/lifecycle/elastic_fit.py, the estimate handed in by train.py; on a host without an
+  accelerator only when ``job.device_memory_gib`` states the device's memory).
 
 :func:`check_node_range` is the launcher's check; :func:`share_no_store` the rendezvous setting
 a node range needs on torch 2.13.
@@ -30,6 +33,7 @@ import os
 
 from trainer.config import ConfigError, JobConfig
 from trainer.config.long_run_checks import check_node_range_config, nodes_text
+from trainer.lifecycle.elastic_fit import MemoryEstimator, check_node_memory
 
 __all__ = ["check_node_range", "node_worlds", "share_no_store"]
 
@@ -39,20 +43,29 @@ def node_worlds(min_nodes: int, max_nodes: int, nproc_per_node: int) -> list[tup
     return [(n, n * nproc_per_node) for n in range(min_nodes, max_nodes + 1)]
 
 
-def check_node_range(cfg: JobConfig, min_nodes: int, max_nodes: int, nproc_per_node: int, plan) -> None:
+def check_node_range(
+    cfg: JobConfig, min_nodes: int, max_nodes: int, nproc_per_node: int, plan, memory=None,
+    estimator: MemoryEstimator | None = None,
+) -> None:  # fmt: skip
     """Refuse, in one line (a :class:`ConfigError`), a job that cannot run on every node count
     of ``--nnodes MIN:MAX``; ``plan(cfg, world_size)`` is the workers' planner (raises the
-    ValueError of the first world that has no valid plan). Nothing to check for a fixed count."""
+    ValueError of the first world that has no valid plan; returns a ``JobPlan`` or a
+    ``Startup``). ``memory``: one device's ``(bytes, name)``
+    (:func:`trainer.lifecycle.elastic_fit.device_memory`; None: no limit), which ``estimator``'s
+    figure per rank (:data:`~trainer.lifecycle.elastic_fit.MemoryEstimator`, train.py's: the
+    planner's) at every node count must not exceed. Nothing to check for a fixed count."""
     if max_nodes <= min_nodes:
         return
     flag = f"--nnodes {min_nodes}:{max_nodes}"
     check_node_range_config(cfg, min_nodes, max_nodes, nproc_per_node)  # dp_shard = -1, a set global batch
-    failed = []
+    failed, planned = [], []
     for nodes, world in node_worlds(min_nodes, max_nodes, nproc_per_node):
         try:
-            plan(cfg, world)
+            result = plan(cfg, world)
         except ValueError as exc:
             failed.append((nodes, world, exc))
+        else:
+            planned.append((nodes, world, getattr(result, "plan", result)))
     if len(failed) == max_nodes - min_nodes + 1:
         raise failed[0][2]  # wrong on every world: its own error, as without a range
     if failed:
@@ -62,6 +75,7 @@ def check_node_range(cfg: JobConfig, min_nodes: int, max_nodes: int, nproc_per_n
         raise ConfigError(
             f"{flag}: no valid layout on {nodes_text(nodes)} ({world} ranks), which {who} would run on: {why}"
         )
+    check_node_memory(flag, planned, max_nodes, nproc_per_node, memory, estimator)  # the model fits every world
 
 
 def share_no_store(min_nodes: int, max_nodes: int) -> None:

@@ -193,13 +193,15 @@ def _failure_line(exc, cfg=None, max_restarts: int = 0, restarts: int = 0, offse
     return f"rank {rank} (pid {failure.pid}) exited with code {code}; the job stopped (its output is above)", code
 
 
-def _check_elastic(cfg, args) -> None:
+def _check_elastic(cfg, args, memory_estimator=None) -> None:
     """``--nnodes MIN:MAX``: the layout re-planned at every node count (the smallest was
-    checked whole by ``preflight``), and the rendezvous setting a range needs
+    checked whole by ``preflight``), the model's memory at each by ``memory_estimator`` against
+    one device's (trainer/lifecycle/elastic_fit.py), and the rendezvous setting a range needs
     (trainer/lifecycle/elastic.py)."""
     from torch.distributed.run import parse_min_max_nnodes
 
     from trainer.lifecycle.elastic import check_node_range, share_no_store
+    from trainer.lifecycle.elastic_fit import device_memory
     from trainer.startup import plan_startup
 
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
@@ -208,12 +210,13 @@ def _check_elastic(cfg, args) -> None:
 
         device_type = default_device_type()
         check_node_range(
-            cfg, min_nodes, max_nodes, int(args.nproc_per_node), lambda c, w: plan_startup(c, w, device_type)
-        )
+            cfg, min_nodes, max_nodes, int(args.nproc_per_node), lambda c, w: plan_startup(c, w, device_type),
+            memory=device_memory(cfg), estimator=memory_estimator,
+        )  # fmt: skip
         share_no_store(min_nodes, max_nodes)
 
 
-def run(launch: list[str], rest: list[str]) -> int:
+def run(launch: list[str], rest: list[str], memory_estimator=None) -> int:
     from trainer.config import load_config
     from trainer.lifecycle.restarts import restarting
     from trainer.lifecycle.start_signals import hand_over, workers_start_blocked
@@ -223,7 +226,7 @@ def run(launch: list[str], rest: list[str]) -> int:
     try:
         args, world_size = _parse_launch(launch)
         cfg = load_config(rest)
-        _check_elastic(cfg, args)  # a node range: every node count's layout, the lost node's worded
+        _check_elastic(cfg, args, memory_estimator)  # a node range: every node count's layout, the lost node's worded
         preflight(cfg, world_size)
     except KeyboardInterrupt:
         print("interrupted (SIGINT) before the workers started: nothing to save", file=sys.stderr, flush=True)
@@ -282,10 +285,13 @@ def run(launch: list[str], rest: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], memory_estimator=None) -> int:
     """The launcher's exit code; ``argv`` holds torchrun's flags and the config arguments
-    (trainer/lifecycle/main.py sends only such an ``argv`` here)."""
+    (trainer/lifecycle/main.py sends only such an ``argv`` here). ``memory_estimator``: the
+    device memory per rank of a planned job (:data:`trainer.lifecycle.elastic_fit.MemoryEstimator`;
+    train.py gives the layout planner's), which a node range's every node count must fit; None:
+    a node range's fit is not checked (a note says so where a device's memory is known)."""
     split = launcher_argv(argv)
     if split is None:
         raise ValueError(f"no launcher flag (torchrun's --nproc_per_node, --nnodes, ...) in {argv}")
-    return run(*split)
+    return run(*split, memory_estimator=memory_estimator)
