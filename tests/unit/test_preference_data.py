@@ -132,7 +132,7 @@ def test_tokens_equal_trl_dpo_trainer_tokenization(data):
 
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
-    from trl.trainer.dpo_trainer import DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
 
     for style in ("qwen3", "llama3"):
         folder = data["llama3"] if style == "llama3" else tokenizer_folder(data["folder"] / style, style)
@@ -151,6 +151,25 @@ def test_tokens_equal_trl_dpo_trainer_tokenization(data):
                     ids = r["prompt_ids"] + r[which]
                     assert toks[2 * k + j, : len(ids)].tolist() == ids, (style, form, k, which)
                     assert tgt[2 * k + j].nonzero().flatten().tolist() == list(range(len(r["prompt_ids"]), len(ids)))
+    # truncation (the last rows above: Llama 3, implicit prompt): TRL's collator with max_length =
+    # seq_len + 1 and keep_start (its dataset preparation drops a row
+    # whose prompt fills max_length) cuts the same windows and completion masks
+    window = 56
+    examples = [r for r in ref if len(r["prompt_ids"]) < window]
+    assert 0 < len(examples) < len(ref) and any(len(r["prompt_ids"] + r["chosen_ids"]) > window for r in examples)
+    out = DataCollatorForPreference(pad_token_id=0, max_length=window)(examples)
+    toks, tgt = PreferenceStream(src, window - 1, too_long="truncate").take(2 * len(examples))
+    b = len(examples)
+    for j in range(2):  # TRL: chosen rows first, then rejected; here pair k = rows 2k, 2k + 1
+        n = out["input_ids"].shape[1]
+        mask = out["attention_mask"][j * b : (j + 1) * b].bool()
+        ours = toks[j::2]
+        assert torch.equal(
+            torch.where(mask, out["input_ids"][j * b : (j + 1) * b], -1), torch.where(mask, ours[:, :n], -1)
+        )
+        lengths = mask.sum(1)
+        assert all((ours[k, int(lengths[k]) :] == src.pad_id).all() for k in range(b))  # padded after
+        assert torch.equal(out["completion_mask"][j * b : (j + 1) * b].bool(), tgt[j::2, :n])
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "pp2", "pp2_fsdp2"])
