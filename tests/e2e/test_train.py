@@ -1,6 +1,6 @@
 """train.py end to end on CPU: learning and outputs (torchrun, as the README runs it), kill and
-resume (ranks killed, one of them under torchrun, resumed on forked ranks), resharding and pipeline
-checkpoints, activation checkpointing, profiling, errors, a hung rank.
+resume (ranks killed, forked and under torchrun, resumed on forked ranks), resharding and
+pipeline checkpoints, activation checkpointing, profiling, errors, a hung rank.
 
 Two launchers (tests/e2e/helpers.py): torchrun where the claim involves the launcher or the
 processes (the README run, SIGKILL / SIGSTOP of workers, what reaches stderr under torchrun),
@@ -120,8 +120,9 @@ def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
 # middle of a save) train the same job: 8 steps on fsdp=2, 2 layers, saving at 4 and 8
 # (llama3.toml keeps the newest 2). The clean kill is of forked ranks, the kill mid-save of a
 # torchrun worker (torchrun's report of it is asserted); the resumes and the uninterrupted
-# reference run on forked ranks (their claim is the math). 2 layers: every parameter and Adam state of both blocks is sharded, saved and loaded
-# as with 6, the shared reference makes the resumed steps' comparison bitwise.
+# reference run on forked ranks (their claim is the math). 2 layers: every parameter and Adam
+# state of both blocks is sharded, saved and loaded as with 6, the shared reference makes the
+# resumed steps' comparison bitwise.
 def _checkpointed_job(steps: int, interval: int) -> list[str]:
     """LLAMA with 2 layers for ``steps`` steps, checkpointing every ``interval``, warm-up 2."""
     return [*LLAMA, *TWO_LAYERS, "--training.steps", str(steps), "--checkpoint.enable", "true",
