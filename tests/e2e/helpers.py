@@ -225,6 +225,10 @@ class Job:
                     return False
                 self._changed.wait(left)
 
+    def poll(self) -> int | None:
+        """The launcher's exit code once it ended, else None."""
+        return self.proc.poll()
+
     def workers(self) -> dict[int, int]:
         """rank -> pid of every live worker. With torchrun they are its children (each in a
         session of its own); a 1-process run is its own worker. Asserts there are nproc."""
@@ -344,13 +348,14 @@ def drill_env(spec: str) -> dict:
     return dict(_env(), MESHTRAIN_CHECKPOINT_DRILL=spec)
 
 
-def run_until(nproc: int, marker: str, *args: str, hold: str, timeout: float = 600) -> str:
+def run_until(nproc: int, marker: str, *args: str, hold: str, timeout: float = 600, forked: bool = False) -> str:
     """Start a run and, as soon as ``marker`` appears in its output, SIGKILL every one of its
     nproc workers and then torchrun (a crash, not a clean exit); return once all of them are
     gone, with the output so far. ``hold``: the drill point where the run waits to be killed
     (``begin:@N``: before the save of step N), after ``marker`` is printed, so the kill always
-    finds every worker alive and no later state on disk."""
-    job = Job(nproc, *args, env=drill_env(hold))
+    finds every worker alive and no later state on disk. ``forked``: the run on forked ranks
+    (``ForkedJob``), killed the same way, for a claim about what the trainer left on disk."""
+    job = (ForkedJob if forked else Job)(nproc, *args, env=drill_env(hold))
     try:
         if job.wait_for_output(marker, timeout):
             killed = job.kill()
@@ -387,7 +392,9 @@ def read_metrics(folder: str | Path) -> dict[int, dict]:
 class ForkedJob(Job):
     """``run_forked``'s job started in the background (tools/forkserver.py's ForkedTrain), its
     stdout and stderr drained together, for a test that signals the ranks themselves (as a
-    scheduler signals every process of a job). ``wait`` gives the job's exit code."""
+    scheduler signals every process of a job) or kills them (``kill``: a crash whose claim is
+    what the trainer left on disk, not what torchrun does about it). ``wait`` gives the job's
+    exit code."""
 
     def __init__(self, nproc: int, *args: str, env: dict | None = None):
         from tools.forkserver import ForkedTrain
@@ -404,6 +411,34 @@ class ForkedJob(Job):
 
     def workers(self) -> dict[int, int]:
         return dict(enumerate(self.train.pids))
+
+    def poll(self) -> int | None:
+        """The job's exit code once it ended (ForkedTrain.poll: a failed rank has the others
+        stopped), else None."""
+        return self.train.poll()
+
+    def kill(self, ranks: list[int] | None = None, timeout: float = 120) -> list[int]:
+        """SIGKILL the ranks ``ranks`` (default: all), as ``Job.kill`` kills torchrun's workers.
+        With some killed, the launcher tears down the others as torchrun's agent does after a
+        real crash (ForkedTrain.stop: SIGTERM, SIGKILL after its grace). Returns the killed pids
+        once every rank has ended and the output is read."""
+        procs = self.train.procs
+        ranks = list(range(len(procs))) if ranks is None else ranks
+        killed = []
+        for rank in ranks:
+            proc = procs[rank]
+            assert proc.exitcode is None, f"rank {rank} (pid {proc.pid}) already ended:\n{self.output[-3000:]}"
+            os.kill(proc.pid, signal.SIGKILL)
+            killed.append(proc.pid)
+        try:
+            self.train.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise AssertionError(
+                f"the ranks did not end within {timeout}s after ranks {ranks} were killed:\n{self.output[-3000:]}"
+            ) from None
+        self._reader.join(timeout=30)
+        return killed
 
     def signal(self, signum: int, ranks: list[int] | None = None) -> None:
         for rank, pid in self.workers().items():

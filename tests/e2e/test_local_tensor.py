@@ -14,8 +14,10 @@ rank reading another rank's batch slice or cp chunk changes the first loss by ~5
 Both sides run on ranks forked from tools/forkserver.py's server (``run_forked``): the "real
 processes" are real gloo processes, one per rank, bitwise what torchrun starts
 (tests/e2e/test_launcher.py); the local_tensor side is the one ``train.py`` process a user runs,
-forked too. The math is the claim, not the launcher (the one-process refusals below still run
-``python train.py``). The models have 2 layers (``--model.n_layers 2``; deepseek_v3: 1 dense + 1
+forked too. The math is the claim, not the launcher; the one-process refusals below are forked
+as well (their claim is the message and exit code 2, which a forked rank gives through the same
+exit path, trainer/lifecycle/shutdown.py; a fresh ``python train.py`` that stops on bad input is
+tests/e2e/test_exit.py's). The models have 2 layers (``--model.n_layers 2``; deepseek_v3: 1 dense + 1
 MoE layer): every parallel plan wraps and shards each block alike, so 2 blocks exercise every
 collective of the 6-layer flavor (TP's per-block all-gathers and reduce-scatters, FSDP's per-block
 all-gather and reduce-scatter, cp's per-block K/V all-gather, the MoE layer's all-to-alls); the
@@ -29,7 +31,7 @@ import textwrap
 
 import pytest
 
-from .helpers import FAST, ROOT, _env, read_metrics, run_forked, run_train
+from .helpers import FAST, ROOT, _env, read_metrics, run_forked
 
 pytestmark = pytest.mark.fake_backend  # the same torch floor (>= 2.13) as the fake backend
 
@@ -134,7 +136,7 @@ def test_context_parallel_layout_matches_the_real_processes(tmp_path, world, mas
     ],
 )
 def test_layouts_it_cannot_simulate_are_refused_in_one_line(tmp_path, layout, words):
-    r = run_train(
+    r = run_forked(
         1,
         "--config",
         "llama3.toml",

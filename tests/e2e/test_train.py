@@ -1,6 +1,6 @@
 """train.py end to end on CPU: learning and outputs (torchrun, as the README runs it), kill and
-resume (workers killed under torchrun, resumed on forked ranks), resharding and pipeline
-checkpoints, activation checkpointing, profiling, errors, a hung rank.
+resume (ranks killed, forked and under torchrun, resumed on forked ranks), resharding and
+pipeline checkpoints, activation checkpointing, profiling, errors, a hung rank.
 
 Two launchers (tests/e2e/helpers.py): torchrun where the claim involves the launcher or the
 processes (the README run, SIGKILL / SIGSTOP of workers, what reaches stderr under torchrun),
@@ -118,10 +118,11 @@ def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
 
 # The two crash tests (a clean SIGKILL of every worker after a save, and rank 1 killed in the
 # middle of a save) train the same job: 8 steps on fsdp=2, 2 layers, saving at 4 and 8
-# (llama3.toml keeps the newest 2). The kills are under torchrun (the workers are killed for
-# real); the resumes and the uninterrupted reference run on forked ranks (their claim is the
-# math). 2 layers: every parameter and Adam state of both blocks is sharded, saved and loaded
-# as with 6, the shared reference makes the resumed steps' comparison bitwise.
+# (llama3.toml keeps the newest 2). The clean kill is of forked ranks, the kill mid-save of a
+# torchrun worker (torchrun's report of it is asserted); the resumes and the uninterrupted
+# reference run on forked ranks (their claim is the math). 2 layers: every parameter and Adam
+# state of both blocks is sharded, saved and loaded as with 6, the shared reference makes the
+# resumed steps' comparison bitwise.
 def _checkpointed_job(steps: int, interval: int) -> list[str]:
     """LLAMA with 2 layers for ``steps`` steps, checkpointing every ``interval``, warm-up 2."""
     return [*LLAMA, *TWO_LAYERS, "--training.steps", str(steps), "--checkpoint.enable", "true",
@@ -141,13 +142,16 @@ def crash_job_reference(tmp_path_factory):
 
 
 def test_kill_and_resume_is_bitwise_identical(tmp_path, crash_job_reference):
-    """SIGKILL both torchrun workers (then torchrun) right after the step-4 checkpoint is
-    reported (4 more steps before the next save: the kill lands between saves; the run holds at
-    the drill's ``begin`` point of the step-8 save, so a late kill still does); the resumed run
-    loads step 4 and its steps 5-8 are bitwise those of the uninterrupted run."""
+    """SIGKILL both ranks right after the step-4 checkpoint is reported (4 more steps before the
+    next save: the kill lands between saves; the run holds at the drill's ``begin`` point of the
+    step-8 save, so a late kill still does); the resumed run loads step 4 and its steps 5-8 are
+    bitwise those of the uninterrupted run. Forked ranks: the claim is what the killed ranks
+    left on disk (the kill of a whole torchrun job, workers and then torchrun, is
+    tests/e2e/test_lora_train.py's crash test; a torchrun worker killed alone, with torchrun's
+    report of it, the next test)."""
     crash = tmp_path / "crash"
     # run_until returns once they are all gone, so nothing of this run overlaps the resume
-    run_until(2, "saved checkpoint", *CRASH_JOB, "--job.dump_folder", str(crash), hold="begin:@8")
+    run_until(2, "saved checkpoint", *CRASH_JOB, "--job.dump_folder", str(crash), hold="begin:@8", forked=True)
     assert sorted(os.listdir(crash / "checkpoint")) == ["step-4"]
     logged = len(metric_records(crash))
     res = run_forked(2, *CRASH_JOB, "--job.dump_folder", str(crash))
