@@ -18,7 +18,7 @@ export. Claims:
 * the LoRA step folder generates with its adapters: its tokens differ from the base's and equal
   transformers' on the merged export;
 * scripts/generate.py prints the completions and writes JSONL; bad input (a missing checkpoint,
-  another model's checkpoint, a prompt longer than the context, a pp layout, an unknown flag) is
+  another model's checkpoint, a prompt longer than the context, a pp or cp layout, an unknown flag) is
   one line with exit code 2, the pp layout also through the launcher (before any worker starts).
 
 Sessions run on ranks forked from the launcher's server (tools/forkserver.py), transformers in
@@ -197,6 +197,7 @@ def test_bad_input_is_one_line(runs, tmp_path):
     _one_line(bad(1, *_args("llama3", "--model.vocab_size", "4096"), "--checkpoint", ckpt), "shape", "another model")
     _one_line(bad(1, *_args("llama3"), "--checkpoint", ckpt, "--prompt", "x " * 3000), "max_seq_len 2048")
     _one_line(bad(2, *_args("llama3", "--parallelism.pp", "2"), "--checkpoint", ckpt), "pipeline stages")
+    _one_line(bad(2, *_args("llama3", "--parallelism.cp", "2"), "--checkpoint", ckpt), "context parallelism")
     _one_line(bad(1, *_args("llama3"), "--checkpoint", ckpt, "--tempreature", "1"), "unknown option --tempreature")
     # the launcher refuses the layout before any worker starts
     cmd = [sys.executable, GENERATE, "--nproc_per_node", "2", *_args("llama3", "--parallelism.pp", "2"),
