@@ -168,12 +168,13 @@ def test_generate_script_prints_and_writes(runs, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "The cat"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")  # fmt: skip
     out = tmp_path / "out.jsonl"
-    argv = _args("llama3", "--checkpoint", str(runs["llama3"]), "--prompt", "Once upon", "--prompts_file", str(prompts),
+    argv = _args("llama3", "--checkpoint", str(runs["llama3"]), "--prompt", "hi", "--chat", "--prompts_file", str(prompts),
                  "--max_new_tokens", "5", "--output", str(out), "--parallelism.tp", "2")  # fmt: skip
     res = run_train(2, argv, env=_env(), cwd=ROOT, timeout=300, script=GENERATE)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r.get("prompt") for r in rows] == ["Once upon", "The cat", None]
+    assert [r.get("prompt") for r in rows] == ["hi", "The cat", None]
+    assert rows[0]["prompt_tokens"] == rows[2]["prompt_tokens"]  # --chat: a text prompt is one user message
     assert all(len(r["tokens"]) <= 5 for r in rows) and rows[2]["messages"][0]["content"] == "hi"
     assert res.stdout.count("--- prompt:") == 3  # rank 0 only
 
