@@ -1,0 +1,74 @@
+"""The reference model of the preference objective (trainer/objectives/dpo.py).
+
+* ``adapters_off`` (``dpo.reference = "auto"`` with LoRA): the policy itself with every adapter's
+  scale set to 0 for the reference forward (``output + 0 * B A``: exactly the frozen base's
+  output), under ``no_grad``; no second copy of the weights. The MoE layers' routing counters
+  and aux-loss totals are put back afterwards, so the reference pass leaves no trace in the
+  expert-bias update or the reported loss.
+* ``copy`` (else): a second model built from the same plan (``trainer/build.py``
+  ``build_model_parts``: parallelized like the policy, FSDP shards and all, and initialized from
+  the same seed), then loaded from ``checkpoint.initial_load_path`` as the policy's initial
+  weights are (a Hugging Face folder or a DCP folder, model weights only; a LoRA copy loads the
+  base and keeps its zero-initialized adapters' B = 0). Its parameters never need gradients.
+  On resume it is rebuilt the same way, so it always holds the run's INITIAL weights, never a
+  step checkpoint's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["adapters_off", "build_reference_parts"]
+
+
+@contextlib.contextmanager
+def adapters_off(model_parts: Sequence[nn.Module]) -> Iterator[None]:
+    """Every LoRA adapter of ``model_parts`` scaled by 0 (and the MoE counters restored) inside."""
+    adapted = [m for part in model_parts for m in part.modules() if hasattr(m, "lora_scale")]
+    scales = [m.lora_scale for m in adapted]
+    kept = [
+        (buf, buf.clone())
+        for part in model_parts
+        for m in part.modules()
+        for name, buf in m.named_buffers(recurse=False)
+        if name in ("tokens_per_expert", "aux_loss_total")
+    ]
+    for m in adapted:
+        m.lora_scale = 0.0
+    try:
+        yield
+    finally:
+        for m, s in zip(adapted, scales):
+            m.lora_scale = s
+        with torch.no_grad():
+            for buf, value in kept:
+                buf.copy_(value)
+
+
+def build_reference_parts(cfg, plan, device: torch.device, initial_hf, log) -> list[nn.Module]:
+    """The frozen copy: this rank's parts of a second model, parallelized like the policy,
+    holding the run's initial weights (see the module docstring)."""
+    from models.parallel.lora import is_adapter_key
+    from trainer.build import build_model_parts
+    from trainer.checkpoint.dcp import load_checkpoint
+    from trainer.checkpoint.hf_load import load_hf_into_model
+
+    with torch.device("meta"):
+        model = plan.model.model_cls(plan.model.args)
+    parts = build_model_parts(plan, model, device, cfg.training.seed)
+    c = cfg.checkpoint
+    if c.initial_load_path and c.initial_load_in_hf:
+        load_hf_into_model(parts, c.initial_load_path, cfg.model.name, plan.model.args, checkpoint=initial_hf)
+    elif c.initial_load_path:
+        lora = plan.parallelize.lora is not None
+        load_checkpoint(c.initial_load_path, parts, select=(lambda k: not is_adapter_key(k)) if lora else None)
+    for part in parts:
+        part.requires_grad_(False)
+        part.loss_chunk_tokens = cfg.training.loss_chunk_tokens  # the head returns per-token losses too
+    where = c.initial_load_path or f"the seeded init (training.seed = {cfg.training.seed})"
+    log(f"dpo reference: a frozen copy of the initial weights ({where}), sharded like the policy")
+    return parts
