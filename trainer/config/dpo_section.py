@@ -70,10 +70,10 @@ def validate_dpo(cfg) -> None:
             f"training.local_batch_size must be even, got {t.local_batch_size}"
         )
     p = cfg.parallelism
-    if p.pipeline_parallel_degree > 1 and (t.local_batch_size // p.pipeline_microbatches) % 2:
+    if p.pipeline_parallel_degree > 1 and (t.local_batch_size // p.pipeline_microbatches()) % 2:
         raise ConfigError(
             f"training.objective = 'dpo' keeps each pair in one pipeline micro-batch: training.local_batch_size "
-            f"({t.local_batch_size}) / parallelism.pipeline_parallel_microbatches ({p.pipeline_microbatches}) "
+            f"({t.local_batch_size}) / parallelism.pipeline_parallel_microbatches ({p.pipeline_microbatches()}) "
             "must be even"
         )
     if getattr(cfg.model, "mtp_layers", 0):
