@@ -27,7 +27,7 @@ __all__ = [
 
 # what one document of a .txt file is (trainer/data/sources.py FileSource)
 TEXT_DOCUMENTS = ("file", "blank_line", "line")
-DATASETS = ("synthetic", "text", "jsonl", "tokens", "hf", "chat")
+DATASETS = ("synthetic", "text", "jsonl", "tokens", "hf", "chat", "preference")
 SOURCE_KEYS = ("path", "kind", "weight", "name")
 # what a tokenizer folder holds, in the order model.tokenizer_path looks (trainer/data/tokenizer.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")

@@ -174,11 +174,13 @@ class Training:
         "'jsonl' (.jsonl file or folder, field 'text'), 'tokens' (token shards written by "
         "scripts/tokenize_dataset.py: each rank reads only its own samples), 'hf' (column 'text' of a "
         ".parquet file or folder, or a datasets save_to_disk folder), 'chat' (rows with 'messages' in "
-        ".jsonl/.parquet files or a save_to_disk folder, loss on the assistant's tokens: docs/fine_tuning.md).",
+        ".jsonl/.parquet files or a save_to_disk folder, loss on the assistant's tokens: docs/fine_tuning.md), "
+        "'preference' (rows with prompt, chosen, rejected: a pair of windows each, docs/data.md).",
         choices=DATASETS,
     )
     dataset_path: str = _opt(
-        "", "File or folder for the 'text', 'jsonl', 'hf' and 'chat' datasets; the shards folder for 'tokens'."
+        "",
+        "File or folder for the 'text', 'jsonl', 'hf', 'chat' and 'preference' datasets; the shards folder for 'tokens'.",
     )
     chat_packing: str = _opt(
         "packed",
@@ -188,12 +190,13 @@ class Training:
     )
     chat_too_long: str = _opt(
         "truncate",
-        "'chat' data: a conversation longer than seq_len + 1 tokens is cut to fit ('truncate') or skipped ('drop').",
+        "'chat' data: a conversation longer than seq_len + 1 tokens is cut to fit ('truncate') or skipped ('drop'); "
+        "'preference' data: a pair with a sequence that long has both cut after the first seq_len + 1 tokens, or is skipped.",
         choices=("truncate", "drop"),
     )
     row_reading: str = _opt(
         "auto",
-        "How 'hf' and 'chat' rows are read: 'striped' = cut into one stripe of rows per sample of the "
+        "How 'hf', 'chat' and 'preference' rows are read: 'striped' = cut into one stripe of rows per sample of the "
         "global batch, each packed on its own, so each rank reads only its own rows (parquet and "
         "save_to_disk data); 'sequential' = one stream of windows over all rows, read in full by every "
         "rank (.jsonl needs it); 'auto' = striped where the rows allow it (docs/data.md).",

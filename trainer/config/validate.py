@@ -24,10 +24,8 @@ from trainer.config.derived import apply_hf_path, attn_mask_type
 from trainer.config.dpo_section import validate_dpo
 from trainer.config.errors import ConfigError
 from trainer.config.long_run_checks import validate_long_run
-from trainer.config.schema import (
-    SECTIONS,
-    JobConfig,
-)
+from trainer.config.preference_checks import validate_preference
+from trainer.config.schema import SECTIONS, JobConfig
 
 
 def validate_config(cfg: JobConfig) -> None:
@@ -269,6 +267,7 @@ def _validate_values(cfg: JobConfig) -> None:
     )
     _validate_comm(cfg, need)
     validate_long_run(cfg, need)  # trainer/config/long_run_checks.py
+    validate_preference(cfg, need)  # trainer/config/preference_checks.py
     if cfg.validation.enable:
         _validate_validation(cfg, need)
 

@@ -11,6 +11,7 @@ from trainer.data.batching import PackedDataLoader
 from trainer.data.chat import ChatSource, ChatStream
 from trainer.data.mixture import MixtureSchedule, MixtureStream
 from trainer.data.packing import PackedStream
+from trainer.data.preference import PreferenceSource, PreferenceStream
 from trainer.data.prefetch import BackgroundLoader, SyncLoader
 from trainer.data.sources import DocumentSource, FileSource, RowTextSource, SyntheticSource
 from trainer.data.striped import StripedStream, Stripes
@@ -40,11 +41,24 @@ def chat_stream(
     return source, ChatStream(source, seq_len, packing=t.chat_packing, too_long=t.chat_too_long)
 
 
+def preference_stream(
+    cfg: JobConfig, path: str, tokenizer, seq_len: int, option: str, log_epochs: bool = True
+) -> tuple[PreferenceSource, PreferenceStream]:
+    """A 'preference' dataset's source and its pairs of windows (training.chat_too_long)."""
+    source = PreferenceSource(path, tokenizer, DEFAULT_TOKENIZER_PATH, option=option, log_epochs=log_epochs)
+    return source, PreferenceStream(source, seq_len, too_long=cfg.training.chat_too_long)
+
+
+MASKED = ("chat", "preference")  # kinds whose labels hold IGNORE_INDEX
+
+
 def _source_stream(cfg: JobConfig, entry: dict, tokenizer, seq_len: int, log_epochs: bool):
     """One ``[[training.sources]]`` entry's stream of windows, as that kind would be alone."""
     kind, path, option = entry["kind"], entry["path"], f"training.sources '{entry['name']}' path"
     if kind == "chat":
         return chat_stream(cfg, path, tokenizer, seq_len, option, log_epochs)[1]
+    if kind == "preference":
+        return preference_stream(cfg, path, tokenizer, seq_len, option, log_epochs)[1]
     if kind == "tokens":
         tokens = TokenDataset(path, option=option)
         tokens.check_tokenizer(tokenizer)
@@ -75,7 +89,7 @@ def mixture_stream(cfg: JobConfig, tokenizer, seq_len: int, log_epochs: bool = T
         [e["name"] for e in entries],
         [e["weight"] for e in entries],
         cfg.training.seed,
-        masked=any(e["kind"] == "chat" for e in entries),
+        masked=any(e["kind"] in MASKED for e in entries),
     )
     mix.name = "mixture"
     mix.description = _mixture_description(entries, mix.shares)
@@ -83,12 +97,20 @@ def mixture_stream(cfg: JobConfig, tokenizer, seq_len: int, log_epochs: bool = T
 
 
 def _stripes(cfg: JobConfig, kind: str, path: str, option: str, tokenizer, seq_len: int, slots: int, log_epochs: bool):
-    """A ``hf`` or ``chat`` dataset read in ``slots`` stripes (trainer/data/striped.py), or the
-    reason it is not: (Stripes, None) or (None, why)."""
-    if kind not in ("hf", "chat"):
+    """A ``hf``, ``chat`` or ``preference`` dataset read in ``slots`` stripes (trainer/data/striped.py;
+    preference: ``slots / 2``, one per pair of slots), or the reason it is not: (Stripes, None) or
+    (None, why)."""
+    if kind not in ("hf", "chat", "preference"):
         return None, f"'{kind}' data is read as one stream"
     t = cfg.training
-    if kind == "chat":
+    unit = 2 if kind == "preference" else 1
+    if kind == "preference":
+        base = PreferenceSource(path, tokenizer, DEFAULT_TOKENIZER_PATH, option=option, log_epochs=False)
+
+        def make(i: int):
+            rows = base.rows.stripe(i, slots // 2, log_epochs=log_epochs and i == 0)
+            return PreferenceStream(base.with_rows(rows), seq_len, too_long=t.chat_too_long)
+    elif kind == "chat":
         base = ChatSource(path, tokenizer, DEFAULT_TOKENIZER_PATH, option=option, log_epochs=False)
 
         def make(i: int):
@@ -104,18 +126,19 @@ def _stripes(cfg: JobConfig, kind: str, path: str, option: str, tokenizer, seq_l
 
     if not base.rows.addressable:
         return None, f"{path} holds .jsonl rows, which are not counted ahead"
-    n_rows = base.rows.n_rows
-    if n_rows < slots:
+    n_rows, stripes = base.rows.n_rows, slots // unit
+    per = "pair of samples" if unit == 2 else "sample"
+    if n_rows < stripes:
         if t.row_reading == "striped":
             raise ConfigError(
-                f"training.row_reading = 'striped': {path} has {n_rows} rows, fewer than the {slots} stripes (one per "
-                "sample of the global batch); lower training.global_batch_size or set training.row_reading = 'auto'"
+                f"training.row_reading = 'striped': {path} has {n_rows} rows, fewer than the {stripes} stripes (one per "
+                f"{per} of the global batch); lower training.global_batch_size or set training.row_reading = 'auto'"
             )
         return None, (
-            f"{path} has {n_rows} rows, fewer than the {slots} stripes (one per sample of the global batch); "
+            f"{path} has {n_rows} rows, fewer than the {stripes} stripes (one per {per} of the global batch); "
             "lower training.global_batch_size or set training.row_reading = 'sequential'"
         )
-    return Stripes(make, base.description, base.rows, slots), None
+    return Stripes(make, base.description, base.rows, stripes, unit=unit), None
 
 
 def striped_stream(
@@ -145,30 +168,36 @@ def striped_stream(
     if not any(isinstance(s, Stripes) for s in sources):
         if t.row_reading == "striped":
             raise ConfigError(
-                f"training.row_reading = 'striped' needs parquet or save_to_disk rows of 'hf' or 'chat' data: "
+                f"training.row_reading = 'striped' needs parquet or save_to_disk rows of 'hf', 'chat' or 'preference' data: "
                 f"{'; '.join(reasons)}; set training.row_reading = 'auto' or 'sequential'"
             )
         return None
     per_rank = global_batch_size // batch_degree
     owned = range(batch_rank * per_rank, (batch_rank + 1) * per_rank)
+    pairs = any(isinstance(s, Stripes) and s.unit == 2 for s in sources)  # preference: one stripe per pair
     stripes_note = (
-        f"read in {global_batch_size} stripes of rows, one per sample of the global batch (training.row_reading)"
+        f"read in {global_batch_size // 2} stripes of rows, one per pair of samples of the global batch "
+        "(training.row_reading)"
+        if pairs
+        else f"read in {global_batch_size} stripes of rows, one per sample of the global batch (training.row_reading)"
     )
     if not t.sources:
         base = sources[0]
         return StripedStream(
-            [base], [t.dataset], slots=global_batch_size, owned=owned, window=seq_len + 1, masked=t.dataset == "chat",
+            [base], [t.dataset], slots=global_batch_size, owned=owned, window=seq_len + 1, masked=t.dataset in MASKED,
             name=t.dataset, description=f"{base.description}; {stripes_note}",
         )  # fmt: skip
     streams = [
         s if isinstance(s, Stripes) else _source_stream(cfg, e, tokenizer, seq_len, log_epochs)
         for s, e in zip(sources, entries)
     ]
-    schedule = MixtureSchedule([e["weight"] for e in entries], t.seed)
+    schedule = MixtureSchedule(
+        [e["weight"] for e in entries], t.seed, unit=2 if entries[0]["kind"] == "preference" else 1
+    )
     striped = ", ".join(e["name"] for s, e in zip(sources, entries) if isinstance(s, Stripes))
     return StripedStream(
         streams, [e["name"] for e in entries], slots=global_batch_size, owned=owned, window=seq_len + 1,
-        masked=any(e["kind"] == "chat" for e in entries), name="mixture", schedule=schedule,
+        masked=any(e["kind"] in MASKED for e in entries), name="mixture", schedule=schedule,
         description=f"{_mixture_description(entries, schedule.shares)}; {striped} {stripes_note}",
     )  # fmt: skip
 
@@ -179,12 +208,13 @@ def document_separator(cfg: JobConfig, tokenizer) -> int | None:
     (:func:`trainer.data.chat.chat_separator`)."""
     t = cfg.training
     if t.sources:
-        chat = [(e["path"], f"training.sources '{e['name']}' path") for e in t.sources if e["kind"] == "chat"]
+        chat = [(e, f"training.sources '{e['name']}' path") for e in t.sources if e["kind"] in MASKED]
     else:
-        chat = [(t.dataset_path, "training.dataset_path")] if t.dataset == "chat" else []
+        chat = [({"kind": t.dataset, "path": t.dataset_path}, "training.dataset_path")] if t.dataset in MASKED else []
     if chat:
-        path, option = chat[0]
-        return ChatSource(path, tokenizer, DEFAULT_TOKENIZER_PATH, option=option).separator
+        entry, option = chat[0]
+        kind = ChatSource if entry["kind"] == "chat" else PreferenceSource
+        return kind(entry["path"], tokenizer, DEFAULT_TOKENIZER_PATH, option=option).separator
     return tokenizer.eos_id
 
 
@@ -197,6 +227,8 @@ def build_validation_dataloader(cfg: JobConfig, tokenizer, batch_rank: int, batc
     stream = None
     if v.dataset == "chat":
         source, stream = chat_stream(cfg, v.dataset_path, tokenizer, v.seq_len, "validation.dataset_path", False)
+    elif v.dataset == "preference":
+        source, stream = preference_stream(cfg, v.dataset_path, tokenizer, v.seq_len, "validation.dataset_path", False)
     elif v.dataset == "hf":
         source = RowTextSource(v.dataset_path, option="validation.dataset_path", log_epochs=False)
     elif v.dataset == "synthetic":
@@ -251,6 +283,8 @@ def build_dataloader(
         source = stream = mixture_stream(cfg, tokenizer, seq_len, log_epochs)
     elif t.dataset == "chat":
         source, stream = chat_stream(cfg, t.dataset_path, tokenizer, seq_len, "training.dataset_path", log_epochs)
+    elif t.dataset == "preference":
+        source, stream = preference_stream(cfg, t.dataset_path, tokenizer, seq_len, "training.dataset_path", log_epochs)
     else:
         source = build_source(cfg, log_epochs=log_epochs)
     loader = PackedDataLoader(

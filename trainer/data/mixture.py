@@ -10,6 +10,10 @@ share first exceeds its uniform. So each sample is an independent draw with prob
 weight / sum(weights): over n samples a source's count is Binomial(n, p) (the mixture proportion
 test bounds it by 5 standard deviations).
 
+Preference sources (``kind = "preference"``) fill two windows per row (a pair: chosen, rejected):
+a mixture of them draws a source per pair (``unit = 2``: samples 2k and 2k + 1 take pair k's
+draw), so a pair never mixes sources; a preference source beside another kind is refused.
+
 Resume state: the sample index and every source's own position, each the same on every rank
 (every rank walks the whole schedule; it takes its own samples and skips the others', as for a
 single stream). The per-source counts up to a sample index come from the schedule alone, so the
@@ -32,8 +36,8 @@ class MixtureSchedule:
     """Which source each global sample comes from: (seed, weights) -> ``choices(start, n)``, the
     same for every rank, layout and resume (the module docstring's schedule)."""
 
-    def __init__(self, weights: list[float], seed: int) -> None:
-        self.weights, self.seed = [float(w) for w in weights], seed
+    def __init__(self, weights: list[float], seed: int, unit: int = 1) -> None:
+        self.weights, self.seed, self.unit = [float(w) for w in weights], seed, unit
         self._cum = np.cumsum(self.weights) / sum(self.weights)
         self._cum[-1] = 1.0
         self._blocks: dict[int, np.ndarray] = {}
@@ -53,7 +57,15 @@ class MixtureSchedule:
         return choice
 
     def choices(self, start: int, n: int) -> np.ndarray:
-        """The source index of global samples ``[start, start + n)``."""
+        """The source index of global samples ``[start, start + n)`` (with ``unit`` > 1, the draw
+        of each run of ``unit`` samples)."""
+        if self.unit > 1:
+            first = start // self.unit
+            runs = -(-(start + n) // self.unit) - first
+            return np.repeat(self._draws(first, runs), self.unit)[start - first * self.unit :][:n]
+        return self._draws(start, n)
+
+    def _draws(self, start: int, n: int) -> np.ndarray:
         out = np.empty(n, dtype=np.int64)
         k = 0
         while k < n:
@@ -65,6 +77,15 @@ class MixtureSchedule:
 
     def counts(self, end: int) -> list[int]:
         """Samples drawn from each source among global samples ``[0, end)``."""
+        if self.unit > 1:
+            runs, part = divmod(end, self.unit)
+            total = [c * self.unit for c in self._counts(runs)]
+            if part:
+                total[int(self._draws(runs, 1)[0])] += part
+            return total
+        return self._counts(end)
+
+    def _counts(self, end: int) -> list[int]:
         full, rest = divmod(end, BLOCK)
         total = np.zeros(len(self.weights), dtype=np.int64)
         for b in range(full):
@@ -81,7 +102,7 @@ class MixtureStream:
 
     def __init__(self, streams: list[Any], names: list[str], weights: list[float], seed: int, *, masked: bool) -> None:
         self.streams, self.names, self.seed, self.masked = streams, names, seed, masked
-        self.schedule = MixtureSchedule(weights, seed)
+        self.schedule = MixtureSchedule(weights, seed, unit=getattr(streams[0], "pair_unit", 1))
         self.weights = self.schedule.weights
         self.window = streams[0].window
         self.sample_index = 0

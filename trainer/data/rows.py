@@ -100,10 +100,24 @@ def _content_end(files: list[str]) -> tuple[int, int]:
 
 class RowFiles(FileCycle):
     """The rows of a dataset path; ``read(cursor)`` returns (the row's ``column`` value, where
-    the row is in words, the next cursor). ``column``: the field each row must have."""
+    the row is in words, the next cursor). ``column``: the field each row must have; or a tuple
+    of fields, when a read returns a dict of them, those in ``optional`` None where a row (or a
+    file) lacks them (preference rows: trainer/data/preference.py)."""
 
-    def __init__(self, path: str, column: str, *, option: str = "training.dataset_path", log_epochs: bool = True):
-        self.path, self.column, self.option, self.log_epochs = path, column, option, log_epochs
+    def __init__(
+        self,
+        path: str,
+        column: str | tuple[str, ...],
+        *,
+        option: str = "training.dataset_path",
+        log_epochs: bool = True,
+        optional: tuple[str, ...] = (),
+    ):
+        self.path, self.option, self.log_epochs = path, option, log_epochs
+        self.single = isinstance(column, str)
+        self.names: tuple[str, ...] = (column,) if isinstance(column, str) else tuple(column)
+        self.required = tuple(n for n in self.names if n not in optional)
+        self.column = column if isinstance(column, str) else "', '".join(self.names)  # for messages
         if not os.path.exists(path):
             raise ConfigError(
                 f"{option} '{path}' does not exist; point it at a .jsonl or .parquet file, a folder of them, "
@@ -140,11 +154,12 @@ class RowFiles(FileCycle):
                 f"{self.option} '{self.path}' holds a DatasetDict (splits {', '.join(ds)}); point it at one "
                 f"split's folder, e.g. {os.path.join(self.path, next(iter(ds)))}"
             )
-        if self.column not in ds.column_names:
-            raise ConfigError(
-                f"{self.option} '{self.path}' has no column '{self.column}' (columns: {', '.join(ds.column_names)})"
-            )
-        self._ds = ds.select_columns([self.column])
+        for name in self.required:
+            if name not in ds.column_names:
+                raise ConfigError(
+                    f"{self.option} '{self.path}' has no column '{name}' (columns: {', '.join(ds.column_names)})"
+                )
+        self._ds = ds.select_columns([n for n in self.names if n in ds.column_names])
         self.files = [self.path]
         self.rows = [len(ds)]
         if not len(ds):
@@ -154,15 +169,18 @@ class RowFiles(FileCycle):
         import pyarrow.parquet as pq
 
         self._pq, self.rows, self._groups = [], [], []
+        self._present: list[list[str]] = []  # per file: the columns of ``names`` it has
         for f in self.files:
             try:
                 pf = pq.ParquetFile(f)
             except Exception as exc:  # pyarrow's ArrowInvalid and friends
                 raise ConfigError(f"{self.option}: {f} is not a readable parquet file ({exc})") from None
             names = pf.schema_arrow.names
-            if self.column not in names:
-                raise ConfigError(f"{f} has no column '{self.column}' (columns: {', '.join(names)}); fix the file")
+            for name in self.required:
+                if name not in names:
+                    raise ConfigError(f"{f} has no column '{name}' (columns: {', '.join(names)}); fix the file")
             self._pq.append(pf)
+            self._present.append([n for n in self.names if n in names])
             self.rows.append(pf.metadata.num_rows)
             starts, n = [], 0
             for g in range(pf.num_row_groups):
@@ -195,17 +213,25 @@ class RowFiles(FileCycle):
         if self.format == "arrow":
             first = row - row % _BLOCK
             try:
-                return first, self._ds[first : first + _BLOCK][self.column]
+                return first, self._values(self._ds[first : first + _BLOCK])
             except Exception as exc:  # pyarrow's errors for a damaged file (ArrowInvalid, OSError...)
                 raise self._unreadable(f"{self.path} (rows {first}-{first + _BLOCK - 1})", exc) from None
         starts = self._groups[index]
         g = max(i for i, s in enumerate(starts) if s <= row)
         try:
-            return starts[g], self._pq[index].read_row_group(g, columns=[self.column]).column(0).to_pylist()
+            table = self._pq[index].read_row_group(g, columns=self._present[index])
+            return starts[g], self._values(table.to_pydict())
         except Exception as exc:  # only opening (the footer) was checked; a data page can be damaged
             n = self._pq[index].metadata.row_group(g).num_rows
             where = f"{self.files[index]} (row group {g}, rows {starts[g]}-{starts[g] + n - 1})"
             raise self._unreadable(where, exc) from None
+
+    def _values(self, columns: dict[str, list[Any]]) -> list[Any]:
+        """A block's rows from its columns: the values of ``column``, or one dict per row."""
+        if self.single:
+            return columns[self.column]
+        n = len(next(iter(columns.values()))) if columns else 0
+        return [{name: columns[name][i] if name in columns else None for name in self.names} for i in range(n)]
 
     def _unreadable(self, where: str, exc: Exception) -> ValueError:
         detail = " ".join(str(exc).split()) or type(exc).__name__
@@ -279,10 +305,12 @@ class RowFiles(FileCycle):
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{where}: invalid JSON line: {exc}") from None
-                if not isinstance(record, dict) or self.column not in record:
+                missing = [n for n in self.required if not isinstance(record, dict) or n not in record]
+                if missing:
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise ValueError(f"{where}: each row needs a field '{self.column}'; got keys {keys}")
-                return record[self.column], where, [epoch, index, pos + len(line)]
+                    raise ValueError(f"{where}: each row needs a field '{missing[0]}'; got keys {keys}")
+                value = record[self.column] if self.single else {n: record.get(n) for n in self.names}
+                return value, where, [epoch, index, pos + len(line)]
             if pos >= self.rows[index]:
                 epoch, index, pos = self._next_file(epoch, index)
                 continue

@@ -15,6 +15,10 @@ global sample; a parquet / save_to_disk source of kind ``hf`` or ``chat`` gives 
 window of its own stripe i, any other source (``.jsonl``, ``.txt``, tokens, synthetic) keeps its
 one stream, walked by every rank as before.
 
+Preference rows give two windows each (chosen, rejected: trainer/data/preference.py): such a
+source is cut into G / 2 stripes, and slots 2j and 2j + 1 (which one batch rank owns together,
+G / D being even) read pair after pair of stripe j.
+
 The resume state: the sample index, G, and per striped source the position of every stripe. A
 rank knows only its own stripes' positions; :func:`complete_state` (collective, called by the
 checkpoint save on every rank) gathers them, so the checkpoint holds all G.
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.data.mixture import MixtureSchedule, check_mixture_state, mixture_notes, mixture_tokens
+from trainer.data.preference import preference_notes
 
 __all__ = ["StripedStream", "Stripes", "complete_state", "merge_states"]
 
@@ -37,10 +42,11 @@ __all__ = ["StripedStream", "Stripes", "complete_state", "merge_states"]
 class Stripes:
     """One source read in stripes: ``make(i)`` builds the window stream of stripe i (a
     :class:`~trainer.data.packing.PackedStream` or :class:`~trainer.data.chat.ChatStream` over
-    ``RowFiles.stripe(i, G)``), built when its slot first reads it."""
+    ``RowFiles.stripe(i, G)``), built when its slot first reads it. ``unit``: the slots each
+    stripe serves (2 for preference pairs: slots 2j, 2j + 1 read stripe j)."""
 
-    def __init__(self, make: Callable[[int], Any], description: str, rows: Any = None, count: int = 0):
-        self.make, self.description = make, description
+    def __init__(self, make: Callable[[int], Any], description: str, rows: Any = None, count: int = 0, unit: int = 1):
+        self.make, self.description, self.unit = make, description, unit
         self.rows, self.count = rows, count  # the RowFiles cut into ``count`` stripes (their passes)
         self._geometry: dict[int, Any] = {}
         self.streams: dict[int, Any] = {}
@@ -103,7 +109,7 @@ class StripedStream:
                 slot = (start + m) % self.slots
                 if slot not in self.owned:
                     raise RuntimeError(f"slot {slot} taken by the rank that owns slots {self.owned}")
-                got = src.stream(slot).take(1)
+                got = src.stream(slot // src.unit).take(1)
             else:
                 got = src.take(1) if keep else src.skip(1)
             if keep:
@@ -129,7 +135,7 @@ class StripedStream:
         sources: dict[str, Any] = {}
         for name, src in zip(self.names, self.sources):
             if isinstance(src, Stripes):
-                slots = {str(i): s for i, s in src.saved.items() if i in self.owned}
+                slots = {str(i): s for i, s in src.saved.items() if i * src.unit in self.owned}
                 slots.update({str(i): s.state() for i, s in src.streams.items()})
                 sources[name] = {"stripes": slots}
             else:
@@ -172,24 +178,24 @@ class StripedStream:
         for name, src in zip(self.names, self.sources):
             saved = state["sources"][name]
             if isinstance(src, Stripes):
-                out.append(min(src.passes(i, saved["stripes"].get(str(i))) for i in slots))
+                stripes = sorted({i // src.unit for i in slots})
+                out.append(min(src.passes(i, saved["stripes"].get(str(i))) for i in stripes))
             else:
                 out.append(src.passes(saved))
         return out
 
     def notes(self) -> str:
         """The first step's data line: this rank's stripes, and the chat counts of its streams."""
-        lo, hi = self.owned.start, self.owned.stop - 1
+        unit = max((src.unit for src in self.sources if isinstance(src, Stripes)), default=1)  # 2: preference pairs
+        lo, hi, count = self.owned.start // unit, (self.owned.stop - 1) // unit, self.slots // unit
         chats = []
         for src in self.sources:
             streams = list(src.streams.values()) if isinstance(src, Stripes) else [src]
             if any(hasattr(s, "conversations") for s in streams):
                 chats.append(_chat_sum([s for s in streams if hasattr(s, "conversations")]))
-        own = (
-            f"this rank reads stripes {lo}-{hi} of {self.slots}"
-            if lo != hi
-            else f"this rank reads stripe {lo} of {self.slots}"
-        )
+            elif any(hasattr(s, "pairs") for s in streams):
+                chats.append(preference_notes([s for s in streams if hasattr(s, "pairs")], "this rank's "))
+        own = f"this rank reads stripes {lo}-{hi} of {count}" if lo != hi else f"this rank reads stripe {lo} of {count}"
         if self.schedule is not None:
             return own + "; " + mixture_notes(self.names, self.schedule, self.sample_index, chats)
         return "; ".join([own, *chats])
