@@ -52,6 +52,12 @@ def validate_dpo(cfg) -> None:
     t, d = cfg.training, cfg.dpo
     if t.objective != "dpo":
         return
+    kinds = [src["kind"] for src in t.sources] or [t.dataset]
+    if any(k != "preference" for k in kinds):
+        raise ConfigError(
+            "training.objective = 'dpo' trains on (chosen, rejected) pairs: set training.dataset = 'preference' "
+            "(rows with prompt / chosen / rejected, docs/fine_tuning.md)"
+        )
     if d.beta <= 0:
         raise ConfigError(f"dpo.beta must be > 0, got {d.beta}; 0.1 is TRL's default")
     if not 0 <= d.label_smoothing < 0.5:

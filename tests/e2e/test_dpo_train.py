@@ -1,0 +1,139 @@
+"""DPO through train.py (``training.objective = "dpo"`` on ``training.dataset = "preference"``),
+end to end on CPU, fp32, forked ranks (tools/forkserver.py).
+
+* Layouts: ``tools.compare_loss`` over single, fsdp=2, tp=2 (the vocabulary-sharded head's
+  loss-parallel log-softmax: no logits gathered), cp=2 (per-row partial log-probs all-reduced
+  over cp), pp=2 (the loss on the last stage, pairs whole in each pipeline micro-batch) with
+  llama3 and sigmoid DPO, and deepseek_v3 (2 blocks: 1 dense + 1 MoE) single vs fsdp=2 x ep=2 and
+  cp=2 x ep=2 with IPO (per-token-averaged log-ratios: the completion-token counts are summed over
+  cp too): loss and grad norm within the tool's DEFAULT tolerance (1e-5 loss, 1e-4 grad norm,
+  relative; never loosened), and TRL's six metrics within 1e-5 relative + 1e-5 absolute of the
+  baseline's (logps: 1e-5 relative of ~ -150). The frozen-copy reference of these runs loads the
+  compare's seed checkpoint (``initial_load_path``) like the policy. Measured (CPU): loss within
+  2.3e-6 relative on every layout (the pair loss is a difference of ~ -150 log-prob sums, so
+  float32 summation-order noise of ~1e-5 in a sum shows as ~1e-6 in the loss), metrics within
+  3.2e-6 relative.
+* LoRA: ``dpo.reference = "auto"`` (the policy with adapters off: no second copy) against
+  ``"copy"`` (a frozen copy, its adapters' B = 0 from the init): the same reference log-probs,
+  so loss, grad norm and the six metrics are bitwise equal over 3 steps (the adapters start at
+  zero, so the policy of step 1 equals both references; steps 2-3 compare a moved policy against
+  each reference).
+* Kill + resume: the LoRA copy-reference run SIGKILLed after its step-2 checkpoint and resumed
+  gives step 3 bitwise (loss, grad norm, metrics): the reference is rebuilt from the initial
+  weights, not from the step checkpoint (a reference loaded from step 2's weights would give
+  rewards 0 at step 3).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from tests.preference_data import preference_rows, tokenizer_folder, write_jsonl
+
+from .helpers import ForkedJob, drill_env, read_metrics, run_compare_loss, run_forked
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 3
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+COMMON = [
+    "--training.seq_len", "64", "--training.global_batch_size", "8", "--training.local_batch_size", "4",
+    "--metrics.enable_tensorboard", "false", "--model.n_layers", "2", "--model.vocab_size", "2056",
+    "--training.objective", "dpo", "--training.dataset", "preference",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    tok = tokenizer_folder(root / "tok", "llama3")
+    pairs = write_jsonl(root / "pairs.jsonl", preference_rows(96, seed=1))
+    return root, ["--training.dataset_path", pairs, "--model.tokenizer_path", tok]
+
+
+def _compare(root, config: str, layouts: list[str], extra: list[str]) -> None:
+    out = root / f"cmp-{config}"
+    proc = run_compare_loss(
+        "--config", f"train_configs/{config}", "--steps", str(STEPS), "--out", str(out), "--timeout", "300",
+        "--launcher", "fork", "--layouts", *layouts, "--", *COMMON, *extra,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"] and (summary["rtol"], summary["grad_norm_rtol"]) == (1e-5, 1e-4)
+    runs = summary["runs"]
+    assert [r["layout"] for r in runs] == layouts
+    base = read_metrics(runs[0]["folder"])
+    assert abs(base[STEPS]["rewards/margins"]) > 1e-3  # the policy moved off the reference
+    for run in runs:
+        assert run["status"] in ("ok", "baseline") and run["first_step_beyond"] is None, run
+        m = read_metrics(run["folder"])
+        assert sorted(m) == list(range(1, STEPS + 1))
+        worst = 0.0
+        for step in m:
+            for name in METRICS:
+                a, b = m[step][name], base[step][name]
+                worst = max(worst, abs(a - b) / max(abs(b), 1e-3))
+                assert abs(a - b) <= 1e-5 + 1e-5 * abs(b), (run["layout"], step, name, a, b)
+        print(f"{run['layout']:<14} rel loss {run['max_rel_diff']:.2e}  metrics {worst:.2e}")
+
+
+def test_dpo_layouts_llama3(data):
+    root, args = data
+    _compare(root, "llama3.toml", ["single", "fsdp=2", "tp=2", "cp=2", "pp=2"], args)
+
+
+def test_ipo_layouts_deepseek_ep(data):
+    root, args = data
+    _compare(root, "deepseek_v3.toml", ["single", "fsdp=2,ep=2", "cp=2,ep=2"], [*args, "--dpo.loss_type", "ipo"])
+
+
+LORA = ["--config", "llama3.toml", *COMMON, "--model.converters", "lora", "--training.steps", str(STEPS)]
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--metrics.log_freq", "1"]
+
+
+def _run(root, name: str, *extra: str) -> dict:
+    res = run_forked(1, *LORA, *CKPT, "--job.dump_folder", str(root / name), *extra)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def _values(metrics: dict, step: int) -> tuple:
+    return tuple(metrics[step][k] for k in ("loss", "grad_norm", *METRICS))
+
+
+def test_lora_adapters_off_reference_equals_copy_and_resume_is_bitwise(data):
+    root, args = data
+    out = _run(root, "auto", *args, "--dpo.reference", "auto")
+    assert "dpo reference: the policy with its LoRA adapters off" in out
+    out = _run(root, "copy", *args, "--dpo.reference", "copy")
+    assert "dpo reference: a frozen copy of the initial weights" in out
+    auto, copy = read_metrics(root / "auto"), read_metrics(root / "copy")
+    for step in range(1, STEPS + 1):
+        assert _values(auto, step) == _values(copy, step), step
+    assert auto[1]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # step 1: policy = reference
+    assert abs(auto[STEPS]["rewards/margins"]) > 1e-4  # measured 9.1e-4: the adapters moved the policy
+
+    # kill after the step-2 checkpoint (held before the step-3 save), resume: step 3 bitwise
+    resumed = root / "resumed"
+    cmd = [*LORA, *CKPT, "--job.dump_folder", str(resumed), *args, "--dpo.reference", "copy"]
+    job = ForkedJob(1, *cmd, env=drill_env("begin:@3"))
+    try:
+        assert job.wait_for_output("saved checkpoint", 300), job.output[-3000:]
+        job.signal(signal.SIGKILL)
+        job.wait(timeout=120)
+    finally:
+        job.close()
+    res = run_forked(1, *cmd)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed from {resumed / 'checkpoint'} at step 2" in res.stdout
+    assert _values(read_metrics(resumed), STEPS) == _values(copy, STEPS)
