@@ -159,3 +159,60 @@ def test_dpo_matches_trl(setup, loss_type):
         wrong, _, _ = _ours_loss(setup, batch, loss_type, **kwargs)
         print(f"  control {what}: loss {wrong:.6f} (diff {abs(wrong - trl_loss):.2e})")
         assert abs(wrong - trl_loss) > 100 * (1e-5 + 1e-5 * abs(trl_loss)), what
+
+
+def test_simpo_matches_trl_cpo_loss():
+    """SimPO (reference-free) against TRL's own formula: ``CPOTrainer.get_batch_logps`` (length
+    averaged) and ``cpo_loss`` (loss_type simpo) of trl.experimental.cpo, called unbound on the
+    same logits and labels: loss per pair and rewards ``beta * average logp``. Same float32 math
+    up to summation order: rel 1e-6. Control: gamma 0 instead of 0.5 differs by > 1e-2."""
+    from types import SimpleNamespace
+
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 12, 50, generator=g)
+    labels = torch.randint(0, 50, (4, 12), generator=g)
+    labels[:, :4] = -100  # the prompt
+    labels[1, 9:] = -100  # a shorter rejected completion (padding)
+    beta, gamma = 2.0, 0.5
+    from trainer.objectives.dpo import pair_losses, row_logps
+
+    logp, n = row_logps(logits[:, :-1], labels[:, 1:])
+    losses, metrics = pair_losses(logp, n, None, loss_type="simpo", beta=beta, gamma=gamma)
+    fake = SimpleNamespace(
+        alpha=0.0, loss_type="simpo", simpo_gamma=gamma, beta=beta, label_smoothing=0.0,
+        accelerator=SimpleNamespace(device="cpu"),
+    )  # fmt: skip
+    avg = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    theirs, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(fake, avg[0::2], avg[1::2])
+    torch.testing.assert_close(losses, theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(metrics[:, 0], chosen_rewards, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(metrics[:, 1], rejected_rewards, rtol=1e-6, atol=1e-6)
+    control, _ = pair_losses(logp, n, None, loss_type="simpo", beta=beta, gamma=0.0)
+    assert (control - theirs).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--training.dataset", "synthetic"], "set training.dataset = 'preference'"),
+        (["--dpo.beta", "0"], "dpo.beta must be > 0"),
+        (["--dpo.loss_type", "simpo"], "set dpo.reference = 'none'"),
+        (["--dpo.reference", "none"], "needs a reference model"),
+        (["--dpo.loss_type", "ipo", "--dpo.label_smoothing", "0.1"], "applies to loss_type 'sigmoid' only"),
+        (["--dpo.label_smoothing", "0.5"], "must be in [0, 0.5)"),
+        (["--model.converters", "lora", "--lora.dropout", "0.1"], "set lora.dropout = 0"),
+        (["--training.local_batch_size", "3"], "must be even"),
+        (["--dpo.loss_type", "orpo"], "dpo.loss_type"),
+    ],
+)
+def test_bad_dpo_configs_are_one_line_errors(args, needle):
+    from trainer.config import load_config
+    from trainer.config.errors import ConfigError
+
+    base = ["--config", "llama3.toml", "--training.objective", "dpo", "--training.dataset", "preference"]
+    with pytest.raises(ConfigError) as exc:
+        load_config([*base, "--training.local_batch_size", "4", *args])
+    message = str(exc.value)
+    assert needle in message and "\n" not in message, message

@@ -69,6 +69,11 @@ def build_reference_parts(cfg, plan, device: torch.device, initial_hf, log) -> l
     for part in parts:
         part.requires_grad_(False)
         part.loss_chunk_tokens = cfg.training.loss_chunk_tokens  # the head returns per-token losses too
+    f8 = plan.parallelize.float8
+    if f8 is not None and f8.precompute_scale:  # the frozen weights' float8 scales, once: they never change
+        from models.parallel.float8 import precompute_float8_scales
+
+        precompute_float8_scales(parts)
     where = c.initial_load_path or f"the seeded init (training.seed = {cfg.training.seed})"
     log(f"dpo reference: a frozen copy of the initial weights ({where}), sharded like the policy")
     return parts
