@@ -43,10 +43,10 @@ from trainer.data.loader import build_dataloader, wrap_loader
 from trainer.faults import Faults
 from trainer.forward import ModelForward, loss_functions, memory_lines
 from trainer.instruments import Instruments, build_instruments
-from trainer.objectives.step import PreferenceStep, build_objective
 from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
+from trainer.preference import PreferenceStep, build_objective
 from trainer.reporting.data_progress import DataProgress
 from trainer.reporting.metrics import MetricsLogger, training_flops_per_token
 from trainer.reporting.restart_row import restart_row
@@ -135,7 +135,7 @@ class Trainer:
         # the training loss, MTP's (its depths added with training.mtp_loss_weight) and validation's
         # (the main next-token loss), chunked or compiled as configured (trainer/forward.py)
         self.loss_fn, val_loss_fn, self.mtp_loss = loss_functions(cfg, getattr(plan.model.args, "mtp_layers", 0))
-        preference = build_objective(cfg, plan, self.device)  # training.objective = dpo (trainer/objectives/)
+        preference = build_objective(cfg, plan, self.device)  # training.objective = dpo (trainer/preference.py)
         self.loss_fn = preference or self.loss_fn
         chunk = cfg.training.loss_chunk_tokens
         # every parameter of the whole model (all stages) after the converters (LoRA trains its

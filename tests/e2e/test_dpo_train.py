@@ -18,6 +18,8 @@ end to end on CPU, fp32, forked ranks (tools/forkserver.py).
   so loss, grad norm and the six metrics are bitwise equal over 3 steps (the adapters start at
   zero, so the policy of step 1 equals both references; steps 2-3 compare a moved policy against
   each reference).
+* Export as without DPO: the adapters-off run writes its merged Hugging Face folder and PEFT
+  adapters (every lora_B moved off its zero init by the DPO gradients).
 * Kill + resume: the LoRA copy-reference run SIGKILLed after its step-2 checkpoint and resumed
   gives step 3 bitwise (loss, grad norm, metrics): the reference is rebuilt from the initial
   weights, not from the step checkpoint (a reference loaded from step 2's weights would give
@@ -113,8 +115,16 @@ def _values(metrics: dict, step: int) -> tuple:
 
 def test_lora_adapters_off_reference_equals_copy_and_resume_is_bitwise(data):
     root, args = data
-    out = _run(root, "auto", *args, "--dpo.reference", "auto")
+    out = _run(root, "auto", *args, "--dpo.reference", "auto", "--checkpoint.save_in_hf_every", str(STEPS))
     assert "dpo reference: the policy with its LoRA adapters off" in out
+    # the exports as without DPO: the merged Hugging Face folder and the PEFT adapters, trained
+    exports = root / "auto" / "checkpoint"
+    assert (exports / f"step-{STEPS}-hf" / "config.json").is_file()
+    from safetensors.torch import load_file
+
+    adapters = load_file(exports / f"step-{STEPS}-peft" / "adapter_model.safetensors")
+    lora_b = [t for k, t in adapters.items() if "lora_B" in k]
+    assert lora_b and all(t.abs().max() > 0 for t in lora_b)  # B starts at 0: DPO's gradients moved every one
     out = _run(root, "copy", *args, "--dpo.reference", "copy")
     assert "dpo reference: a frozen copy of the initial weights" in out
     auto, copy = read_metrics(root / "auto"), read_metrics(root / "copy")

@@ -60,6 +60,7 @@ TRAINER_FOLDERS: dict[str, tuple[str, ...]] = {
     "trainer.checkpoint": ("trainer.config", "trainer.data", "trainer.optim", "trainer.runtime"),
     "trainer.reporting": ("trainer.config", "trainer.runtime"),
     "trainer.instruments": ("trainer.config", "trainer.runtime", "trainer.simulation"),
+    "trainer.objectives": ("trainer.config", "trainer.checkpoint"),
 }
 
 MAX_LINES = 500

@@ -5,10 +5,10 @@
   output), under ``no_grad``; no second copy of the weights. The MoE layers' routing counters
   and aux-loss totals are put back afterwards, so the reference pass leaves no trace in the
   expert-bias update or the reported loss.
-* ``copy`` (else): a second model built from the same plan (``trainer/build.py``
-  ``build_model_parts``: parallelized like the policy, FSDP shards and all, and initialized from
-  the same seed), then loaded from ``checkpoint.initial_load_path`` as the policy's initial
-  weights are (a Hugging Face folder or a DCP folder, model weights only; a LoRA copy loads the
+* ``copy`` (else): a second model built from the same plan (trainer/preference.py, with
+  ``trainer/build.py`` ``build_model_parts``: parallelized like the policy, FSDP shards and all,
+  and initialized from the same seed), then loaded here (:func:`load_initial_weights`) from
+  ``checkpoint.initial_load_path`` as the policy's initial weights are (a Hugging Face folder or a DCP folder, model weights only; a LoRA copy loads the
   base and keeps its zero-initialized adapters' B = 0). Its parameters never need gradients.
   On resume it is rebuilt the same way, so it always holds the run's INITIAL weights, never a
   step checkpoint's.
@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-__all__ = ["adapters_off", "build_reference_parts"]
+__all__ = ["adapters_off", "load_initial_weights"]
 
 
 @contextlib.contextmanager
@@ -49,17 +49,13 @@ def adapters_off(model_parts: Sequence[nn.Module]) -> Iterator[None]:
                 buf.copy_(value)
 
 
-def build_reference_parts(cfg, plan, device: torch.device, initial_hf, log) -> list[nn.Module]:
-    """The frozen copy: this rank's parts of a second model, parallelized like the policy,
-    holding the run's initial weights (see the module docstring)."""
+def load_initial_weights(cfg, plan, parts: list[nn.Module], initial_hf, log) -> None:
+    """The frozen copy's weights: ``parts`` (built and seeded like the policy) loaded from the
+    run's initial weights and frozen (see the module docstring)."""
     from models.parallel.lora import is_adapter_key
-    from trainer.build import build_model_parts
     from trainer.checkpoint.dcp import load_checkpoint
     from trainer.checkpoint.hf_load import load_hf_into_model
 
-    with torch.device("meta"):
-        model = plan.model.model_cls(plan.model.args)
-    parts = build_model_parts(plan, model, device, cfg.training.seed)
     c = cfg.checkpoint
     if c.initial_load_path and c.initial_load_in_hf:
         load_hf_into_model(parts, c.initial_load_path, cfg.model.name, plan.model.args, checkpoint=initial_hf)
@@ -76,4 +72,3 @@ def build_reference_parts(cfg, plan, device: torch.device, initial_hf, log) -> l
         precompute_float8_scales(parts)
     where = c.initial_load_path or f"the seeded init (training.seed = {cfg.training.seed})"
     log(f"dpo reference: a frozen copy of the initial weights ({where}), sharded like the policy")
-    return parts

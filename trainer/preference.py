@@ -1,4 +1,4 @@
-"""How the trainer's step runs the preference objective (``training.objective = "dpo"``).
+"""How the trainer's step runs the preference objective (trainer/objectives/) (``training.objective = "dpo"``).
 
 :func:`build_objective` (start-up) replaces the trainer's loss with a
 :class:`~trainer.objectives.dpo.PreferenceLoss` (before the pipeline is built, so the last
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from trainer.objectives.dpo import METRIC_NAMES, PreferenceLoss
-from trainer.objectives.reference import adapters_off, build_reference_parts
+from trainer.objectives.reference import adapters_off, load_initial_weights
 
 __all__ = ["PreferenceStep", "build_objective"]
 
@@ -64,10 +64,13 @@ class PreferenceStep:
             self.ref_forward, self.ref_context = forward, lambda: adapters_off(model_parts)
             log("dpo reference: the policy with its LoRA adapters off (no second copy of the weights)")
         else:
-            from trainer.build import build_pipeline
+            from trainer.build import build_model_parts, build_pipeline
             from trainer.forward import ModelForward
 
-            parts = build_reference_parts(cfg, plan, device, initial_hf, log)
+            with torch.device("meta"):
+                model = plan.model.model_cls(plan.model.args)
+            parts = build_model_parts(plan, model, device, cfg.training.seed)
+            load_initial_weights(cfg, plan, parts, initial_hf, log)
             pipeline = build_pipeline(plan, parts, loss, loss_parallel=forward.loss_parallel)
             self.ref_forward = ModelForward(
                 plan.parallel_dims, parts, loss, device, loss_parallel=forward.loss_parallel, pipeline=pipeline
