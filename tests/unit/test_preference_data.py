@@ -18,7 +18,7 @@ import torch
 from tests.preference_data import preference_rows, tokenizer_folder, write_jsonl, write_parquet_rows
 from trainer.config import ConfigError, load_config
 from trainer.data.chat_template import ChatError
-from trainer.data.loader import build_dataloader
+from trainer.data.loader import build_dataloader, build_validation_dataloader
 from trainer.data.packing import IGNORE_INDEX
 from trainer.data.preference import PreferenceSource, PreferenceStream
 from trainer.data.striped import merge_states
@@ -108,6 +108,9 @@ def test_a_pair_is_the_template_rendered_by_hand_with_labels_on_the_completion(d
             assert inputs[r, : len(ids)].tolist() == ids and (inputs[r, len(ids) :] == ld._stream.source.pad_id).all()
             want = [IGNORE_INDEX] * (n - 1) + ids[n:]
             assert labels[r].tolist() == want + [IGNORE_INDEX] * (SEQ - len(want)), (i, which)
+    # control: chat SFT's mask of the same conversation also trains on the prompt's assistant turn
+    sft = ld._stream.source.template.encode(prompt + explicit["chosen"])[1]
+    assert sum(sft) > len(full["chosen"]) - n
     # strings: the built-in template, one user turn and one assistant turn
     tok = load_tokenizer("")
     path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "hi there", "chosen": "yo", "rejected": "nope"}])
@@ -129,7 +132,7 @@ def test_tokens_equal_trl_dpo_trainer_tokenization(data):
 
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
-    from trl.trainer.dpo_trainer import DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
 
     for style in ("qwen3", "llama3"):
         folder = data["llama3"] if style == "llama3" else tokenizer_folder(data["folder"] / style, style)
@@ -148,6 +151,25 @@ def test_tokens_equal_trl_dpo_trainer_tokenization(data):
                     ids = r["prompt_ids"] + r[which]
                     assert toks[2 * k + j, : len(ids)].tolist() == ids, (style, form, k, which)
                     assert tgt[2 * k + j].nonzero().flatten().tolist() == list(range(len(r["prompt_ids"]), len(ids)))
+    # truncation (the last rows above: Llama 3, implicit prompt): TRL's collator with max_length =
+    # seq_len + 1 and keep_start (its dataset preparation drops a row
+    # whose prompt fills max_length) cuts the same windows and completion masks
+    window = 56
+    examples = [r for r in ref if len(r["prompt_ids"]) < window]
+    assert 0 < len(examples) < len(ref) and any(len(r["prompt_ids"] + r["chosen_ids"]) > window for r in examples)
+    out = DataCollatorForPreference(pad_token_id=0, max_length=window)(examples)
+    toks, tgt = PreferenceStream(src, window - 1, too_long="truncate").take(2 * len(examples))
+    b = len(examples)
+    for j in range(2):  # TRL: chosen rows first, then rejected; here pair k = rows 2k, 2k + 1
+        n = out["input_ids"].shape[1]
+        mask = out["attention_mask"][j * b : (j + 1) * b].bool()
+        ours = toks[j::2]
+        assert torch.equal(
+            torch.where(mask, out["input_ids"][j * b : (j + 1) * b], -1), torch.where(mask, ours[:, :n], -1)
+        )
+        lengths = mask.sum(1)
+        assert all((ours[k, int(lengths[k]) :] == src.pad_id).all() for k in range(b))  # padded after
+        assert torch.equal(out["completion_mask"][j * b : (j + 1) * b].bool(), tgt[j::2, :n])
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "pp2", "pp2_fsdp2"])
@@ -195,6 +217,14 @@ def test_pairs_stay_whole_on_every_batch_rank_and_pipeline_micro_batch(data, lay
         )
     with pytest.raises(ConfigError, match="2 = 1 rows per pipeline micro-batch, which must be even"):
         _cfg("--training.dataset_path", data["jsonl"], "--parallelism.pp", "2")
+    val = ["--validation.enable", "true", "--validation.dataset", "preference", "--validation.steps", "2"]
+    val += ["--validation.dataset_path", data["jsonl"], "--validation.seq_len", str(SEQ)]
+    with pytest.raises(ConfigError, match=r"validation.local_batch_size \(3\) must be even"):
+        _cfg("--training.dataset_path", data["jsonl"], *val, "--validation.local_batch_size", "3")
+    v = build_validation_dataloader(
+        _cfg("--training.dataset_path", data["jsonl"], *val, "--validation.local_batch_size", "2"), tok, 0, 1
+    )
+    assert v.masked and all(_is_pair(x, y, 0) for x, y in v.next_step())
     with pytest.raises(ConfigError, match="ends at an odd sample"):
         _cfg("--training.dataset_path", data["jsonl"], "--training.skip_samples", "8:11")
 
@@ -227,6 +257,32 @@ def test_resume_mid_stream_continues_bitwise(data, kind):
         resumed.restore(json.loads(json.dumps(half.state())))
         assert torch.equal(torch.cat([half.take(3)[0]]), whole[0][3:])
         assert torch.equal(resumed.take(3)[0], whole[0][3:])
+
+
+def test_every_row_format_and_form_gives_the_same_windows(data, tmp_path):
+    """jsonl, parquet and save_to_disk rows, and the implicit-prompt form of the same rows: the
+    same windows; the string form of one row is its one-turn messages form."""
+    import datasets
+
+    tok = load_tokenizer("")
+    disk = str(tmp_path / "disk")
+    datasets.Dataset.from_list(data["rows"]).save_to_disk(disk)
+    implicit = write_jsonl(tmp_path / "implicit.jsonl", preference_rows(44, seed=1, form="implicit"))
+    got = []
+    for path in (data["jsonl"], data["parquet"], disk, implicit):
+        got.append(PreferenceStream(PreferenceSource(path, tok, DEFAULT_TOKENIZER_PATH), SEQ, too_long="drop").take(20))
+    assert all(torch.equal(g[0], got[0][0]) and torch.equal(g[1], got[0][1]) for g in got[1:])
+    turns = {"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}]}
+    turns["rejected"] = [{"role": "assistant", "content": "b"}]
+    pair = [
+        PreferenceStream(
+            PreferenceSource(write_jsonl(tmp_path / f"{i}.jsonl", [row]), tok, DEFAULT_TOKENIZER_PATH),
+            SEQ,
+            too_long="drop",
+        )
+        for i, row in enumerate(({"prompt": "q", "chosen": "a", "rejected": "b"}, turns))
+    ]
+    assert torch.equal(pair[0].take(2)[0], pair[1].take(2)[0])
 
 
 def test_rules_are_counted_in_the_first_data_line(tmp_path):

@@ -5,8 +5,8 @@
 launcher's) starts with :func:`trainer.startup.plan_startup` and builds its loader with
 :func:`trainer.data.loader.build_dataloader`. The pre-start check once built the data source
 without the chat branch (``FileSource kind must be 'text' or 'jsonl', got 'chat'``) and never
-looked at a mixture. Here, in this process, for each kind (text, jsonl, tokens, hf, chat from
-.jsonl and parquet, a mixture of all, and ``auto`` striped parquet reading), x each world size
+looked at a mixture. Here, in this process, for each kind (text, jsonl, tokens, hf, chat and preference from
+.jsonl and parquet, a mixture of all but preference, and ``auto`` striped parquet reading), x each world size
 of the matrix (1 process; 2 and 4 ranks):
 
 * the launcher's pre-start check accepts it;
@@ -24,6 +24,8 @@ import json
 import pytest
 
 from tests.chat_data import conversations, write_jsonl, write_parquet
+from tests.preference_data import preference_rows, write_parquet_rows
+from tests.preference_data import write_jsonl as write_pairs
 from trainer.config import load_config
 from trainer.data.loader import build_dataloader
 from trainer.lifecycle.launch import main as launch_main
@@ -49,6 +51,9 @@ def data(tmp_path_factory):
     convs = conversations(40)
     write_jsonl(folder / "chat.jsonl", convs)
     write_parquet(folder / "chat.parquet", {"messages": convs})
+    pairs = preference_rows(40, form="strings")
+    write_pairs(folder / "pairs.jsonl", pairs)
+    write_parquet_rows(folder / "pairs.parquet", pairs)
     tokenize_to_shards(["synthetic:42:60"], str(folder / "tokens"), shard_tokens=1000, workers=1, log=None)
     return folder
 
@@ -65,11 +70,14 @@ def _kinds(d) -> dict[str, list[str]]:
         "hf_sequential": [*one("hf", "web.parquet"), "--training.row_reading", "sequential"],
         "chat_jsonl": one("chat", "chat.jsonl"),
         "chat_parquet": one("chat", "chat.parquet"),
+        "preference_jsonl": one("preference", "pairs.jsonl"),
+        "preference_parquet": one("preference", "pairs.parquet"),
         "mixture": ["--training.sources", mixture],
     }
 
 
-KINDS = ("text", "jsonl", "tokens", "hf", "hf_sequential", "chat_jsonl", "chat_parquet", "mixture")
+KINDS = ("text", "jsonl", "tokens", "hf", "hf_sequential", "chat_jsonl", "chat_parquet", "preference_jsonl")
+KINDS += ("preference_parquet", "mixture")
 
 
 @pytest.mark.parametrize("kind", KINDS)

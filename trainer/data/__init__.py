@@ -34,6 +34,8 @@ Modules (one concern each):
 - :mod:`~trainer.data.rows`: row datasets (``.jsonl``, ``.parquet``, ``save_to_disk`` folders);
 - :mod:`~trainer.data.chat_template`, :mod:`~trainer.data.chat`: chat conversations -> windows with
   assistant-only targets (``training.dataset = "chat"``);
+- :mod:`~trainer.data.preference`: (prompt, chosen, rejected) rows -> pairs of windows with
+  completion-only targets (``training.dataset = "preference"``);
 - :mod:`~trainer.data.mixture`: weighted mixtures of sources (``[[training.sources]]``);
 - :mod:`~trainer.data.striped`: parquet / save_to_disk rows read in stripes, one per sample of
   the global batch (``training.row_reading``), so each rank reads only its own rows;

@@ -218,7 +218,6 @@ class PreferenceStream:
         self._pair: tuple[list[int], Any, bool, list[int]] | None = None  # (its row's cursor, pair, cut, next)
         self.pairs = self.truncated = self.dropped = self.identical = self.empty = 0
         self.target_tokens = 0
-        self.packing = "padded"
 
     def _load(self) -> tuple[Any, bool]:
         """The pair of the first row from the cursor that gives one (the cursor moved past the
