@@ -70,5 +70,5 @@ def load_initial_weights(cfg, plan, parts: list[nn.Module], initial_hf, log) -> 
         from models.parallel.float8 import precompute_float8_scales
 
         precompute_float8_scales(parts)
-    where = c.initial_load_path or f"the seeded init (training.seed = {cfg.training.seed})"
+    where = c.initial_load_path or f"the seeded init, training.seed = {cfg.training.seed}"
     log(f"dpo reference: a frozen copy of the initial weights ({where}), sharded like the policy")
