@@ -4,12 +4,16 @@
   scale set to 0 for the reference forward (``output + 0 * B A``: exactly the frozen base's
   output), under ``no_grad``; no second copy of the weights. The MoE layers' routing counters
   and aux-loss totals are put back afterwards, so the reference pass leaves no trace in the
-  expert-bias update or the reported loss.
+  expert-bias update or the reported loss. It routes with the policy's CURRENT expert bias
+  (DeepSeek-V3's load-balancing bias is a buffer the training updates, not a weight the adapters
+  touch), where the frozen copy keeps the initial bias: with that bias update on, the two
+  references differ once the bias has moved.
 * ``copy`` (else): a second model built from the same plan (trainer/preference.py, with
   ``trainer/build.py`` ``build_model_parts``: parallelized like the policy, FSDP shards and all,
   and initialized from the same seed), then loaded here (:func:`load_initial_weights`) from
-  ``checkpoint.initial_load_path`` as the policy's initial weights are (a Hugging Face folder or a DCP folder, model weights only; a LoRA copy loads the
-  base and keeps its zero-initialized adapters' B = 0). Its parameters never need gradients.
+  ``checkpoint.initial_load_path`` as the policy's initial weights are (a Hugging Face folder
+  or a DCP folder, model weights only; a LoRA copy loads the base and keeps its
+  zero-initialized adapters' B = 0). Its parameters never need gradients.
   On resume it is rebuilt the same way, so it always holds the run's INITIAL weights, never a
   step checkpoint's.
 """
