@@ -203,7 +203,10 @@ def test_simpo_matches_trl_cpo_loss():
         (["--dpo.loss_type", "ipo", "--dpo.label_smoothing", "0.1"], "applies to loss_type 'sigmoid' only"),
         (["--dpo.label_smoothing", "0.5"], "must be in [0, 0.5)"),
         (["--model.converters", "lora", "--lora.dropout", "0.1"], "set lora.dropout = 0"),
-        (["--training.local_batch_size", "3"], "must be even"),
+        (
+            ["--training.local_batch_size", "3", "--training.global_batch_size", "-1"],
+            "must be even with preference data",
+        ),
         (["--dpo.loss_type", "orpo"], "dpo.loss_type"),
     ],
 )
@@ -212,6 +215,7 @@ def test_bad_dpo_configs_are_one_line_errors(args, needle):
     from trainer.config.errors import ConfigError
 
     base = ["--config", "llama3.toml", "--training.objective", "dpo", "--training.dataset", "preference"]
+    base += ["--training.dataset_path", "pairs.jsonl"]  # not read: the config checks come first
     with pytest.raises(ConfigError) as exc:
         load_config([*base, "--training.local_batch_size", "4", *args])
     message = str(exc.value)

@@ -70,18 +70,7 @@ def validate_dpo(cfg) -> None:
         raise ConfigError(f"dpo.loss_type = '{d.loss_type}' needs a reference model: set dpo.reference = 'auto'")
     if d.reference == "auto" and "lora" in cfg.model.converters and cfg.lora.dropout > 0:
         raise ConfigError("dpo.reference = 'auto' with LoRA: set lora.dropout = 0 (the adapters-off reference)")
-    if t.local_batch_size % 2:
-        raise ConfigError(
-            f"training.objective = 'dpo' keeps each (chosen, rejected) pair in one micro-batch: "
-            f"training.local_batch_size must be even, got {t.local_batch_size}"
-        )
-    p = cfg.parallelism
-    if p.pipeline_parallel_degree > 1 and (t.local_batch_size // p.pipeline_microbatches()) % 2:
-        raise ConfigError(
-            f"training.objective = 'dpo' keeps each pair in one pipeline micro-batch: training.local_batch_size "
-            f"({t.local_batch_size}) / parallelism.pipeline_parallel_microbatches ({p.pipeline_microbatches()}) "
-            "must be even"
-        )
+    # an even local batch and pipeline micro-batch: trainer/config/preference_checks.py (preference data)
     if getattr(cfg.model, "mtp_layers", 0):
         raise ConfigError("training.objective = 'dpo' does not train DeepSeek-V3 MTP depths: set model.mtp_layers = 0")
     if cfg.comm.mode == "local_tensor":
