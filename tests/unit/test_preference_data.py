@@ -248,6 +248,12 @@ def test_resume_mid_stream_continues_bitwise(data, kind):
     wrong = build_dataloader(cfg, tok, 0, 1)
     wrong.load_state_dict(json.loads(json.dumps(build_dataloader(cfg, tok, 0, 1).state_dict())))
     assert not _same(ref[2:3], _steps([wrong], 1))
+    # epochs: 44 rows = 11 steps of 4 pairs; the pass completes with step 11, every stripe wrapped
+    passes = []
+    for _ in range(6):
+        again.next_step()
+        passes.append(again.passes(again.state_dict())[0])
+    assert passes == [0, 0, 0, 0, 0, 1]
     if kind == "jsonl":
         src = PreferenceSource(data["jsonl"], tok, DEFAULT_TOKENIZER_PATH)
         whole = PreferenceStream(src, SEQ, too_long="truncate").take(6)
