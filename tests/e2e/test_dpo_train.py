@@ -14,9 +14,12 @@ end to end on CPU, fp32, forked ranks (tools/forkserver.py).
   5.3e-7 relative on every layout (fsdp=2 and fsdp=2 x ep=2 bitwise); the metrics within 3.8e-5
   of the baseline's relative to max(|value|, 1e-3) (cp=2: the pair loss takes differences of
   ~ -150 log-prob sums, so float32 summation-order noise of ~1e-5 in a sum shows there).
-  Cost: ~13 CPU s (llama3, 5 runs) and ~12 (deepseek_v3, 3 runs) with forked ranks.
-* LoRA: ``dpo.reference = "auto"`` (the policy with adapters off: no second copy) against
-  ``"copy"`` (a frozen copy, its adapters' B = 0 from the init): the same reference log-probs,
+  Cost (CPU s, forked ranks): 12.8 (llama3, 5 runs), 9.7 (deepseek_v3, 3 runs), 4.0 (the LoRA
+  and resume runs below).
+* LoRA on the llama3 matrix's seed checkpoint (the base, a DCP folder): ``dpo.reference =
+  "auto"`` (the policy with adapters off: no second copy) against ``"copy"`` (a frozen copy
+  that loads the base's weights from that folder, its adapters' B = 0 from the init): the same
+  reference log-probs,
   so loss, grad norm and the six metrics are bitwise equal over 3 steps (the adapters start at
   zero, so the policy of step 1 equals both references; steps 2-3 compare a moved policy against
   each reference).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -65,7 +69,8 @@ def data(tmp_path_factory):
     return root, ["--training.dataset_path", pairs, "--model.tokenizer_path", tok]
 
 
-def _compare(root, config: str, layouts: list[str], extra: list[str]) -> None:
+def _compare(root, config: str, layouts: list[str], extra: list[str]) -> Path:
+    """Run the matrix and check it; returns its seed checkpoint (every run's initial weights)."""
     out = root / f"cmp-{config}"
     proc = run_compare_loss(
         "--config", f"train_configs/{config}", "--steps", str(STEPS), "--out", str(out), "--timeout", "300",
@@ -89,11 +94,18 @@ def _compare(root, config: str, layouts: list[str], extra: list[str]) -> None:
                 worst = max(worst, abs(a - b) / max(abs(b), 1e-3))
                 assert abs(a - b) <= 1e-5 + 1e-5 * abs(b), (run["layout"], step, name, a, b)
         print(f"{run['layout']:<14} rel loss {run['max_rel_diff']:.2e}  metrics {worst:.2e}")
+    return out / "seed" / "checkpoint" / "step-0"
 
 
-def test_dpo_layouts_llama3(data):
+@pytest.fixture(scope="module")
+def llama3_seed(data) -> Path:
+    """The llama3 matrix (run once) and its seed checkpoint, the LoRA runs' base."""
     root, args = data
-    _compare(root, "llama3.toml", ["single", "fsdp=2", "tp=2", "cp=2", "pp=2"], args)
+    return _compare(root, "llama3.toml", ["single", "fsdp=2", "tp=2", "cp=2", "pp=2"], args)
+
+
+def test_dpo_layouts_llama3(llama3_seed):
+    assert llama3_seed.is_dir()  # the matrix ran and passed in the fixture
 
 
 def test_ipo_layouts_deepseek_ep(data):
@@ -116,8 +128,9 @@ def _values(metrics: dict, step: int) -> tuple:
     return tuple(metrics[step][k] for k in ("loss", "grad_norm", *METRICS))
 
 
-def test_lora_adapters_off_reference_equals_copy_and_resume_is_bitwise(data):
+def test_lora_adapters_off_reference_equals_copy_and_resume_is_bitwise(data, llama3_seed):
     root, args = data
+    args = [*args, "--checkpoint.initial_load_path", str(llama3_seed)]  # the base (a DCP folder)
     out = _run(root, "auto", *args, "--dpo.reference", "auto", "--checkpoint.save_in_hf_every", str(STEPS))
     assert "dpo reference: the policy with its LoRA adapters off" in out
     # the exports as without DPO: the merged Hugging Face folder and the PEFT adapters, trained
@@ -129,7 +142,7 @@ def test_lora_adapters_off_reference_equals_copy_and_resume_is_bitwise(data):
     lora_b = [t for k, t in adapters.items() if "lora_B" in k]
     assert lora_b and all(t.abs().max() > 0 for t in lora_b)  # B starts at 0: DPO's gradients moved every one
     out = _run(root, "copy", *args, "--dpo.reference", "copy")
-    assert "dpo reference: a frozen copy of the initial weights" in out
+    assert f"dpo reference: a frozen copy of the initial weights ({llama3_seed})" in out
     auto, copy = read_metrics(root / "auto"), read_metrics(root / "copy")
     for step in range(1, STEPS + 1):
         assert _values(auto, step) == _values(copy, step), step
