@@ -25,6 +25,7 @@ end to end on CPU, fp32, forked ranks (tools/forkserver.py).
   each reference).
 * Export as without DPO: the adapters-off run writes its merged Hugging Face folder and PEFT
   adapters (every lora_B moved off its zero init by the DPO gradients).
+* The copy loads a Hugging Face ``initial_load_path`` too: step 1's loss is ln 2, rewards 0.
 * Kill + resume: the LoRA copy-reference run SIGKILLed after its step-2 checkpoint and resumed
   gives step 3 bitwise (loss, grad norm, metrics): the reference is rebuilt from the initial
   weights, not from the step checkpoint (a reference loaded from step 2's weights would give
@@ -163,3 +164,26 @@ def test_lora_adapters_off_reference_equals_copy_and_resume_is_bitwise(data, lla
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"resumed from {resumed / 'checkpoint'} at step 2" in res.stdout
     assert _values(read_metrics(resumed), STEPS) == _values(copy, STEPS)
+
+
+def test_copy_reference_loads_an_hf_initial_folder(data):
+    """The frozen copy loads ``initial_load_path`` as a Hugging Face folder like the policy: at
+    step 1 the policy is the reference, so every reward is 0 and the loss ln 2 exactly as far
+    as float32 goes. Control, measured once with the copy's Hugging Face load skipped (left at
+    the seeded init): step-1 loss 0.827."""
+    from tests.hf_models import hf_model, llama_config
+
+    root, args = data
+    folder = root / "base-hf"
+    hf_model(llama_config(num_hidden_layers=2, vocab_size=2056), seed=4).save_pretrained(folder)
+    out = root / "hf-copy"
+    res = run_forked(
+        1, "--config", "llama3.toml", *COMMON, *args, "--training.steps", "1", "--job.dump_folder", str(out),
+        "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", str(folder),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"dpo reference: a frozen copy of the initial weights ({folder})" in res.stdout
+    m = read_metrics(out)[1]
+    assert m["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
+    assert m["rewards/chosen"] == m["rewards/rejected"] == 0.0, m
+    assert m["logps/chosen"] < -1.0  # a real forward
