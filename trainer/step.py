@@ -20,6 +20,7 @@ __all__ = [
     "check_targets",
     "checked_step_values",
     "global_target_count",
+    "moe_layers",
     "read_step_scalars",
     "reduce_loss",
     "update_expert_bias",
@@ -60,9 +61,11 @@ class StepResult:
         False  # not applied: non-finite or a loss spike under on_nonfinite = skip / rollback (trainer/bad_steps.py)
     )
 
+    dpo: dict[str, float] | None = None  # training.objective = dpo: TRL's rewards/* and logps/* (trainer/objectives/)
+
     def extra(self) -> dict[str, float]:
         """The optional per-step metrics of this result, for the metrics record."""
-        return {} if self.mtp_loss is None else {"mtp_loss": self.mtp_loss}
+        return ({} if self.mtp_loss is None else {"mtp_loss": self.mtp_loss}) | (self.dpo or {})
 
 
 def read_step_scalars(scalars: torch.Tensor) -> list[float]:
@@ -142,6 +145,11 @@ def global_target_count(
     if batch_mesh is not None:
         dist.all_reduce(count, group=batch_mesh.get_group())
     return count.clamp_min(1) if at_least_one and sources is None else count
+
+
+def moe_layers(model_parts: list[nn.Module]) -> list[nn.Module]:
+    """The MoE modules of this rank's model parts (the model contract's ``moe_layers``)."""
+    return [moe for part in model_parts for moe in part.moe_layers()]
 
 
 def update_expert_bias(moes: list[nn.Module], pd: ParallelDims) -> None:

@@ -23,7 +23,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from models.kernels import kernels_line
 from models.parallel.activation_offload import activation_offload_line
@@ -47,6 +46,7 @@ from trainer.instruments import Instruments, build_instruments
 from trainer.optim.grad_clip import clip_grad_norm_, finalize_grads
 from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 from trainer.plan import model_overrides, parallel_dims_from_config, plan_job  # noqa: F401 - re-exported
+from trainer.preference import PreferenceStep, build_objective
 from trainer.reporting.data_progress import DataProgress
 from trainer.reporting.metrics import MetricsLogger, training_flops_per_token
 from trainer.reporting.restart_row import restart_row
@@ -72,6 +72,7 @@ from trainer.step import (
     TrainingDiverged,
     checked_step_values,
     global_target_count,
+    moe_layers,
     read_step_scalars,
     reduce_loss,
     update_expert_bias,
@@ -81,11 +82,6 @@ from trainer.validation import Validator
 __all__ = ["StepResult", "Trainer", "TrainingDiverged"]
 
 logger = logging.getLogger(__name__)
-
-
-def _moe_layers(model_parts: list[nn.Module]) -> list[nn.Module]:
-    """The MoE modules of this rank's model parts (the model contract's ``moe_layers``)."""
-    return [moe for part in model_parts for moe in part.moe_layers()]
 
 
 class Trainer:
@@ -139,6 +135,8 @@ class Trainer:
         # the training loss, MTP's (its depths added with training.mtp_loss_weight) and validation's
         # (the main next-token loss), chunked or compiled as configured (trainer/forward.py)
         self.loss_fn, val_loss_fn, self.mtp_loss = loss_functions(cfg, getattr(plan.model.args, "mtp_layers", 0))
+        preference = build_objective(cfg, plan, self.device)  # training.objective = dpo (trainer/preference.py)
+        self.loss_fn = preference or self.loss_fn
         chunk = cfg.training.loss_chunk_tokens
         # every parameter of the whole model (all stages) after the converters (LoRA trains its
         # adapters only): the optimizer's groups are checked and summarised against the trainable
@@ -166,6 +164,8 @@ class Trainer:
             loss_parallel=self.loss_parallel,
             pipeline=self.pipeline,
         )
+        args = (cfg, plan, preference, self.model_parts, self.forward, self.device, _log, initial_hf)
+        self.objective = PreferenceStep(*args) if preference is not None else None
 
         # the next step's micro-batches are prepared on a background thread (training.prefetch)
         # every simulated rank's slice under local_tensor (one LocalTensor per micro-batch); the
@@ -222,9 +222,11 @@ class Trainer:
             sources = {"sources": self.data.step_sources, "n_sources": len(names)} if names else {}
             targets = global_target_count(labels, self.pd, self.device, at_least_one=False, **sources)
             global_tokens = (targets.sum() if names else targets).clamp_min(1)
+        if self.objective is not None:  # DPO: the reference pass; the loss is the mean over the global batch's pairs
+            global_tokens = self.objective.before_step(microbatches)
         global_sequences = self.data.global_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        moes = _moe_layers(self.model_parts)
+        moes = moe_layers(self.model_parts)
         n = len(microbatches)
         for i, (inputs, labels) in enumerate(microbatches):
             if self.pipeline is None and hasattr(model, "set_requires_gradient_sync"):
@@ -247,15 +249,14 @@ class Trainer:
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh, tied_copies(self.model_parts))
         if self.mtp_loss is not None:  # the MTP depths' loss rides along with the loss
             loss_sum = torch.stack([loss_sum, self.mtp_loss.take(self.device) / (global_tokens * self.mtp_loss.depth)])
+        if self.objective is not None:  # the preference metrics ride along with the loss
+            loss_sum = torch.cat([loss_sum.reshape(1), self.objective.take_metrics()])
         if self.pipeline is not None:
             from models.parallel.pipeline import sum_loss_over_pp
 
             loss_sum = sum_loss_over_pp(loss_sum, pp_mesh, self.device)  # only last stage has it
-        loss_total = reduce_loss(loss_sum, self.pd)
-        mtp_total = None
-        if self.mtp_loss is not None:
-            loss_total, mtp_total = loss_total[0], loss_total[1]
-        scalars = torch.stack([loss_total, grad_norm.to(loss_total)] + ([mtp_total] if mtp_total is not None else []))
+        loss_total = reduce_loss(loss_sum, self.pd).reshape(-1)  # the loss, then the MTP loss or DPO's metrics
+        scalars = torch.cat([loss_total[:1], grad_norm.to(loss_total).reshape(1), loss_total[1:]])
         if targets is not None:  # last: a step without any target is stopped too (and skipped on the device)
             scalars = torch.cat([scalars, targets.to(scalars).reshape(-1)])
         n_targets = 0 if targets is None else targets.numel()
@@ -267,7 +268,7 @@ class Trainer:
         ok = self.mode.skips_on_device and self.bad_steps.device_skip_ok(moes)
         skip_on_device, bad = ok and self.optimizer.skips_on_device, False
         if not skip_on_device:
-            (loss_value, norm_value, *mtp_value), counts, bad = self._read_scalars(scalars, n_targets)
+            (loss_value, norm_value, *rides), counts, bad = self._read_scalars(scalars, n_targets)
         self.ckpt.wait_for_staging()  # a background copy of the weights (pinned mode) is complete
         # skipped on the device: a non-finite step, one without any target, a loss spike (trainer/bad_steps.py)
         no_step = self.bad_steps.no_step(scalars, targets) if skip_on_device else None
@@ -284,9 +285,10 @@ class Trainer:
         if skip_on_device:
             # a non-finite step left the weights and the optimizer state as they were (the
             # schedule and, where on_nonfinite = stop, the experts' bias moved on)
-            (loss_value, norm_value, *mtp_value), counts, bad = self._read_scalars(scalars, n_targets)
-        mtp = mtp_value[0] if mtp_value else None
-        return StepResult(loss_value, norm_value, lr_used, mtp, counts or None, bad=bad)
+            (loss_value, norm_value, *rides), counts, bad = self._read_scalars(scalars, n_targets)
+        mtp = rides[0] if self.mtp_loss is not None else None
+        dpo = self.objective.metrics(rides) if self.objective is not None else None
+        return StepResult(loss_value, norm_value, lr_used, mtp, counts or None, bad=bad, dpo=dpo)
 
     def _read_scalars(self, scalars: torch.Tensor, n_targets: int) -> tuple[list[float], list[int], bool]:
         """The step's one host read, checked (trainer/step.py ``checked_step_values``): its values,

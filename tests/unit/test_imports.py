@@ -64,6 +64,7 @@ TRAINER_FOLDERS: dict[str, tuple[str, ...]] = {
     # loop must not import it (a folder cycle): code running it during training is wired in
     # from lifecycle/
     "trainer.inference": ("trainer.config", "trainer.data", "trainer.runtime", "trainer.checkpoint"),
+    "trainer.objectives": ("trainer.config", "trainer.checkpoint"),
 }
 
 MAX_LINES = 500

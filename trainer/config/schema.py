@@ -19,6 +19,7 @@ from models.parallel.float8 import CPU_GEMMS, FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
+from trainer.config.dpo_section import OBJECTIVES, Dpo
 from trainer.config.fields import DATASETS, TEXT_DOCUMENTS
 from trainer.config.fields import opt as _opt
 from trainer.config.lora_section import Lora
@@ -149,6 +150,12 @@ class Training:
         "[tokens, vocab] logits tensor or its gradient is alive at once; the backward recomputes each "
         "chunk's logits (one more head matmul). Works with TP (vocabulary-sharded head), CP, PP, MTP, "
         "tied embeddings and masks (docs/memory.md).",
+    )
+    objective: str = _opt(
+        "lm",
+        "'lm' (next-token cross-entropy on every target token) or 'dpo' (a preference loss on "
+        "(chosen, rejected) pairs, see [dpo]; training.dataset = 'preference', docs/fine_tuning.md).",
+        choices=OBJECTIVES,
     )
     seed: int = _opt(0, "Seed for parameter init and the synthetic corpus.")
     deterministic: bool = _opt(
@@ -376,6 +383,7 @@ SECTIONS: dict[str, type] = {
     "activation_checkpoint": ActivationCheckpoint,
     "float8": Float8,
     "lora": Lora,
+    "dpo": Dpo,
     "compile": Compile,
     "checkpoint": Checkpoint,
     "metrics": Metrics,
@@ -397,6 +405,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
+    dpo: Dpo = field(default_factory=Dpo)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)

@@ -21,6 +21,7 @@ from models.parallel.float8 import FLOAT8_CONVERTERS, FLOAT8_EXPERT_CONVERTERS
 from models.parallel.lora import LORA_CONVERTERS
 from models.registry import HF_FLAVOR, flavor_names, has_experts
 from trainer.config.derived import apply_hf_path, attn_mask_type
+from trainer.config.dpo_section import validate_dpo
 from trainer.config.errors import ConfigError
 from trainer.config.long_run_checks import validate_long_run
 from trainer.config.preference_checks import validate_preference
@@ -38,9 +39,6 @@ def validate_config(cfg: JobConfig) -> None:
                 raise ConfigError(_choice_message(f"{name}.{f.name}", value, choices))
     apply_hf_path(cfg)  # model.hf_path: the family, sizes, weights and tokenizer of one folder
     _validate_values(cfg)
-
-
-# ------------------------------------------------------------------------- validation
 
 
 def _validate_float8(cfg: JobConfig) -> None:
@@ -122,6 +120,7 @@ def _validate_values(cfg: JobConfig) -> None:
 
     _validate_float8(cfg)
     _validate_lora(cfg)
+    validate_dpo(cfg)
 
     need(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
     need(
