@@ -1,0 +1,147 @@
+"""trainer/inference/lm_eval_model.py's request logic against lm-eval's own HFLM, in one process.
+
+The model side is a stand-in session over the very transformers model HFLM runs (the real
+InferenceSession over the sharded model is compared in tests/distributed/test_lm_eval_mesh.py),
+so this file isolates what MeshLM itself does: tokenizing, windowing, batching, slicing the
+continuation's log-probs, stopping and cutting generations. Claims, on the local tasks of
+tests/lm_eval_tasks.py (multiple choice, generate_until, loglikelihood_rolling with a 24-token
+context so documents take several windows), batch 3 against HFLM's batch 1:
+
+* every request's answer equals HFLM's: log-likelihoods within 1e-5 relative + 1e-5 absolute
+  (the same float32 model; only the batch shapes differ, so the matmuls may sum in another
+  order), is_greedy flags and generations exactly; the results' metrics equal;
+* negative control: a stand-in whose logits are shifted one position (the off-by-one slice a
+  scorer can make) changes the log-likelihoods past that tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from tests.hf_models import hf_model, llama_config
+from tests.lm_eval_tasks import offline_env, write_tasks
+
+pytestmark = pytest.mark.unit
+
+lm_eval = pytest.importorskip("lm_eval")
+transformers = pytest.importorskip("transformers")
+
+MAX_LEN = 24
+TASKS = ["meshtrain_mc", "meshtrain_gen", "meshtrain_rolling"]
+RTOL = ATOL = 1e-5
+
+
+class HFSession:
+    """Tests only: the InferenceSession interface over one transformers model (greedy decoding
+    without a cache; stop ids and strings checked after each token)."""
+
+    def __init__(self, model, folder, max_seq_len, shift=0):
+        from trainer.data.tokenizer import load_tokenizer
+
+        self.model, self.max_seq_len, self.shift = model, max_seq_len, shift
+        self.tokenizer = load_tokenizer(os.path.join(folder, "tokenizer.json"))
+        self.eos_ids = [self.tokenizer.eos_id]
+
+    @torch.no_grad()
+    def logits(self, tokens):
+        out = self.model(tokens).logits.float()
+        return torch.roll(out, self.shift, dims=1) if self.shift else out
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, temperature, top_p, seed, stop_ids, stop_strings, use_cache=True):
+        assert temperature == 0.0
+        outs = []
+        for prompt in prompts:
+            ids, new = list(prompt), []
+            for _ in range(max_new_tokens):
+                nxt = int(self.model(torch.tensor([ids])).logits[0, -1].argmax())
+                ids.append(nxt)
+                new.append(nxt)
+                text = self.tokenizer.decode(new)
+                if nxt in stop_ids or any(s in text for s in stop_strings):
+                    break
+            outs.append(new)
+        return outs
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval_model")
+    os.environ.update(offline_env())
+    os.environ["HF_DATASETS_CACHE"] = str(root / "datasets")
+    from trainer.data.tokenizer import DEFAULT_TOKENIZER_PATH
+
+    folder = root / "hf"
+    model = hf_model(llama_config(num_hidden_layers=2, bos_token_id=0, eos_token_id=1, pad_token_id=2), seed=3)
+    model.save_pretrained(folder)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=DEFAULT_TOKENIZER_PATH, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    tok.save_pretrained(folder)
+    tasks = write_tasks(root / "tasks")
+    return model, str(folder), tasks
+
+
+def _evaluate(lm, tasks):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    return simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=tasks), bootstrap_iters=0)
+
+
+def _answers(results, task):
+    return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    from lm_eval.models.huggingface import HFLM
+
+    model, folder, tasks = setup
+    hflm = HFLM(pretrained=model, tokenizer=folder, batch_size=1, max_length=MAX_LEN, device="cpu")
+    return _evaluate(hflm, tasks)
+
+
+def _close(a, b):
+    return math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL)
+
+
+def test_requests_and_metrics_equal_hflm(setup, reference):
+    from trainer.inference.lm_eval_model import MeshLM
+
+    model, folder, tasks = setup
+    ours = _evaluate(MeshLM(HFSession(model, folder, MAX_LEN), batch_size=3), tasks)
+    n = 0
+    for task in ("meshtrain_mc",):
+        for got, want in zip(_answers(ours, task), _answers(reference, task), strict=True):
+            for (lp, greedy), (lp_ref, greedy_ref) in zip([r[0] for r in got], [r[0] for r in want], strict=True):
+                assert _close(lp, lp_ref) and greedy == greedy_ref, (task, lp, lp_ref)
+                n += 1
+    for got, want in zip(_answers(ours, "meshtrain_rolling"), _answers(reference, "meshtrain_rolling"), strict=True):
+        assert _close(got[0][0], want[0][0]), (got, want)
+    assert _answers(ours, "meshtrain_gen") == _answers(reference, "meshtrain_gen")
+    assert n == sum(3 if i != 1 and i != 5 else 4 for i in range(6))
+    for task in TASKS:
+        mine, theirs = ours["results"][task], reference["results"][task]
+        for key, value in theirs.items():
+            if isinstance(value, float) and "stderr" not in key:
+                assert _close(mine[key], value), (task, key, mine[key], value)
+
+
+def test_shifted_logits_fail(setup, reference):
+    """Negative control: logits one position off move the answers out of the tolerance."""
+    from trainer.inference.lm_eval_model import MeshLM
+
+    model, folder, tasks = setup
+    lm = MeshLM(HFSession(model, folder, MAX_LEN, shift=1), batch_size=3)
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    bad = simple_evaluate(model=lm, tasks=["meshtrain_mc"], task_manager=TaskManager(include_path=tasks), bootstrap_iters=0)
+    got = [r[0][0] for a in _answers(bad, "meshtrain_mc") for r in a]
+    want = [r[0][0] for a in _answers(reference, "meshtrain_mc") for r in a]
+    assert not all(_close(g, w) for g, w in zip(got, want, strict=True))
