@@ -20,6 +20,13 @@ extra init). The parallelism code relies on this structure, so it is the contrac
   to every stage; only needed when ``args.needs_documents``);
 * every layer gets ``(h, rope, mask)``: the RoPE rows and the attention mask are built once per
   micro-batch here (the mask by the first layer's ``attention.core.prepare``), not per layer;
+* inference (``trainer/inference/``) calls the forward with ``cache=``: a KV cache (duck-typed,
+  so this folder imports nothing of the trainer) that gives the positions of the new tokens
+  (``cache.positions(s, device)``: after those already cached) and one object per layer
+  (``cache.layer(name)``) that each attention hands its new keys and values to
+  (``update(k, v)`` -> every key and value so far) and attends through
+  (``attend(q, k, v, scale)``, causal against the cache); without it (the default, training)
+  nothing of that path runs;
 * ``boundary_seq_shards``: set by the tensor-parallel applier (tp under sequence parallel): the
   hidden states a pipeline stage receives and sends hold this rank's ``1 / boundary_seq_shards``
   of its local sequence (:meth:`Decoder.local_seq_len`);
@@ -96,8 +103,11 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None, cache: Any = None) -> torch.Tensor:
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), rope, mask)
+        else:  # inference with a KV cache: a keyword, so tensor parallelism's input plan is unchanged
+            h = x + self.attention(self.attention_norm(x), rope, mask, cache=cache)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -180,7 +190,12 @@ class Decoder(nn.Module):
         return inputs.shape[1] * self.boundary_seq_shards
 
     def forward(
-        self, tokens: torch.Tensor, doc_tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        doc_tokens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        cache: Any = None,
     ) -> torch.Tensor:
         """``tokens`` [bs, s] -> logits [bs, s, vocab]; with ``labels`` [bs, s] (and
         ``loss_chunk_tokens`` set) each token's float32 cross-entropy [bs, s] instead, the head
@@ -189,13 +204,29 @@ class Decoder(nn.Module):
         ``doc_tokens`` the micro-batch's token ids [bs, s] (needed when ``args.needs_documents``);
         without ``output`` the hidden states after the last local layer (normed if ``norm`` is
         kept) are returned, in the layout of the blocks' output (sequence-sharded under
-        sequence parallelism)."""
+        sequence parallelism). With ``cache`` (inference, see the module docstring):
+        :meth:`cached_forward`."""
+        if cache is not None:
+            return self.cached_forward(tokens, cache)
         h, _, _ = self.trunk(tokens, doc_tokens)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
             return h
         return self.head(h, labels)
+
+    def cached_forward(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Logits of ``tokens`` [bs, s] that follow the tokens ``cache`` holds: RoPE at the
+        positions the cache gives, every layer's attention through its cache entry, causal
+        over the whole context (a prompt is one document: no block-causal masking). The whole
+        model only (no pipeline stage, no context parallelism)."""
+        if self.tok_embeddings is None or self.output is None or self.cp_size > 1:
+            raise ValueError("a KV cache needs the whole model on each rank: no pipeline stage, no context parallelism")
+        h = self._embed(tokens)
+        rope = self.rope(cache.positions(tokens.shape[1], tokens.device))
+        for name, layer in self.layers.items():
+            h = layer(h, rope, None, cache=cache.layer(name))
+        return self.output(self.norm(h))
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The output head on the normed states ``h``: the logits, or with ``labels`` each

@@ -68,7 +68,7 @@ class GroupedQueryAttention(DecoderAttention):
             self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps)
         self.core = AttentionCore(args.attn_mask_type, args.attn_type)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None, cache: Any = None) -> torch.Tensor:
         bs, s, _ = x.shape
         q = self.wq(x).view(bs, s, -1, self.head_dim)
         k = self.wk(x).view(bs, s, -1, self.head_dim)
@@ -83,8 +83,13 @@ class GroupedQueryAttention(DecoderAttention):
             q = apply_rotary_emb(q, rope)
             k = apply_rotary_emb(k, rope)
         n_rep = kv_repeats(q, k)
+        if cache is not None:  # inference: this rank's KV heads, unrepeated, join the cached ones
+            k, v = cache.update(k, v)
         k = repeat_kv(k, n_rep)
         v = repeat_kv(v, n_rep)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        if cache is not None:
+            out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
+        else:
+            out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         out = out.transpose(1, 2).reshape(bs, s, -1)
         return self.wo(out)

@@ -91,7 +91,7 @@ class Attention(DecoderAttention):
         (``qk_head_dim``); the kernels line reports their padding plan under "MLA"."""
         return ("MLA", self.qk_head_dim, self.v_head_dim) if self.v_head_dim < self.qk_head_dim else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None, cache: Any = None) -> torch.Tensor:
         bs, s, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(bs, s, -1, self.qk_head_dim)
@@ -109,6 +109,11 @@ class Attention(DecoderAttention):
                 "wq/wq_b and wkv_b must be sharded the same way under tensor parallelism."
             )
         k = torch.cat([k_nope, k_pe.expand(-1, -1, local_heads, -1)], dim=-1)
+        if cache is not None:
+            # inference: the cache holds this rank's heads' full keys and values (not the latent)
+            k, v = cache.update(k, v)
+            out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale)
+            return self.wo(out.transpose(1, 2).reshape(bs, s, -1))
         # Values are narrower than queries and keys (v_head_dim < qk_head_dim). Kernels that take
         # that (cuDNN attention, the memory-efficient kernel, FlexAttention) get them as they
         # are; where the fastest kernel needs one head dim (FlashAttention on CUDA, the flash

@@ -8,6 +8,8 @@ RoPE table, the blocks and the MTP depths, and resets the MoE balancing buffers 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -56,7 +58,11 @@ class DeepSeekV3(Decoder):
         doc_tokens: torch.Tensor | None = None,
         mtp_tokens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        *,
+        cache: Any = None,
     ) -> torch.Tensor:
+        if cache is not None:  # inference with a KV cache (models/common/decoder.py): no MTP depths
+            return self.cached_forward(tokens, cache)
         if self.mtp is None or self.output is None or mtp_tokens is None:
             return super().forward(tokens, doc_tokens, labels)
         h, rope, mask = self.trunk(tokens, doc_tokens)

@@ -60,6 +60,10 @@ TRAINER_FOLDERS: dict[str, tuple[str, ...]] = {
     "trainer.checkpoint": ("trainer.config", "trainer.data", "trainer.optim", "trainer.runtime"),
     "trainer.reporting": ("trainer.config", "trainer.runtime"),
     "trainer.instruments": ("trainer.config", "trainer.runtime", "trainer.simulation"),
+    # builds the model the loop's way (trainer/startup.py, build.py at trainer/'s top), so the
+    # loop must not import it (a folder cycle): code running it during training is wired in
+    # from lifecycle/
+    "trainer.inference": ("trainer.config", "trainer.data", "trainer.runtime", "trainer.checkpoint"),
 }
 
 MAX_LINES = 500
