@@ -141,7 +141,9 @@ def test_shifted_logits_fail(setup, reference):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    bad = simple_evaluate(model=lm, tasks=["meshtrain_mc"], task_manager=TaskManager(include_path=tasks), bootstrap_iters=0)
+    bad = simple_evaluate(
+        model=lm, tasks=["meshtrain_mc"], task_manager=TaskManager(include_path=tasks), bootstrap_iters=0
+    )
     got = [r[0][0] for a in _answers(bad, "meshtrain_mc") for r in a]
     want = [r[0][0] for a in _answers(reference, "meshtrain_mc") for r in a]
     assert not all(_close(g, w) for g, w in zip(got, want, strict=True))

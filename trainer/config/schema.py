@@ -19,6 +19,7 @@ from models.parallel.float8 import CPU_GEMMS, FLOAT8_RECIPES
 from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
+from trainer.config.eval_section import Eval
 from trainer.config.fields import DATASETS, TEXT_DOCUMENTS
 from trainer.config.fields import opt as _opt
 from trainer.config.lora_section import Lora
@@ -373,6 +374,7 @@ SECTIONS: dict[str, type] = {
     "profiling": Profiling,
     "comm": Comm,
     "validation": Validation,
+    "eval": Eval,
     "debug": Debug,
 }
 
@@ -394,6 +396,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

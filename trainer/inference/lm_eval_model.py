@@ -12,9 +12,12 @@ the model sharded on the training mesh answers lm-eval's three request types.
   prefix token), scored as above and summed per document.
 * ``generate_until``: requests grouped by their generation arguments (lm-eval's ``Collator``),
   the context left-truncated to ``max_seq_len - max_gen_toks``, ``session.generate`` with the
-  ``until`` strings (plus the eos text, as HFLM adds it) and the model's eos ids as stops; the
-  continuation decoded without special tokens and cut at the first stop string (lm-eval's
-  ``postprocess_generated_text``).
+  model's eos ids as stops; the continuation decoded without special tokens and cut at the
+  first ``until`` string (plus the eos text, as HFLM adds it) by lm-eval's
+  ``postprocess_generated_text``. The stop strings are not handed to ``session.generate``: it
+  cuts its tokens before a stop string and leaves out a token that holds text on both sides of
+  the cut (``".\n"`` under ``until: ["\n"]``), where HFLM keeps the text before it; so each
+  completion runs to ``max_gen_toks`` or an eos id, and the cut is lm-eval's, on the text.
 
 Every rank runs every request (the model is sharded: every rank must take part in each forward,
 with the same tokens), so lm-eval sees one process (``rank`` 0, ``world_size`` 1) on every rank
@@ -184,7 +187,7 @@ class MeshLM(TemplateLM):
                 top_p=float(kwargs.get("top_p", 1.0)) if sample else 1.0,
                 seed=self.seed,
                 stop_ids=list(self.session.eos_ids),
-                stop_strings=[s for s in until if s],
+                stop_strings=(),  # cut below, on the text (the module docstring)
             )
             for context, gen_kwargs, new_tokens in zip(contexts, all_kwargs, outputs, strict=True):
                 text = postprocess_generated_text(self.tok_decode(list(new_tokens)), until, None)
