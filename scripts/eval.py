@@ -2,6 +2,7 @@
 
     python scripts/eval.py --config X --checkpoint DIR --tasks T[,T2] [--include_path P]
         [--num_fewshot K] [--limit L] [--batch_size B] [--max_gen_toks N] --output_path OUT
+        [--log_samples]
         [--section.key value ...]
 
 ``DIR``: a step folder of a run (``<dump_folder>/checkpoint/step-N``), the run's checkpoint
@@ -17,7 +18,8 @@ host without the hub). lm-eval runs its own task definitions, seeds and metrics 
 trainer/inference/lm_eval_model.py's ``MeshLM``; every rank runs every request (the model is
 sharded) and rank 0 prints lm-eval's table and writes ``OUT``: the results dict of
 ``lm_eval.simple_evaluate`` as JSON (what lm-eval's own CLI writes as ``results_*.json``, without
-per-sample logs), to ``OUT`` itself when it ends in ``.json``, else to ``OUT/results.json``.
+per-sample logs unless ``--log_samples``: then its ``samples`` too, each request's arguments
+and responses), to ``OUT`` itself when it ends in ``.json``, else to ``OUT/results.json``.
 Bad input (flags, config, checkpoint, tasks) is one ``error:`` line and exit code 2.
 """
 
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=1, help="loglikelihood requests (or prompts) per forward")
     p.add_argument("--max_gen_toks", type=int, default=256, help="new tokens of a generation task that sets none")
     p.add_argument("--output_path", required=True, help="results JSON (a .json file, or a folder for results.json)")
+    p.add_argument("--log_samples", action="store_true", help="keep every request and response in the JSON ('samples')")
 
     def fail(message: str):
         raise UsageError(f"{message} (python scripts/eval.py --help)")
@@ -165,7 +168,7 @@ def _evaluate(ns, config_args: list[str]) -> int:
     manager = task_manager(tasks, ns.include_path)  # before the model: a bad task costs no load
     session = InferenceSession.from_checkpoint(cfg, ns.checkpoint)
     lm = MeshLM(session, batch_size=ns.batch_size, max_gen_toks=ns.max_gen_toks)
-    results = evaluate(lm, manager, tasks, num_fewshot=ns.num_fewshot, limit=ns.limit)
+    results = evaluate(lm, manager, tasks, num_fewshot=ns.num_fewshot, limit=ns.limit, log_samples=ns.log_samples)
     if _rank() != 0 or results is None:
         return 0
     from lm_eval.utils import handle_non_serializable, make_table

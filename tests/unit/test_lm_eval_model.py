@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import math
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,11 +88,10 @@ def setup(tmp_path_factory):
     return model, str(folder), tasks
 
 
-def _evaluate(lm, tasks):
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
+def _evaluate(lm, tasks, names=TASKS):
+    from trainer.inference.lm_eval_run import evaluate, task_manager
 
-    return simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=tasks), bootstrap_iters=0)
+    return evaluate(lm, task_manager(names, tasks), names, log_samples=True, bootstrap_iters=0)
 
 
 def _answers(results, task):
@@ -99,11 +100,14 @@ def _answers(results, task):
 
 @pytest.fixture(scope="module")
 def reference(setup):
+    """HFLM's results, and whether lm-eval's run moved torch's global RNG (it seeds it)."""
     from lm_eval.models.huggingface import HFLM
 
     model, folder, tasks = setup
     hflm = HFLM(pretrained=model, tokenizer=folder, batch_size=1, max_length=MAX_LEN, device="cpu")
-    return _evaluate(hflm, tasks)
+    before = torch.get_rng_state()
+    results = _evaluate(hflm, tasks)
+    return results, not torch.equal(before, torch.get_rng_state())
 
 
 def _close(a, b):
@@ -111,10 +115,17 @@ def _close(a, b):
 
 
 def test_requests_and_metrics_equal_hflm(setup, reference):
+    from trainer.inference.eval_during_training import rng_preserved
     from trainer.inference.lm_eval_model import MeshLM
 
     model, folder, tasks = setup
-    ours = _evaluate(MeshLM(HFSession(model, folder, MAX_LEN), batch_size=3), tasks)
+    reference, moved = reference
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    with rng_preserved():  # what the evaluation during training runs in
+        ours = _evaluate(MeshLM(HFSession(model, folder, MAX_LEN), batch_size=3), tasks)
+    assert moved  # negative control: lm-eval seeds torch's RNG (a training run's would move)
+    after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state())
+    assert before[0] == after[0] and (before[1] == after[1]).all() and torch.equal(before[2], after[2])
     n = 0
     for task in ("meshtrain_mc",):
         for got, want in zip(_answers(ours, task), _answers(reference, task), strict=True):
@@ -137,13 +148,30 @@ def test_shifted_logits_fail(setup, reference):
     from trainer.inference.lm_eval_model import MeshLM
 
     model, folder, tasks = setup
-    lm = MeshLM(HFSession(model, folder, MAX_LEN, shift=1), batch_size=3)
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    bad = simple_evaluate(
-        model=lm, tasks=["meshtrain_mc"], task_manager=TaskManager(include_path=tasks), bootstrap_iters=0
-    )
+    reference = reference[0]
+    bad = _evaluate(MeshLM(HFSession(model, folder, MAX_LEN, shift=1), batch_size=3), tasks, ["meshtrain_mc"])
     got = [r[0][0] for a in _answers(bad, "meshtrain_mc") for r in a]
     want = [r[0][0] for a in _answers(reference, "meshtrain_mc") for r in a]
     assert not all(_close(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_unknown_task_and_bad_task_file(setup, tmp_path, monkeypatch):
+    """One line each (ValueError: exit 2 in scripts/eval.py): a name lm-eval's TaskManager does
+    not know, looked up after the include path in lm-eval's built-in index too (here the index
+    of the include path alone, the built-in one costing seconds: the same TaskManager call);
+    a task YAML that does not parse (lm-eval itself would skip the file silently)."""
+    import lm_eval.tasks
+
+    from trainer.inference.lm_eval_run import task_manager
+
+    real = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: real(**{**kw, "include_defaults": False}))
+    tasks = setup[2]
+    assert "meshtrain_mc" in task_manager(["meshtrain_mc"], tasks).all_tasks
+    with pytest.raises(ValueError, match=r"^unknown task 'meshtrain_nope': lm-eval finds no task, group or tag"):
+        task_manager(["meshtrain_mc", "meshtrain_nope"], tasks)
+    (tmp_path / "broken.yaml").write_text("task: broken\ndataset_path: json\n  oops: [unclosed\n")
+    with pytest.raises(ValueError, match=r"broken.yaml does not parse as YAML \(line 3, column 7\)"):
+        task_manager(["broken"], str(tmp_path))
+    with pytest.raises(ValueError, match=r"--include_path .*nowhere does not exist"):
+        task_manager(["broken"], str(tmp_path / "nowhere"))
