@@ -42,7 +42,7 @@ from trainer.config import ConfigError, JobConfig
 from trainer.runtime.distributed_init import init_distributed
 from trainer.startup import plan_startup
 
-__all__ = ["Built", "build_from_checkpoint", "eos_ids_of", "refuse_layout"]
+__all__ = ["Built", "build_from_checkpoint", "eos_ids_of", "preflight", "refuse_layout"]
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -127,23 +127,49 @@ def _point_at(cfg: JobConfig, kind: str, folder: str, step: int) -> JobConfig:
 
 
 def _check_shapes(path: str, model_parts, select) -> None:
-    """Every model tensor ``path`` stores has this model's global shape (DCP would fail deep
-    inside its planner otherwise): a CheckpointError naming the first that differs."""
+    """``path`` stores exactly this model's tensors (``select``: those a LoRA step folder
+    holds) in this model's global shapes: a CheckpointError naming the first difference
+    (DCP would load a subset silently, or fail deep inside its planner)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         meta = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})") from None
-    for key, value in checkpoint_state_dict(model_parts, select).items():
-        stored = meta.get(f"model.{key}")
-        want = tuple(value.shape)
-        have = tuple(getattr(stored, "size", ()) or ())
-        if stored is not None and have != want:
+    fix = "it was saved from another model or flavor; pass the config (and --model.* overrides) it was trained with"
+    ours = checkpoint_state_dict(model_parts, select)
+    stored = {k[len("model.") :] for k in meta if k.startswith("model.")}
+    if select is not None:
+        stored = {k for k in stored if select(k)}
+    missing, extra = sorted(ours.keys() - stored), sorted(stored - ours.keys())
+    if missing or extra:
+        what = f"lacks {len(missing)} of the model's tensors, e.g. {missing[0]}" if missing else ""
+        what += (" and " if missing and extra else "") + (
+            f"holds {len(extra)} tensors the model does not have, e.g. {extra[0]}" if extra else ""
+        )
+        raise CheckpointError(f"checkpoint {path} {what}: {fix}")
+    for key, value in ours.items():
+        have, want = tuple(meta[f"model.{key}"].size), tuple(value.shape)
+        if have != want:
             raise CheckpointError(
-                f"checkpoint {path} holds {key} of shape {list(have)} but the config's model "
-                f"has {list(want)}: it was saved from another model or flavor; pass the config it was trained with"
+                f"checkpoint {path} holds {key} of shape {list(have)} but the config's model has {list(want)}: {fix}"
             )
+
+
+def preflight(cfg: JobConfig, path: str, world_size: int, device_type: str) -> None:
+    """What :func:`build_from_checkpoint` would refuse for a job of ``world_size`` ranks,
+    checked in this process without a process group (a launcher's check before its workers
+    start): the folder, the config against it (a Hugging Face folder's config.json and
+    headers, a step folder's stored shapes against the model's on the meta device) and the
+    layout."""
+    kind, folder, step = _kind(path)
+    cfg = _point_at(cfg, kind, folder, step)
+    plan = plan_startup(cfg, world_size, device_type).plan
+    refuse_layout(plan.parallel_dims)
+    if kind == "dcp":
+        with torch.device("meta"):
+            model = plan.model.model_cls(plan.model.args)
+        _check_shapes(os.path.join(folder, f"step-{step}"), [model], None)
 
 
 def build_from_checkpoint(cfg: JobConfig, path: str, log=lambda _line: None) -> Built:

@@ -42,6 +42,8 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from trainer.runtime.cli_errors import EXIT_BAD_INPUT, report_user_error, user_error
 
@@ -213,7 +215,17 @@ def _check_elastic(cfg, args) -> None:
         share_no_store(min_nodes, max_nodes)
 
 
-def run(launch: list[str], rest: list[str]) -> int:
+def run(
+    launch: list[str],
+    rest: list[str],
+    *,
+    script: str = TRAIN_PY,
+    script_args: list[str] | None = None,
+    check: Callable[[Any, int], None] | None = None,
+) -> int:
+    """Launch ``script`` (default train.py) on every worker with the config arguments ``rest``
+    and then ``script_args`` (another entry point's own flags, e.g. scripts/generate.py's);
+    ``check(cfg, world_size)`` is the pre-start check (default: training's ``preflight``)."""
     from trainer.config import load_config
     from trainer.lifecycle.restarts import restarting
     from trainer.lifecycle.start_signals import hand_over, workers_start_blocked
@@ -224,7 +236,7 @@ def run(launch: list[str], rest: list[str]) -> int:
         args, world_size = _parse_launch(launch)
         cfg = load_config(rest)
         _check_elastic(cfg, args)  # a node range: every node count's layout, the lost node's worded
-        preflight(cfg, world_size)
+        (check or preflight)(cfg, world_size)
     except KeyboardInterrupt:
         print("interrupted (SIGINT) before the workers started: nothing to save", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
@@ -248,7 +260,7 @@ def run(launch: list[str], rest: list[str]) -> int:
         args.shutdown_timeout = cfg.comm.init_timeout_seconds + 60  # the workers' stop-and-save bound
     if int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does, without its banner
-    args.training_script, args.training_script_args = TRAIN_PY, rest
+    args.training_script, args.training_script_args = script, [*rest, *(script_args or [])]
     from trainer.lifecycle.parent_death import LAUNCHER_PID
 
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers end with this process (parent_death.py)
