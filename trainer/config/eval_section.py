@@ -5,7 +5,6 @@ checks (:func:`validate_eval`) run with the config's other checks (trainer/confi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from trainer.config.errors import ConfigError
@@ -34,8 +33,9 @@ class Eval:
 
 
 def validate_eval(cfg) -> None:
-    """The [eval] values a run could not use (the task names are checked as training starts,
-    where lm-eval's task index is read)."""
+    """The [eval] values a run could not use (the task names and eval.include_path are
+    checked as training starts, where lm-eval's task index is read:
+    trainer/inference/eval_during_training.py)."""
     ev = cfg.eval
     if not ev.tasks:
         return
@@ -47,7 +47,3 @@ def validate_eval(cfg) -> None:
         raise ConfigError(f"eval.num_fewshot must be >= 0, or -1 for each task's own, got {ev.num_fewshot}")
     if ev.batch_size < 1 or ev.max_gen_toks < 1:
         raise ConfigError("eval.batch_size and eval.max_gen_toks must be >= 1")
-    if ev.include_path and not os.path.exists(ev.include_path):
-        raise ConfigError(
-            f"eval.include_path {ev.include_path} does not exist: point it at a folder of lm-eval task YAMLs"
-        )

@@ -60,7 +60,7 @@ class DownstreamEval:
         ev = trainer.cfg.eval
         self.cfg, self.trainer, self.log = ev, trainer, log
         self.tasks = list(ev.tasks)
-        self.manager = task_manager(self.tasks, ev.include_path)
+        self.manager = task_manager(self.tasks, ev.include_path, option="eval.include_path")
         self.rank = int(getattr(trainer, "rank", 0))
         self._quiet()
 

@@ -35,13 +35,14 @@ def _yaml_loader():
     return _AnyTag
 
 
-def check_task_files(include_path: str) -> None:
-    """Every ``*.yaml`` / ``*.yml`` under ``include_path`` (a folder or one file) parses."""
+def check_task_files(include_path: str, option: str = "--include_path") -> None:
+    """Every ``*.yaml`` / ``*.yml`` under ``include_path`` (a folder or one file) parses;
+    ``option`` names it in the messages."""
     import yaml
 
     if not os.path.exists(include_path):
         raise ValueError(
-            f"--include_path {include_path} does not exist: point it at a folder of lm-eval task YAMLs (or one YAML file)"
+            f"{option} {include_path} does not exist: point it at a folder of lm-eval task YAMLs (or one YAML file)"
         )
     files = [include_path] if os.path.isfile(include_path) else []
     for root, _dirs, names in os.walk(include_path):
@@ -58,24 +59,25 @@ def check_task_files(include_path: str) -> None:
             raise ValueError(f"task file {path} does not parse as YAML{where}: {problem}; fix or remove it") from None
 
 
-def task_manager(tasks: list[str], include_path: str = ""):
-    """lm-eval's ``TaskManager`` that knows every name of ``tasks`` (see the module docstring)."""
+def task_manager(tasks: list[str], include_path: str = "", option: str = "--include_path"):
+    """lm-eval's ``TaskManager`` that knows every name of ``tasks`` (see the module docstring);
+    ``option``: how the messages name ``include_path`` (``eval.include_path`` for [eval])."""
     from lm_eval.tasks import TaskManager
 
     if not tasks:
         raise ValueError("no task: give --tasks NAME[,NAME] (lm-eval task, group or tag names)")
     if include_path:
-        check_task_files(include_path)
+        check_task_files(include_path, option)
         manager = TaskManager(include_path=include_path, include_defaults=False)
         if all(t in manager.all_tasks for t in tasks):
             return manager
     manager = TaskManager(include_path=include_path or None, include_defaults=True)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        where = f"in --include_path {include_path} nor " if include_path else "among "
+        where = f"in {option} {include_path} nor " if include_path else "among "
         raise ValueError(
             f"unknown task {unknown[0]!r}: lm-eval finds no task, group or tag of that name {where}its built-in "
-            f"tasks; check the spelling (`lm-eval ls tasks` lists them) or pass --include_path with the folder of its YAML"
+            f"tasks; check the spelling (`lm-eval ls tasks` lists them) or pass {option} with the folder of its YAML"
         )
     return manager
 
