@@ -30,6 +30,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if os.environ.get("RANK", "0") != "0":  # lm-eval's logs and progress bars: rank 0's alone
+    os.environ.setdefault("LMEVAL_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
 # as train.py: a Ctrl-C while torch imports is one line; a launcher's worker ends with it
 from trainer.lifecycle.start_signals import quiet_start
 
@@ -155,16 +159,12 @@ def evaluate(ns, config_args: list[str]) -> int:
 
 
 def _evaluate(ns, config_args: list[str]) -> int:
-    import logging
-
     from trainer.inference.lm_eval_model import MeshLM
     from trainer.inference.lm_eval_run import evaluate, scores, task_manager
     from trainer.inference.session import InferenceSession
 
     cfg = load_config(config_args)
     tasks = check_flags(ns)
-    if int(os.environ.get("RANK", "0")) != 0:  # lm-eval logs on every process: rank 0 speaks
-        logging.getLogger("lm_eval").setLevel(logging.ERROR)
     manager = task_manager(tasks, ns.include_path)  # before the model: a bad task costs no load
     session = InferenceSession.from_checkpoint(cfg, ns.checkpoint)
     lm = MeshLM(session, batch_size=ns.batch_size, max_gen_toks=ns.max_gen_toks)

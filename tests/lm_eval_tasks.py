@@ -2,8 +2,7 @@
 JSONL files written into a folder, the way a user points lm-eval at local data
 (``dataset_path: json`` + ``dataset_kwargs.data_files``).
 
-* ``meshtrain_mc``: multiple choice (``acc``, ``acc_norm``), 6 documents of 3-4 choices, one
-  with an empty-context-free leading space so ``TemplateLM`` moves it to the continuation;
+* ``meshtrain_mc``: multiple choice (``acc``, ``acc_norm``), 6 documents of 3-4 choices;
 * ``meshtrain_gen``: generate_until (``exact_match``), 4 documents, until ``"\\n"`` and ``"."``,
   8 new tokens at most;
 * ``meshtrain_rolling``: loglikelihood_rolling (word / byte perplexity), 3 documents long enough
@@ -40,45 +39,45 @@ TASKS = {
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {data}
+    test: @DATA@
 test_split: test
 output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
 doc_to_target: answer
 metric_list:
-  - metric: acc
-  - metric: acc_norm
+  - {metric: acc, aggregation: mean, higher_is_better: true}
+  - {metric: acc_norm, aggregation: mean, higher_is_better: true}
 """,
     "meshtrain_gen": """task: meshtrain_gen
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {data}
+    test: @DATA@
 test_split: test
 output_type: generate_until
-doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_text: "Q: {{question}}\\nA:"
 doc_to_target: answer
 generation_kwargs:
   until: ["\\n", "."]
   max_gen_toks: 8
   do_sample: false
 metric_list:
-  - metric: exact_match
+  - {metric: exact_match, aggregation: mean, higher_is_better: true}
 """,
     "meshtrain_rolling": """task: meshtrain_rolling
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {data}
+    test: @DATA@
 test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
+doc_to_target: "{{text}}"
 metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
+  - {metric: word_perplexity, aggregation: weighted_perplexity, higher_is_better: false}
+  - {metric: byte_perplexity, aggregation: weighted_perplexity, higher_is_better: false}
+  - {metric: bits_per_byte, aggregation: bits_per_byte, higher_is_better: false}
 """,
 }
 DOCS = {"meshtrain_mc": MC_DOCS, "meshtrain_gen": GEN_DOCS, "meshtrain_rolling": ROLLING_DOCS}
@@ -93,7 +92,7 @@ def write_tasks(folder) -> str:
         with open(data, "w") as f:
             f.writelines(json.dumps(doc) + "\n" for doc in DOCS[name])
         with open(os.path.join(str(folder), f"{name}.yaml"), "w") as f:
-            f.write(template.format(data=data))
+            f.write(template.replace("@DATA@", data))
     return str(folder)
 
 

@@ -227,5 +227,5 @@ def test_bad_input_one_line_exit_2(runs, tmp_path, case):
     res = _eval_script(root, env, *args, *extra)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-3000:]
-    want = {"another_model": "different model", "missing_checkpoint": "nowhere", "bad_yaml": "does not parse"}[case]
+    want = {"another_model": "another model", "missing_checkpoint": "nowhere", "bad_yaml": "does not parse"}[case]
     assert want in lines[0], lines[0]

@@ -68,9 +68,11 @@ class DownstreamEval:
         """lm-eval's and datasets' progress bars and notes off in the training log (warnings
         and errors stay)."""
         import logging
+        import os
 
-        for name in ("lm_eval", "datasets"):
-            logging.getLogger(name).setLevel(logging.WARNING if self.rank == 0 else logging.ERROR)
+        level = "WARNING" if self.rank == 0 else "ERROR"
+        os.environ.setdefault("LMEVAL_LOG_LEVEL", level)  # what simple_evaluate sets its logger to
+        logging.getLogger("datasets").setLevel(level)
         with contextlib.suppress(ImportError):
             from datasets.utils.logging import disable_progress_bar
 
