@@ -175,3 +175,25 @@ def test_unknown_task_and_bad_task_file(setup, tmp_path, monkeypatch):
         task_manager(["broken"], str(tmp_path))
     with pytest.raises(ValueError, match=r"--include_path .*nowhere does not exist"):
         task_manager(["broken"], str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eval.interval", "0"], r"eval.interval must be >= 1"),
+        (["--eval.limit", "-1"], r"eval.limit must be >= 0"),
+        (["--eval.num_fewshot", "-2"], r"eval.num_fewshot must be >= 0, or -1"),
+        (["--eval.batch_size", "0"], r"eval.batch_size and eval.max_gen_toks must be >= 1"),
+        (["--comm.mode", "fake_backend", "--comm.fake_world_size", "2"], r"a simulated run .* does not run lm-eval"),
+    ],
+)
+def test_eval_section_checks(args, message):
+    """[eval] (trainer/config/eval_section.py): one line per value a run could not use; no
+    check at all while eval.tasks is empty (the default: off)."""
+    from trainer.config import ConfigError, load_config
+
+    cfg = load_config(["--config", "llama3.toml", "--eval.tasks", "a,b", "--eval.interval", "3"])
+    assert cfg.eval.tasks == ["a", "b"] and cfg.eval.interval == 3 and cfg.eval.num_fewshot == -1
+    load_config(["--config", "llama3.toml", *args])  # off: nothing checked
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--config", "llama3.toml", "--eval.tasks", "a", *args])

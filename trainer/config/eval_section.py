@@ -39,6 +39,12 @@ def validate_eval(cfg) -> None:
     ev = cfg.eval
     if not ev.tasks:
         return
+    if cfg.comm.mode != "default":
+        raise ConfigError(
+            f"eval.tasks: a simulated run (comm.mode = '{cfg.comm.mode}', one process standing for the job's "
+            "ranks) does not run lm-eval between steps; leave eval.tasks empty there, or score a real run's "
+            "checkpoints with scripts/eval.py"
+        )
     if ev.interval < 1:
         raise ConfigError(f"eval.interval must be >= 1 (steps between evaluations), got {ev.interval}")
     if ev.limit < 0:

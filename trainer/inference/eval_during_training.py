@@ -1,8 +1,9 @@
 """``[eval]``: lm-eval tasks scored on the live model between training steps.
 
 :func:`attach` (called by trainer/lifecycle/rank.py after the Trainer is built, because the loop
-may not import trainer/inference/) reads lm-eval's task index once (an unknown task or a task
-file that does not parse stops the run before its first step: one line, exit code 2) and sets
+may not import trainer/inference/) reads lm-eval's task index once (an unknown task, a task
+file that does not parse, or a layout the inference session refuses (pp, cp) stops the run
+before its first step: one line, exit code 2) and sets
 ``trainer.downstream`` to a :class:`DownstreamEval`. The loop calls :meth:`DownstreamEval.due`
 and :meth:`DownstreamEval.run` after a step's checkpoint and validation, every
 ``eval.interval`` steps and after the run's last step.
@@ -58,6 +59,7 @@ class DownstreamEval:
         from trainer.inference.lm_eval_run import task_manager
 
         ev = trainer.cfg.eval
+        _check_layout(trainer.plan.parallel_dims)
         self.cfg, self.trainer, self.log = ev, trainer, log
         self.tasks = list(ev.tasks)
         self.manager = task_manager(self.tasks, ev.include_path, option="eval.include_path")
@@ -115,6 +117,20 @@ class DownstreamEval:
         shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
         self.log(f"eval at step {step}: {shown} ({seconds:.1f}s)")
         return record
+
+
+def _check_layout(pd: Any) -> None:
+    """The layouts the inference session refuses (pp, cp), refused before the first step."""
+    from trainer.config import ConfigError
+    from trainer.inference.loading import refuse_layout
+
+    try:
+        refuse_layout(pd)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"eval.tasks: the evaluation between steps cannot run on this layout ({exc}); or train without [eval] "
+            "and score the run's checkpoints with scripts/eval.py on a layout without pp and cp"
+        ) from None
 
 
 def attach(trainer: Any, log=print) -> None:
