@@ -204,6 +204,7 @@ def _generate(ns, config_args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    hand_over()  # from here a Ctrl-C is this process's (one line); the imports are done
     parser = build_parser()
     try:
         own, rest = split_argv(argv, parser)
@@ -225,7 +226,6 @@ def main(argv: list[str]) -> int:
         return launch(
             split[0], config_args, script=SCRIPT, script_args=own, check=lambda cfg, world: check_job(ns, cfg, world)
         )
-    hand_over()  # from here a Ctrl-C is this process's (one line)
     run_and_exit(lambda: generate(ns, config_args))
     return 0
 

@@ -1,5 +1,6 @@
 """``python train.py --nproc_per_node N [torchrun's other flags] --config X [overrides]``: the
-launcher, torchrun's job without its noise.
+launcher, torchrun's job without its noise. ``scripts/generate.py`` launches its workers through
+the same :func:`run` (its script, its own flags, its pre-start check).
 
 It takes torchrun's own flags (its parser: ``--nproc_per_node``, ``--nnodes``, ``--node_rank``,
 ``--rdzv_*``, ``--master_*``, ``--max_restarts``, ...; every flag without a dot is a launcher
