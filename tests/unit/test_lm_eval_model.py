@@ -45,17 +45,20 @@ class HFSession:
         from trainer.data.tokenizer import load_tokenizer
 
         self.model, self.max_seq_len, self.shift = model, max_seq_len, shift
+        self.calls = 0  # logits and generate calls (MeshLM's heartbeat precedes each)
         self.tokenizer = load_tokenizer(os.path.join(folder, "tokenizer.json"))
         self.eos_ids = [self.tokenizer.eos_id]
 
     @torch.no_grad()
     def logits(self, tokens):
+        self.calls += 1
         out = self.model(tokens).logits.float()
         return torch.roll(out, self.shift, dims=1) if self.shift else out
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature, top_p, seed, stop_ids, stop_strings, use_cache=True):
         assert temperature == 0.0
+        self.calls += 1
         outs = []
         for prompt in prompts:
             ids, new = list(prompt), []
@@ -121,8 +124,10 @@ def test_requests_and_metrics_equal_hflm(setup, reference):
     model, folder, tasks = setup
     reference, moved = reference
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    session, beats = HFSession(model, folder, MAX_LEN), []
     with rng_preserved():  # what the evaluation during training runs in
-        ours = _evaluate(MeshLM(HFSession(model, folder, MAX_LEN), batch_size=3), tasks)
+        ours = _evaluate(MeshLM(session, batch_size=3, heartbeat=lambda: beats.append(1)), tasks)
+    assert len(beats) == session.calls > 0  # the watchdog's re-arm before every batch
     assert moved  # negative control: lm-eval seeds torch's RNG (a training run's would move)
     after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state())
     assert before[0] == after[0] and (before[1] == after[1]).all() and torch.equal(before[2], after[2])

@@ -19,7 +19,10 @@ What training sees of it: nothing. The session leaves each module's train/eval m
 buffers and the torch RNG as found around every forward; lm-eval seeds Python's ``random``,
 NumPy and torch (CPU and CUDA) itself, so the evaluation runs inside :func:`rng_preserved`, which
 puts all four back. It reads no training data (the loader's position is untouched), computes no
-gradient, and its time is left out of the step times (``metrics.exclude``).
+gradient, and its time is left out of the step times (``metrics.exclude``). The step watchdog
+(trainer/runtime/comm_watchdog.py) is re-armed with its long-phase limit before each batch of
+requests, so a benchmark may take longer than ``comm.init_timeout_seconds`` and a hung
+collective is still cut off.
 """
 
 from __future__ import annotations
@@ -83,15 +86,16 @@ class DownstreamEval:
     def due(self, step: int, end: bool) -> bool:
         return step % self.cfg.interval == 0 or end
 
-    def scores(self) -> dict[str, float] | None:
-        """The tasks' scores now (rank 0; None on the other ranks), the training state untouched."""
+    def scores(self, heartbeat=None) -> dict[str, float] | None:
+        """The tasks' scores now (rank 0; None on the other ranks), the training state untouched;
+        ``heartbeat`` before each batch of requests (MeshLM)."""
         from trainer.inference.lm_eval_model import MeshLM
         from trainer.inference.lm_eval_run import evaluate, scores
         from trainer.inference.session import InferenceSession
 
         t = self.trainer
         session = InferenceSession.from_live(t.model_parts, t.tokenizer, t.plan, t.device, cfg=t.cfg)
-        lm = MeshLM(session, batch_size=self.cfg.batch_size, max_gen_toks=self.cfg.max_gen_toks)
+        lm = MeshLM(session, batch_size=self.cfg.batch_size, max_gen_toks=self.cfg.max_gen_toks, heartbeat=heartbeat)
         ev = self.cfg
         with rng_preserved():
             results = evaluate(
@@ -107,7 +111,10 @@ class DownstreamEval:
     def run(self, step: int, metrics: Any) -> dict[str, float] | None:
         """Score the tasks after ``step``; rank 0 logs ``eval/<task>/<metric>`` and prints a line."""
         t0 = time.perf_counter()
-        values = self.scores()
+        watchdog = getattr(self.trainer, "watchdog", None)
+        phase = f"evaluation after step {step}"
+        # the step watchdog's long-phase limit (comm.init_timeout_seconds) per batch of requests
+        values = self.scores(None if watchdog is None else lambda: watchdog.long_phase(phase))
         seconds = time.perf_counter() - t0
         metrics.exclude(seconds)  # not step time
         if values is None:

@@ -83,7 +83,9 @@ class MeshLM(TemplateLM):
     ``bos_id``/``eos_id``), ``max_seq_len``, ``eos_ids``, ``logits(tokens [B, T]) -> [B, T, V]``
     (float32, the same on every rank) and ``generate(prompts, ...)`` (the new tokens of each
     prompt). ``batch_size``: requests per forward; ``max_gen_toks``: a generation task's default
-    length (HFLM's 256)."""
+    length (HFLM's 256); ``heartbeat``: called before each batch's forward or generation (the
+    evaluation during training re-arms the step watchdog with it, so the limit holds per batch,
+    not for a whole benchmark)."""
 
     def __init__(
         self,
@@ -91,6 +93,7 @@ class MeshLM(TemplateLM):
         batch_size: int = 1,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         seed: int = DEFAULT_GENERATION_SEED,
+        heartbeat: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -103,6 +106,7 @@ class MeshLM(TemplateLM):
         self._rank, self._world_size = 0, 1  # every rank answers every request (the docstring)
         self._device = torch.device("cpu")
         self._special_ids = _special_ids(self.tokenizer)
+        self._heartbeat = heartbeat or (lambda: None)
 
     # ---------------------------------------------------------------- tokens
     @property
@@ -133,11 +137,15 @@ class MeshLM(TemplateLM):
     # ---------------------------------------------------------------- loglikelihood
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         pairs = [(list(ctx), list(cont)) for _, ctx, cont in requests]
-        answers = score_requests(self.session.logits, pairs, self.max_length, self.batch_size)
+        answers = score_requests(self._logits, pairs, self.max_length, self.batch_size)
         for (request, _, _), answer in zip(requests, answers, strict=True):
             if request is not None:
                 self.cache_hook.add_partial("loglikelihood", request, answer)
         return answers
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._heartbeat()
+        return self.session.logits(tokens)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
@@ -180,6 +188,7 @@ class MeshLM(TemplateLM):
                 )
             sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0.0)) > 0.0
             prompts = [self.tok_encode(c)[-max_ctx_len:] for c in contexts]
+            self._heartbeat()
             outputs = self.session.generate(
                 prompts,
                 max_new_tokens=max_gen_toks,
