@@ -202,3 +202,45 @@ def test_eval_section_checks(args, message):
     load_config(["--config", "llama3.toml", *args])  # off: nothing checked
     with pytest.raises(ConfigError, match=message):
         load_config(["--config", "llama3.toml", "--eval.tasks", "a", *args])
+
+
+def _bos_tokenizer_folder(folder):
+    """The shipped BPE with a post-processor that starts every text with <|bos|> (as Llama 3's
+    tokenizer.json starts it with <|begin_of_text|>)."""
+    from tokenizers import Tokenizer, processors
+
+    from trainer.data.tokenizer import DEFAULT_TOKENIZER_PATH
+
+    tok = Tokenizer.from_file(DEFAULT_TOKENIZER_PATH)
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 0)])
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        f.write('{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>"}')
+    return str(folder)
+
+
+@pytest.mark.parametrize("style", ["bos_post_processor", "qwen3"])
+def test_tokenization_equals_hflm(setup, tmp_path, style):
+    """MeshLM encodes contexts and continuations as HFLM does on the same tokenizer folder: a
+    post-processor's BOS added (not by the trainer's own encode), special-token text parsed, no
+    BOS again where the text starts with it; the prefix token of an empty context the BOS, or
+    the EOS where tokenizer_config.json has no BOS (Qwen)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from tests.chat_data import tokenizer_folder
+    from trainer.inference.lm_eval_model import MeshLM
+
+    model = setup[0]
+    folder = _bos_tokenizer_folder(tmp_path) if style != "qwen3" else tokenizer_folder(tmp_path, "qwen3")
+    ours = MeshLM(HFSession(model, folder, MAX_LEN))
+    theirs = HFLM(pretrained=model, tokenizer=folder, batch_size=1, max_length=MAX_LEN, device="cpu")
+    assert ours.prefix_token_id == theirs.prefix_token_id
+    texts = ["Hello world", " spaced out", "<|bos|>Already", "a <|im_end|> b", "x\n\ny"]
+    for text in texts:
+        assert ours.tok_encode(text) == theirs.tok_encode(text), text
+        assert ours.tok_encode(text, add_special_tokens=False) == theirs.tok_encode(text, add_special_tokens=False)
+    for context, continuation in [("Question: sky?\nAnswer:", " blue"), ("The end ", "now")]:
+        assert ours._encode_pair(context, continuation) == theirs._encode_pair(context, continuation)
+    if style != "qwen3":  # the negative control: the trainer's own encode adds no BOS
+        assert ours.tok_encode("Hello world")[0] == 0 != ours.tokenizer.encode("Hello world")[0]

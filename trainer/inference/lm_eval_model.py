@@ -3,7 +3,9 @@ the model sharded on the training mesh answers lm-eval's three request types.
 
 * ``loglikelihood``: lm-eval's own ``TemplateLM`` tokenizes each (context, continuation) pair
   (trailing context spaces moved to the continuation, the whole string encoded and split; an
-  empty context conditioned on the prefix token), as its ``HFLM`` does; this class scores the
+  empty context conditioned on the prefix token), as its ``HFLM`` does, with the text encoded
+  as transformers encodes it (the tokenizer.json's post-processor, e.g. Llama 3's BOS; special
+  text parsed), not as the trainer encodes documents; this class scores the
   pairs: the input is ``(context + continuation)[-(max_seq_len + 1):][:-1]``, right-padded in a
   batch (a causal model's earlier positions never see the padding), the answer the float32 sum
   of the continuation's log-probabilities and whether every continuation token is the argmax.
@@ -106,6 +108,7 @@ class MeshLM(TemplateLM):
         self._rank, self._world_size = 0, 1  # every rank answers every request (the docstring)
         self._device = torch.device("cpu")
         self._special_ids = _special_ids(self.tokenizer)
+        self._hf_encoder, self._prefix = _hf_encoder(self.tokenizer)
         self._heartbeat = heartbeat or (lambda: None)
 
     # ---------------------------------------------------------------- tokens
@@ -115,8 +118,7 @@ class MeshLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        bos = getattr(self.tokenizer, "bos_id", None)
-        return bos if bos is not None else self.eot_token_id
+        return self._prefix if self._prefix is not None else self.eot_token_id
 
     @property
     def max_length(self) -> int:
@@ -127,8 +129,15 @@ class MeshLM(TemplateLM):
         return str(getattr(self.tokenizer, "path", type(self.tokenizer).__name__)).replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # our tokenizers add no special token (as the shipped tokenizer.json under transformers)
-        return self.tokenizer.encode(string)
+        """As HFLM encodes (``_hf_encoder``): the tokenizer's own special tokens (a Llama 3
+        tokenizer.json's BOS) unless ``add_special_tokens`` is False or the text already starts
+        with the prefix token's text; special-token text parsed as the special id."""
+        if self._hf_encoder is None:  # tiktoken or bytes: no post-processor, no special parsing
+            return self.tokenizer.encode(string)
+        add = add_special_tokens is not False
+        if add_special_tokens is None and string.startswith(self.tokenizer.decode([self.prefix_token_id])):
+            add = False
+        return self._hf_encoder.encode(string, add_special_tokens=add).ids
 
     def tok_decode(self, tokens: list[int]) -> str:
         """Text without special tokens (HFLM decodes a generation with ``skip_special_tokens``)."""
@@ -203,6 +212,37 @@ class MeshLM(TemplateLM):
                 results.append(text)
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return collator.get_original(results)
+
+
+def _hf_encoder(tokenizer: Any) -> tuple[Any, int | None]:
+    """(a ``tokenizers.Tokenizer`` of the same tokenizer.json, encoding as transformers' fast
+    tokenizer does: its post-processor adds the special tokens it names, special-token text
+    becomes the special id; the prefix token HFLM conditions an empty context on: the BOS that
+    tokenizer_config.json or special_tokens_map.json names, None without one (Qwen's), where
+    HFLM takes the EOS; a folder with neither file (the shipped tokenizer) has the trainer's BOS,
+    which its Hugging Face exports name). The trainer's own ``encode`` does neither (documents
+    are data there), and it finds a BOS by name where transformers has none."""
+    import json
+    import os
+
+    path = getattr(tokenizer, "path", "")
+    if not (isinstance(path, str) and path.endswith(".json") and os.path.isfile(path)):
+        return None, getattr(tokenizer, "bos_id", None)
+    from tokenizers import Tokenizer
+
+    encoder = Tokenizer.from_file(path)
+    configs = [os.path.join(os.path.dirname(path), n) for n in ("tokenizer_config.json", "special_tokens_map.json")]
+    configs = [c for c in configs if os.path.isfile(c)]
+    if not configs:  # the shipped tokenizer: its exports name the trainer's BOS (checkpoint/hf_extras.py)
+        return encoder, getattr(tokenizer, "bos_id", None)
+    bos = None
+    for config in configs:
+        with open(config, encoding="utf-8") as f:
+            value = json.load(f).get("bos_token")
+        value = value.get("content") if isinstance(value, dict) else value
+        if bos is None and isinstance(value, str):
+            bos = encoder.token_to_id(value)
+    return encoder, bos
 
 
 def _special_ids(tokenizer: Any) -> set[int]:
