@@ -77,7 +77,7 @@ from trainer.step import (
     reduce_loss,
     update_expert_bias,
 )
-from trainer.validation import Validator
+from trainer.validation import Validator, validate_after_step
 
 __all__ = ["StepResult", "Trainer", "TrainingDiverged"]
 
@@ -180,6 +180,7 @@ class Trainer:
             load_local_initial_weights(cfg.checkpoint, self.model_parts, _log)
         self.data = wrap_loader(loader, cfg.training.prefetch, self.device)
         self.validator = None
+        self.downstream = None  # [eval] between steps: trainer/inference/eval_during_training.py (set by rank.py)
         if cfg.validation.enable:
             self.validator = Validator(
                 cfg, self.tokenizer, plan, self.model_parts, val_loss_fn, self.device, loss_parallel=self.loss_parallel
@@ -355,9 +356,7 @@ class Trainer:
         self.progress = progress = DataProgress(self.data, epochs=cfg.training.epochs, peers=peers)
         values = progress.local_values if progress.agree else None  # striped passes ride on the stop agreement
         self.stop_signals = stop = StopSignals(stop_group(cfg.comm, peers), newest=self.ckpt.newest, values=values)
-        timing = Stragglers(
-            cfg.metrics, stop.group, self.world_size, self.step, _log
-        )  # trainer/reporting/stragglers.py
+        timing = Stragglers(cfg.metrics, stop.group, self.world_size, self.step, _log)  # reporting/stragglers.py
         with metrics, self._build_instruments() as instruments, self.data, self.watchdog, stop:
             for message in instruments.messages:
                 _log(message)
@@ -445,14 +444,10 @@ class Trainer:
                     self.stopped_by = stopping
                     self.watchdog.disarm()
                     break
-                if self.validator is not None and (self.validator.should_run(self.step) or end):
-                    self.watchdog.long_phase(f"validation after step {self.step}")
-                    val = self.validator.validate()
-                    metrics.log_validation(
-                        self.step, loss=val.loss, steps=val.steps, tokens=val.tokens, seconds=val.seconds
-                    )
-                    metrics.reset_timer()
-                    self.totals.validated(self.step, val.loss)
+                validate_after_step(self.validator, self.step, end, self.watchdog, metrics, self.totals)
+                if self.downstream is not None and self.downstream.due(self.step, end):  # [eval]
+                    self.watchdog.long_phase(f"evaluation after step {self.step}")
+                    self.downstream.run(self.step, metrics)
                 self.watchdog.disarm()
                 if end:  # training.steps, or training.epochs passes before it
                     break

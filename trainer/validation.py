@@ -192,3 +192,16 @@ class Validator:
                 if part is not None:
                     loss_sum += part
         return loss_sum, targets
+
+
+def validate_after_step(validator: Validator | None, step: int, end: bool, watchdog, metrics, totals) -> None:
+    """The loop's validation after ``step``: every ``validation.freq`` steps and after the last one
+    (``end``), under the watchdog's long-phase deadline, logged and counted in the run's totals;
+    its time is not the next step's."""
+    if validator is None or not (validator.should_run(step) or end):
+        return
+    watchdog.long_phase(f"validation after step {step}")
+    val = validator.validate()
+    metrics.log_validation(step, loss=val.loss, steps=val.steps, tokens=val.tokens, seconds=val.seconds)
+    metrics.reset_timer()
+    totals.validated(step, val.loss)

@@ -16,6 +16,7 @@ import typing
 from typing import Any
 
 from trainer.config.errors import ConfigError
+from trainer.config.eval_section import validate_eval
 from trainer.config.fields import did_you_mean, nearest, source_entries
 from trainer.config.optim_schema import TABLE_KEYS
 from trainer.config.schema import (
@@ -236,6 +237,7 @@ def config_from_dict(data: dict[str, Any]) -> JobConfig:
     cfg = JobConfig()
     apply_mapping(cfg, data, source="config")
     validate_config(cfg)
+    validate_eval(cfg)
     return cfg
 
 
@@ -311,6 +313,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
             value = "true"
         _set(cfg, section_c, key_c, value, from_cli=True)
     validate_config(cfg)
+    validate_eval(cfg)  # [eval] (trainer/config/eval_section.py)
     return cfg
 
 

@@ -20,6 +20,7 @@ from models.registry import model_names
 from parallel_dims.axes import AXES
 from trainer.config.batch import gradient_accumulation_steps, resolve_global_batch_size
 from trainer.config.dpo_section import OBJECTIVES, Dpo
+from trainer.config.eval_section import Eval
 from trainer.config.fields import DATASETS, TEXT_DOCUMENTS
 from trainer.config.fields import opt as _opt
 from trainer.config.lora_section import Lora
@@ -390,6 +391,7 @@ SECTIONS: dict[str, type] = {
     "profiling": Profiling,
     "comm": Comm,
     "validation": Validation,
+    "eval": Eval,
     "debug": Debug,
 }
 
@@ -412,6 +414,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -21,6 +21,7 @@ from trainer.checkpoint.async_save import CheckpointWriteFailed
 from trainer.checkpoint.drill import drill_point
 from trainer.config import load_config
 from trainer.faults import before_joining
+from trainer.inference.eval_during_training import attach as attach_eval
 from trainer.lifecycle.seed import create_seed_checkpoint
 from trainer.runtime.cli_errors import EXIT_BAD_INPUT, error_line, user_error
 from trainer.runtime.comm_watchdog import EXIT_COMM_TIMEOUT
@@ -65,6 +66,7 @@ def run_rank(argv: list[str] | None = None) -> int:
         # a drill's restarted rank that never joins its group (hang@0:restart=N, trainer/faults.py)
         before_joining(cfg.debug.fault, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
         trainer = Trainer(cfg)
+        attach_eval(trainer)  # [eval] tasks between steps (the loop may not import trainer/inference/)
         if trainer.rank == 0 and cfg.job.print_config:
             print("resolved config:\n" + cfg.to_toml(), flush=True)
         trainer.train()
