@@ -138,8 +138,10 @@ def _layout_scales(rank, world_size, cases):
         inputs, _ = make_batch(GLOBAL_BS, SEQ_LEN, model.args.vocab_size)
         per_rank = GLOBAL_BS // pd.size("batch")
         b = pd.coordinate("batch")
+        # the forward alone: the observable is the forward GEMMs' scales (the backward run here
+        # before issue 49 recorded nothing; without it the test 19.2 -> 13.7 CPU s, Intel Xeon)
         with _record_forward_scales(model) as seen:
-            model(inputs[b * per_rank : (b + 1) * per_rank]).sum().backward()
+            model(inputs[b * per_rank : (b + 1) * per_rank])
         out[name].update(scales=seen, tp_rank=pd.coordinate("tp") if pd.tp > 1 else 0, tp=pd.tp)
     return out
 

@@ -10,8 +10,9 @@ tests/unit/test_float8.py.)
 
 The trainings whose claim is the numbers run on ranks forked from tools/forkserver.py's server
 (``run_forked``, bitwise what torchrun and ``python train.py`` start: tests/e2e/test_launcher.py);
-the user errors and the run that hides torchao with a ``sitecustomize`` (read at interpreter
-start, which a forked rank does not have) run ``python train.py``. Most runs use 2 layers
+the user errors too (a forked rank exits through the same trainer/lifecycle/shutdown.py); the
+run that hides torchao with a ``sitecustomize`` (read at interpreter start, which a forked rank
+does not have) runs ``python train.py``. Most runs use 2 layers
 (``--model.n_layers 2``, 14 float8 linears instead of 42): the converter swaps every block's 7
 linears alike and FSDP wraps each block alike, so 2 blocks exercise every float8 path of 6. The
 two tests whose tolerance is argued from a measured gap keep the depth their margins need (the
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import FAST, ROOT, _env, metric_records, read_metrics, run_forked, run_train
+from .helpers import FAST, ROOT, _env, metric_records, read_metrics, run_forked
 
 pytest.importorskip("torchao.float8")
 
@@ -273,7 +274,10 @@ def _one_clean_line(res, message: str) -> None:
     ],
 )
 def test_bad_float8_setup_is_one_line_exit_2(tmp_path, args, message):
-    res = run_train(1, *LLAMA, *FLOAT8, *args, "--training.steps", "1", "--job.dump_folder", str(tmp_path))
+    """Forked (issue 49: 2.5 CPU s a fresh ``python train.py``, 0.1-0.2 forked): a forked rank
+    exits through the same trainer/lifecycle/shutdown.py with the code and stderr a fresh
+    process gives; the fresh interpreter's own path is test_float8_without_torchao's."""
+    res = run_forked(1, *LLAMA, *FLOAT8, *args, "--training.steps", "1", "--job.dump_folder", str(tmp_path))
     _one_clean_line(res, message)
 
 
