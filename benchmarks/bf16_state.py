@@ -128,6 +128,7 @@ def run(
                 "loss_bf16_final": round(b[-1], 4),
                 "max_rel_gap": round(max(gaps), 5),
                 "final_rel_gap": round(gaps[-1], 5),
+                "mean_rel_gap": round(statistics.fmean(gaps), 6),
                 "within_bound": max(gaps) <= BOUND_MAX and gaps[-1] <= BOUND_FINAL,
                 "state_bytes_fp32": r["float32"]["state_bytes"],
                 "state_bytes_bf16": r["bfloat16"]["state_bytes"],
@@ -136,6 +137,8 @@ def run(
                 "optimizer_step_ms_fp32": r["float32"]["optimizer_step_ms"],
                 "optimizer_step_ms_bf16": r["bfloat16"]["optimizer_step_ms"],
                 "seconds": round(r["float32"]["seconds"] + r["bfloat16"]["seconds"], 1),
+                # the curves themselves: the 10-step mean loss, float32 / bfloat16 state
+                "window_loss": f"{' '.join(f'{x:.4f}' for x in a)} / {' '.join(f'{y:.4f}' for y in b)}",
             }
         )
     return {
