@@ -5,7 +5,9 @@ Each run is ``train.py`` in one process (its own subprocess): the llama3 debug m
 dim 256), the synthetic corpus, batch 4 x 128 tokens, 200 steps, lr 8e-4 with the shipped
 cosine schedule and 20 warmup steps, the same seed and batches for every run; AdamW, and Muon
 (hidden matrices; AdamW for the rest), each with ``optimizer.state_dtype`` float32 and bfloat16
-(trainer/optim/low_precision.py: stochastically rounded moments). Per pair:
+(trainer/optim/low_precision.py: stochastically rounded moments); ``--n-layers N`` cuts the model
+to N blocks (Muon's recorded pair ran with 2: its Newton-Schulz step is the cost on a CPU). Per
+pair:
 
 - the relative loss gap ``|L_bf16 - L_fp32| / L_fp32`` of the loss averaged over 10-step windows
   (one step's loss on a 4-row batch is noisy), its maximum over the run and at the last window,
