@@ -5,7 +5,9 @@ Each run is ``train.py`` in one process (its own subprocess): the llama3 debug m
 dim 256), the synthetic corpus, batch 4 x 128 tokens, 200 steps, lr 8e-4 with the shipped
 cosine schedule and 20 warmup steps, the same seed and batches for every run; AdamW, and Muon
 (hidden matrices; AdamW for the rest), each with ``optimizer.state_dtype`` float32 and bfloat16
-(trainer/optim/low_precision.py: stochastically rounded moments). Per pair:
+(trainer/optim/low_precision.py: stochastically rounded moments); ``--n-layers N`` cuts the model
+to N blocks (Muon's recorded pair ran with 2: its Newton-Schulz step is the cost on a CPU). Per
+pair:
 
 - the relative loss gap ``|L_bf16 - L_fp32| / L_fp32`` of the loss averaged over 10-step windows
   (one step's loss on a 4-row batch is noisy), its maximum over the run and at the last window,
@@ -38,8 +40,9 @@ DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = {"AdamW": ["--optimizer.name", "AdamW"], "Muon": ["--optimizer.name", "Muon"]}
 
 
-def train_argv(steps: int, dump: Path, seq_len: int = SEQ_LEN) -> list[str]:
-    return [
+def train_argv(steps: int, dump: Path, seq_len: int = SEQ_LEN, n_layers: int | None = None) -> list[str]:
+    blocks = ["--model.n_layers", str(n_layers)] if n_layers else []  # None: the debug model's 6
+    return [*blocks,
         "--config", "llama3.toml", "--training.steps", str(steps), "--training.seq_len", str(seq_len),
         "--training.global_batch_size", "4", "--training.local_batch_size", "4",
         "--parallelism.data_parallel_shard_degree", "1", "--optimizer.lr", "8e-4",
@@ -68,13 +71,16 @@ def _record(out_path: str) -> None:
     optim.Optimizers.step = recording_step
 
 
-def run_one(flags: list[str], steps: int, seq_len: int = SEQ_LEN) -> dict:
+def run_one(flags: list[str], steps: int, seq_len: int = SEQ_LEN, n_layers: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cmd = [sys.executable, "-m", "benchmarks.bf16_state", "--train", str(tmp / "rec.json"), "--"]
         t0 = time.perf_counter()
         out = subprocess.run(
-            [*cmd, *train_argv(steps, tmp / "dump", seq_len), *flags], cwd=ROOT, capture_output=True, text=True
+            [*cmd, *train_argv(steps, tmp / "dump", seq_len, n_layers), *flags],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
         )
         if out.returncode != 0:
             return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
@@ -97,7 +103,9 @@ def windows(loss: list[float]) -> list[float]:
     return [sum(loss[i : i + WINDOW]) / WINDOW for i in range(0, len(loss) - WINDOW + 1, WINDOW)]
 
 
-def run(steps: int = STEPS, seq_len: int = SEQ_LEN, optimizers: list[str] | None = None) -> dict:
+def run(
+    steps: int = STEPS, seq_len: int = SEQ_LEN, optimizers: list[str] | None = None, n_layers: int | None = None
+) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     rows = []
@@ -105,7 +113,10 @@ def run(steps: int = STEPS, seq_len: int = SEQ_LEN, optimizers: list[str] | None
         flags = OPTIMIZERS[name]
         print(f"bf16_state: {name}, state_dtype float32 and bfloat16 side by side ({steps} steps)", file=sys.stderr)
         with ThreadPoolExecutor(2) as pool:  # the two runs at once (one process each)
-            futures = {d: pool.submit(run_one, [*flags, "--optimizer.state_dtype", d], steps, seq_len) for d in DTYPES}
+            futures = {
+                d: pool.submit(run_one, [*flags, "--optimizer.state_dtype", d], steps, seq_len, n_layers)
+                for d in DTYPES
+            }
             r = {d: f.result() for d, f in futures.items()}
         if any("error" in v for v in r.values()):
             rows.append({"optimizer": name, **{f"error_{k}": v.get("error") for k, v in r.items()}})
@@ -119,6 +130,7 @@ def run(steps: int = STEPS, seq_len: int = SEQ_LEN, optimizers: list[str] | None
                 "loss_bf16_final": round(b[-1], 4),
                 "max_rel_gap": round(max(gaps), 5),
                 "final_rel_gap": round(gaps[-1], 5),
+                "mean_rel_gap": round(statistics.fmean(gaps), 6),
                 "within_bound": max(gaps) <= BOUND_MAX and gaps[-1] <= BOUND_FINAL,
                 "state_bytes_fp32": r["float32"]["state_bytes"],
                 "state_bytes_bf16": r["bfloat16"]["state_bytes"],
@@ -127,10 +139,12 @@ def run(steps: int = STEPS, seq_len: int = SEQ_LEN, optimizers: list[str] | None
                 "optimizer_step_ms_fp32": r["float32"]["optimizer_step_ms"],
                 "optimizer_step_ms_bf16": r["bfloat16"]["optimizer_step_ms"],
                 "seconds": round(r["float32"]["seconds"] + r["bfloat16"]["seconds"], 1),
+                # the curves themselves: the 10-step mean loss, float32 / bfloat16 state
+                "window_loss": f"{' '.join(f'{x:.4f}' for x in a)} / {' '.join(f'{y:.4f}' for y in b)}",
             }
         )
     return {
-        "summary": f"train.py, one process, llama3 debug model (6 blocks, dim 256), batch 4 x {seq_len} tokens, {steps} "
+        "summary": f"train.py, one process, llama3 debug model ({n_layers or 6} blocks, dim 256), batch 4 x {seq_len} tokens, {steps} "
         f"steps, lr 8e-4 cosine: optimizer.state_dtype bfloat16 against float32, relative gap of the {WINDOW}-step "
         f"mean loss (bound: max {BOUND_MAX}, final {BOUND_FINAL}), optimizer state bytes, optimizer step time.",
         "bound_max": BOUND_MAX,
@@ -145,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--optimizers", nargs="*", choices=list(OPTIMIZERS), help="default: all")
+    p.add_argument("--n-layers", type=int, help="blocks of the debug model (default: its 6)")
     p.add_argument("--train", metavar="REC_JSON", help=argparse.SUPPRESS)  # one run: train.py's argv after --
     args, rest = p.parse_known_args(argv)
     if args.train:
@@ -153,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(rest[1:] if rest[:1] == ["--"] else rest) or 0
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
-    result = run(args.steps, args.seq_len, args.optimizers)
+    result = run(args.steps, args.seq_len, args.optimizers, args.n_layers)
     print(json.dumps(result, indent=1))
     if args.out:
         import os

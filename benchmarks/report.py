@@ -50,6 +50,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "(`chunked_loss_saving_bytes`); reference: the plain head + loss (chunk 0) in the same run",
     ),
     (
+        "memory_options",
+        "Memory options on one job",
+        "`make bench` section `memory_options` (also `python -m benchmarks.run --only memory_options --out "
+        "bench_results/memory_options.json`): the device-resident peak of one training step (rank 0 of fsdp=2 on "
+        "the fake backend, llama3 debug shell with a 151,936-token vocabulary at width 64) with each memory "
+        "option of [memory.md](memory.md#the-options-on-one-job), classed by storage (tools/tensor_census.py's "
+        "method: what an offload keeps on the host is left out); beside it the planner's prediction "
+        "(`tools.planner.fit.option_memory`); reference: the plain row in the same run",
+    ),
+    (
         "lora",
         "LoRA against full fine-tuning",
         "`make bench` section `lora`: one rank of an fsdp=2 llama3 debug job through the real trainer on the "

@@ -14,6 +14,7 @@ SECTIONS = [
     "mesh_build",
     "memory",
     "chunked_loss",
+    "memory_options",
     "param_traffic",
     "throughput",
     "pipeline",
