@@ -41,6 +41,8 @@ def test_stop_ids_and_stop_strings_are_cut():
     assert rules.finished([0, 2]) and rules.trim([0, 2, 3]) == [0]
     assert rules.finished([0, 4, 5]) and rules.trim([0, 4, 5]) == [0]  # a stop string across tokens
     assert StopRules([], [], _decode).trim([0, 6]) == [0, 6]
+    # uncut (lm-eval cuts the text itself): the ending id still goes, the stop string stays
+    assert rules.trim([0, 4, 5], cut=False) == [0, 4, 5] and rules.trim([0, 6], cut=False) == [0]
     with pytest.raises(ValueError, match="top_p"):
         check_sampling(1.0, 0.0)
     with pytest.raises(ValueError, match="temperature"):

@@ -56,8 +56,12 @@ class HFSession:
         return torch.roll(out, self.shift, dims=1) if self.shift else out
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature, top_p, seed, stop_ids, stop_strings, use_cache=True):
+    def generate(
+        self, prompts, max_new_tokens, temperature, top_p, seed, stop_ids, stop_strings, use_cache=True,
+        cut_stop_strings=True,
+    ):  # fmt: skip
         assert temperature == 0.0
+        assert not (cut_stop_strings and stop_strings), "this stand-in returns completions uncut, as MeshLM asks"
         self.calls += 1
         outs = []
         for prompt in prompts:

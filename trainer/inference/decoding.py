@@ -71,13 +71,13 @@ class StopRules:
         found = [i for i in found if i >= 0]
         return min(found) if found else None
 
-    def trim(self, tokens: list[int]) -> list[int]:
-        """The completion as returned: without its ending id, and cut before a stop string (to
-        the longest prefix of tokens whose text ends before it; a token that holds text on both
-        sides of the cut is left out)."""
+    def trim(self, tokens: list[int], cut: bool = True) -> list[int]:
+        """The completion as returned: without its ending id, and (``cut``) cut before a stop
+        string (to the longest prefix of tokens whose text ends before it; a token that holds
+        text on both sides of the cut is left out)."""
         if tokens and tokens[-1] in self.stop_ids:
             tokens = tokens[:-1]
-        if not self.stop_strings:
+        if not cut or not self.stop_strings:
             return tokens
         at = self._cut_at(tokens)
         if at is None:

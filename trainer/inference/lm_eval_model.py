@@ -16,10 +16,11 @@ the model sharded on the training mesh answers lm-eval's three request types.
   the context left-truncated to ``max_seq_len - max_gen_toks``, ``session.generate`` with the
   model's eos ids as stops; the continuation decoded without special tokens and cut at the
   first ``until`` string (plus the eos text, as HFLM adds it) by lm-eval's
-  ``postprocess_generated_text``. The stop strings are not handed to ``session.generate``: it
-  cuts its tokens before a stop string and leaves out a token that holds text on both sides of
-  the cut (``".\n"`` under ``until: ["\n"]``), where HFLM keeps the text before it; so each
-  completion runs to ``max_gen_toks`` or an eos id, and the cut is lm-eval's, on the text.
+  ``postprocess_generated_text``. ``session.generate`` gets the stop strings so a completion
+  ends at the first token that completes one (as HFLM's stopping criteria end it), with
+  ``cut_stop_strings = False``: its own cut would leave out a token that holds text on both
+  sides of the stop (``".\n"`` under ``until: ["\n"]``), where HFLM keeps the text before it;
+  the cut is lm-eval's, on the text.
 
 Every rank runs every request (the model is sharded: every rank must take part in each forward,
 with the same tokens), so lm-eval sees one process (``rank`` 0, ``world_size`` 1) on every rank
@@ -205,7 +206,8 @@ class MeshLM(TemplateLM):
                 top_p=float(kwargs.get("top_p", 1.0)) if sample else 1.0,
                 seed=self.seed,
                 stop_ids=list(self.session.eos_ids),
-                stop_strings=(),  # cut below, on the text (the module docstring)
+                stop_strings=until,  # ends the completion early; the cut is lm-eval's, below
+                cut_stop_strings=False,
             )
             for context, gen_kwargs, new_tokens in zip(contexts, all_kwargs, outputs, strict=True):
                 text = postprocess_generated_text(self.tok_decode(list(new_tokens)), until, None)

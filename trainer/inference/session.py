@@ -180,10 +180,14 @@ class InferenceSession:
         stop_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         use_cache: bool = True,
+        cut_stop_strings: bool = True,
     ) -> list[list[int]]:
         """Each prompt's new tokens (after the stop rules: without the id that ended it, cut
         before a stop string). A completion ends at an id of ``eos_ids`` or ``stop_ids``, at a
-        stop string, after ``max_new_tokens``, or at the end of the context."""
+        stop string, after ``max_new_tokens``, or at the end of the context. With
+        ``cut_stop_strings = False`` a completion still ends at the first token that completes a
+        stop string, but is returned whole (for callers that cut the decoded text themselves, as
+        lm-eval does: a token holding text on both sides of the stop string is kept)."""
         check_sampling(temperature, top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -201,7 +205,7 @@ class InferenceSession:
                 gens = [prompt_generator(seed, i) if temperature > 0 else None for i in idx]
                 budget = min(max_new_tokens, self.max_seq_len - length)
                 for i, out in zip(idx, self._generate_rows(rows, budget, temperature, top_p, gens, rules, use_cache)):
-                    results[i] = rules.trim(out)
+                    results[i] = rules.trim(out, cut=cut_stop_strings)
         return results
 
     def _generate_rows(
