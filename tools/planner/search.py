@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .choice import LayoutChoice
-from .estimate import FSDP_OVERLAPPED, Estimate, Job, estimate, memory_for_rank
+from .estimate import DIRECT, FSDP_OVERLAPPED, Estimate, Job, estimate
 from .float8 import float8_experts_refusal
 from .hardware import GIB
 from .inventory import model_inventory
@@ -144,28 +144,38 @@ class PlanResult:
         return len(self.estimates) + self.pruned_oom
 
 
-def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES, prune_state: bool = True) -> PlanResult:
+def plan_layouts(
+    job: Job, ac_modes=AC_MODES, schedules=SCHEDULES, prune_state: bool = True, reference: bool = False
+) -> PlanResult:
     """Every valid layout of ``job``, estimated and ranked. Degrees whose training state
     (fp32 parameters, gradients, AdamW) alone exceeds the usable memory are counted as out of
     memory without estimating each of their choices (``prune_state`` False: estimated too, for
-    ``--fit``, where CPU offload takes that state off the GPU)."""
+    ``--fit``, where CPU offload takes that state off the GPU). The layouts of one set of
+    degrees are priced together (:class:`tools.planner.batch.BatchPricer`); ``reference``: each
+    layout alone (:func:`estimate` as a single layout is priced; the same ranking, slower: the
+    tests compare the two)."""
+    from .batch import BatchPricer
+
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     usable = job.hardware.usable_gib * GIB
     ests: list[Estimate] = []
     pruned = 0
+    pricer = DIRECT if reference else BatchPricer(job)
     for degrees in enumerate_degrees(job, args):
         choices = list(enumerate_choices(job, degrees, args, ac_modes, schedules))
         if not choices:
             continue
+        if not reference:
+            pricer.start(degrees)
         stride_pp = degrees.world_size // degrees.pp
         static = max(
-            sum(memory_for_rank(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
+            sum(pricer.memory(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
             for r in sorted({0, (degrees.pp - 1) * stride_pp})
         )
         if static > usable and prune_state:
             pruned += len(choices)
             continue
-        ests.extend(estimate(job, degrees, c, time_if_oom=False) for c in choices)
+        ests.extend(estimate(job, degrees, c, time_if_oom=False, pricer=pricer) for c in choices)
     ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
     return PlanResult(ests, pruned)
 
