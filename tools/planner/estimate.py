@@ -161,25 +161,37 @@ _MESH_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "efsdp
 @lru_cache(maxsize=4096)
 def _crossing(degrees, gpus_per_node: int) -> dict[str, bool]:
     layout = cached_layout(degrees)
-    return {n: layout.size(n) > 1 and layout.crosses_nodes(n, gpus_per_node) for n in _MESH_NAMES}
+    return {n: layout.size(n) > 1 and _node_facts(layout, n, gpus_per_node)[0] for n in _MESH_NAMES}
 
 
 @lru_cache(maxsize=4096)
 def _per_node(degrees, gpus_per_node: int) -> dict[str, int]:
     """Members per node of each mesh's groups (the fewest over its groups and nodes): the NICs a
     group that crosses nodes uses at once."""
+    layout = cached_layout(degrees)
+    return {n: _node_facts(layout, n, gpus_per_node)[1] for n in _MESH_NAMES}
+
+
+_NODE_FACTS: dict = {}
+
+
+def _node_facts(layout, name: str, gpus_per_node: int) -> tuple[bool, int]:
+    """(whether a group of mesh ``name`` spans several nodes, as ``RankLayout.crosses_nodes``;
+    the fewest members of one of its groups in one node). A mesh's groups are fixed by its
+    (size, stride) modes and the world size (``RankLayout.groups``), so the facts are cached
+    on those: the search's degrees share most of their meshes."""
     import numpy as np
 
-    layout = cached_layout(degrees)
-    out = {}
-    for n in _MESH_NAMES:
-        nodes = layout.groups(n) // gpus_per_node
+    key = (tuple(layout.modes(name)), layout.degrees.world_size, gpus_per_node)
+    hit = _NODE_FACTS.get(key)
+    if hit is None:
+        nodes = layout.groups(name) // gpus_per_node
+        crosses = bool((nodes.min(axis=1) != nodes.max(axis=1)).any())
         # the fewest members of one group in one node, over every (group, node) pair at once:
-        # one count of the distinct (row, node) keys (was a np.unique per group: most of a
-        # 16,384-rank search's time)
+        # one count of the distinct (row, node) keys
         keys = np.arange(nodes.shape[0], dtype=np.int64)[:, None] * (int(nodes.max()) + 1) + nodes
-        out[n] = int(np.unique(keys, return_counts=True)[1].min())
-    return out
+        hit = _NODE_FACTS[key] = (crosses, int(np.unique(keys, return_counts=True)[1].min()))
+    return hit
 
 
 def _elementwise_bytes(job: Job, degrees, choice: LayoutChoice, rank: int) -> int:
