@@ -8,7 +8,8 @@ converters and LoRA are the same for every choice the search makes):
 
 * a rank's stages, parameter shards and FSDP groups, micro-batch size and accumulation
   (:class:`tools.planner.rank_memory.RankContext`): its (schedule, micro-batches, local
-  batch), not the AC or reshard choice; its activations: that and the AC choice;
+  batch), not the AC or reshard choice; its activations per micro-batch: its stages' layer
+  ranges, the micro-batch size and the AC choice;
 * its matmul FLOPs: its stages' layer ranges and the AC choice (the tokens of a step, local
   batch x accumulation, are the same for every batch split; with LoRA also the forwards per
   step);
@@ -25,7 +26,7 @@ from __future__ import annotations
 from .choice import LayoutChoice, grad_accum_steps
 from .estimate import Job, Pricer, _elementwise_bytes
 from .hardware import collective_seconds
-from .rank_memory import context_activations, memory_from_context, rank_context
+from .rank_memory import activation_sums, context_activations, memory_from_context, rank_context
 
 __all__ = ["BatchPricer"]
 
@@ -56,12 +57,12 @@ class BatchPricer(Pricer):
         return hit
 
     def memory(self, job: Job, d, choice: LayoutChoice, rank: int) -> dict:
-        k, ctx, _ = self._context(choice, rank)
-        ak = (k, choice.ac, choice.selective_ac_option)
-        acts = self._activations.get(ak)
-        if acts is None:
-            acts = self._activations[ak] = context_activations(job, d, choice, ctx)
-        return memory_from_context(job, d, choice, ctx, acts)
+        _, ctx, stages_key = self._context(choice, rank)
+        ak = (rank, stages_key, ctx.mb, choice.ac, choice.selective_ac_option)
+        sums = self._activations.get(ak)
+        if sums is None:
+            sums = self._activations[ak] = activation_sums(job, d, choice, ctx.stages, ctx.mb)
+        return memory_from_context(job, d, choice, ctx, context_activations(job, d, choice, ctx, sums))
 
     def flops(self, job: Job, d, choice: LayoutChoice, rank: int) -> dict:
         _, ctx, stages_key = self._context(choice, rank)

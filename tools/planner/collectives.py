@@ -179,7 +179,7 @@ def predict_collectives(
                 # projection's input gradient is all-reduced on its own
                 rec[("all_gather", "tp", full)] += forwards * (4 * n + 2 * r)
                 rec[("reduce_scatter", "tp", full)] += forwards * (2 * n + r)
-                stays, widths = _tp_input_grads(model, flavor, key, tuple(layers), frozen_entry)
+                stays, widths = _tp_input_grads(model, flavor, key, layers, frozen_entry)
                 rec[("reduce_scatter", "tp", full)] += forwards * stays
                 for width, count in widths:
                     rec[("all_reduce", "tp", a * t * width)] += forwards * count
@@ -209,7 +209,7 @@ def predict_collectives(
                 # gradients, once per module whose input stays a DTensor, else once per
                 # column-wise projection (as above)
                 rec[("all_reduce", "tp", full)] += forwards * (2 * n + r)
-                stays, widths = _tp_input_grads(model, flavor, key, tuple(layers), frozen_entry)
+                stays, widths = _tp_input_grads(model, flavor, key, layers, frozen_entry)
                 rec[("all_reduce", "tp", full)] += forwards * stays
                 for width, count in widths:
                     rec[("all_reduce", "tp", a * t * width)] += forwards * count
@@ -266,13 +266,13 @@ def predict_collectives(
                 # outside the blocks, so no checkpoint re-issues it
                 rec[("all_gather", "cp", 8 * t * d.cp)] += forwards
 
-        moe_layers = [i for i in layers if args.has_experts and i >= getattr(args, "n_dense_layers", 0)]
+        moe_layers = [i for i in layers if i >= getattr(args, "n_dense_layers", 0)] if has_moe else []
         tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
         # the int64 routing-count exchanges are functional collectives (models/parallel/
         # expert_parallel.py): a fully checkpointed block (full AC, selective AC's every N-th)
         # re-issues them in the recomputation, selective AC's op policy saves their outputs
         # (models/parallel/activation_checkpoint.py)
-        n, r = len(moe_layers), len(set(moe_layers) & set(ckpt))
+        n, r = len(moe_layers), len(set(moe_layers) & set(ckpt)) if moe_layers else 0
         if moe_layers and d.ep > 1:
             rows = tn * args.n_activated_experts * a * args.dim  # balanced routing assumed
             rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * (n + r)
@@ -357,7 +357,7 @@ def _grad_norm(model, flavor, key, d, stages: tuple, dense_size, expert_size, se
 
 
 @lru_cache(maxsize=65536)
-def _tp_input_grads(model, flavor, key, layers: tuple, frozen_entry: bool) -> tuple[int, tuple]:
+def _tp_input_grads(model, flavor, key, layers, frozen_entry: bool) -> tuple[int, tuple]:
     """The TP input-gradient reductions of ``layers``' blocks per forward: (modules whose input
     stays a DTensor: one reduction of the block's full activation each; ((width, count), ...)
     of the column-wise projections of the others, each all-reduced on its own)."""

@@ -21,7 +21,14 @@ from .activations import activation_bytes
 from .choice import DTYPE_BYTES, LayoutChoice, grad_accum_steps, selective_every, stage_layers
 from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
 
-__all__ = ["RankContext", "context_activations", "memory_for_rank", "memory_from_context", "rank_context"]
+__all__ = [
+    "RankContext",
+    "activation_sums",
+    "context_activations",
+    "memory_for_rank",
+    "memory_from_context",
+    "rank_context",
+]
 
 
 def _in_flight(choice: LayoutChoice, pp: int, plan) -> tuple[float, int]:
@@ -49,7 +56,7 @@ def _activations(model, flavor, key: tuple, layers, mb, seq_len, tp, cp, etp, ac
     )  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RankContext:
     """The part of one rank's memory that no AC or reshard choice changes."""
 
@@ -61,7 +68,7 @@ class RankContext:
     key: tuple  # the job's model overrides, sorted
     padded: int
     local: int
-    biggest: tuple  # the FSDP groups' gathered (TP-local) elements, largest first
+    unsharded: tuple  # the FSDP groups' gathered (TP-local) elements: all, the largest 2 and 3
     sharded: bool
     muon_local: int
     adapters: tuple | None  # LoRA: (padded, local, per-group gathered elements)
@@ -74,33 +81,41 @@ def rank_context(job, degrees, choice: LayoutChoice, rank: int) -> RankContext:
     stages, plan = stage_layers(args, d, choice, rank, layout)
     m = choice.n_microbatches if d.pp > 1 else 1
     key = tuple(sorted(job.overrides.items()))
-    padded, local, biggest, sharded = _rank_groups(job.model, job.flavor, key, d, rank, choice.mixed, tuple(stages))
+    padded, local, unsharded, sharded = _rank_groups(job.model, job.flavor, key, d, rank, choice.mixed, tuple(stages))
     # AdamW: 2 fp32 states; Muon: 1 (its momentum) for the matrices routed to it
     muon_local = _muon(job, d, choice, rank).local_numel if job.optimizer == "Muon" else 0
     adapters = _adapter_shards(job, d, choice, rank, stages, layout) if job.lora is not None else None
     return RankContext(
-        stages, plan, grad_accum_steps(choice, d), m, choice.local_batch // m, key, padded, local, biggest, sharded,
+        stages, plan, grad_accum_steps(choice, d), m, choice.local_batch // m, key, padded, local, unsharded, sharded,
         muon_local, adapters,
     )  # fmt: skip
 
 
-def context_activations(job, degrees, choice: LayoutChoice, ctx: RankContext) -> float:
-    """Activation bytes of the rank at its peak: its stages' layers times the micro-batches in
-    flight, the logits held, the largest recomputation."""
+def activation_sums(job, degrees, choice: LayoutChoice, stages, mb: int) -> tuple:
+    """(layers' activations, head's, the largest recomputation) of one micro-batch of the
+    rank's ``stages``, bytes."""
     d = degrees
     act_bytes = DTYPE_BYTES[choice.param_dtype]
     held_layers = 0.0
     head_b = recompute = 0
     every = selective_every(choice)
-    for layers, _embed, head in ctx.stages:
+    key = tuple(sorted(job.overrides.items()))
+    for layers, _embed, head in stages:
         est = _activations(
-            job.model, job.flavor, ctx.key, layers, ctx.mb, job.seq_len, d.tp, d.cp, d.etp, act_bytes, choice.ac, head,
+            job.model, job.flavor, key, layers, mb, job.seq_len, d.tp, d.cp, d.etp, act_bytes, choice.ac, head,
             every, choice.sequence_parallel,
         )  # fmt: skip
         held_layers += est.layers
         head_b += est.head
         recompute = max(recompute, est.recompute)
-    layers_factor, logits_held = _in_flight(choice, d.pp, ctx.plan)
+    return held_layers, head_b, recompute
+
+
+def context_activations(job, degrees, choice: LayoutChoice, ctx: RankContext, sums: tuple | None = None) -> float:
+    """Activation bytes of the rank at its peak: its stages' layers times the micro-batches in
+    flight, the logits held, the largest recomputation (``sums``: :func:`activation_sums`)."""
+    held_layers, head_b, recompute = sums or activation_sums(job, degrees, choice, ctx.stages, ctx.mb)
+    layers_factor, logits_held = _in_flight(choice, degrees.pp, ctx.plan)
     return held_layers * layers_factor + head_b * logits_held + recompute
 
 
@@ -111,15 +126,15 @@ def memory_from_context(
     of the same choice, when the caller has it."""
     d = degrees
     pb, rb = DTYPE_BYTES[choice.param_dtype], DTYPE_BYTES[choice.reduce_dtype]
-    biggest, sharded, m = ctx.biggest, ctx.sharded, ctx.m
+    sharded, m = ctx.sharded, ctx.m
+    unsharded_total, largest2, largest3 = ctx.unsharded
     cast = sharded or (choice.mixed and pb != 4)
-    unsharded_total = sum(biggest)
     keeps_all = d.pp > 1 or choice.reshard == "never" or not sharded
     if cast:
-        gathered = unsharded_total * pb if keeps_all else (sum(biggest[:3])) * pb
+        gathered = unsharded_total * pb if keeps_all else largest3 * pb
     else:
         gathered = 0
-    grads_unsharded = sum(biggest[:2]) * pb if sharded else 0
+    grads_unsharded = largest2 * pb if sharded else 0
     if sharded and (ctx.accum > 1 or m > 1):
         grads_unsharded = unsharded_total * rb  # accumulated while the reduce-scatter waits
     if activations is None:
@@ -158,7 +173,7 @@ def memory_for_rank(job, degrees, choice: LayoutChoice, rank: int) -> dict[str, 
 @lru_cache(maxsize=65536)
 def _rank_groups(model, flavor, key: tuple, d, rank: int, mixed: bool, stages: tuple) -> tuple:
     """(padded and unpadded local elements ``rank`` stores, its FSDP groups' gathered (TP-local)
-    elements largest first, whether a shard mesh has more than one rank) over its ``stages``:
+    elements (all of them, the largest two, the largest three), whether a shard mesh has more than one rank) over its ``stages``:
     the part of :func:`memory_for_rank` that no AC, reshard or batch choice changes (cached: the
     search asks for it once per choice)."""
     _, args = model_inventory(model, flavor, **dict(key))
@@ -171,7 +186,8 @@ def _rank_groups(model, flavor, key: tuple, d, rank: int, mixed: bool, stages: t
             local += g.local
             gathered_groups[(g.name, layers.start)] = g.tp_local
     sharded = any(size is not None and size > 1 for size in (dense_size, expert_size))
-    return padded, local, tuple(sorted(gathered_groups.values(), reverse=True)), sharded
+    biggest = sorted(gathered_groups.values(), reverse=True)
+    return padded, local, (sum(biggest), sum(biggest[:2]), sum(biggest[:3])), sharded
 
 
 def _adapter_shards(job, d, choice: LayoutChoice, rank: int, stages, layout) -> tuple[int, int, dict]:
