@@ -43,6 +43,7 @@ class BatchPricer(Pricer):
     def start(self, degrees) -> None:
         self.d = degrees
         self._contexts: dict = {}
+        self._shares: dict = {}
         self._activations: dict = {}
         self._flops: dict = {}
         self._elementwise: dict = {}
@@ -51,7 +52,7 @@ class BatchPricer(Pricer):
         k = (rank, choice.schedule, choice.n_microbatches, choice.local_batch)
         hit = self._contexts.get(k)
         if hit is None:
-            ctx = rank_context(self.job, self.d, choice, rank)
+            ctx = rank_context(self.job, self.d, choice, rank, self._shares)
             stages_key = tuple((layers.start, layers.stop, embed, head) for layers, embed, head in ctx.stages)
             hit = self._contexts[k] = (k, ctx, stages_key)
         return hit

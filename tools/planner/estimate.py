@@ -172,6 +172,12 @@ def _per_node(degrees, gpus_per_node: int) -> dict[str, int]:
     return {n: _node_facts(layout, n, gpus_per_node)[1] for n in _MESH_NAMES}
 
 
+@lru_cache(maxsize=4096)
+def _mesh_sizes(degrees) -> dict[str, int]:
+    layout = cached_layout(degrees)
+    return {n: layout.size(n) for n in _MESH_NAMES}
+
+
 _NODE_FACTS: dict = {}
 
 
@@ -266,9 +272,7 @@ def estimate(
     fit gets no step time (``time`` None, 0 tokens/s): the search ranks those by memory only,
     and pricing their collectives was most of its cost. ``mems``: the memory of the first and
     the last pipeline rank when the caller has it (``pricer.memory``'s)."""
-    _, args = model_inventory(job.model, job.flavor, **job.overrides)
     d = degrees
-    layout = cached_layout(d)
     hw = job.hardware
     stride_pp = d.world_size // d.pp
     ranks = sorted({0, (d.pp - 1) * stride_pp})
@@ -281,6 +285,8 @@ def estimate(
             degrees=d, choice=choice, memory=mem, fits=False, time=None, tokens_per_s_per_gpu=0.0,
             crosses_nodes=[], bubble_fraction=0.0, grad_accum=grad_accum_steps(choice, d),
         )  # fmt: skip
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    layout = cached_layout(d)
     # the per-parameter work (casts, norm, clipping, AdamW) of the rank with the most local
     # parameters (AdamW: 8 bytes each)
     per_param = step_bytes_per_param(choice.param_dtype, choice.reduce_dtype)
@@ -327,7 +333,7 @@ def estimate(
         key=lambda recs: sum(x["count"] * x["bytes"] for x in recs),
     )
     for r in records:
-        size = layout.size(r["mesh"])
+        size = _mesh_sizes(d)[r["mesh"]]
         crosses = crossing.get(r["mesh"], False)
         one = pricer.collective_seconds(
             r["kind"], r["bytes"], size, crosses, hw, per_node.get(r["mesh"], 1) if crosses else 1

@@ -74,17 +74,26 @@ class RankContext:
     adapters: tuple | None  # LoRA: (padded, local, per-group gathered elements)
 
 
-def rank_context(job, degrees, choice: LayoutChoice, rank: int) -> RankContext:
+def rank_context(job, degrees, choice: LayoutChoice, rank: int, shares: dict | None = None) -> RankContext:
+    """``shares``: a cache of the stage-dependent part by the stages' layer ranges (what a
+    batch of choices of these degrees shares; None: none)."""
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     layout = cached_layout(degrees)
     d = degrees
     stages, plan = stage_layers(args, d, choice, rank, layout)
     m = choice.n_microbatches if d.pp > 1 else 1
     key = tuple(sorted(job.overrides.items()))
-    padded, local, unsharded, sharded = _rank_groups(job.model, job.flavor, key, d, rank, choice.mixed, tuple(stages))
-    # AdamW: 2 fp32 states; Muon: 1 (its momentum) for the matrices routed to it
-    muon_local = _muon(job, d, choice, rank).local_numel if job.optimizer == "Muon" else 0
-    adapters = _adapter_shards(job, d, choice, rank, stages, layout) if job.lora is not None else None
+    skey = (rank, tuple(stages))
+    shared = None if shares is None else shares.get(skey)
+    if shared is None:
+        padded, local, unsharded, sharded = _rank_groups(job.model, job.flavor, key, d, rank, choice.mixed, skey[1])
+        # AdamW: 2 fp32 states; Muon: 1 (its momentum) for the matrices routed to it
+        muon_local = _muon(job, d, choice, rank).local_numel if job.optimizer == "Muon" else 0
+        adapters = _adapter_shards(job, d, choice, rank, stages, layout) if job.lora is not None else None
+        shared = (padded, local, unsharded, sharded, muon_local, adapters)
+        if shares is not None:
+            shares[skey] = shared
+    padded, local, unsharded, sharded, muon_local, adapters = shared
     return RankContext(
         stages, plan, grad_accum_steps(choice, d), m, choice.local_batch // m, key, padded, local, unsharded, sharded,
         muon_local, adapters,
