@@ -40,8 +40,15 @@ COMMAND_70B = [
 ]  # fmt: skip
 # the per-layout search's ranking of the 70B example (db67b62, before the batched pricing)
 BEFORE_70B_SHA256 = "eb5e947da006a45c5274045abac135002b4c3eb0392ab4df6274f2accd2a01fa"
-# the search before this session's batched pricing (db67b62, 2026-12-07): 27.78 CPU s for 405B
-PREVIOUS = {"commit": "db67b62", "search_cpu_s": 27.78}
+# the search before the batched pricing (db67b62): 27.78 CPU s for 405B in its own run
+# (2026-12-07 14:50); CPU seconds on this shared host swing with its load, so both searches were
+# also timed in one process, one after the other (2026-12-07 ~18:00, load average 15-24), with
+# identical digests: 405B 69.48 -> 38.44 CPU s, 70B 32.80 -> 15.49 CPU s
+PREVIOUS = {
+    "commit": "db67b62",
+    "search_cpu_s": 27.78,
+    "same_process_cpu_s": {"405B before": 69.48, "405B after": 38.44, "70B before": 32.8, "70B after": 15.49},
+}
 
 
 def _row(e) -> dict:
