@@ -7,7 +7,10 @@ The search is the one ``python -m tools.planner --model llama3 --flavor 405B --w
 timed in process as the command's "searched in" line times it), wall and CPU seconds. Its full
 ranking is hashed (:func:`tools.planner.search.ranking_digest`) and compared with the digest of
 the search before issue 53's speed-up (commit f4617db: 324 s on the Intel host, one thread),
-recorded below with that run's top layout.
+recorded below with that run's top layout. The search of the 70B example of docs/planner.md
+(``--flavor 70B --world-size 256 --global-batch 512``) is timed too, its digest compared with the
+one the per-layout search gave (the batched pricing, tools/planner/batch.py, must not change a
+bit of either ranking).
 """
 
 from __future__ import annotations
@@ -28,6 +31,23 @@ BEFORE = {
     "commit": "f4617db",
     "search_s": 324,
     "ranking_sha256": "7f3841cefd0c1189b9a0edde8b915880355fc11957350ef2f29129ff716a5923",
+}
+
+
+COMMAND_70B = [
+    "--model", "llama3", "--flavor", "70B", "--world-size", "256", "--gpus-per-node", "8", "--gpu", "h100",
+    "--seq-len", "8192", "--global-batch", "512",
+]  # fmt: skip
+# the per-layout search's ranking of the 70B example (db67b62, before the batched pricing)
+BEFORE_70B_SHA256 = "eb5e947da006a45c5274045abac135002b4c3eb0392ab4df6274f2accd2a01fa"
+# the search before the batched pricing (db67b62): 27.78 CPU s for 405B in its own run
+# (2026-12-07 14:50); CPU seconds on this shared host swing with its load, so both searches were
+# also timed in one process, one after the other (2026-12-07 ~18:00, load average 15-24), with
+# identical digests: 405B 69.48 -> 38.44 CPU s, 70B 32.80 -> 15.49 CPU s
+PREVIOUS = {
+    "commit": "db67b62",
+    "search_cpu_s": 27.78,
+    "same_process_cpu_s": {"405B before": 69.48, "405B after": 38.44, "70B before": 32.8, "70B after": 15.49},
 }
 
 
@@ -53,6 +73,11 @@ def run() -> dict:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     fitting = [e for e in result.estimates if e.fits]
     digest = ranking_digest(result)
+    job70 = _job(_parse(COMMAND_70B))
+    wall70, cpu70 = time.perf_counter(), time.process_time()
+    result70 = plan_layouts(job70)
+    wall70, cpu70 = time.perf_counter() - wall70, time.process_time() - cpu70
+    digest70 = ranking_digest(result70)
     out = {
         "command": "python -m tools.planner " + " ".join(COMMAND),
         "search_s": round(wall, 2),
@@ -65,10 +90,21 @@ def run() -> dict:
         "before": BEFORE,
         # None: no digest of the earlier search recorded
         "same_ranking_as_before": None if BEFORE["ranking_sha256"] is None else digest == BEFORE["ranking_sha256"],
+        "previous": PREVIOUS,
+        "70B": {
+            "command": "python -m tools.planner " + " ".join(COMMAND_70B),
+            "search_s": round(wall70, 2),
+            "search_cpu_s": round(cpu70, 2),
+            "layouts": result70.layouts,
+            "fitting": sum(e.fits for e in result70.estimates),
+            "ranking_sha256": digest70,
+            "same_ranking_as_before": None if BEFORE_70B_SHA256 is None else digest70 == BEFORE_70B_SHA256,
+        },
     }
     print(
         f"planner_search: 405B / 16,384 in {wall:.1f} s ({cpu:.1f} CPU s), {result.layouts:,} layouts, "
-        f"same ranking as before: {out['same_ranking_as_before']}",
+        f"same ranking as before: {out['same_ranking_as_before']}; 70B / 256 in {wall70:.1f} s ({cpu70:.1f} CPU s), "
+        f"same ranking: {out['70B']['same_ranking_as_before']}",
         file=sys.stderr,
     )
     return out

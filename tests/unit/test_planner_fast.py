@@ -52,6 +52,62 @@ def test_search_ranks_as_before(name):
     assert ranking_digest(dataclasses.replace(result, estimates=[moved, *result.estimates[1:]])) != want["sha256"]
 
 
+def _option_cases():
+    """Small jobs that turn on what the two digest cases do not: Muon, LoRA (experts too),
+    DeepSeek-V3's MTP depth with MLA, float32 parameters, and a 1B model on a memory budget
+    that ``--fit`` fills with its options."""
+    from models.parallel.lora import LoRAOptions
+    from tools.planner.estimate import Job
+    from tools.planner.hardware import load_hardware
+
+    h = load_hardware("h100")
+    small = dataclasses.replace(h, memory_gib=12.0, reserve_gib=0.0)
+    return {
+        "muon": Job("llama3", "debugmodel", 4, 4, 2048, 8, h, optimizer="Muon"),
+        "lora_experts": Job("deepseek_v3", "debugmodel", 4, 2, 512, 4, h, lora=LoRAOptions(experts=True)),
+        "mtp_fp32": Job("deepseek_v3", "debugmodel", 4, 4, 512, 4, h, param_dtype="float32",
+                        model_overrides=(("mtp_layers", 1),)),
+        "fit_1B": Job("llama3", "1B", 4, 4, 8192, 4, small),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["muon", "lora_experts", "mtp_fp32", "fit_1B"])
+def test_batch_pricing_equals_pricing_each_layout(name):
+    """The search's batched pricing (tools/planner/batch.py: contexts, activations, FLOPs and
+    collective times shared over the choices of one set of degrees) ranks exactly what pricing
+    each layout alone does, every field of every estimate, and so does ``--fit`` over them
+    (every option set, saving and priced estimate). Negative control: a batched search whose
+    memory is one byte off somewhere is told apart."""
+    from tools.planner.batch import BatchPricer
+    from tools.planner.fit import fit_layouts
+    from tools.planner.search import plan_layouts, ranking_digest
+
+    job = _option_cases()[name]
+    fit = name == "fit_1B"
+    new = plan_layouts(job, prune_state=not fit)
+    old = plan_layouts(job, prune_state=not fit, reference=True)
+    assert new.estimates and any(e.fits for e in new.estimates)
+    assert ranking_digest(new) == ranking_digest(old)
+    if fit:
+        got = fit_layouts(job, new.estimates)
+        assert any(r.options for r in got)  # the budget needs options for some layouts
+        assert [repr(r) for r in got] == [repr(r) for r in fit_layouts(job, old.estimates)]
+        return
+    memory = BatchPricer.memory
+
+    def off_by_one(self, job, d, choice, rank):
+        mem = memory(self, job, d, choice, rank)
+        if d.tp > 1 and choice.ac == "full":
+            mem = {**mem, "total": mem["total"] + 1}
+        return mem
+
+    try:
+        BatchPricer.memory = off_by_one
+        assert ranking_digest(plan_layouts(job)) != ranking_digest(old)
+    finally:
+        BatchPricer.memory = memory
+
+
 def test_rank_split_backward_casts_match_the_whole_schedule():
     """The per-rank cast answer (that rank's actions alone, no bubbles) equals the whole
     schedule's on every rank's stages."""

@@ -118,7 +118,7 @@ def predict_collectives(
 ):
     """Collectives ``rank`` issues in one optimizer step (see the module docstring), as a list
     of records sorted by mesh, kind and bytes."""
-    from .inventory import block_group, cached_layout, fsdp_meshes, model_inventory, stage_summary
+    from .inventory import cached_layout, fsdp_meshes, model_inventory
 
     _, args = model_inventory(model, flavor, **overrides)
     layout = layout or cached_layout(degrees)
@@ -139,47 +139,22 @@ def predict_collectives(
     key = tuple(sorted(overrides.items()))
     stage_ids = plan.rank_stages[layout.coordinate("pp", rank)] if plan is not None else (0,)
     for stage_id, (layers, embed, head) in zip(stage_ids, stages):
-        groups = stage_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head)
-        last_block = block_group(args, max(layers)) if len(layers) else None
         # DeepSeek-V3's MTP depths on this stage (with the head): each embeds like the first
         # stage, and the head (its input all-gather, the loss) runs on 1 + D times the tokens
         mtp = sum(1 for i in layers if i >= args.n_layers)
         ckpt = fully_checkpointed(choice, layers)  # their forward collectives run twice
-        # FSDP float8 all-gather: the converted linears' weights gathered at 1 byte per element
-        f8_gathered = {}
-        if float8_all_gather(choice.float8) and (dense_size or 1) > 1:
-            f8_gathered = float8_gathered_numel(
-                model, flavor, key, d, rank, choice.mixed, layers, embed, head, tuple(choice.float8.filter_fqns)
-            )
-        # LoRA: the adapters are gathered with their group; only they are reduced (frozen base)
-        lora = None
-        if choice.lora is not None:
-            from .lora import adapter_group_summary
-
-            lora = adapter_group_summary(model, flavor, key, d, rank, choice.mixed, layers, embed, head, choice.lora)
-        for g in groups:
-            if g.name is None:
-                continue
-            gathered, reduced, replicated = g.unsharded, g.unsharded, g.shard
-            if lora is not None:
-                extra, shard = lora.get(g.name, (0, 0))
-                gathered, reduced, replicated = g.unsharded + extra, extra, shard
-            if g.size > 1:
-                flag = g.name not in ("head", last_block) and _fsdp_reshard(choice.reshard, pp, g.size)
-                # without pipelining: gathered for forward, again for backward when resharded
-                # after forward. Pipelined, the stage keeps its parameters unsharded after each
-                # micro-batch's backward until the step's reduction (torch's stage): a group
-                # resharded after forward is gathered by every forward that follows a forward
-                # or starts the step, and by every backward that follows a forward; each stage
-                # runs m forwards and m backwards from a forward to a backward, so m + 1 times
-                # in any order (once without resharding; a split-backward schedule with
-                # resharding is refused by trainer.plan.plan_job: it dropped weight gradients)
-                gathers = accum * ((m + 1) if flag else 1) if pp else accum * (2 if flag else 1)
-                rec[("all_gather", g.mesh, gathered * pb - f8_gathered.get(g.name, 0) * (pb - 1))] += gathers
-                if reduced:
-                    rec[("reduce_scatter", g.mesh, reduced * rb)] += syncs
-            if d.dp_replicate > 1 and replicated:
-                rec[("all_reduce", "dp_replicate", replicated * rb)] += syncs
+        # FSDP's collectives of the stage's groups, summed per (kind, mesh, bytes) (cached: no
+        # batch split or AC choice changes them): resharded groups gather ``gathers_flag``
+        # times, the others ``gathers``
+        if pp:
+            gathers_flag, gathers = accum * (m + 1), accum
+        else:
+            gathers_flag, gathers = accum * 2, accum
+        for k, n_flag, n_plain, n_sync in _stage_fsdp(
+            model, flavor, key, d, rank, choice.mixed, layers, embed, head, choice.reshard, pp, pb, rb, choice.float8,
+            choice.lora,
+        ):  # fmt: skip
+            rec[k] += n_flag * gathers_flag + n_plain * gathers + n_sync * syncs
 
         if d.tp > 1:
             # LoRA: the frozen embedding's stage computes no input gradient of layer 0's
@@ -204,17 +179,14 @@ def predict_collectives(
                 # projection's input gradient is all-reduced on its own
                 rec[("all_gather", "tp", full)] += forwards * (4 * n + 2 * r)
                 rec[("reduce_scatter", "tp", full)] += forwards * (2 * n + r)
-                for i in layers:
-                    for stays_dtensor, widths in tp_colwise_modules(model, flavor, key, i, frozen_entry and i == 0):
-                        if stays_dtensor:
-                            rec[("reduce_scatter", "tp", full)] += forwards
-                        else:
-                            for width in widths:
-                                rec[("all_reduce", "tp", a * t * width)] += forwards
-                    # MLA's rope key: computed by replicated weights, its gradient all-reduced
-                    # (attention.tp_grad_syncs, models/parallel/tensor_parallel.py)
-                    if hasattr(args, "qk_rope_head_dim"):
-                        rec[("all_reduce", "tp", a * t * args.qk_rope_head_dim)] += forwards
+                stays, widths = _tp_input_grads(model, flavor, key, layers, frozen_entry)
+                rec[("reduce_scatter", "tp", full)] += forwards * stays
+                for width, count in widths:
+                    rec[("all_reduce", "tp", a * t * width)] += forwards * count
+                # MLA's rope key: computed by replicated weights, its gradient all-reduced
+                # (attention.tp_grad_syncs, models/parallel/tensor_parallel.py)
+                if hasattr(args, "qk_rope_head_dim"):
+                    rec[("all_reduce", "tp", a * t * args.qk_rope_head_dim)] += forwards * len(layers)
                 if embed or mtp:  # Rowwise embedding (and MTP's copies): RS forward, AG backward
                     rec[("reduce_scatter", "tp", full)] += forwards * (int(embed) + mtp)
                     # (a frozen embedding's output needs no gradient: LoRA)
@@ -237,13 +209,10 @@ def predict_collectives(
                 # gradients, once per module whose input stays a DTensor, else once per
                 # column-wise projection (as above)
                 rec[("all_reduce", "tp", full)] += forwards * (2 * n + r)
-                for i in layers:
-                    for stays_dtensor, widths in tp_colwise_modules(model, flavor, key, i, frozen_entry and i == 0):
-                        if stays_dtensor:
-                            rec[("all_reduce", "tp", full)] += forwards
-                        else:
-                            for width in widths:
-                                rec[("all_reduce", "tp", a * t * width)] += forwards
+                stays, widths = _tp_input_grads(model, flavor, key, layers, frozen_entry)
+                rec[("all_reduce", "tp", full)] += forwards * stays
+                for width, count in widths:
+                    rec[("all_reduce", "tp", a * t * width)] += forwards * count
                 if embed or mtp:  # Rowwise embedding (and MTP's copies): Partial output all-reduced forward
                     rec[("all_reduce", "tp", full)] += forwards * (int(embed) + mtp)
                 if head:  # Colwise output on a replicated input: its input gradient all-reduced
@@ -297,13 +266,13 @@ def predict_collectives(
                 # outside the blocks, so no checkpoint re-issues it
                 rec[("all_gather", "cp", 8 * t * d.cp)] += forwards
 
-        moe_layers = [i for i in layers if args.has_experts and i >= getattr(args, "n_dense_layers", 0)]
+        moe_layers = [i for i in layers if i >= getattr(args, "n_dense_layers", 0)] if has_moe else []
         tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
         # the int64 routing-count exchanges are functional collectives (models/parallel/
         # expert_parallel.py): a fully checkpointed block (full AC, selective AC's every N-th)
         # re-issues them in the recomputation, selective AC's op policy saves their outputs
         # (models/parallel/activation_checkpoint.py)
-        n, r = len(moe_layers), len(set(moe_layers) & set(ckpt))
+        n, r = len(moe_layers), len(set(moe_layers) & set(ckpt)) if moe_layers else 0
         if moe_layers and d.ep > 1:
             rows = tn * args.n_activated_experts * a * args.dim  # balanced routing assumed
             rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * (n + r)
@@ -361,7 +330,7 @@ def predict_collectives(
     if pp:
         rec[("all_reduce", "pp", 8)] += 1  # grad-norm squares over stages
         rec[("all_reduce", "pp", loss_bytes)] += 1  # loss sum over stages
-    for mesh in grad_norm_all_reduces(model, flavor, key, d, stages, dense_size, expert_size, separate, layout, rank):
+    for mesh in _grad_norm(model, flavor, key, d, tuple(stages), dense_size, expert_size, separate, rank):
         rec[("all_reduce", mesh, 8)] += 1
     if has_moe:
         n_moe = sum(1 for layers, _, _ in stages for i in layers if i >= getattr(args, "n_dense_layers", 0))
@@ -375,6 +344,97 @@ def predict_collectives(
         for (k, mesh, b), c in sorted(rec.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))
         if c
     ]
+
+
+@lru_cache(maxsize=65536)
+def _grad_norm(model, flavor, key, d, stages: tuple, dense_size, expert_size, separate, rank: int) -> list:
+    """:func:`grad_norm_all_reduces` (cached: no batch split or AC choice changes it)."""
+    from .inventory import cached_layout
+
+    return grad_norm_all_reduces(
+        model, flavor, key, d, list(stages), dense_size, expert_size, separate, cached_layout(d), rank
+    )
+
+
+@lru_cache(maxsize=65536)
+def _tp_input_grads(model, flavor, key, layers, frozen_entry: bool) -> tuple[int, tuple]:
+    """The TP input-gradient reductions of ``layers``' blocks per forward: (modules whose input
+    stays a DTensor: one reduction of the block's full activation each; ((width, count), ...)
+    of the column-wise projections of the others, each all-reduced on its own)."""
+    stays = 0
+    widths: Counter = Counter()
+    for i in layers:
+        for stays_dtensor, module_widths in tp_colwise_modules(model, flavor, key, i, frozen_entry and i == 0):
+            if stays_dtensor:
+                stays += 1
+            else:
+                widths.update(module_widths)
+    return stays, tuple(sorted(widths.items()))
+
+
+@lru_cache(maxsize=65536)
+def _stage_fsdp(
+    model, flavor, key, d, rank: int, mixed: bool, layers, embed: bool, head: bool, reshard: str, pp: bool, pb: int,
+    rb: int, float8, lora_opts,
+) -> tuple:  # fmt: skip
+    """FSDP's all-gathers, reduce-scatters and HSDP all-reduces of one stage's groups, summed
+    per record: ((kind, mesh, bytes), groups resharded after forward, other gathering groups,
+    reductions per gradient sync), for :func:`predict_collectives` to scale by its gathers and
+    syncs per step."""
+    from .inventory import block_group, fsdp_meshes, model_inventory, stage_summary
+
+    _, args = model_inventory(model, flavor, **dict(key))
+    dense_size, _, _ = fsdp_meshes(d, args.has_experts, mixed)
+    groups = stage_summary(model, flavor, key, d, rank, mixed, layers, embed, head)
+    last_block = block_group(args, max(layers)) if len(layers) else None
+    out: dict = {}
+
+    def add(k, flag: int, plain: int, sync: int) -> None:
+        counts = out.setdefault(k, [0, 0, 0])
+        counts[0] += flag
+        counts[1] += plain
+        counts[2] += sync
+
+    # FSDP float8 all-gather: the converted linears' weights gathered at 1 byte per element
+    f8_gathered = {}
+    if float8_all_gather(float8) and (dense_size or 1) > 1:
+        f8_gathered = float8_gathered_numel(
+            model, flavor, key, d, rank, mixed, layers, embed, head, tuple(float8.filter_fqns)
+        )
+    # LoRA: the adapters are gathered with their group; only they are reduced (frozen base)
+    lora = None
+    if lora_opts is not None:
+        from .lora import adapter_group_summary
+
+        lora = adapter_group_summary(model, flavor, key, d, rank, mixed, layers, embed, head, lora_opts)
+    for g in groups:
+        if g.name is None:
+            continue
+        gathered, reduced, replicated = g.unsharded, g.unsharded, g.shard
+        if lora is not None:
+            extra, shard = lora.get(g.name, (0, 0))
+            gathered, reduced, replicated = g.unsharded + extra, extra, shard
+        if g.size > 1:
+            flag = g.name not in ("head", last_block) and _fsdp_reshard(reshard, pp, g.size)
+            # without pipelining: gathered for forward, again for backward when resharded
+            # after forward. Pipelined, the stage keeps its parameters unsharded after each
+            # micro-batch's backward until the step's reduction (torch's stage): a group
+            # resharded after forward is gathered by every forward that follows a forward
+            # or starts the step, and by every backward that follows a forward; each stage
+            # runs m forwards and m backwards from a forward to a backward, so m + 1 times
+            # in any order (once without resharding; a split-backward schedule with
+            # resharding is refused by trainer.plan.plan_job: it dropped weight gradients)
+            add(
+                ("all_gather", g.mesh, gathered * pb - f8_gathered.get(g.name, 0) * (pb - 1)),
+                int(flag),
+                int(not flag),
+                0,
+            )
+            if reduced:
+                add(("reduce_scatter", g.mesh, reduced * rb), 0, 0, 1)
+        if d.dp_replicate > 1 and replicated:
+            add(("all_reduce", "dp_replicate", replicated * rb), 0, 0, 1)
+    return tuple((k, *counts) for k, counts in out.items())
 
 
 def _kv_bytes_per_token(args, tp: int) -> int:

@@ -47,13 +47,13 @@ from functools import cached_property, lru_cache
 
 from models.parallel.pipeline.plan import bubble_fraction as bubble_fraction_of
 
-from .activations import activation_bytes
 from .choice import DTYPE_BYTES, LayoutChoice, grad_accum_steps, selective_every, stage_layers
 from .collectives import predict_collectives
 from .compute import rank_matmul_flops
 from .elementwise import elementwise_bytes
 from .hardware import GIB, Hardware, collective_seconds, elementwise_seconds, optimizer_seconds, step_bytes_per_param
-from .inventory import cached_layout, fsdp_meshes, model_inventory, stage_summary
+from .inventory import cached_layout, model_inventory
+from .rank_memory import _activations, _in_flight, _muon, memory_for_rank  # noqa: F401 (re-exported)
 
 __all__ = [
     "FSDP_OVERLAPPED",
@@ -161,147 +161,43 @@ _MESH_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "efsdp
 @lru_cache(maxsize=4096)
 def _crossing(degrees, gpus_per_node: int) -> dict[str, bool]:
     layout = cached_layout(degrees)
-    return {n: layout.size(n) > 1 and layout.crosses_nodes(n, gpus_per_node) for n in _MESH_NAMES}
+    return {n: layout.size(n) > 1 and _node_facts(layout, n, gpus_per_node)[0] for n in _MESH_NAMES}
 
 
 @lru_cache(maxsize=4096)
 def _per_node(degrees, gpus_per_node: int) -> dict[str, int]:
     """Members per node of each mesh's groups (the fewest over its groups and nodes): the NICs a
     group that crosses nodes uses at once."""
+    layout = cached_layout(degrees)
+    return {n: _node_facts(layout, n, gpus_per_node)[1] for n in _MESH_NAMES}
+
+
+@lru_cache(maxsize=4096)
+def _mesh_sizes(degrees) -> dict[str, int]:
+    layout = cached_layout(degrees)
+    return {n: layout.size(n) for n in _MESH_NAMES}
+
+
+_NODE_FACTS: dict = {}
+
+
+def _node_facts(layout, name: str, gpus_per_node: int) -> tuple[bool, int]:
+    """(whether a group of mesh ``name`` spans several nodes, as ``RankLayout.crosses_nodes``;
+    the fewest members of one of its groups in one node). A mesh's groups are fixed by its
+    (size, stride) modes and the world size (``RankLayout.groups``), so the facts are cached
+    on those: the search's degrees share most of their meshes."""
     import numpy as np
 
-    layout = cached_layout(degrees)
-    out = {}
-    for n in _MESH_NAMES:
-        nodes = layout.groups(n) // gpus_per_node
+    key = (tuple(layout.modes(name)), layout.degrees.world_size, gpus_per_node)
+    hit = _NODE_FACTS.get(key)
+    if hit is None:
+        nodes = layout.groups(name) // gpus_per_node
+        crosses = bool((nodes.min(axis=1) != nodes.max(axis=1)).any())
         # the fewest members of one group in one node, over every (group, node) pair at once:
-        # one count of the distinct (row, node) keys (was a np.unique per group: most of a
-        # 16,384-rank search's time)
+        # one count of the distinct (row, node) keys
         keys = np.arange(nodes.shape[0], dtype=np.int64)[:, None] * (int(nodes.max()) + 1) + nodes
-        out[n] = int(np.unique(keys, return_counts=True)[1].min())
-    return out
-
-
-def _in_flight(choice: LayoutChoice, pp: int, plan) -> tuple[float, int]:
-    """(micro-batches of this rank's layers held at the activation peak, logits held)."""
-    if pp == 1:
-        return 1.0, 1
-    m, v = choice.n_microbatches, plan.stages_per_rank
-    if choice.schedule in ("GPipe", "LoopedBFS"):
-        return float(m), m
-    if v == 1:
-        return float(min(m, pp)), 1
-    # interleaved warm-up on the first rank: (v-1)*pp + 2*(pp-1) + 1 chunks of 1/v of its layers
-    chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1)
-    return chunks / v, 1
-
-
-@lru_cache(maxsize=65536)
-def _activations(model, flavor, key: tuple, layers, mb, seq_len, tp, cp, etp, act_bytes, ac, head, every, sp):
-    """:func:`activation_bytes` of one stage (cached: the search asks for the same stage of
-    many layouts)."""
-    _, args = model_inventory(model, flavor, **dict(key))
-    return activation_bytes(
-        args, layers, mb, seq_len, tp=tp, cp=cp, etp=etp, sp=sp, act_bytes=act_bytes, ac=ac, head=head,
-        selective_every=every,
-    )  # fmt: skip
-
-
-def memory_for_rank(job: Job, degrees, choice: LayoutChoice, rank: int) -> dict[str, float]:
-    _, args = model_inventory(job.model, job.flavor, **job.overrides)
-    layout = cached_layout(degrees)
-    d = degrees
-    pb, rb = DTYPE_BYTES[choice.param_dtype], DTYPE_BYTES[choice.reduce_dtype]
-    stages, plan = stage_layers(args, d, choice, rank, layout)
-    accum = grad_accum_steps(choice, d)
-    m = choice.n_microbatches if d.pp > 1 else 1
-    mb = choice.local_batch // m
-    key = tuple(sorted(job.overrides.items()))
-    padded, local, biggest, sharded = _rank_groups(job.model, job.flavor, key, d, rank, choice.mixed, tuple(stages))
-    cast = sharded or (choice.mixed and pb != 4)
-    unsharded_total = sum(biggest)
-    keeps_all = d.pp > 1 or choice.reshard == "never" or not sharded
-    if cast:
-        gathered = unsharded_total * pb if keeps_all else (sum(biggest[:3])) * pb
-    else:
-        gathered = 0
-    grads_unsharded = sum(biggest[:2]) * pb if sharded else 0
-    if sharded and (accum > 1 or m > 1):
-        grads_unsharded = unsharded_total * rb  # accumulated while the reduce-scatter waits
-    act_bytes = DTYPE_BYTES[choice.param_dtype]
-    held_layers = 0.0
-    head_b = recompute = 0
-    every = selective_every(choice)
-    for layers, _embed, head in stages:
-        est = _activations(
-            job.model, job.flavor, key, layers, mb, job.seq_len, d.tp, d.cp, d.etp, act_bytes, choice.ac, head,
-            every, choice.sequence_parallel,
-        )  # fmt: skip
-        held_layers += est.layers
-        head_b += est.head
-        recompute = max(recompute, est.recompute)
-    layers_factor, logits_held = _in_flight(choice, d.pp, plan)
-    activations = held_layers * layers_factor + head_b * logits_held + recompute
-    # AdamW: 2 fp32 states; Muon: 1 (its momentum) for the matrices routed to it
-    muon_local = _muon(job, d, choice, rank).local_numel if job.optimizer == "Muon" else 0
-    params_b, grads_b, optimizer_b = 4 * padded, 4 * padded, 8 * local - 4 * muon_local
-    if job.lora is not None:  # frozen base: gradients and optimizer state of the adapters only
-        a_padded, a_local, a_groups = _adapter_shards(job, d, choice, rank, stages, layout)
-        frozen_b = DTYPE_BYTES[job.lora.frozen_dtype]
-        params_b, grads_b, optimizer_b = frozen_b * padded + 4 * a_padded, 4 * a_padded, 8 * a_local - 4 * muon_local
-        gathered += sum(a_groups.values()) * pb if cast and keeps_all else 0
-        biggest_a = sorted(a_groups.values(), reverse=True)
-        grads_unsharded = sum(biggest_a[:2]) * pb if sharded else 0
-        if sharded and (accum > 1 or m > 1):
-            grads_unsharded = sum(biggest_a) * rb
-    mem = {
-        "params": params_b,
-        "grads": grads_b,
-        "optimizer": optimizer_b,
-        "gathered_params": gathered,
-        "unsharded_grads": grads_unsharded,
-        "activations": activations,
-    }
-    mem["total"] = sum(mem.values())
-    return mem
-
-
-@lru_cache(maxsize=65536)
-def _rank_groups(model, flavor, key: tuple, d, rank: int, mixed: bool, stages: tuple) -> tuple:
-    """(padded and unpadded local elements ``rank`` stores, its FSDP groups' gathered (TP-local)
-    elements largest first, whether a shard mesh has more than one rank) over its ``stages``:
-    the part of :func:`memory_for_rank` that no AC, reshard or batch choice changes (cached: the
-    search asks for it once per choice)."""
-    _, args = model_inventory(model, flavor, **dict(key))
-    dense_size, expert_size, _ = fsdp_meshes(d, args.has_experts, mixed)
-    padded = local = 0
-    gathered_groups: dict = {}
-    for layers, embed, head in stages:
-        for g in stage_summary(model, flavor, key, d, rank, mixed, layers, embed, head):
-            padded += g.shard
-            local += g.local
-            gathered_groups[(g.name, layers.start)] = g.tp_local
-    sharded = any(size is not None and size > 1 for size in (dense_size, expert_size))
-    return padded, local, tuple(sorted(gathered_groups.values(), reverse=True)), sharded
-
-
-def _adapter_shards(job: Job, d, choice: LayoutChoice, rank: int, stages, layout) -> tuple[int, int, dict]:
-    """(padded, local) adapter elements this rank stores, and per FSDP group the adapters'
-    gathered (TP-local) elements."""
-    from .inventory import rank_shards
-    from .lora import adapter_infos
-
-    params, _ = model_inventory(job.model, job.flavor, **job.overrides)
-    key = tuple(sorted(job.overrides.items()))
-    infos = adapter_infos(params, job.model, job.flavor, key, job.lora)
-    padded = local = 0
-    groups: dict = {}
-    for layers, embed, head in stages:
-        for s in rank_shards(infos, d, layout, rank, choice.mixed, layers, embed, head):
-            padded += s.padded_numel
-            local += s.local_numel
-            groups[(s.info.group, layers.start)] = groups.get((s.info.group, layers.start), 0) + s.tp_local_numel
-    return padded, local, groups
+        hit = _NODE_FACTS[key] = (crosses, int(np.unique(keys, return_counts=True)[1].min()))
+    return hit
 
 
 def _elementwise_bytes(job: Job, degrees, choice: LayoutChoice, rank: int) -> int:
@@ -345,18 +241,52 @@ def _stage_elementwise(model, flavor, key: tuple, layers, mb, seq_len, tp, cp, e
     )  # fmt: skip
 
 
-def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) -> Estimate:
+class Pricer:
+    """Where :func:`estimate` gets its parts: straight from their functions (the default);
+    :class:`tools.planner.batch.BatchPricer` reuses them over the choices of one set of degrees
+    (the same functions on the same inputs: the same floats)."""
+
+    def memory(self, job: Job, d, choice: LayoutChoice, rank: int) -> dict:
+        return memory_for_rank(job, d, choice, rank)
+
+    def flops(self, job: Job, d, choice: LayoutChoice, rank: int) -> dict:
+        return rank_matmul_flops(job.model, job.flavor, d, choice, rank, lora=job.lora, **job.overrides)
+
+    def elementwise(self, job: Job, d, choice: LayoutChoice, rank: int) -> int:
+        return _elementwise_bytes(job, d, choice, rank)
+
+    def collectives(self, job: Job, d, choice: LayoutChoice, rank: int, key: tuple) -> list:
+        return _collectives(job.model, job.flavor, d, choice, rank, key)
+
+    def collective_seconds(self, kind: str, nbytes, size: int, crosses: bool, hw: Hardware, per_node: int) -> float:
+        return collective_seconds(kind, nbytes, size, crosses, hw, per_node)
+
+
+DIRECT = Pricer()
+
+
+def estimate(
+    job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True, pricer: Pricer = DIRECT, mems=None
+) -> Estimate:
     """Memory and step time of one layout. With ``time_if_oom=False`` a layout that does not
     fit gets no step time (``time`` None, 0 tokens/s): the search ranks those by memory only,
-    and pricing their collectives was most of its cost."""
-    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    and pricing their collectives was most of its cost. ``mems``: the memory of the first and
+    the last pipeline rank when the caller has it (``pricer.memory``'s)."""
     d = degrees
-    layout = cached_layout(d)
     hw = job.hardware
     stride_pp = d.world_size // d.pp
     ranks = sorted({0, (d.pp - 1) * stride_pp})
-    mems = [memory_for_rank(job, d, choice, r) for r in ranks]
+    if mems is None:
+        mems = [pricer.memory(job, d, choice, r) for r in ranks]
     mem = max(mems, key=lambda x: x["total"])
+    fits = mem["total"] <= hw.usable_gib * GIB
+    if not fits and not time_if_oom:
+        return Estimate(
+            degrees=d, choice=choice, memory=mem, fits=False, time=None, tokens_per_s_per_gpu=0.0,
+            crosses_nodes=[], bubble_fraction=0.0, grad_accum=grad_accum_steps(choice, d),
+        )  # fmt: skip
+    _, args = model_inventory(job.model, job.flavor, **job.overrides)
+    layout = cached_layout(d)
     # the per-parameter work (casts, norm, clipping, AdamW) of the rank with the most local
     # parameters (AdamW: 8 bytes each)
     per_param = step_bytes_per_param(choice.param_dtype, choice.reduce_dtype)
@@ -367,22 +297,13 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         optimizer += max(m.ns_flops for m in muons) / (
             hw.peak_flops("tf32" if job.tf32 else "float32") * job.efficiency
         )
-    fits = mem["total"] <= hw.usable_gib * GIB
-    if not fits and not time_if_oom:
-        return Estimate(
-            degrees=d, choice=choice, memory=mem, fits=False, time=None, tokens_per_s_per_gpu=0.0,
-            crosses_nodes=[], bubble_fraction=0.0, grad_accum=grad_accum_steps(choice, d),
-        )  # fmt: skip
     # compute: the busiest rank's matmul FLOPs (tools/planner/compute.py)
     tokens = job.global_batch * job.seq_len
     precision = "tf32" if choice.param_dtype == "float32" and job.tf32 else choice.param_dtype
     rate = hw.peak_flops(precision) * job.efficiency
     # float8: the converted linears' and experts' GEMMs at the float8 peak (tools/planner/float8.py)
     rate8 = hw.peak_flops("float8") * job.efficiency if choice.float8 is not None else rate
-    flops = max(
-        (rank_matmul_flops(job.model, job.flavor, d, choice, r, lora=job.lora, **job.overrides) for r in ranks),
-        key=lambda f: f["total"],
-    )
+    flops = max((pricer.flops(job, d, choice, r) for r in ranks), key=lambda f: f["total"])
     f8 = flops["forward_float8"] + flops["backward_float8"]
     compute = (flops["forward"] + flops["backward"] - f8) / rate + f8 / rate8
     recompute = (
@@ -394,7 +315,7 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
         blocks = max(sum(len(layers) for layers, _, _ in stage_layers(args, d, choice, r, layout)[0]) for r in ranks)
         tp_overhead = hw.tp_block_overhead_s * blocks * forwards if d.tp > 1 else 0.0
         cp_overhead = hw.cp_block_overhead_s * blocks * forwards if d.cp > 1 else 0.0
-    elementwise = elementwise_seconds(max(_elementwise_bytes(job, d, choice, r) for r in ranks), hw)
+    elementwise = elementwise_seconds(max(pricer.elementwise(job, d, choice, r) for r in ranks), hw)
     busy = compute + recompute + tp_overhead + cp_overhead + elementwise
     # communication, from the busiest stage's rank
     crossing = _crossing(d, job.gpus_per_node)
@@ -408,13 +329,15 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
     )
     key = tuple(sorted(job.overrides.items()))
     records = max(
-        (_collectives(job.model, job.flavor, d, same, r, key) for r in ranks),
+        (pricer.collectives(job, d, same, r, key) for r in ranks),
         key=lambda recs: sum(x["count"] * x["bytes"] for x in recs),
     )
     for r in records:
-        size = layout.size(r["mesh"])
+        size = _mesh_sizes(d)[r["mesh"]]
         crosses = crossing.get(r["mesh"], False)
-        one = collective_seconds(r["kind"], r["bytes"], size, crosses, hw, per_node.get(r["mesh"], 1) if crosses else 1)
+        one = pricer.collective_seconds(
+            r["kind"], r["bytes"], size, crosses, hw, per_node.get(r["mesh"], 1) if crosses else 1
+        )
         total = one * r["count"]
         if r["mesh"] in FSDP_OVERLAPPED:
             fsdp_total += total
@@ -472,18 +395,6 @@ def estimate(job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True) 
 @lru_cache(maxsize=8192)
 def _collectives(model, flavor, d, choice: LayoutChoice, rank: int, key: tuple) -> list:
     return predict_collectives(model, flavor, d, choice, rank, cached_layout(d), **dict(key))
-
-
-def _muon(job: Job, d, choice: LayoutChoice, rank: int):
-    from .muon import muon_cost
-
-    stages, _ = stage_layers(
-        model_inventory(job.model, job.flavor, **job.overrides)[1], d, choice, rank, cached_layout(d)
-    )
-    return muon_cost(
-        job.model, job.flavor, job.overrides, d, rank, choice.mixed, stages, job.muon_distribution, job.muon_ns_steps,
-        job.param_groups, job.lora,
-    )  # fmt: skip
 
 
 def _muon_comm_seconds(cost, crossing: dict, per_node: dict, hw: Hardware) -> float:

@@ -175,11 +175,15 @@ def fsdp_meshes(degrees, has_moe: bool, mixed: bool) -> tuple[int | None, int | 
     return dense, expert, separate
 
 
-def rank_shards(params, degrees, layout, rank: int, mixed: bool, layers=None, embed=True, head=True):
+def rank_shards(
+    params, degrees, layout, rank: int, mixed: bool, layers=None, embed=True, head=True, has_moe: bool | None = None
+):
     """This rank's :class:`ParamShard` of every parameter it holds: ``layers`` (an iterable
-    of layer indices, None = all) plus the embeddings / head when ``embed`` / ``head``."""
+    of layer indices, None = all) plus the embeddings / head when ``embed`` / ``head``;
+    ``has_moe``: whether the model has routed experts (None: whether ``params`` has some)."""
     d = degrees
-    has_moe = any(p.expert for p in params)
+    if has_moe is None:
+        has_moe = any(p.expert for p in params)
     dense, expert, separate = fsdp_meshes(d, has_moe, mixed)
     coord = {n: layout.coordinate(n, rank) for n in ("tp", "fsdp", "ep", "etp", "efsdp")}
     keep = None if layers is None else set(layers)
@@ -255,16 +259,92 @@ class GroupSummary:
 @lru_cache(maxsize=65536)
 def stage_summary(model, flavor, overrides: tuple, degrees, rank, mixed, layers, embed, head) -> tuple:
     """:func:`rank_shards` summed per FSDP group (cached: planning asks for the same stage of
-    the same degrees many times)."""
+    the same degrees many times). Blocks of one kind (the same parameters, names, shapes and
+    roles under their own prefix) are sharded alike: each kind is summed once per (degrees,
+    rank) and the sums added block by block, in the inventory's order (:func:`_blocks`)."""
     params, _ = _inventory(model, flavor, overrides)
+    blocks = _blocks(model, flavor, overrides)
     groups: dict = {}
-    for s in rank_shards(params, degrees, cached_layout(degrees), rank, mixed, layers, embed, head):
-        g = groups.setdefault(s.fsdp_group, [s.fsdp_mesh, s.fsdp_size, 0, 0, 0, 0])
+
+    def add(name, mesh, size, unsharded, shard, local, tp_local):
+        g = groups.setdefault(name, [mesh, size, 0, 0, 0, 0])
+        g[2] += unsharded
+        g[3] += shard
+        g[4] += local
+        g[5] += tp_local
+
+    if blocks is None:  # blocks not contiguous in the inventory: parameter by parameter
+        for s in rank_shards(params, degrees, cached_layout(degrees), rank, mixed, layers, embed, head):
+            add(s.fsdp_group, s.fsdp_mesh, s.fsdp_size, s.padded_unsharded_numel, s.padded_numel, s.local_numel,
+                s.tp_local_numel)  # fmt: skip
+    else:
+        spans, kinds, has_moe = blocks
+        layout = cached_layout(degrees)
+        outer = [p for p in params if p.layer is None]
+        for s in rank_shards(outer, degrees, layout, rank, mixed, (), embed, False, has_moe):
+            add(s.fsdp_group, s.fsdp_mesh, s.fsdp_size, s.padded_unsharded_numel, s.padded_numel, s.local_numel,
+                s.tp_local_numel)  # fmt: skip
+        for layer in sorted((i for i in layers if i in spans), key=lambda i: spans[i][0]):
+            prefix = spans[layer][2]
+            for rel, *vals in _kind_summary(model, flavor, overrides, kinds[layer], degrees, rank, mixed):
+                add(None if rel is None else prefix + rel, *vals)
+        for s in rank_shards(outer, degrees, layout, rank, mixed, (), False, head, has_moe):
+            add(s.fsdp_group, s.fsdp_mesh, s.fsdp_size, s.padded_unsharded_numel, s.padded_numel, s.local_numel,
+                s.tp_local_numel)  # fmt: skip
+    return tuple(GroupSummary(name, *vals) for name, vals in groups.items())
+
+
+@lru_cache(maxsize=16)
+def _blocks(model: str, flavor: str, overrides: tuple):
+    """({layer: (first, end index in the inventory, group prefix)}, {layer: kind}, whether the
+    model has routed experts), or None when a block's parameters are not contiguous (or the
+    embeddings and head do not come first and last) in the inventory."""
+    params, _ = _inventory(model, flavor, overrides)
+    spans: dict = {}
+    for i, p in enumerate(params):
+        if p.layer is not None:
+            span = spans.setdefault(p.layer, [i, i])
+            if span[1] != i:
+                return None
+            span[1] = i + 1
+    outer = [i for i, p in enumerate(params) if p.layer is None]
+    embeds = [i for i in outer if params[i].group == "tok_embeddings"]
+    if embeds != list(range(len(embeds))) or any(i < len(embeds) for i in outer if i not in embeds):
+        return None
+    if any(i < max((b for _, b in spans.values()), default=0) for i in outer if i not in embeds):
+        return None
+    kinds: dict = {}
+    seen: dict = {}
+    out = {}
+    for layer, (a, b) in spans.items():
+        prefix = params[a].fqn.split(".", 2)
+        prefix = f"{prefix[0]}.{prefix[1]}"
+        sig = []
+        for p in params[a:b]:
+            if not (p.fqn.startswith(prefix + ".") and (p.group == prefix or p.group.startswith(prefix + "."))):
+                return None
+            sig.append((p.fqn[len(prefix) :], p.shape, p.group[len(prefix) :], p.tp_dim, p.expert, p.moe_layer, p.role))
+        kinds[layer] = seen.setdefault(tuple(sig), layer)  # a kind: its first block
+        out[layer] = (a, b, prefix)
+    return out, kinds, any(p.expert for p in params)
+
+
+@lru_cache(maxsize=65536)
+def _kind_summary(model, flavor, overrides: tuple, kind: int, degrees, rank, mixed) -> tuple:
+    """:func:`stage_summary`'s per-group sums of block ``kind`` alone (group names relative to
+    the block's prefix), in the order its parameters first name each group."""
+    params, _ = _inventory(model, flavor, overrides)
+    spans, _, has_moe = _blocks(model, flavor, overrides)
+    a, b, prefix = spans[kind]
+    groups: dict = {}
+    for s in rank_shards(params[a:b], degrees, cached_layout(degrees), rank, mixed, None, False, False, has_moe):
+        rel = None if s.fsdp_group is None else s.fsdp_group[len(prefix) :]
+        g = groups.setdefault(rel, [s.fsdp_mesh, s.fsdp_size, 0, 0, 0, 0])
         g[2] += s.padded_unsharded_numel
         g[3] += s.padded_numel
         g[4] += s.local_numel
         g[5] += s.tp_local_numel
-    return tuple(GroupSummary(name, *vals) for name, vals in groups.items())
+    return tuple((rel, *vals) for rel, vals in groups.items())
 
 
 @lru_cache(maxsize=4096)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .choice import LayoutChoice
-from .estimate import FSDP_OVERLAPPED, Estimate, Job, estimate, memory_for_rank
+from .estimate import DIRECT, FSDP_OVERLAPPED, Estimate, Job, estimate
 from .float8 import float8_experts_refusal
 from .hardware import GIB
 from .inventory import model_inventory
@@ -54,6 +55,22 @@ def _check(fn) -> bool:
         return True
     except ValueError:
         return False
+
+
+@lru_cache(maxsize=65536)
+def _valid_accum(global_batch: int, local_batch: int, batch: int) -> bool:
+    """Whether the trainer accepts this batch split (``gradient_accumulation_steps``)."""
+    from trainer.config import gradient_accumulation_steps
+
+    return _check(lambda: gradient_accumulation_steps(global_batch, local_batch, batch))
+
+
+@lru_cache(maxsize=65536)
+def _valid_stages(n_layers: int, pp: int, schedule: str, m: int, local_batch: int) -> bool:
+    """Whether the pipeline code accepts this schedule and micro-batch count (``plan_stages``)."""
+    from models.parallel.pipeline.plan import plan_stages
+
+    return _check(lambda: plan_stages(n_layers, pp, schedule, m, local_batch))
 
 
 def enumerate_degrees(job: Job, args):
@@ -96,9 +113,7 @@ def enumerate_degrees(job: Job, args):
 
 def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHEDULES):
     """The schedule / micro-batch / AC / reshard choices valid for ``degrees``."""
-    from models.parallel.pipeline.plan import plan_stages
     from parallel_dims.model_rules import ModelRules, check_model_layout
-    from trainer.config import gradient_accumulation_steps
 
     d = degrees
     batch = d.dp_replicate * d.dp_shard
@@ -106,14 +121,14 @@ def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHE
         return
     per_rank = job.global_batch // batch
     for lb in _divisors(per_rank):
-        if not _check(lambda lb=lb: gradient_accumulation_steps(job.global_batch, lb, batch)):
+        if not _valid_accum(job.global_batch, lb, batch):
             continue
         pipe: list[tuple[str | None, int | None]] = [(None, None)]
         if d.pp > 1:
             pipe = []
             for sched in schedules:
                 for m in sorted({d.pp, 2 * d.pp, 4 * d.pp, lb} & set(_divisors(lb))):
-                    if _check(lambda sched=sched, m=m, lb=lb: plan_stages(args.n_layers, d.pp, sched, m, lb)):
+                    if _valid_stages(args.n_layers, d.pp, sched, m, lb):
                         pipe.append((sched, m))
         reshards = ("default", "never") if d.pp == 1 and d.dp_shard * d.cp > 1 else ("default",)
         for sched, m in pipe:
@@ -144,28 +159,38 @@ class PlanResult:
         return len(self.estimates) + self.pruned_oom
 
 
-def plan_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES, prune_state: bool = True) -> PlanResult:
+def plan_layouts(
+    job: Job, ac_modes=AC_MODES, schedules=SCHEDULES, prune_state: bool = True, reference: bool = False
+) -> PlanResult:
     """Every valid layout of ``job``, estimated and ranked. Degrees whose training state
     (fp32 parameters, gradients, AdamW) alone exceeds the usable memory are counted as out of
     memory without estimating each of their choices (``prune_state`` False: estimated too, for
-    ``--fit``, where CPU offload takes that state off the GPU)."""
+    ``--fit``, where CPU offload takes that state off the GPU). The layouts of one set of
+    degrees are priced together (:class:`tools.planner.batch.BatchPricer`); ``reference``: each
+    layout alone (:func:`estimate` as a single layout is priced; the same ranking, slower: the
+    tests compare the two)."""
+    from .batch import BatchPricer
+
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     usable = job.hardware.usable_gib * GIB
     ests: list[Estimate] = []
     pruned = 0
+    pricer = DIRECT if reference else BatchPricer(job)
     for degrees in enumerate_degrees(job, args):
         choices = list(enumerate_choices(job, degrees, args, ac_modes, schedules))
         if not choices:
             continue
+        if not reference:
+            pricer.start(degrees)
         stride_pp = degrees.world_size // degrees.pp
         static = max(
-            sum(memory_for_rank(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
+            sum(pricer.memory(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
             for r in sorted({0, (degrees.pp - 1) * stride_pp})
         )
         if static > usable and prune_state:
             pruned += len(choices)
             continue
-        ests.extend(estimate(job, degrees, c, time_if_oom=False) for c in choices)
+        ests.extend(estimate(job, degrees, c, time_if_oom=False, pricer=pricer) for c in choices)
     ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
     return PlanResult(ests, pruned)
 

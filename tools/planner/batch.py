@@ -1,0 +1,90 @@
+"""The search's pricing of many layouts at once: :class:`BatchPricer` gives
+:func:`tools.planner.estimate.estimate` its parts (memory, FLOPs, elementwise bytes, collective
+times) reusing what the choices of one set of degrees share, instead of pricing each layout
+from scratch.
+
+What each part depends on, within one set of degrees (the job's dtypes, sequence length,
+converters and LoRA are the same for every choice the search makes):
+
+* a rank's stages, parameter shards and FSDP groups, micro-batch size and accumulation
+  (:class:`tools.planner.rank_memory.RankContext`): its (schedule, micro-batches, local
+  batch), not the AC or reshard choice; its activations per micro-batch: its stages' layer
+  ranges, the micro-batch size and the AC choice;
+* its matmul FLOPs: its stages' layer ranges and the AC choice (the tokens of a step, local
+  batch x accumulation, are the same for every batch split; with LoRA also the forwards per
+  step);
+* its elementwise bytes: its stages, micro-batch size, forwards per step and AC choice;
+* one collective's time: (kind, bytes, group size, whether it crosses nodes, members per node).
+
+Every cached value is what the same function returns for the same inputs, so the estimates
+are those of pricing each layout alone, to the bit (tests/unit/test_planner_fast.py compares
+the two paths).
+"""
+
+from __future__ import annotations
+
+from .choice import LayoutChoice, grad_accum_steps
+from .estimate import Job, Pricer, _elementwise_bytes
+from .hardware import collective_seconds
+from .rank_memory import activation_sums, context_activations, memory_from_context, rank_context
+
+__all__ = ["BatchPricer"]
+
+
+class BatchPricer(Pricer):
+    """:class:`~tools.planner.estimate.Pricer` with caches over the choices of one set of
+    degrees (:meth:`start` before each)."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self._seconds: dict = {}  # the job's hardware: any degrees
+        self.start(None)
+
+    def start(self, degrees) -> None:
+        self.d = degrees
+        self._contexts: dict = {}
+        self._shares: dict = {}
+        self._activations: dict = {}
+        self._flops: dict = {}
+        self._elementwise: dict = {}
+
+    def _context(self, choice: LayoutChoice, rank: int):
+        k = (rank, choice.schedule, choice.n_microbatches, choice.local_batch)
+        hit = self._contexts.get(k)
+        if hit is None:
+            ctx = rank_context(self.job, self.d, choice, rank, self._shares)
+            stages_key = tuple((layers.start, layers.stop, embed, head) for layers, embed, head in ctx.stages)
+            hit = self._contexts[k] = (k, ctx, stages_key)
+        return hit
+
+    def memory(self, job: Job, d, choice: LayoutChoice, rank: int) -> dict:
+        _, ctx, stages_key = self._context(choice, rank)
+        ak = (rank, stages_key, ctx.mb, choice.ac, choice.selective_ac_option)
+        sums = self._activations.get(ak)
+        if sums is None:
+            sums = self._activations[ak] = activation_sums(job, d, choice, ctx.stages, ctx.mb)
+        return memory_from_context(job, d, choice, ctx, context_activations(job, d, choice, ctx, sums))
+
+    def flops(self, job: Job, d, choice: LayoutChoice, rank: int) -> dict:
+        _, ctx, stages_key = self._context(choice, rank)
+        forwards = ctx.accum * ctx.m if job.lora is not None else 0
+        fk = (rank, stages_key, choice.ac, choice.selective_ac_option, choice.local_batch * ctx.accum, forwards)
+        hit = self._flops.get(fk)
+        if hit is None:
+            hit = self._flops[fk] = super().flops(job, d, choice, rank)
+        return hit
+
+    def elementwise(self, job: Job, d, choice: LayoutChoice, rank: int) -> int:
+        _, ctx, stages_key = self._context(choice, rank)
+        ek = (rank, stages_key, ctx.mb, grad_accum_steps(choice, d) * ctx.m, choice.ac, choice.selective_ac_option)
+        hit = self._elementwise.get(ek)
+        if hit is None:
+            hit = self._elementwise[ek] = _elementwise_bytes(job, d, choice, rank)
+        return hit
+
+    def collective_seconds(self, kind: str, nbytes, size: int, crosses: bool, hw, per_node: int) -> float:
+        k = (kind, nbytes, size, crosses, per_node)
+        hit = self._seconds.get(k)
+        if hit is None:
+            hit = self._seconds[k] = collective_seconds(kind, nbytes, size, crosses, hw, per_node)
+        return hit
