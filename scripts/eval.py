@@ -49,15 +49,8 @@ import json  # noqa: E402
 
 gc.disable()  # the imports' objects go to the permanent generation, as in train.py
 try:
-    import torch.distributed as dist
-
     from trainer.config import load_config
-    from trainer.lifecycle.launch import launcher_argv
-    from trainer.lifecycle.launch import run as launch
-    from trainer.lifecycle.shutdown import run_and_exit
-    from trainer.lifecycle.start_signals import hand_over
-    from trainer.runtime.cli_errors import EXIT_BAD_INPUT, error_line, user_error
-    from trainer.runtime.console import say_once
+    from trainer.lifecycle.script import UsageError, rank, run_script, script_parser
 finally:
     gc.freeze()
     gc.enable()
@@ -65,16 +58,11 @@ finally:
 SCRIPT = os.path.abspath(__file__)
 
 
-class UsageError(ValueError):
-    """A flag of this script that cannot be used."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python scripts/eval.py",
-        description="Score a checkpoint on lm-eval tasks on the training mesh; config keys as --section.key, "
+    p = script_parser(
+        "python scripts/eval.py",
+        "Score a checkpoint on lm-eval tasks on the training mesh; config keys as --section.key, "
         "torchrun's flags start the workers.",
-        allow_abbrev=False,
     )
     p.add_argument("--checkpoint", required=True, help="step-N folder, checkpoint folder, or Hugging Face folder")
     p.add_argument("--tasks", required=True, help="lm-eval task/group/tag names, comma-separated")
@@ -86,29 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_path", required=True, help="results JSON (a .json file, or a folder for results.json)")
     p.add_argument("--log_samples", action="store_true", help="keep every request and response in the JSON ('samples')")
 
-    def fail(message: str):
-        raise UsageError(f"{message} (python scripts/eval.py --help)")
-
-    p.error = fail  # type: ignore[method-assign]
     return p
-
-
-def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
-    """(this script's flags, the rest: config arguments and torchrun's flags)."""
-    actions = parser._option_string_actions
-    own, rest, i = [], [], 0
-    while i < len(argv):
-        token = argv[i]
-        name = token.split("=", 1)[0]
-        if name in actions and name not in ("--config", "-h", "--help"):
-            own.append(token)
-            if "=" not in token and actions[name].nargs != 0 and i + 1 < len(argv):
-                own.append(argv[i + 1])
-                i += 1
-        else:
-            rest.append(token)
-        i += 1
-    return own, rest
 
 
 def output_file(path: str) -> str:
@@ -139,28 +105,11 @@ def check_job(ns, cfg, world_size: int) -> None:
     preflight(cfg, ns.checkpoint, world_size, default_device_type())
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
 def evaluate(ns, config_args: list[str]) -> int:
-    """This rank's exit code: bad input one line (rank 0 says it), exit code 2."""
-    try:
-        return _evaluate(ns, config_args)
-    except BaseException as exc:
-        err = user_error(exc)
-        if err is None:
-            raise
-        say_once(error_line(err), _rank())
-        return EXIT_BAD_INPUT
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _evaluate(ns, config_args: list[str]) -> int:
+    """This rank's part: load, score; rank 0 prints lm-eval's table and writes the results JSON."""
     from trainer.inference.lm_eval_model import MeshLM
-    from trainer.inference.lm_eval_run import evaluate, scores, task_manager
+    from trainer.inference.lm_eval_run import evaluate as lm_evaluate
+    from trainer.inference.lm_eval_run import scores, task_manager
     from trainer.inference.session import InferenceSession
 
     cfg = load_config(config_args)
@@ -168,8 +117,8 @@ def _evaluate(ns, config_args: list[str]) -> int:
     manager = task_manager(tasks, ns.include_path)  # before the model: a bad task costs no load
     session = InferenceSession.from_checkpoint(cfg, ns.checkpoint)
     lm = MeshLM(session, batch_size=ns.batch_size, max_gen_toks=ns.max_gen_toks)
-    results = evaluate(lm, manager, tasks, num_fewshot=ns.num_fewshot, limit=ns.limit, log_samples=ns.log_samples)
-    if _rank() != 0 or results is None:
+    results = lm_evaluate(lm, manager, tasks, num_fewshot=ns.num_fewshot, limit=ns.limit, log_samples=ns.log_samples)
+    if rank() != 0 or results is None:
         return 0
     from lm_eval.utils import handle_non_serializable, make_table
 
@@ -184,31 +133,7 @@ def _evaluate(ns, config_args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    try:
-        own, rest = split_argv(argv, parser)
-        if "-h" in rest or "--help" in rest:
-            own.append("--help")
-        ns = parser.parse_args(own)
-        split = launcher_argv(rest)
-        config_args = rest if split is None else split[1]
-        stray = [a for a in config_args if a.startswith("-") and "." not in a.split("=")[0] and a != "--config"]
-        if stray:
-            raise UsageError(
-                f"unknown option {stray[0]}: this script's options are in python scripts/eval.py --help, "
-                "config keys are --section.key, launcher flags torchrun's"
-            )
-        check_flags(ns)
-    except UsageError as exc:
-        print(error_line(exc), file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    if split is not None:  # torchrun's flags: start the workers (this script, the same arguments)
-        return launch(
-            split[0], config_args, script=SCRIPT, script_args=own, check=lambda cfg, world: check_job(ns, cfg, world)
-        )
-    hand_over()  # from here a Ctrl-C is this process's (one line)
-    run_and_exit(lambda: evaluate(ns, config_args))
-    return 0
+    return run_script(argv, build_parser(), script=SCRIPT, check_flags=check_flags, check_job=check_job, run=evaluate)
 
 
 if __name__ == "__main__":

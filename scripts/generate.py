@@ -42,16 +42,9 @@ import json  # noqa: E402
 
 gc.disable()  # the imports' objects go to the permanent generation, as in train.py
 try:
-    import torch.distributed as dist
-
     from trainer.config import load_config
     from trainer.inference.session import InferenceSession
-    from trainer.lifecycle.launch import launcher_argv
-    from trainer.lifecycle.launch import run as launch
-    from trainer.lifecycle.shutdown import run_and_exit
-    from trainer.lifecycle.start_signals import hand_over
-    from trainer.runtime.cli_errors import EXIT_BAD_INPUT, error_line, user_error
-    from trainer.runtime.console import say_once
+    from trainer.lifecycle.script import UsageError, rank, run_script, script_parser
 finally:
     gc.freeze()
     gc.enable()
@@ -59,16 +52,11 @@ finally:
 SCRIPT = os.path.abspath(__file__)
 
 
-class UsageError(ValueError):
-    """A flag of this script that cannot be used."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python scripts/generate.py",
-        description="Generate from a checkpoint on the training mesh; config keys as --section.key, "
+    p = script_parser(
+        "python scripts/generate.py",
+        "Generate from a checkpoint on the training mesh; config keys as --section.key, "
         "torchrun's flags start the workers.",
-        allow_abbrev=False,
     )
     p.add_argument("--checkpoint", required=True, help="step-N folder, checkpoint folder, or Hugging Face folder")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -82,30 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_cache", action="store_true", help="run every token's forward over the whole sequence")
     p.add_argument("--output", default="", help="JSONL file of the completions (rank 0 writes it)")
 
-    def fail(message: str):
-        raise UsageError(f"{message} (python scripts/generate.py --help)")
-
-    p.error = fail  # type: ignore[method-assign]
     return p
-
-
-def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
-    """(this script's flags, the rest: config arguments and torchrun's flags). A flag without
-    a dot that is neither this script's, ``--config`` nor torchrun's is refused."""
-    actions = parser._option_string_actions
-    own, rest, i = [], [], 0
-    while i < len(argv):
-        token = argv[i]
-        name = token.split("=", 1)[0]
-        if name in actions and name not in ("--config",):
-            own.append(token)
-            if "=" not in token and actions[name].nargs != 0 and i + 1 < len(argv):
-                own.append(argv[i + 1])
-                i += 1
-        else:
-            rest.append(token)
-        i += 1
-    return own, rest
 
 
 def read_prompts(ns) -> list[dict]:
@@ -153,26 +118,7 @@ def check_job(ns, cfg, world_size: int) -> None:
     preflight(cfg, ns.checkpoint, world_size, default_device_type())
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
 def generate(ns, config_args: list[str]) -> int:
-    """This rank's exit code: bad input one line (rank 0 says it), exit code 2."""
-    try:
-        return _generate(ns, config_args)
-    except BaseException as exc:
-        err = user_error(exc)
-        if err is None:
-            raise
-        say_once(error_line(err), _rank())
-        return EXIT_BAD_INPUT
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _generate(ns, config_args: list[str]) -> int:
     """Build the session, generate; rank 0 prints (and writes ``--output``)."""
     cfg = load_config(config_args)
     items = read_prompts(ns)
@@ -187,7 +133,7 @@ def _generate(ns, config_args: list[str]) -> int:
         stop_strings=ns.stop,
         use_cache=not ns.no_cache,
     )
-    if _rank() != 0:
+    if rank() != 0:
         return 0
     rows = []
     for item, prompt, out in zip(items, prompts, outs):
@@ -204,30 +150,7 @@ def _generate(ns, config_args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    hand_over()  # from here a Ctrl-C is this process's (one line); the imports are done
-    parser = build_parser()
-    try:
-        own, rest = split_argv(argv, parser)
-        if "-h" in rest or "--help" in rest:
-            own.append("--help")
-        ns = parser.parse_args(own)
-        split = launcher_argv(rest)
-        config_args = rest if split is None else split[1]
-        stray = [a for a in config_args if a.startswith("-") and "." not in a.split("=")[0] and a != "--config"]
-        if stray:
-            raise UsageError(
-                f"unknown option {stray[0]}: this script's options are in python scripts/generate.py --help, "
-                "config keys are --section.key, launcher flags torchrun's"
-            )
-    except UsageError as exc:
-        print(error_line(exc), file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    if split is not None:  # torchrun's flags: start the workers (this script, the same arguments)
-        return launch(
-            split[0], config_args, script=SCRIPT, script_args=own, check=lambda cfg, world: check_job(ns, cfg, world)
-        )
-    run_and_exit(lambda: generate(ns, config_args))
-    return 0
+    return run_script(argv, build_parser(), script=SCRIPT, check_flags=read_prompts, check_job=check_job, run=generate)
 
 
 if __name__ == "__main__":
