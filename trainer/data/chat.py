@@ -31,7 +31,7 @@ from trainer.config import ConfigError
 from trainer.data.chat_template import ChatError, ChatTemplate, load_chat_template
 from trainer.data.rows import RowFiles
 
-__all__ = ["ChatSource", "ChatStream", "chat_separator"]
+__all__ = ["ChatSource", "ChatStream", "chat_rendering", "chat_separator"]
 
 _PROBE = [
     {"role": "system", "content": "s"},
@@ -92,6 +92,18 @@ def chat_separator(template: ChatTemplate) -> int:
     )
 
 
+def chat_rendering(tokenizer, default_tokenizer_path: str) -> tuple[ChatTemplate, int, int]:
+    """(the chat template, checked to render targets; the document separator, never inside a
+    conversation; the padding id: EOS when it is not the separator (the pads are then one
+    trailing document), else the PAD token if any; never a target either way)."""
+    template = load_chat_template(tokenizer, default_tokenizer_path)
+    separator = chat_separator(template)
+    check_renders_targets(template)
+    pad = getattr(tokenizer, "pad_id", None)
+    pad_id = tokenizer.eos_id if separator != tokenizer.eos_id or pad is None else pad
+    return template, separator, pad_id
+
+
 class ChatSource:
     """Rows with ``messages`` -> (token ids, target mask) per conversation."""
 
@@ -105,13 +117,7 @@ class ChatSource:
         log_epochs: bool = True,
     ):
         self.rows = RowFiles(path, "messages", option=option, log_epochs=log_epochs)
-        self.template = load_chat_template(tokenizer, default_tokenizer_path)
-        self.separator = chat_separator(self.template)
-        check_renders_targets(self.template)
-        # padding: EOS when it is not the separator (the pads are then one trailing document),
-        # else the PAD token if any; never a target either way
-        pad = getattr(tokenizer, "pad_id", None)
-        self.pad_id = tokenizer.eos_id if self.separator != tokenizer.eos_id or pad is None else pad
+        self.template, self.separator, self.pad_id = chat_rendering(tokenizer, default_tokenizer_path)
         self.name, self.masked = "chat", True
 
     @property

@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 from trainer.config import ConfigError
-from trainer.data.chat import chat_separator, check_renders_targets
-from trainer.data.chat_template import ChatError, check_messages, load_chat_template
+from trainer.data.chat import chat_rendering
+from trainer.data.chat_template import ChatError, check_messages
 from trainer.data.rows import RowFiles
 
 __all__ = ["COLUMNS", "PreferenceSource", "PreferenceStream", "render_pair"]
@@ -152,11 +152,8 @@ class PreferenceSource:
         log_epochs: bool = True,
     ):
         self.rows = RowFiles(path, COLUMNS, option=option, log_epochs=log_epochs, optional=("prompt",))
-        self.template = load_chat_template(tokenizer, default_tokenizer_path)
-        self.separator = chat_separator(self.template)  # the document separator: never inside a sequence
-        check_renders_targets(self.template)
-        pad = getattr(tokenizer, "pad_id", None)
-        self.pad_id = tokenizer.eos_id if self.separator != tokenizer.eos_id or pad is None else pad
+        # the separator is never inside a sequence; padding as chat data's
+        self.template, self.separator, self.pad_id = chat_rendering(tokenizer, default_tokenizer_path)
         self.name, self.masked = "preference", True
 
     @property
