@@ -12,6 +12,8 @@ restarts.py       ``--max_restarts``: one line per restart, bad input and stops 
 seed.py           ``--checkpoint.create_seed_checkpoint``: the job plan's model, written once
 shutdown.py       the exit of a process that may hold process groups (no interpreter teardown)
 start_signals.py  SIGINT / SIGTERM while a process starts: one line, no traceback
+torchrun_range.py plain ``torchrun --nnodes MIN:MAX``: the launcher's range checks made by the
+                  workers (the node range read from the agent's command line)
 
 The top of the trainer: it may import every other part of it (the Trainer, the plan, the
 checkpoint, runtime/, simulation/, config/), and nothing in the trainer imports it; the root

@@ -12,7 +12,9 @@ which of two processes this one is:
   (trainer/lifecycle/elastic_fit.py).
 * **else run this rank.** Plain ``python train.py``, a torchrun worker, a worker of the
   launcher: this process is one rank of the job (trainer/lifecycle/rank.py): it writes the seed
-  checkpoint or trains, and ends through trainer/lifecycle/shutdown.py.
+  checkpoint or trains, and ends through trainer/lifecycle/shutdown.py. A worker of plain
+  torchrun with a node range makes the launcher's range checks itself, ``memory_estimator``
+  included (trainer/lifecycle/torchrun_range.py).
 """
 
 from __future__ import annotations
@@ -36,4 +38,4 @@ def main(argv: list[str], memory_estimator: MemoryEstimator | None = None) -> No
     # else run this rank. Not sys.exit: torch's communication threads can outlive the process
     # groups and call into a finalizing interpreter (a finished run would abort at exit)
     hand_over()  # from here a Ctrl-C is run_rank's (one line; at a step in the loop)
-    run_and_exit(lambda: run_rank(argv))
+    run_and_exit(lambda: run_rank(argv, memory_estimator))

@@ -22,7 +22,9 @@ from trainer.checkpoint.drill import drill_point
 from trainer.config import load_config
 from trainer.faults import before_joining
 from trainer.inference.eval_during_training import attach as attach_eval
+from trainer.lifecycle.elastic_fit import MemoryEstimator
 from trainer.lifecycle.seed import create_seed_checkpoint
+from trainer.lifecycle.torchrun_range import check_torchrun_range
 from trainer.runtime.cli_errors import EXIT_BAD_INPUT, error_line, user_error
 from trainer.runtime.comm_watchdog import EXIT_COMM_TIMEOUT
 from trainer.runtime.console import say_once
@@ -50,11 +52,14 @@ def _rank() -> int:
         return dist.get_rank()
 
 
-def run_rank(argv: list[str] | None = None) -> int:
+def run_rank(argv: list[str] | None = None, memory_estimator: MemoryEstimator | None = None) -> int:
     """This process as one rank of the job (``argv``: the config arguments, default
-    ``sys.argv[1:]``): the seed checkpoint or the training run; the exit code."""
+    ``sys.argv[1:]``): the seed checkpoint or the training run; the exit code. Under plain
+    torchrun with a node range the launcher's checks come first (trainer/lifecycle/torchrun_range.py,
+    ``memory_estimator``: train.py's planner pricing)."""
     try:
         cfg = load_config(argv)
+        check_torchrun_range(cfg, estimator=memory_estimator)
     except ValueError as exc:  # every rank reads the same config: said once (under torchrun RANK is set already)
         say_once(error_line(exc), int(os.environ.get("RANK", "0")))
         return EXIT_BAD_INPUT
