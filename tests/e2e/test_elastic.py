@@ -179,3 +179,33 @@ def test_a_lost_node_is_survived_on_the_nodes_left(tmp_path, reference, launcher
     # negative control: the same curve one step off (another data order) is far outside the tolerance
     for step in range(3, STEPS):
         assert committed[step]["loss"] != pytest.approx(want[step + 1]["loss"], rel=1e-5), step
+
+
+def test_plain_torchrun_with_the_shared_store_is_refused_at_every_start(tmp_path):
+    """torchrun's default (the agents share the rendezvous store with the workers) would end the
+    whole job when a node joins (trainer/lifecycle/torchrun_range.py): the workers refuse it in
+    one line naming the fix, exit code 2, before any step; torchrun restarts every failed start
+    (``--max_restarts 1``: two starts, the same line each) and then ends, non-zero. The drills
+    above, with the variable set, are the control: the same workers start."""
+    run = tmp_path / "refused"
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1:2", "--nproc_per_node", "1",
+           "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}",
+           "--rdzv_id", "shared-store", "--rdzv_conf", "last_call_timeout=1",
+           "train.py", *JOB, "--job.dump_folder", str(run)]  # fmt: skip
+    env = _env()
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert (
+        errors
+        == [
+            "error: torchrun --nnodes 1:2 shares its rendezvous store with the workers, and on torch 2.13.0 a node that "
+            "joins the running job (one that comes back) then ends the whole job (every agent times out after 60 s "
+            "waiting for the round's MASTER_ADDR); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's environment "
+            "before torchrun, or launch with python train.py and the same flags (it sets it)"
+        ]
+        * 2
+    ), proc.stderr[-3000:]
+    assert "exitcode: 2" in proc.stderr, proc.stderr[-3000:]  # torchrun's record of each start's failure
+    assert not (run / "metrics.jsonl").exists()  # no step

@@ -310,3 +310,67 @@ def test_the_device_memory_is_the_smallest_gpu_of_the_host(monkeypatch):
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device_memory(load_config(BASE)) is None  # no accelerator: no limit to check
+
+
+# plain torchrun (trainer/lifecycle/torchrun_range.py): the workers read the node range from their
+# agent's command line and make the launcher's checks; the e2e side is tests/e2e/test_elastic.py
+TORCHRUN = ["/venv/bin/python", "/venv/bin/torchrun", "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv_backend",
+            "c10d", "--rdzv_endpoint", "head:29400", "--max_restarts", "3", "train.py", "--config", "llama3.toml"]  # fmt: skip
+WORKER = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def test_plain_torchrun_s_node_range_is_read_from_the_agent_s_command_line():
+    import os
+    import sys
+
+    from trainer.lifecycle.parent_death import LAUNCHER_PID
+    from trainer.lifecycle.torchrun_range import parent_cmdline, torchrun_node_range
+
+    assert torchrun_node_range(WORKER, TORCHRUN) == (1, 2, 2)
+    module = ["python", "-m", "torch.distributed.run", "--nnodes=2:4", "--nproc-per-node=2", "train.py"]
+    assert torchrun_node_range(WORKER, module) == (2, 4, 2)
+    fixed = [part if part != "1:2" else "2" for part in TORCHRUN]
+    assert torchrun_node_range(WORKER, fixed) is None  # a fixed node count: nothing to check
+    ours = ["/venv/bin/python", "train.py", "--nnodes", "1:2", "--nproc_per_node", "2", "--config", "llama3.toml"]
+    assert torchrun_node_range(WORKER, ours) is None  # not torchrun's command line
+    assert torchrun_node_range({**WORKER, LAUNCHER_PID: "1"}, TORCHRUN) is None  # our launcher's worker: it checked
+    assert torchrun_node_range({"LOCAL_WORLD_SIZE": "2"}, TORCHRUN) is None  # no elastic agent
+    assert torchrun_node_range(WORKER, None) is None  # the parent's command line unreadable
+    assert parent_cmdline(os.getpid())[: len(sys.orig_argv)] == sys.orig_argv  # /proc's form, as read
+
+
+@pytest.mark.parametrize(
+    "args, worker, message",
+    [
+        ([], WORKER, None),  # dp_shard = -1, the global batch set: it starts
+        (["--parallelism.data_parallel_shard_degree", "4"], {**WORKER, "TORCHELASTIC_RESTART_COUNT": "1"},
+         "--nnodes 1:2: parallelism.data_parallel_shard_degree = 4 is fixed, so the job fits only one world size"),
+        (["--parallelism.tp", "4"], WORKER,
+         "--nnodes 1:2: no valid layout on 1 node (2 ranks), which a lost node would run on: tp=4 does not divide"),
+        (["--job.device_memory_gib", "0.0390625"], WORKER,
+         "--nnodes 1:2: on 1 node (2 ranks), which a lost node would run on, the job needs about 60.0 MiB per rank"),
+        ([], {**WORKER, "TORCHELASTIC_USE_AGENT_STORE": "True"},
+         "torchrun --nnodes 1:2 shares its rendezvous store with the workers, and on torch "),
+    ],
+)  # fmt: skip
+def test_plain_torchrun_workers_refuse_what_the_launcher_refuses(args, worker, message):
+    """At every start (a restarted one too): the launcher's lines for a range the layout or the
+    memory cannot follow (the estimator is train.py's, stood in for: 60 MiB on 1 node, 30 on 2),
+    and the shared store in one line naming the fix. Control: our launcher's worker checks
+    nothing (the launcher did), whatever the config."""
+    from trainer.lifecycle.parent_death import LAUNCHER_PID
+    from trainer.lifecycle.torchrun_range import check_torchrun_range
+
+    cfg = load_config([*BASE, *args])
+
+    def estimator(plan, gpus_per_node):
+        return 120 * 2**20 / plan.world_size
+
+    check = lambda env: check_torchrun_range(cfg, env, TORCHRUN, estimator=estimator, device_type="cpu")  # noqa: E731
+    if message is None:
+        check(worker)
+    else:
+        with pytest.raises(ValueError) as exc:
+            check(worker)
+        assert str(exc.value).startswith(message), str(exc.value)
+    check({**worker, LAUNCHER_PID: "1"})

@@ -6,7 +6,8 @@ any worker starts and sets the rendezvous setting a range needs. torchrun does n
 its workers are told neither MIN nor MAX (the agent gives them ``WORLD_SIZE`` and
 ``LOCAL_WORLD_SIZE``, the world of this start only). So a worker of torchrun reads the node
 range from its agent's command line (its parent, ``/proc/PPID/cmdline``, parsed with torchrun's
-own parser) and, at the job's first start, refuses in one line (exit code 2, every rank alike):
+own parser) and, at every start of the workers, refuses in one line (exit code 2, every rank
+alike):
 
 * **the shared rendezvous store** (``TORCHELASTIC_USE_AGENT_STORE=True``: the agents share the
   rendezvous' TCPStore with the workers, torch's default): on torch 2.13 a node that joins the
@@ -26,9 +27,10 @@ own parser) and, at the job's first start, refuses in one line (exit code 2, eve
   then fails the same way at every restart torchrun makes.
 
 torchrun restarts a failed start whatever its exit code (``--max_restarts K``): such a job ends
-after K + 1 starts with the same one line each, then torchrun's own report. Restarted starts do
-not check again: the range and the config are the first start's. A worker of our launcher
-(``MESHTRAIN_LAUNCHER_PID`` set) has nothing to check here: the launcher did.
+after K + 1 starts with the same one line each, then torchrun's own report. Every start checks
+(a restarted start that skipped it would train: the refusal must hold through the restarts). A
+worker of our launcher (``MESHTRAIN_LAUNCHER_PID`` set) has nothing to check here: the launcher
+did.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def check_torchrun_range(
     estimator: MemoryEstimator | None = None,
     device_type: str | None = None,
 ) -> None:
-    """In a worker of plain torchrun with ``--nnodes MIN:MAX``, at the job's first start: refuse
+    """In a worker of plain torchrun with ``--nnodes MIN:MAX``, at every start: refuse
     (one line, a :class:`ConfigError` or the plan's ValueError) the shared rendezvous store and
     a range the layout or one device's memory cannot follow (module docstring). ``environ``
     and ``cmdline`` default to this process's environment and its parent's command line;
@@ -128,8 +130,6 @@ def check_torchrun_range(
     environ = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in environ or LAUNCHER_PID in environ:
         return  # not torchrun's worker (the parent's command line is not even read)
-    if int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        return  # checked at the first start
     found = torchrun_node_range(environ, parent_cmdline() if cmdline is None else cmdline)
     if found is None:
         return
