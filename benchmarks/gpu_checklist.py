@@ -190,6 +190,20 @@ CHECKLIST: list[CheckItem] = [
         ),
         topic="honest references (issue 39)",
     ),
+    # -- restarts: torch's checkpoint process killed mid-save (issue 52)
+    CheckItem(
+        what="A killed checkpoint process (`async_with_pinned_mem`) ends in a restart or one line, leaves no orphan, and the run resumes bitwise.",
+        how=(
+            "`python -m tools.ckpt_kill_drill --out $OUT/ckpt_kill_drill.json` (2 ranks with 2+ GPUs, 1 rank on "
+            "one GPU; about 3 launches of the llama3 debug model with a 131,072-token vocabulary): it SIGKILLs "
+            "a random rank's checkpoint process at a random moment of a random save and prints `checkpoint-process "
+            "kill drill: passed (...)`, exit 0 (one restart line within comm.train_timeout_seconds + 60 s, no "
+            "traceback, no process of the job left, resumed from the newest complete checkpoint, the steps after "
+            "it bitwise the uninterrupted run's). Record the line and the JSON's kill and end in docs/long_runs.md "
+            '("The checkpoint-process kill drill"), which lists the drill as never run on a GPU.'
+        ),
+        topic="restarts (issue 52)",
+    ),
 ]
 
 
