@@ -180,6 +180,8 @@ def test_on_cpu_it_refuses_in_one_line(capsys, monkeypatch):
     assert main(["--out", "unused.json"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: the checkpoint-process kill drill needs CUDA")
+    assert main(["--steps", "6"]) == 2  # two saves, one to kill and a step after it need 8
+    assert capsys.readouterr().err.startswith("error: --steps must be at least 8")
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

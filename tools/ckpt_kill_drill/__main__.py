@@ -13,9 +13,10 @@ weights and AdamW moments; deterministic kernels; a save every 2 steps):
 
 1. the reference: the same job, uninterrupted, without checkpoints;
 2. the drill, under ``--max_restarts 1`` with every process of the job tagged in its environment:
-   once the first save (step 2) is published and a later save (step N, at random) has begun
-   (``step-N.tmp`` exists), it sleeps a random fraction of the first save's duration and
-   SIGKILLs the checkpoint process of a random rank;
+   once the first two saves (steps 2 and 4; the first starts the checkpoint process) are
+   published and a later save (step N, at random) has begun (``step-N.tmp`` exists), it sleeps
+   a random fraction of the second save's duration and SIGKILLs the checkpoint process of a
+   random rank;
 3. only if the drill did not restart and finish: the same command again, which resumes from the
    newest complete checkpoint.
 
@@ -135,17 +136,25 @@ def _wait_until(predicate, timeout: float, launch: Launch, period: float = 0.002
 
 
 def _kill_moment(launch: Launch, ckpt: Path, rng: random.Random, ranks: int, steps: int, rehearse: bool) -> dict:
-    """Wait for the first save, then for a random later save to begin; SIGKILL a random rank's
-    checkpoint process (``rehearse``: the rank itself) at a random moment of it. The facts of
-    the kill (or why there was none)."""
-    first = _wait_until(lambda: (ckpt / "step-2.tmp").exists() or (ckpt / "step-2").exists(), 900, launch)
-    published = _wait_until(lambda: (ckpt / "step-2").exists(), 900, launch)
-    if first is None or published is None:
-        return {"why_no_kill": "the first save (step 2) was not published: see the log"}
-    window = max(published - first, 0.05)  # the first save's duration, as seen from here
-    step, rank = rng.choice(range(2 * INTERVAL, steps, INTERVAL)), rng.randrange(ranks)
-    began = _wait_until(lambda: (ckpt / f"step-{step}.tmp").exists() or (ckpt / f"step-{step}").exists(), 900, launch)
-    if began is None:
+    """Wait for the first two saves (the first one starts the checkpoint process, so the second
+    one's duration is a save's), then for a random later save to begin; SIGKILL a random rank's
+    checkpoint process (``rehearse``: the rank itself) at a random moment within the second
+    save's duration of its start. The facts of the kill (or why there was none)."""
+
+    def began(step: int) -> float | None:
+        return _wait_until(
+            lambda: (ckpt / f"step-{step}.tmp").exists() or (ckpt / f"step-{step}").exists(), 900, launch
+        )
+
+    second = 2 * INTERVAL
+    published_first = _wait_until(lambda: (ckpt / f"step-{INTERVAL}").exists(), 900, launch)
+    start = began(second)
+    published = _wait_until(lambda: (ckpt / f"step-{second}").exists(), 900, launch)
+    if published_first is None or start is None or published is None:
+        return {"why_no_kill": f"the first two saves (steps {INTERVAL}, {second}) were not published: see the log"}
+    window = max(published - start, 0.05)  # a save's duration (to its publication at a step boundary), seen from here
+    step, rank = rng.choice(range(second + INTERVAL, steps, INTERVAL)), rng.randrange(ranks)
+    if began(step) is None:
         return {"why_no_kill": f"the save of step {step} never began"}
     delay = rng.uniform(0.0, window)
     time.sleep(delay)
@@ -160,7 +169,7 @@ def _kill_moment(launch: Launch, ckpt: Path, rng: random.Random, ranks: int, ste
     complete_before = complete_steps(ckpt)
     mid_save = (ckpt / f"step-{step}.tmp").exists() and not (ckpt / f"step-{step}").exists()
     os.kill(pid, signal.SIGKILL)
-    return {"kill": {"rank": rank, "pid": pid, "step": step, "delay_s": round(delay, 4), "first_save_s": round(window, 4),
+    return {"kill": {"rank": rank, "pid": pid, "step": step, "delay_s": round(delay, 4), "save_s": round(window, 4),
                      "mid_save": mid_save, "complete_before": complete_before, "time": time.monotonic()}}  # fmt: skip
 
 
@@ -242,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.seed is None:
         args.seed = int(time.time())
-    if args.steps < 3 * INTERVAL:
-        print(f"error: --steps must be at least {3 * INTERVAL} (a first save, a save to kill, a step after it)",
+    if args.steps < 4 * INTERVAL:
+        print(f"error: --steps must be at least {4 * INTERVAL} (two saves, a save to kill, a step after it)",
               file=sys.stderr)  # fmt: skip
         return 2
     if args.print_commands:
@@ -279,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     out.write_text(json.dumps(record, indent=1) + "\n")
     kill = record.get("kill") or {}
+    victim = " itself" if args.rehearse_on_cpu else "'s checkpoint process"
     what = (
-        f"{ranks} rank(s) on {record['gpu']}; rank {kill.get('rank')}'s checkpoint process killed "
+        f"{ranks} rank(s) on {record['gpu']}; rank {kill.get('rank')}{victim} killed "
         f"{kill.get('delay_s')} s into step {kill.get('step')}'s save (mid-save: {kill.get('mid_save')}); "
         f"resumed from step {record.get('resumed_from')}; seed {args.seed}"
     )
