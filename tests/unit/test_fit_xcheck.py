@@ -201,3 +201,38 @@ def test_fit_state_and_offload_prices_are_the_options_own():
             assert off["params"] + off["optimizer"] <= mem["total"] - gone["total"] <= off["total"], where
             if optimizer == "Muon":  # negative control: the name-only bound overcounts Muon's state
                 assert got["offload_by_name"]["optimizer"] > parts.optimizer, where
+
+
+def test_phases_place_the_gradients_where_the_trainer_has_them():
+    """tools/planner/phases.py on llama3 debugmodel, rank 0 of fsdp=2: with one micro-batch per
+    step the loss backward holds no gradient (``zero_grad(set_to_none=True)``), the optimizer
+    step holds parameters + gradients + state and nothing else, and the peak is the largest
+    phase; with two micro-batches (accumulation) the second loss backward also holds the first's
+    gradients, FSDP2's unsharded float32 accumulators of every group (``set_requires_gradient_sync``
+    defers the reduce-scatter), and nothing else changes in that phase. Negative control: the
+    additive sum of the kinds is above the phase peak."""
+    from parallel_dims.layout import validate_degrees
+    from tools.planner.choice import LayoutChoice
+    from tools.planner.phases import PHASES, peak
+    from tools.planner.rank_memory import memory_parts, rank_context
+
+    d = validate_degrees(world_size=2, dp_shard=2)
+    job = _job("llama3", 2)
+    one = LayoutChoice(global_batch=4, local_batch=2, seq_len=128)
+    two = LayoutChoice(global_batch=8, local_batch=2, seq_len=128)
+    p1 = memory_parts(job, d, one, rank_context(job, d, one, 0))
+    p2 = memory_parts(job, d, two, rank_context(job, d, two, 0))
+    m1, m2 = peak(p1), peak(p2)
+    assert p1.accumulated == 0 and p2.accumulated_unsharded
+    ctx = rank_context(job, d, two, 0)
+    assert p2.accumulated == 4 * ctx.unsharded[0]  # every group's gathered elements, float32 (reduce dtype)
+    assert m1["phase_optimizer"] == p1.params + p1.grads + p1.optimizer
+    assert m1["total"] == max(m1[f"phase_{p}"] for p in PHASES)
+    if m1["peak_phase"] == 0:
+        assert m1["grads"] == 0 and m1["unsharded_grads"] == 0
+    assert m2["phase_loss"] - m1["phase_loss"] == p2.accumulated
+    additive = (
+        p1.params + p1.grads + p1.optimizer + p1.gathered_loss + p1.unsharded_start + p1.layers + p1.head
+        + p1.loss_grads + p1.recompute
+    )  # fmt: skip
+    assert additive > m1["total"]

@@ -66,8 +66,10 @@ def test_the_planners_savings_match_the_measured_ones():
     """The committed run (bench_results/memory_options.json, the census of one step per option)
     against the planner's phase model (tools/planner/phases.py), recomputed here: the JSON's
     predictions are the current model's, and the predicted saving is within 10% of the measured
-    one for chunked loss, CPU offload, bf16 state and full AC (the others are a few MiB off by
-    less than 0.5 MiB: docs/memory.md), with the same peak phase. Negative controls, the
+    one for chunked loss, CPU offload, bf16 state and full AC (per-op selective AC and full AC
+    with offload save 3-7 MiB and are off by under 0.7 MiB; no-AC offload by the two blocks the
+    planner keeps for copies in flight: docs/memory.md), with the same peak phase on every row.
+    Negative controls, the
     additive model on the same parts: without the loss backward's gradients (the model before
     the phases) chunked loss is far outside 10%; with them, CPU offload is (it counts the
     gradients, which do not exist at the loss backward)."""
