@@ -15,8 +15,10 @@ with an event log so that storages can be classed afterwards).
 What is measured, ``peak_MiB``: the most bytes resident on the *device* at once during the
 measured step = the training state present before the step (parameters' shards, optimizer
 state) unless an offload keeps it on the host, plus the peak of the storages the step
-allocates, leaving out what an option keeps in host memory. On this CPU host device and host
-are the same memory, so the classing is by storage:
+allocates, leaving out what an option keeps in host memory. A storage resized to 0 bytes in
+place (FSDP2's reshard of gathered parameters autograd still views) is released before the
+next allocation of 1 MiB or more or the next phase mark (below), whichever comes first. On this CPU host device and host are the same memory, so the classing is
+by storage:
 
 - ``training.cpu_offload``: FSDP2's CPUOffloadPolicy keeps the parameter shards, their
   gradient shards and the optimizer state on the host; those storages (the gradient shards
@@ -52,6 +54,7 @@ import weakref
 
 SHAPE = {"n_layers": 4, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 151_936}
 SEQ, FSDP, CHUNK = 256, 2, 128
+SWEEP_BYTES = 2**20  # EventCensus looks for storages resized to nothing before allocations this large
 # (row name, config, ParallelizeOptions fields, optimizer.state_dtype, planner options)
 OPTIONS = [
     ("plain", "", {}, "float32", ()),
@@ -125,8 +128,10 @@ class EventCensus:
             return
         entry = self._live.get(ptr)
         if entry is None:
+            if nbytes >= SWEEP_BYTES:  # a peak rises at an allocation: none counts a freed storage
+                self._sweep()
             self._next += 1
-            entry = self._live[ptr] = [self._next, 0, nbytes]
+            entry = self._live[ptr] = [self._next, 0, nbytes, weakref.ref(t)]
             self.events.append((self._next, nbytes))
             if self.host:
                 self.host_tokens.add(self._next)
@@ -146,8 +151,20 @@ class EventCensus:
                 peak = max(peak, live)
         return peak
 
+    def _sweep(self) -> None:
+        """Release the storages resized to 0 bytes in place while their tensors live (FSDP2
+        frees a resharded group's gathered parameters so; autograd may still hold views of
+        them): a census of allocations sees no ``resize_``, so it looks for them before every
+        allocation of ``SWEEP_BYTES`` or more and at every mark."""
+        for ptr, (token, _n, nbytes, ref) in list(self._live.items()):
+            t = ref()
+            if t is not None and t.untyped_storage().nbytes() == 0:
+                self.events.append((token, -nbytes))
+                del self._live[ptr]
+
     def mark(self, phase: str) -> None:
         """The events from here on belong to ``phase`` (until the next mark)."""
+        self._sweep()
         self.marks.append((len(self.events), phase))
 
     def phase_peaks(self, tokens: set[int]) -> dict[str, int]:

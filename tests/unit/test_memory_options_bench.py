@@ -38,6 +38,26 @@ def test_peak_without_host_storages_is_exact():
     assert sum(delta for _, delta in census.events) == 0  # every storage's release was logged
 
 
+def test_a_storage_resized_to_nothing_is_released_at_the_next_mark():
+    """FSDP2 frees a resharded group's gathered parameters by resizing their storage to 0 while
+    autograd may still hold views of them: the census learns of it at the next phase mark and
+    logs the release there (the peak after the mark leaves it out). Negative control: before
+    the mark it still counts."""
+    census = memory_options.EventCensus()
+    with census:
+        census.mark("forward")
+        a = torch.zeros(1024)  # 4 KiB
+        view = a[:10]
+        a.untyped_storage().resize_(0)
+        b = torch.zeros(512)  # 2 KiB: 6 KiB counted, a's storage not yet known to be gone
+        census.mark("loss backward")
+        c = torch.zeros(256)  # 1 KiB: b + c
+    # forward: a and b (a's resize not seen yet: the control); from the mark: b and c
+    assert census.phase_peaks(set()) == {"forward": 6144, "loss backward": 3072}
+    assert census.events[census.marks[1][0] - 1][1] == -4096  # a's release, logged at the mark
+    del a, view, b, c
+
+
 def test_section_registered_and_the_docs_table_is_the_committed_run():
     assert "memory_options" in run.SECTIONS and "memory_options" in report.SECTION_IDS
     data = json.loads((ROOT / "bench_results" / "memory_options.json").read_text())["memory_options"]
@@ -49,7 +69,10 @@ def test_section_registered_and_the_docs_table_is_the_committed_run():
 
 
 WITHIN = 0.10  # issue 53: the planner's predicted saving within 10% of the measured one
-AGREE = ("loss_chunk_tokens", "cpu_offload", "bf16 state", "ac full")  # the rows that agree within WITHIN
+# the rows that agree within WITHIN (all but activation offload without AC: docs/memory.md)
+AGREE = ("loss_chunk_tokens", "ac full", "ac selective op", "ac full + offload", "cpu_offload", "bf16 state")
+PEAK_PHASES = {"loss": {"forward", "loss backward"}, "backward": {"head backward", "blocks backward"},
+               "optimizer": {"optimizer step"}}  # fmt: skip
 
 
 def _additive(parts, loss_grads: bool) -> float:
@@ -66,9 +89,9 @@ def test_the_planners_savings_match_the_measured_ones():
     """The committed run (bench_results/memory_options.json, the census of one step per option)
     against the planner's phase model (tools/planner/phases.py), recomputed here: the JSON's
     predictions are the current model's, and the predicted saving is within 10% of the measured
-    one for chunked loss, CPU offload, bf16 state and full AC (per-op selective AC and full AC
-    with offload save 3-7 MiB and are off by under 0.7 MiB; no-AC offload by the two blocks the
-    planner keeps for copies in flight: docs/memory.md), with the same peak phase on every row.
+    one on every row but activation offload without AC (the two blocks the planner keeps for
+    copies in flight, which the CPU's synchronous copy never has: docs/memory.md), with the same
+    peak phase on every row.
     Negative controls, the
     additive model on the same parts: without the loss backward's gradients (the model before
     the phases) chunked loss is far outside 10%; with them, CPU offload is (it counts the
@@ -86,7 +109,9 @@ def test_the_planners_savings_match_the_measured_ones():
         assert row["predicted_saving_MiB"] == round((plain_pred - mem["total"]) / 2**20, 2), name
         if name in AGREE:
             assert abs(row["predicted_saving_MiB"] - row["saving_MiB"]) <= WITHIN * row["saving_MiB"], row
-        assert {"loss": "loss backward"}.get(row["predicted_peak_phase"]) == row["peak_phase"], row
+        # the planner's loss phase is the forward's end and the loss backward's start: the
+        # census's "forward" (where the chunked head's loss runs) or "loss backward"
+        assert PEAK_PHASES[row["predicted_peak_phase"]] >= {row["peak_phase"]}, row
 
     d, choice, job = memory_options.planner_job({})
     old = {}

@@ -4,14 +4,17 @@ and the memory options that fits the GPU.
 The options and the config fields that turn them on (issue 53):
 
 * chunked cross-entropy, ``training.loss_chunk_tokens = C``: the head and the loss run C
-  tokens at a time, so of the logits (compute dtype) and their fp32 log-softmax, ``(a + 4) t v``
-  bytes per micro-batch of ``t`` tokens on a rank with ``v`` vocabulary columns, one chunk's
-  float32 buffer stays (``(4 + a) min(C, t) v`` below float32, ``4 min(C, t) v`` in it) and the
-  weight gradient's float32 accumulator (``4 v dim``): :func:`chunked_loss_saving`, from the
-  option's own ``chunked_loss_saving_bytes``; cost: the head's forward matmul once more per chunk in
-  the backward (``2 t dim v`` FLOPs per pass, times 1 + the MTP depths);
+  tokens at a time, so at the loss backward's start, of the logits (compute dtype), their fp32
+  log-softmax (``(a + 4) t v`` bytes per micro-batch held, ``t`` tokens on a rank with ``v``
+  vocabulary columns) and the loss's two fp32 gradients (``8 t v``), what stays is the chunked
+  head's backward (:func:`chunked_head_bytes`: one chunk's buffer, the weight gradient's float32
+  accumulator, the input gradient), and the trainer holds no logits through the backward:
+  :func:`chunked_loss_saving`, checked against the option's own ``chunked_loss_saving_bytes``;
+  cost: the head's forward matmul once more per chunk in the backward (``2 t dim v`` FLOPs per
+  pass, times 1 + the MTP depths);
 * CPU offload, ``training.cpu_offload = true`` (FSDP2's CPUOffloadPolicy): the fp32 parameter
-  shards, their gradients and the optimizer state live on the host (0 GPU bytes); cost: every
+  shards, their gradients and the optimizer state live on the host (0 GPU bytes in every
+  phase that holds them; the gradients exist only from the backward on); cost: every
   FSDP unshard copies the rank's fp32 shards host-to-device (4 bytes per padded element per
   gather), every gradient reduction copies them back (4 bytes each), over the host link, counted
   exposed; the optimizer step runs on the CPU at the host memory bandwidth instead of the GPU's;
@@ -24,11 +27,13 @@ The options and the config fields that turn them on (issue 53):
   momentum in bf16, half the state bytes; time: AdamW's step reads and writes 8 bytes fewer per
   parameter (the two states at 2 instead of 4 bytes, read and written).
 
-Per layout the options are tried in sets of increasing size and only the minimal sets that fit
-are kept (an option the layout does not need is not added); the results are ranked by
-estimated tokens/s per GPU like the plain search. Memory is priced per rank (the first and the
-last pipeline stage, as :func:`tools.planner.estimate.estimate`), from the same terms the
-planner prints.
+Every option acts on the step's phases (:func:`option_parts`, :mod:`tools.planner.phases`), so
+what it saves is the peak without it less the peak with it: an option that lowers a phase that
+is not the peak saves less than its bytes. Per layout the options are tried in sets of
+increasing size and only the minimal sets that fit are kept (an option the layout does not need
+is not added); the results are ranked by estimated tokens/s per GPU like the plain search.
+Memory is priced per rank (the first and the last pipeline stage, as
+:func:`tools.planner.estimate.estimate`), from the same terms the planner prints.
 """
 
 from __future__ import annotations
