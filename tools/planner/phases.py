@@ -66,39 +66,36 @@ class MemoryParts:
     logits_kept: float  # what the trainer holds from the forward until the backward returns
 
 
-def _phases(p: MemoryParts) -> dict[str, dict[str, float]]:
-    acc = "unsharded_grads" if p.accumulated_unsharded else "grads"
-    loss = {"params": p.params, "grads": 0.0, "optimizer": p.optimizer, "gathered_params": p.gathered_loss,
-            "unsharded_grads": 0.0, "activations": p.layers + p.head, "loss_grads": p.loss_grads}  # fmt: skip
-    loss[acc] += p.accumulated
-    start = {"params": p.params, "grads": p.head_grads, "optimizer": p.optimizer,
-             "gathered_params": p.gathered_start, "unsharded_grads": p.unsharded_start,
-             "activations": p.layers + p.recompute + p.logits_kept, "loss_grads": 0.0}  # fmt: skip
-    if p.accumulated_unsharded:
-        start["unsharded_grads"] += p.accumulated
-    else:  # the gradients themselves accumulate: the head's are among them
-        start["grads"] = max(p.head_grads, p.accumulated)
-    end = {"params": p.params, "grads": p.grads, "optimizer": p.optimizer, "gathered_params": p.gathered_end,
-           "unsharded_grads": p.unsharded_end, "activations": p.logits_kept, "loss_grads": 0.0}  # fmt: skip
-    backward = start if sum(start.values()) >= sum(end.values()) else end
-    opt = {"params": p.params, "grads": p.grads, "optimizer": p.optimizer, "gathered_params": 0.0,
-           "unsharded_grads": 0.0, "activations": 0.0, "loss_grads": 0.0}  # fmt: skip
-    return {"loss": loss, "backward": backward, "optimizer": opt}
-
-
 def peak(p: MemoryParts) -> dict[str, float]:
     """The terms of the peak phase (:data:`TERMS`, bytes), their ``total`` (the rank's peak),
-    each phase's total (``phase_loss``, ``phase_backward``, ``phase_optimizer``) and the peak
-    phase's index in :data:`PHASES` (``peak_phase``; the first on a tie)."""
-    phases = _phases(p)
-    totals = {name: sum(terms.values()) for name, terms in phases.items()}
-    top = max(PHASES, key=lambda name: totals[name])
-    mem = dict(phases[top])
-    mem["total"] = totals[top]
-    for name in PHASES:
-        mem[f"phase_{name}"] = totals[name]
-    mem["peak_phase"] = float(PHASES.index(top))
-    return mem
+    each phase's total (``phase_loss``, ``phase_backward``: the larger of its two ends,
+    ``phase_optimizer``) and the peak phase's index in :data:`PHASES` (``peak_phase``; the
+    first on a tie). Called for every layout the search prices: plain arithmetic."""
+    acc = p.accumulated
+    if p.accumulated_unsharded:
+        loss = (p.params, 0.0, p.optimizer, p.gathered_loss, 0.0 + acc, p.layers + p.head, p.loss_grads)
+        start_grads, start_unsharded = p.head_grads, p.unsharded_start + acc
+    else:  # the gradients themselves accumulate: the head's are among them
+        loss = (p.params, 0.0 + acc, p.optimizer, p.gathered_loss, 0.0, p.layers + p.head, p.loss_grads)
+        start_grads, start_unsharded = max(p.head_grads, acc), p.unsharded_start
+    start = (p.params, start_grads, p.optimizer, p.gathered_start, start_unsharded,
+             p.layers + p.recompute + p.logits_kept, 0.0)  # fmt: skip
+    end = (p.params, p.grads, p.optimizer, p.gathered_end, p.unsharded_end, p.logits_kept, 0.0)
+    opt = (p.params, p.grads, p.optimizer, 0.0, 0.0, 0.0, 0.0)
+    t_loss, t_start, t_end, t_opt = sum(loss), sum(start), sum(end), sum(opt)
+    backward, t_back = (start, t_start) if t_start >= t_end else (end, t_end)
+    if t_loss >= t_back and t_loss >= t_opt:
+        top, terms, total = 0, loss, t_loss
+    elif t_back >= t_opt:
+        top, terms, total = 1, backward, t_back
+    else:
+        top, terms, total = 2, opt, t_opt
+    params, grads, optimizer, gathered, unsharded, activations, loss_grads = terms
+    return {
+        "params": params, "grads": grads, "optimizer": optimizer, "gathered_params": gathered,
+        "unsharded_grads": unsharded, "activations": activations, "loss_grads": loss_grads, "total": total,
+        "phase_loss": t_loss, "phase_backward": t_back, "phase_optimizer": t_opt, "peak_phase": float(top),
+    }  # fmt: skip
 
 
 def peak_phase_name(mem: dict) -> str:
