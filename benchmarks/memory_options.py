@@ -99,7 +99,7 @@ class EventCensus:
         self.host_tokens: set[int] = set()
         self.host = False
         self.marks: list[tuple[int, str]] = []  # (events so far, the phase starting there)
-        self._live: dict[int, list[int]] = {}  # data_ptr -> [token, tensors alive, bytes]
+        self._live: dict[int, list] = {}  # storage (_cdata) -> [token, tensors alive, bytes, a tensor (weakref)]
         self._next = 0
 
     def __enter__(self):
@@ -123,7 +123,9 @@ class EventCensus:
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        # keyed by the storage itself, not its address: a storage resized away frees its address
+        # for a new one while its tensors live
+        ptr, nbytes = storage._cdata, storage.nbytes()
         if nbytes == 0:
             return
         entry = self._live.get(ptr)
@@ -140,7 +142,7 @@ class EventCensus:
 
     def token_of(self, t) -> int | None:
         """The token of the live storage behind ``t`` (None: not allocated under the census)."""
-        entry = self._live.get(t.untyped_storage().data_ptr())
+        entry = self._live.get(t.untyped_storage()._cdata)
         return entry[0] if entry else None
 
     def peak_without(self, tokens: set[int]) -> int:
