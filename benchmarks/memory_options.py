@@ -15,8 +15,10 @@ with an event log so that storages can be classed afterwards).
 What is measured, ``peak_MiB``: the most bytes resident on the *device* at once during the
 measured step = the training state present before the step (parameters' shards, optimizer
 state) unless an offload keeps it on the host, plus the peak of the storages the step
-allocates, leaving out what an option keeps in host memory. On this CPU host device and host
-are the same memory, so the classing is by storage:
+allocates, leaving out what an option keeps in host memory. A storage resized to 0 bytes in
+place (FSDP2's reshard of gathered parameters autograd still views) is released before the
+next allocation of 1 MiB or more or the next phase mark (below), whichever comes first. On this CPU host device and host are the same memory, so the classing is
+by storage:
 
 - ``training.cpu_offload``: FSDP2's CPUOffloadPolicy keeps the parameter shards, their
   gradient shards and the optimizer state on the host; those storages (the gradient shards
@@ -33,7 +35,14 @@ are the same memory, so the classing is by storage:
 
 ``predicted_MiB``: the planner's memory model of the same job
 (``tools.planner.fit.option_memory``, what ``--fit`` prices: ``memory_for_rank`` with the
-option applied), its total and its saving against the plain row.
+option applied), its total and its saving against the plain row; ``saving_residual`` the
+predicted saving's relative error against the measured one.
+
+Phases: the measured step is marked where it enters the forward, the loss backward, the head's
+backward (the logits' gradient exists), the blocks' backward (the head input's gradient exists)
+and the optimizer step; ``phases_MiB`` is the census's peak within each (the state resident
+throughout included), ``peak_phase`` the largest, beside the planner's phases
+(``tools/planner/phases.py``: loss, backward, optimizer).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import weakref
 
 SHAPE = {"n_layers": 4, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 151_936}
 SEQ, FSDP, CHUNK = 256, 2, 128
+SWEEP_BYTES = 2**20  # EventCensus looks for storages resized to nothing before allocations this large
 # (row name, config, ParallelizeOptions fields, optimizer.state_dtype, planner options)
 OPTIONS = [
     ("plain", "", {}, "float32", ()),
@@ -88,7 +98,8 @@ class EventCensus:
         self.events: list[tuple[int, int]] = []
         self.host_tokens: set[int] = set()
         self.host = False
-        self._live: dict[int, list[int]] = {}  # data_ptr -> [token, tensors alive, bytes]
+        self.marks: list[tuple[int, str]] = []  # (events so far, the phase starting there)
+        self._live: dict[int, list] = {}  # storage (_cdata) -> [token, tensors alive, bytes, a tensor (weakref)]
         self._next = 0
 
     def __enter__(self):
@@ -112,13 +123,17 @@ class EventCensus:
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        # keyed by the storage itself, not its address: a storage resized away frees its address
+        # for a new one while its tensors live
+        ptr, nbytes = storage._cdata, storage.nbytes()
         if nbytes == 0:
             return
         entry = self._live.get(ptr)
         if entry is None:
+            if nbytes >= SWEEP_BYTES:  # a peak rises at an allocation: none counts a freed storage
+                self._sweep()
             self._next += 1
-            entry = self._live[ptr] = [self._next, 0, nbytes]
+            entry = self._live[ptr] = [self._next, 0, nbytes, weakref.ref(t)]
             self.events.append((self._next, nbytes))
             if self.host:
                 self.host_tokens.add(self._next)
@@ -127,7 +142,7 @@ class EventCensus:
 
     def token_of(self, t) -> int | None:
         """The token of the live storage behind ``t`` (None: not allocated under the census)."""
-        entry = self._live.get(t.untyped_storage().data_ptr())
+        entry = self._live.get(t.untyped_storage()._cdata)
         return entry[0] if entry else None
 
     def peak_without(self, tokens: set[int]) -> int:
@@ -137,6 +152,36 @@ class EventCensus:
                 live += delta
                 peak = max(peak, live)
         return peak
+
+    def _sweep(self) -> None:
+        """Release the storages resized to 0 bytes in place while their tensors live (FSDP2
+        frees a resharded group's gathered parameters so; autograd may still hold views of
+        them): a census of allocations sees no ``resize_``, so it looks for them before every
+        allocation of ``SWEEP_BYTES`` or more and at every mark."""
+        for ptr, (token, _n, nbytes, ref) in list(self._live.items()):
+            t = ref()
+            if t is not None and t.untyped_storage().nbytes() == 0:
+                self.events.append((token, -nbytes))
+                del self._live[ptr]
+
+    def mark(self, phase: str) -> None:
+        """The events from here on belong to ``phase`` (until the next mark)."""
+        self._sweep()
+        self.marks.append((len(self.events), phase))
+
+    def phase_peaks(self, tokens: set[int]) -> dict[str, int]:
+        """:meth:`peak_without` within each marked phase (what is live when it starts counts)."""
+        starts = dict(self.marks)
+        live, phase, out = 0, None, {}
+        for i, (token, delta) in enumerate(self.events):
+            if i in starts:
+                phase = starts[i]
+                out[phase] = max(out.get(phase, 0), live)
+            if token not in tokens:
+                live += delta
+            if phase is not None:
+                out[phase] = max(out.get(phase, 0), live)
+        return out
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -220,12 +265,25 @@ def measure(opts: dict, state_dtype: str) -> dict:
         inputs = torch.randint(0, SHAPE["vocab_size"], (1, SEQ), generator=g)
         labels = torch.randint(0, SHAPE["vocab_size"], (1, SEQ), generator=g)
 
+        mark = [lambda phase: None]  # the census's, while it runs
+
+        def head_input_hook(_module, _args, out):  # its gradient: the head's backward is done
+            if out.requires_grad:
+                out.register_hook(lambda grad: mark[0]("blocks backward"))
+
+        model.norm.register_forward_hook(head_input_hook)
+
         def step():  # as trainer/forward.py runs it: the logits held until the backward returns
             optimizer.zero_grad()
+            mark[0]("forward")
             logits = model(inputs, labels=labels) if chunk else model(inputs)
             loss = (token_loss_sum if chunk else cross_entropy_sum)(logits, labels) / labels.numel()
+            mark[0]("loss backward")
+            if not chunk:  # the logits' gradient: the loss's backward is done, the head's starts
+                logits.register_hook(lambda grad: mark[0]("head backward"))
             loss.backward()
             del logits, loss
+            mark[0]("optimizer step")
             optimizer.step()
 
         step()  # warm-up: the optimizer state exists from here on
@@ -235,6 +293,7 @@ def measure(opts: dict, state_dtype: str) -> dict:
         resident = sum(_storages([*params, *states]).values())
         census = EventCensus()
         t0 = time.process_time()
+        mark[0] = census.mark
         with census, _host_copies(census):
             step()
         cpu_s = time.process_time() - t0
@@ -244,6 +303,7 @@ def measure(opts: dict, state_dtype: str) -> dict:
             resident = 0
         return {
             "peak_bytes": resident + census.peak_without(host),
+            "phase_peaks": {k: resident + v for k, v in census.phase_peaks(host).items()},
             "resident_bytes": resident,
             "state_bytes": sum(_storages(states).values()),
             "step_cpu_s": round(cpu_s, 2),
@@ -252,12 +312,11 @@ def measure(opts: dict, state_dtype: str) -> dict:
         dist.destroy_process_group()
 
 
-def predict(opts: dict, options: tuple) -> int:
-    """The planner's memory of the same job and rank with ``options`` on (``--fit``'s pricing)."""
+def planner_job(opts: dict):
+    """(degrees, choice, job) of the planner for the measured job with ``opts``'s AC mode."""
     from parallel_dims import ParallelDims
     from tools.planner.choice import LayoutChoice
     from tools.planner.estimate import Job
-    from tools.planner.fit import option_memory
     from tools.planner.hardware import load_hardware
 
     d = ParallelDims(dp_replicate=1, dp_shard=FSDP, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=FSDP).degrees
@@ -266,11 +325,22 @@ def predict(opts: dict, options: tuple) -> int:
     overrides = tuple(sorted({**SHAPE, "max_seq_len": SEQ}.items()))
     job = Job("llama3", "debugmodel", FSDP, 8, SEQ, FSDP, load_hardware("h100"), param_dtype="float32",
               model_overrides=overrides)  # fmt: skip
-    return int(option_memory(job, d, choice, 0, options, CHUNK)["total"])
+    return d, choice, job
+
+
+def predict(opts: dict, options: tuple) -> dict:
+    """The planner's memory of the same job and rank with ``options`` on (``--fit``'s pricing:
+    the peak phase's terms, ``total`` and each phase's total, bytes)."""
+    from tools.planner.fit import option_memory
+
+    d, choice, job = planner_job(opts)
+    return option_memory(job, d, choice, 0, options, CHUNK)
 
 
 def run() -> dict:
     import torch
+
+    from tools.planner.phases import PHASES
 
     torch.set_num_threads(1)
     rows = []
@@ -278,30 +348,34 @@ def run() -> dict:
     t0 = time.process_time()
     for name, config, opts, state_dtype, options in OPTIONS:
         got = measure(opts, state_dtype)
-        pred = predict(opts, options)
+        mem = predict(opts, options)
+        pred = mem["total"]
         if plain is None:
             plain, plain_pred = got["peak_bytes"], pred
+        phases = got["phase_peaks"]
+        saving, predicted_saving = plain - got["peak_bytes"], plain_pred - pred
         row = {
             "option": name,
             "config": config or "(none)",
             "peak_MiB": round(got["peak_bytes"] / 2**20, 2),
-            "saving_MiB": round((plain - got["peak_bytes"]) / 2**20, 2),
+            "saving_MiB": round(saving / 2**20, 2),
             "predicted_MiB": round(pred / 2**20, 2),
-            "predicted_saving_MiB": round((plain_pred - pred) / 2**20, 2),
+            "predicted_saving_MiB": round(predicted_saving / 2**20, 2),
+            # (predicted - measured) / measured saving; None on the plain row
+            "saving_residual": round((predicted_saving - saving) / saving, 4) if saving else None,
+            "peak_phase": max(phases, key=lambda k: phases[k]),
+            "predicted_peak_phase": PHASES[int(mem["peak_phase"])],
+            "phases_MiB": {k: round(v / 2**20, 2) for k, v in phases.items()},
+            "predicted_phases_MiB": {k: round(mem[f"phase_{k}"] / 2**20, 2) for k in PHASES},
             "state_MiB": round(got["state_bytes"] / 2**20, 2),
             "step_cpu_s": got["step_cpu_s"],
         }
         rows.append(row)
         print(f"memory_options {json.dumps(row)}", file=sys.stderr)
-    loss_grads = 8 * SEQ * SHAPE["vocab_size"] / 2**20
     return {
         "summary": " ".join(" ".join(__doc__.split("\n\n")[1:4]).split()),
         "shape": {**SHAPE, "seq_len": SEQ, "fsdp": FSDP, "chunk": CHUNK},
         "rows": rows,
-        # the plain loss backward's two float32 [tokens, vocab] gradients: measured in the plain
-        # peak, left out of the planner's plain estimate (issue 53's open item), hence out of its
-        # chunked-loss saving
-        "plain_loss_grads_MiB": round(loss_grads, 2),
         "cpu_s": round(time.process_time() - t0, 1),
     }
 

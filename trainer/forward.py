@@ -103,7 +103,8 @@ def memory_lines(plan, pd: ParallelDims, model_parts, pipeline: Pipeline | None,
 def chunked_loss_line(plan, pd: ParallelDims, pipeline: Pipeline | None, chunk: int) -> str:
     """Start-up line of the chunked loss (``plan``: the job's ``JobPlan``): what one head call's
     logits would have held on this rank, and the saving ``chunked_loss_saving_bytes`` predicts
-    (docs/memory.md)."""
+    at the plain loss backward's start (the plain step's peak phase when the logits dominate;
+    the whole step's saving is the planner's, tools/planner/phases.py; docs/memory.md)."""
     from models.common.chunked_loss import chunked_loss_saving_bytes
 
     args, batch = plan.model.args, plan.batch
@@ -116,8 +117,9 @@ def chunked_loss_line(plan, pd: ParallelDims, pipeline: Pipeline | None, chunk: 
     saving = chunked_loss_saving_bytes(tokens, args.vocab_size, args.dim, chunk, tp=pd.tp, compute_bytes=compute_bytes)
     return (
         f"chunked loss: the head and cross-entropy {chunk} tokens at a time; one head call holds {tokens} tokens x "
-        f"{vocab} vocabulary rows on this rank: predicted peak saving {saving / 2**20:,.1f} MiB per micro-batch "
-        "(training.loss_chunk_tokens, docs/memory.md)"
+        f"{vocab} vocabulary rows on this rank: predicted saving {saving / 2**20:,.1f} MiB per micro-batch at the "
+        "loss backward (the step's peak falls by less where another phase then peaks: python -m tools.planner "
+        "--fit prices the whole step; training.loss_chunk_tokens, docs/memory.md)"
     )
 
 

@@ -112,7 +112,9 @@ def _mib(n: int) -> str:
 def memory_options_line(model_parts: list[nn.Module], plan, optimizer) -> str | None:
     """The start-up line of the memory options ``plan`` (trainer/plan.py ``JobPlan``) chose: what
     CPU offload keeps on the host per rank (:func:`cpu_offload_bytes` of ``optimizer``, a name or
-    a per-parameter state-bytes function), and what activation
+    a per-parameter state-bytes function) and so the range of what it takes off the step's peak
+    (the parameters and state at least, the gradients too where the peak comes after the backward
+    made them: the planner's phases), and what activation
     offload moves per micro-batch (under full AC the blocks' inputs,
     models/parallel/activation_offload.py ``block_input_bytes``; otherwise what the blocks save
     for backward, the planner's activation model)."""
@@ -121,9 +123,13 @@ def memory_options_line(model_parts: list[nn.Module], plan, optimizer) -> str | 
     opts, said = plan.parallelize, []
     if opts.cpu_offload:
         b = cpu_offload_bytes(model_parts, optimizer)
+        # the step's phases (tools/planner/phases.py): the parameter shards and the state are
+        # on the device in every phase, the gradient shards only from the backward on
         said.append(
-            f"cpu_offload saves {_mib(b['total'])} of device memory per rank (parameters {_mib(b['params'])}, "
-            f"gradients {_mib(b['grads'])}, optimizer state {_mib(b['optimizer'])})"
+            f"cpu_offload saves {_mib(b['params'] + b['optimizer'])} to {_mib(b['total'])} of the device's peak per "
+            f"rank: it keeps the parameters ({_mib(b['params'])}), gradients ({_mib(b['grads'])}) and optimizer "
+            f"state ({_mib(b['optimizer'])}) on the host, and the gradients count where the peak comes after the "
+            "backward made them"
         )
     if opts.ac_offload:
         what = "what the blocks save for backward"
@@ -137,5 +143,5 @@ def memory_options_line(model_parts: list[nn.Module], plan, optimizer) -> str | 
             rows = tuple(model_parts[0].rope.table.shape[1:])
             inputs += attention_input_bytes(rows, b, seq, cp=pd.cp) * (b if args.document_positions else 1)
             what = f"{_mib(inputs)} (the blocks' inputs and RoPE rows)"
-        said.append(f"activation offload saves {what} per micro-batch")
+        said.append(f"activation offload saves {what} per micro-batch while they are on the host")
     return "memory: " + "; ".join(said) if said else None

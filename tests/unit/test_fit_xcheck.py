@@ -1,17 +1,25 @@
 """The planner's ``--fit`` prices (tools/planner/fit.py) against the memory options' own
 functions, which their tests measure exact (issue 53):
 
-- chunked loss: the fit's saving on the last stage's rank is ``chunked_loss_saving_bytes``
-  (models/common/chunked_loss.py: the four ``[tokens, vocab / tp]`` tensors alive at the plain
-  loss's backward, ``12 + a`` bytes per element) less what the planner's plain estimate does
-  not hold: its head term (tools/planner/activations.py ``head_bytes``, what forward and loss
-  save for the backward) holds ``a + 4`` of those bytes, so the rest, ``8`` (the two float32
-  gradients of the loss backward), is taken off the option's saving. Exact, over llama3
-  debugmodel on one rank, tp=2, fsdp=2, cp=2 and the last stage of pp=2 (1F1B, 2 micro-batches),
-  float32 and bf16, MTP (deepseek_v3 debugmodel, one depth: the head runs on 2 t rows), and a
-  chunk larger than the micro-batch. Negative control: the fit's former formula,
-  ``(a + 4) (t - min(C, t)) v``, misses the weight gradient's float32 accumulator.
-- activation offload under full AC: the fit's saving is the option's ``block_input_bytes`` of the
+- chunked loss: what the fit takes off the loss phase (tools/planner/phases.py: the start of
+  the loss backward, where the plain path holds the logits, the float32 log-softmax and the
+  loss's two float32 gradients, ``12 + a`` bytes per ``[tokens, vocab / tp]`` element) is the
+  option's own ``chunked_loss_saving_bytes`` (models/common/chunked_loss.py) less two things
+  that function leaves out of the chunked path, read off ``_ChunkedHeadCE.backward``: the
+  input gradient it allocates before the loop (``a rows dim``) and, below float32, what the
+  weight-gradient step holds beyond the chunk's buffers when that is more (the chunk's cast
+  gradient, the ``[v, dim]`` product and its float32 copy; at the end the accumulator's
+  cast: ``tools.planner.fit.chunked_head_bytes``). The function's plain side counts the head weight's gradient
+  (``a v dim``), which the plain path makes only in the head's backward, after the peak, and its
+  chunked side a float32 weight gradient of ``(4 + a) v dim``, which in float32 is one tensor
+  (``grad_w.to(float32)`` is ``grad_w``): the two differ by the same ``4 v dim`` and cancel.
+  Exact, over llama3 debugmodel on one rank, tp=2, fsdp=2, cp=2 and the last stage of pp=2
+  (1F1B, 2 micro-batches), float32 and bf16, MTP (deepseek_v3 debugmodel, one depth: the head
+  runs on 2 t rows), and a chunk larger than the micro-batch. Negative control: the fit's first
+  formula, ``(a + 4) (t - min(C, t)) v``, misses the weight gradient's float32 accumulator.
+  The whole-step saving (peak without - peak with) is the census's in benchmarks/memory_options.py
+  (tests/unit/test_memory_options_bench.py).
+- activation offload under full AC: what the fit takes off the blocks' activations is the option's ``block_input_bytes`` of the
   rank's blocks (models/parallel/activation_offload.py, what the hooks move and the e2e test
   counts) less two blocks' worth, which the fit keeps on the GPU (the block being saved and the
   one in transit); the RoPE rows (``attention_input_bytes``, offloaded once per forward) are
@@ -22,7 +30,10 @@ functions, which their tests measure exact (issue 53):
   backend (in one forked process, tools/forkserver.py): the planner's ``optimizer / 2`` equals
   ``state_dtype_saving`` (trainer/optim/low_precision.py, what the start-up line says) and its
   params / grads / optimizer equal ``cpu_offload_bytes`` with the trainer's ``state_bytes_fn``, to the
-  byte, for AdamW and for Muon (one momentum buffer for the hidden matrices). Negative control:
+  byte, for AdamW and for Muon (one momentum buffer for the hidden matrices); with the option
+  the optimizer step's phase falls by all of them and the loss phase by the parameters and
+  the state (no gradient exists at the loss backward of a step's only micro-batch), and the
+  peak by between the two. Negative control:
   ``cpu_offload_bytes`` by optimizer name, the old Muon bound (8 bytes per element), is above
   the planner's Muon state.
 """
@@ -60,8 +71,9 @@ def test_fit_chunked_loss_saving_is_the_options_own(case):
     from parallel_dims.layout import validate_degrees
     from tools.planner.activations import head_bytes
     from tools.planner.choice import DTYPE_BYTES, LayoutChoice
-    from tools.planner.fit import option_memory
+    from tools.planner.fit import option_parts
     from tools.planner.inventory import model_inventory
+    from tools.planner.phases import peak
 
     model, degrees, over, chunk = case
     world = 1
@@ -74,8 +86,10 @@ def test_fit_chunked_loss_saving_is_the_options_own(case):
     _, args = model_inventory(model, "debugmodel")
     a = DTYPE_BYTES[c.param_dtype]
     mb = c.local_batch // (c.n_microbatches if d.pp > 1 else 1)
-    plain = option_memory(job, d, c, rank, (), chunk)["activations"]
-    fit = plain - option_memory(job, d, c, rank, ("loss_chunk_tokens",), chunk)["activations"]
+    plain = option_parts(job, d, c, rank, (), chunk)
+    on = option_parts(job, d, c, rank, ("loss_chunk_tokens",), chunk)
+    fit = (plain.head + plain.loss_grads) - (on.head + on.loss_grads)  # the loss phase's head and loss bytes
+    assert peak(plain)["phase_loss"] - peak(on)["phase_loss"] == fit  # nothing else in that phase moves
 
     t = mb * (128 // d.cp)
     rows = t * (1 + getattr(args, "mtp_layers", 0))
@@ -84,9 +98,14 @@ def test_fit_chunked_loss_saving_is_the_options_own(case):
     sp = c.sequence_parallel
     held = head_bytes(args, mb, 128, d.tp, d.cp, sp, a) - head_bytes(no_vocab, mb, 128, d.tp, d.cp, sp, a)
     assert held == (a + 4) * rows * v  # the planner's plain logits + log-softmax
-    unheld = (12 + a) * rows * v - held  # the option's plain peak tensors the planner does not count
+    assert plain.loss_grads == 8 * rows * v  # + the loss backward's two float32 gradients: 12 + a in all
     option = chunked_loss_saving_bytes(rows, args.vocab_size, args.dim, chunk, tp=d.tp, compute_bytes=a)
-    assert option > 0 and fit == option - unheld, (fit, option, unheld)
+    low, c_rows, dim = (a if a != 4 else 0), min(chunk, rows), args.dim
+    # what the option's function leaves out: the input gradient; below float32 what the
+    # weight-gradient step's casts hold beyond the chunk's buffers when that is more
+    casts = max(low * c_rows * v + (low + 4) * v * dim, low * v * dim) - (4 + low) * c_rows * v
+    left_out = a * rows * dim + (max(casts, 0) if low else 0)
+    assert option > 0 and fit == option - left_out, (fit, option, left_out)
     assert fit != (a + 4) * (rows - min(chunk, rows)) * v  # negative control: the former formula
 
 
@@ -96,7 +115,7 @@ def test_fit_activation_offload_saving_is_the_options_own(degrees, dtype):
     from models.parallel.activation_offload import block_input_bytes
     from parallel_dims.layout import validate_degrees
     from tools.planner.choice import DTYPE_BYTES, LayoutChoice
-    from tools.planner.fit import option_memory
+    from tools.planner.fit import option_parts
     from tools.planner.inventory import model_inventory
 
     world = 1
@@ -106,8 +125,8 @@ def test_fit_activation_offload_saving_is_the_options_own(degrees, dtype):
     c = LayoutChoice(global_batch=2, local_batch=2, seq_len=128, ac="full", param_dtype=dtype)
     job = _job("llama3", world)
     _, args = model_inventory("llama3", "debugmodel")
-    on = option_memory(job, d, c, 0, ("activation_offload",), 32)["activations"]
-    fit = option_memory(job, d, c, 0, (), 32)["activations"] - on
+    on = option_parts(job, d, c, 0, ("activation_offload",), 32).layers
+    fit = option_parts(job, d, c, 0, (), 32).layers - on
 
     def moved(n: int) -> int:
         return block_input_bytes(n, 2, 128, args.dim, cp=d.cp, tp=d.tp, sp=c.sequence_parallel, a=DTYPE_BYTES[dtype])
@@ -156,7 +175,7 @@ def test_fit_state_and_offload_prices_are_the_options_own():
     from tests.distributed.run_json import run_on_own_process
     from tools.planner.choice import LayoutChoice
     from tools.planner.estimate import memory_for_rank
-    from tools.planner.fit import option_memory
+    from tools.planner.fit import option_memory, option_parts
 
     cases = [({"dp_shard": 3, "world_size": 3}, 2), ({"dp_shard": 2, "tp": 2, "world_size": 4}, 3)]
     for degrees, rank in cases:
@@ -166,17 +185,54 @@ def test_fit_state_and_offload_prices_are_the_options_own():
         both = run_on_own_process(f"{__name__}:rank_option_bytes", degrees, rank)
         for optimizer, got in both.items():
             job = _job("llama3", d.world_size, optimizer)
-            mem = memory_for_rank(job, d, c, rank)
-            half = option_memory(job, d, c, rank, ("state_dtype",), 32)
+            parts = option_parts(job, d, c, rank, (), 32)
+            half = option_parts(job, d, c, rank, ("state_dtype",), 32)
             where = (degrees, rank, optimizer)
-            assert mem["optimizer"] - half["optimizer"] == got["bf16_saving"], (where, mem, got)
+            assert parts.optimizer - half.optimizer == got["bf16_saving"], (where, parts, got)
             off = got["offload"]
-            assert (mem["params"], mem["grads"], mem["optimizer"]) == (off["params"], off["grads"], off["optimizer"]), (
+            assert (parts.params, parts.grads, parts.optimizer) == (off["params"], off["grads"], off["optimizer"]), (
                 where,
-                mem,
+                parts,
                 off,
             )
-            gone = option_memory(job, d, c, rank, ("cpu_offload",), 32)
-            assert mem["total"] - gone["total"] == off["total"], where
+            mem, gone = memory_for_rank(job, d, c, rank), option_memory(job, d, c, rank, ("cpu_offload",), 32)
+            assert mem["phase_optimizer"] - gone["phase_optimizer"] == off["total"], where
+            assert mem["phase_loss"] - gone["phase_loss"] == off["params"] + off["optimizer"], where
+            assert off["params"] + off["optimizer"] <= mem["total"] - gone["total"] <= off["total"], where
             if optimizer == "Muon":  # negative control: the name-only bound overcounts Muon's state
-                assert got["offload_by_name"]["optimizer"] > mem["optimizer"], where
+                assert got["offload_by_name"]["optimizer"] > parts.optimizer, where
+
+
+def test_phases_place_the_gradients_where_the_trainer_has_them():
+    """tools/planner/phases.py on llama3 debugmodel, rank 0 of fsdp=2: with one micro-batch per
+    step the loss backward holds no gradient (``zero_grad(set_to_none=True)``), the optimizer
+    step holds parameters + gradients + state and nothing else, and the peak is the largest
+    phase; with two micro-batches (accumulation) the second loss backward also holds the first's
+    gradients, FSDP2's unsharded float32 accumulators of every group (``set_requires_gradient_sync``
+    defers the reduce-scatter), and nothing else changes in that phase. Negative control: the
+    additive sum of the kinds is above the phase peak."""
+    from parallel_dims.layout import validate_degrees
+    from tools.planner.choice import LayoutChoice
+    from tools.planner.phases import PHASES, peak
+    from tools.planner.rank_memory import memory_parts, rank_context
+
+    d = validate_degrees(world_size=2, dp_shard=2)
+    job = _job("llama3", 2)
+    one = LayoutChoice(global_batch=4, local_batch=2, seq_len=128)
+    two = LayoutChoice(global_batch=8, local_batch=2, seq_len=128)
+    p1 = memory_parts(job, d, one, rank_context(job, d, one, 0))
+    p2 = memory_parts(job, d, two, rank_context(job, d, two, 0))
+    m1, m2 = peak(p1), peak(p2)
+    assert p1.accumulated == 0 and p2.accumulated_unsharded
+    ctx = rank_context(job, d, two, 0)
+    assert p2.accumulated == 4 * ctx.unsharded[0]  # every group's gathered elements, float32 (reduce dtype)
+    assert m1["phase_optimizer"] == p1.params + p1.grads + p1.optimizer
+    assert m1["total"] == max(m1[f"phase_{p}"] for p in PHASES)
+    if m1["peak_phase"] == 0:
+        assert m1["grads"] == 0 and m1["unsharded_grads"] == 0
+    assert m2["phase_loss"] - m1["phase_loss"] == p2.accumulated
+    additive = (
+        p1.params + p1.grads + p1.optimizer + p1.gathered_loss + p1.unsharded_start + p1.layers + p1.head
+        + p1.loss_grads + p1.recompute
+    )  # fmt: skip
+    assert additive > m1["total"]

@@ -16,8 +16,9 @@ import pytest
 from models.parallel.lora import LoRAOptions
 from parallel_dims.layout import validate_degrees
 from tools.planner.choice import LayoutChoice
-from tools.planner.estimate import Job, memory_for_rank
+from tools.planner.estimate import Job
 from tools.planner.hardware import load_hardware
+from tools.planner.rank_memory import memory_parts, rank_context
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +36,7 @@ def _predicted(model, degrees, rank, dtype, lora):
         lora=LoRAOptions(**lora) if lora else None,
     )  # fmt: skip
     choice = LayoutChoice(global_batch=job.global_batch, local_batch=2, seq_len=64, param_dtype=dtype)
-    return memory_for_rank(job, d, choice, rank)
+    return memory_parts(job, d, choice, rank_context(job, d, choice, rank))
 
 
 def test_lora_training_state_equals_the_real_sharded_model():
@@ -50,11 +51,11 @@ def test_lora_training_state_equals_the_real_sharded_model():
     with ThreadPoolExecutor(2) as pool:
         measured = list(pool.map(measure, CASES))
     for case, got in zip(CASES, measured):
-        mem = _predicted(*case)
-        assert (mem["params"], mem["grads"], mem["optimizer"]) == (
+        mem = _predicted(*case)  # the state's bytes by kind (tools/planner/phases.py MemoryParts)
+        assert (mem.params, mem.grads, mem.optimizer) == (
             got["params_bytes"],
             got["grads_bytes"],
             got["optimizer_bytes"],
         ), (case, mem, got)
         full = _predicted(*case[:4], None)
-        assert full["optimizer"] > 10 * got["optimizer_bytes"], (full["optimizer"], got["optimizer_bytes"])
+        assert full.optimizer > 10 * got["optimizer_bytes"], (full.optimizer, got["optimizer_bytes"])

@@ -4,8 +4,9 @@
 Identity: every estimate of :func:`tools.planner.search.plan_layouts` (degrees, choice, memory
 terms, time terms, tokens/s, as exact float reprs, in rank order) hashed
 (:func:`tools.planner.search.ranking_digest`) for two cases, against the digests the search
-before the speed-up (commit f4617db, the same digest code run on that tree) gave
-(``tests/unit/data/planner_rankings.json``): a dense model on 16 GPUs (every schedule, split-backward
+before the speed-up (commit f4617db, the same digest code run on that tree) gave, re-recorded for
+the phase-aware memory model where the batched search and the per-layout pricing
+(``reference=True``) agreed (``tests/unit/data/planner_rankings.json``): a dense model on 16 GPUs (every schedule, split-backward
 ones with bf16 parameters under tp, so the per-rank cast order is exercised) and a MoE with both
 float8 converters on 8. The negative control: a one-ulp change of one estimate changes the digest.
 """
@@ -139,29 +140,33 @@ def _fit(seq_len: int, memory_gib: float, reserve_gib: float = 0.0):
 
 
 def test_fit_picks_the_option_a_case_needs():
-    """llama3 1B, one GPU, one sequence, full AC (GiB, the planner's terms): at 8192 tokens
-    params 5.58 + grads 5.58 + AdamW 11.16 + gathered 2.79 + activations 7.37 = 32.49; chunked
-    loss (1024-token chunks) saves 4.16 (the option's own ``chunked_loss_saving_bytes`` less the
-    loss backward's two float32 gradients the plain estimate does not hold: tools/planner/fit.py
-    ``chunked_loss_saving``), bf16 state 5.58, activation offload 0.44, CPU offload 22.33
-    (params, grads, state). At 32,768 tokens activations are 29.49 (total 54.61) and chunked
-    loss saves 21.77.
+    """llama3 1B, one GPU, one sequence, full AC (GiB, the planner's phases,
+    tools/planner/phases.py): at 8192 tokens the peak is the loss backward's start, params
+    5.58 + AdamW 11.17 + gathered 2.79 + activations 6.50 + the loss's two float32 gradients
+    7.83 = 33.86 (no parameter gradient exists yet); the blocks' backward peaks at 27.08, the
+    optimizer step at 22.33. Chunked loss (1024-token chunks) moves the peak to the end of the
+    backward (25.12: it saves 8.74, not the 11.47 it takes off the loss phase), bf16 state saves
+    5.58, activation offload 0.44, CPU offload 16.75 (params and state: the gradients, 5.58,
+    are not alive at the peak). At 32,768 tokens the plain peak is 76.83; chunked loss alone
+    26.02, CPU offload alone 60.09, bf16 state + activation offload 69.50.
 
     * 80 GiB: fits as it is, no option;
-    * 15 GiB at 8192: only CPU offload can (32.49 - 22.33 = 10.16; all the others together
-      take 10.18 off: 22.31 > 15);
-    * 33 GiB at 32,768: chunked loss alone fits (32.84) and so does CPU offload alone (32.28),
-      but its host copies cost more than the head's recomputation, so chunked loss ranks first."""
+    * 18 GiB at 8192: only CPU offload can (17.12; every set without it peaks at 19.54 or more:
+      chunked loss + bf16 state + activation offload, whose backward end holds params, grads,
+      half the state and the gathered copies);
+    * 61 GiB at 32,768: chunked loss alone fits and so does CPU offload alone, but its host
+      copies cost more than the head's recomputation, so chunked loss ranks first."""
     gib = 2**30
     _, plain = _fit(8192, 80.0, 6.0)
     assert plain[0].options == () and plain[0].estimate.fits
-    _, offload = _fit(8192, 15.0)
+    _, offload = _fit(8192, 18.0)
     assert {r.options for r in offload} == {("cpu_offload",)}
-    assert offload[0].saved["cpu_offload"] == pytest.approx(22.33 * gib, rel=1e-3)
-    _, chunk = _fit(32768, 33.0)
+    assert offload[0].saved["cpu_offload"] == pytest.approx(16.747 * gib, rel=1e-3)
+    assert offload[0].estimate.memory["total"] == pytest.approx(17.115 * gib, rel=1e-3)
+    _, chunk = _fit(32768, 61.0)
     assert chunk[0].options == ("loss_chunk_tokens",)
     assert {r.options for r in chunk} == {("loss_chunk_tokens",), ("cpu_offload",)}
-    assert chunk[0].saved["loss_chunk_tokens"] == pytest.approx(21.77 * gib, rel=1e-3)
+    assert chunk[0].saved["loss_chunk_tokens"] == pytest.approx((76.835 - 26.021) * gib, rel=1e-3)
     assert chunk[0].estimate.time["loss_recompute"] > 0
     assert chunk[1].estimate.time["host_link"] > chunk[0].estimate.time["loss_recompute"]
 
@@ -174,7 +179,7 @@ def test_fit_cli_prints_config_lines_and_refuses_bad_input(capsys, tmp_path):
     base = ["--model", "llama3", "--flavor", "1B", "--world-size", "1", "--gpus-per-node", "1", "--seq-len", "8192",
             "--global-batch", "1", "--ac", "full", "--reserve-gib", "0"]  # fmt: skip
     toml = tmp_path / "fit.toml"
-    assert main([*base, "--fit", "--memory-gib", "15", "--toml", str(toml)]) == 0
+    assert main([*base, "--fit", "--memory-gib", "18", "--toml", str(toml)]) == 0
     out = capsys.readouterr().out
     assert "[training]\n  cpu_offload = true" in out and "CPU offload" in out
     # the layout and the option in one valid config (the option under the layout's [training])

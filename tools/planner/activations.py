@@ -35,7 +35,10 @@ and the MLP; ``a`` bytes per activation element (the FSDP compute dtype); 4 = fl
   with an integer option N every N-th block holds what full AC holds and the others what no AC
   holds.
 * Outside the blocks: the final norm and its output, the logits (``a T V/tp``, kept by the
-  train step) and the float32 log-softmax of the loss (``4 T V/tp``). DeepSeek-V3's MTP depths
+  train step) and the float32 log-softmax of the loss (``4 T V/tp``). Transient, when the
+  loss's backward starts: its two float32 gradients (the NLL's and the log-softmax's,
+  ``8 T V/tp``, ``loss_grads``, one micro-batch's at a time); the logits alone stay until the
+  backward returns (``logits``, what the trainer's forward holds). DeepSeek-V3's MTP depths
   are blocks like the others (on the stage with the head) plus, each, three norms and
   ``eh_proj``'s ``[Tn, 2D]`` input; the head then runs on ``(1 + D) T`` tokens.
 """
@@ -52,6 +55,8 @@ class ActivationEstimate:
     layers: int  # bytes held by this rank's transformer layers
     head: int  # final norm, logits and loss buffers (last stage only)
     recompute: int  # transient peak of recomputing one block in backward (full AC)
+    logits: int = 0  # the logits (compute dtype), part of ``head``, held until the backward returns
+    loss_grads: int = 0  # the plain loss backward's two float32 [T, V/tp] gradients (transient)
 
     @property
     def held(self) -> int:
@@ -218,5 +223,9 @@ def activation_bytes(
         total += len(members) * layer_bytes(args, members[0], b, seq_len, tp, cp, etp, sp, act_bytes, mode)
         if mode == "full":
             recompute = max(recompute, layer_bytes(args, members[0], b, seq_len, tp, cp, etp, sp, act_bytes, "none"))
-    h = head_bytes(args, b, seq_len, tp, cp, sp, act_bytes) if head else 0
-    return ActivationEstimate(total, h, recompute)
+    if not head:
+        return ActivationEstimate(total, 0, recompute)
+    rows = b * (seq_len // cp) * (1 + getattr(args, "mtp_layers", 0))
+    v = args.vocab_size // tp
+    h = head_bytes(args, b, seq_len, tp, cp, sp, act_bytes)
+    return ActivationEstimate(total, h, recompute, act_bytes * rows * v, 8 * rows * v)

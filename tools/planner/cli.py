@@ -32,9 +32,11 @@ from .search import plan_layouts, smallest_world_size, summarize_losers
 __all__ = ["main", "toml_snippet"]
 
 _ASSUMPTIONS = [
-    "memory: fp32 master params, grads and AdamW (2 fp32 states), FSDP2 padding included; "
-    "gathered compute-dtype params and unsharded grads in flight; activations per micro-batch "
-    "from the model code x the micro-batches the schedule keeps in flight; logits + fp32 loss buffers",
+    "memory: the peak of the step's phases (loss backward, blocks' backward, optimizer step), each counting "
+    "what is alive then: fp32 master params, grads (none at the first micro-batch's loss backward) and AdamW "
+    "(2 fp32 states), FSDP2 padding included; gathered compute-dtype params and unsharded grads in flight; "
+    "activations per micro-batch from the model code x the micro-batches the schedule keeps in flight; logits "
+    "+ fp32 loss buffers and the loss backward's two fp32 gradients",
     "compute: the matmul FLOPs of the busiest rank (its pipeline stage, its TP/CP/EP share; the "
     "trainer's FLOPs accounting) / (peak x efficiency); full AC adds one forward of the blocks but "
     "their last projection; selective AC recomputes no matmul",
@@ -318,13 +320,18 @@ def _row(i: int, e: Estimate) -> str:
 
 
 def _breakdown(e: Estimate) -> list[str]:
+    from .phases import PHASE_WORDS, PHASES, peak_phase_name
+
     m = {k: v / GIB for k, v in e.memory.items()}
     t = e.time
     comm = ", ".join(f"{k} {v:.3f}" for k, v in sorted(t["comm"].items(), key=lambda kv: -kv[1]))
+    top = peak_phase_name(e.memory)
+    others = ", ".join(f"{PHASE_WORDS[p]} {m[f'phase_{p}']:.2f}" for p in PHASES if p != top)
     return [
         f"      memory GiB: params {m['params']:.2f} + grads {m['grads']:.2f} + optimizer {m['optimizer']:.2f} + "
-        f"gathered params {m['gathered_params']:.2f} + unsharded grads {m['unsharded_grads']:.2f} + "
-        f"activations {m['activations']:.2f} = {m['total']:.2f}",
+        f"gathered params {m['gathered_params']:.2f} + unsharded grads {m['unsharded_grads']:.2f} + activations "
+        f"{m['activations']:.2f} + loss grads {m['loss_grads']:.2f} = {m['total']:.2f} at the peak, the "
+        f"{PHASE_WORDS[top]}; {others}",
         f"      time s: compute {t['compute']:.3f} + recompute {t['recompute']:.3f}"
         + (f" + tp host overhead {t['tp_overhead']:.3f}" if t["tp_overhead"] else "")
         + (f" + cp host overhead {t['cp_overhead']:.3f}" if t["cp_overhead"] else "")

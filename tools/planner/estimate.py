@@ -3,15 +3,18 @@
 Estimates, per rank (the worst rank: coordinate 0 of every axis, first and last pipeline
 stage) -- every assumption is also printed with the result:
 
-* memory: fp32 parameters and gradients (FSDP2's padded chunks), AdamW's two fp32 states
-  (unpadded), the compute-dtype copies FSDP gathers (the three largest groups when resharding
-  after forward: the current one, the prefetched one and the kept last block or head; every
-  group otherwise), unsharded gradients (two groups in flight; all of them
-  while gradient accumulation or pipeline micro-batches defer the reduce-scatter),
-  activations (:mod:`tools.planner.activations`) times the micro-batches a schedule keeps in
-  flight (1F1B-like: min(m, pp) on the first stage; GPipe / LoopedBFS: all m; interleaved:
-  its warm-up chunks), the logits and loss buffers; ``fits`` when the total is at most the
-  GPU's memory minus the reserve;
+* memory: the largest of the step's phases (:mod:`tools.planner.phases`: the loss backward's
+  start, the blocks' backward, the optimizer step), each counting what is alive then, from
+  these kinds: fp32 parameters and gradients (FSDP2's padded chunks), AdamW's two fp32 states
+  (unpadded), the compute-dtype copies FSDP gathers (after the forward the head and the last
+  block; in the backward the last block and the prefetched one, at its end the embeddings;
+  every group under pp, ``reshard = never`` or without sharding), unsharded gradients (two
+  groups in flight; the earlier micro-batches' accumulated while gradient accumulation or
+  pipeline micro-batches defer the reduce-scatter), activations (:mod:`tools.planner.activations`)
+  times the micro-batches a schedule keeps in flight (1F1B-like: min(m, pp) on the first stage;
+  GPipe / LoopedBFS: all m; interleaved: its warm-up chunks), the logits and loss buffers and
+  the loss backward's two float32 gradients; ``fits`` when the peak is at most the GPU's
+  memory minus the reserve;
 * time: compute = the matmul FLOPs of the busiest rank (:mod:`tools.planner.compute`: its
   pipeline stage, its TP/CP/EP share, the trainer's FLOPs-per-token accounting, checked exactly
   against fake-backend runs) / (peak x efficiency), with float8 on (``choice.float8``) the
@@ -53,6 +56,7 @@ from .compute import rank_matmul_flops
 from .elementwise import elementwise_bytes
 from .hardware import GIB, Hardware, collective_seconds, elementwise_seconds, optimizer_seconds, step_bytes_per_param
 from .inventory import cached_layout, model_inventory
+from .phases import peak_phase_name
 from .rank_memory import _activations, _in_flight, _muon, memory_for_rank  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -136,7 +140,8 @@ class Estimate:
             "grad_accum_steps": self.grad_accum,
             "ac": c.ac,
             "fsdp_reshard_after_forward": c.reshard,
-            "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
+            "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items() if k != "peak_phase"},
+            "memory_peak_phase": peak_phase_name(self.memory),
             "fits": self.fits,
             "step_time_s": {
                 "compute": round(self.time["compute"], 6),

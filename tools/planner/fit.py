@@ -4,14 +4,17 @@ and the memory options that fits the GPU.
 The options and the config fields that turn them on (issue 53):
 
 * chunked cross-entropy, ``training.loss_chunk_tokens = C``: the head and the loss run C
-  tokens at a time, so of the logits (compute dtype) and their fp32 log-softmax, ``(a + 4) t v``
-  bytes per micro-batch of ``t`` tokens on a rank with ``v`` vocabulary columns, one chunk's
-  float32 buffer stays (``(4 + a) min(C, t) v`` below float32, ``4 min(C, t) v`` in it) and the
-  weight gradient's float32 accumulator (``4 v dim``): :func:`chunked_loss_saving`, from the
-  option's own ``chunked_loss_saving_bytes``; cost: the head's forward matmul once more per chunk in
-  the backward (``2 t dim v`` FLOPs per pass, times 1 + the MTP depths);
+  tokens at a time, so at the loss backward's start, of the logits (compute dtype), their fp32
+  log-softmax (``(a + 4) t v`` bytes per micro-batch held, ``t`` tokens on a rank with ``v``
+  vocabulary columns) and the loss's two fp32 gradients (``8 t v``), what stays is the chunked
+  head's backward (:func:`chunked_head_bytes`: one chunk's buffer, the weight gradient's float32
+  accumulator, the input gradient), and the trainer holds no logits through the backward:
+  :func:`chunked_loss_saving`, checked against the option's own ``chunked_loss_saving_bytes``;
+  cost: the head's forward matmul once more per chunk in the backward (``2 t dim v`` FLOPs per
+  pass, times 1 + the MTP depths);
 * CPU offload, ``training.cpu_offload = true`` (FSDP2's CPUOffloadPolicy): the fp32 parameter
-  shards, their gradients and the optimizer state live on the host (0 GPU bytes); cost: every
+  shards, their gradients and the optimizer state live on the host (0 GPU bytes in every
+  phase that holds them; the gradients exist only from the backward on); cost: every
   FSDP unshard copies the rank's fp32 shards host-to-device (4 bytes per padded element per
   gather), every gradient reduction copies them back (4 bytes each), over the host link, counted
   exposed; the optimizer step runs on the CPU at the host memory bandwidth instead of the GPU's;
@@ -24,11 +27,13 @@ The options and the config fields that turn them on (issue 53):
   momentum in bf16, half the state bytes; time: AdamW's step reads and writes 8 bytes fewer per
   parameter (the two states at 2 instead of 4 bytes, read and written).
 
-Per layout the options are tried in sets of increasing size and only the minimal sets that fit
-are kept (an option the layout does not need is not added); the results are ranked by
-estimated tokens/s per GPU like the plain search. Memory is priced per rank (the first and the
-last pipeline stage, as :func:`tools.planner.estimate.estimate`), from the same terms the
-planner prints.
+Every option acts on the step's phases (:func:`option_parts`, :mod:`tools.planner.phases`), so
+what it saves is the peak without it less the peak with it: an option that lowers a phase that
+is not the peak saves less than its bytes. Per layout the options are tried in sets of
+increasing size and only the minimal sets that fit are kept (an option the layout does not need
+is not added); the results are ranked by estimated tokens/s per GPU like the plain search.
+Memory is priced per rank (the first and the last pipeline stage, as
+:func:`tools.planner.estimate.estimate`), from the same terms the planner prints.
 """
 
 from __future__ import annotations
@@ -37,19 +42,22 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from .choice import DTYPE_BYTES, grad_accum_steps, stage_layers
+from .choice import DTYPE_BYTES, grad_accum_steps
 from .estimate import Estimate, Job, _in_flight, estimate, memory_for_rank
 from .hardware import GIB, step_bytes_per_param
-from .inventory import cached_layout, model_inventory
+from .inventory import model_inventory
+from .phases import peak
 
 __all__ = [
     "OPTIONS",
     "FitResult",
+    "chunked_head_bytes",
     "chunked_loss_saving",
     "config_lines",
     "fit_layouts",
     "merge_into_toml",
     "option_memory",
+    "option_parts",
 ]
 
 OPTIONS = ("loss_chunk_tokens", "state_dtype", "activation_offload", "cpu_offload")
@@ -64,34 +72,58 @@ class FitResult:
 
 
 def chunked_loss_saving(args, t: int, tp: int, a: int, chunk_tokens: int) -> int:
-    """What the chunked loss takes off the planner's memory of one head call of ``t`` local
-    tokens per pass (``1 + D`` passes with D MTP depths, one call): the option's own measured
-    saving (models/common/chunked_loss.py ``chunked_loss_saving_bytes``, which counts the four
-    ``[tokens, vocab / tp]`` tensors alive at the plain loss's backward, ``12 + a`` bytes per
-    element) less the two float32 gradients of that backward (``8`` bytes per element) that the
-    planner's plain estimate does not hold (its head term is what the forward and the loss save
-    for the backward: the logits and the log-softmax, ``a + 4``,
-    :func:`tools.planner.activations.head_bytes`). So the estimate with the option on is what
-    the chunked path holds: one chunk's buffer and the float32 weight-gradient accumulator."""
-    from models.common.chunked_loss import chunked_loss_saving_bytes
-
+    """What the chunked loss takes off the loss phase (:mod:`tools.planner.phases`) of one
+    micro-batch of ``t`` local tokens per pass (``1 + D`` passes with D MTP depths, one head
+    call): the four ``[tokens, vocab / tp]`` tensors of the plain loss's backward start (the
+    logits, the log-softmax and the loss's two float32 gradients, ``12 + a`` bytes per element)
+    less what the chunked head holds then, :func:`chunked_head_bytes`. The option's own
+    ``chunked_loss_saving_bytes`` (models/common/chunked_loss.py, the trainer's start-up line)
+    is larger by the input gradient (``a rows dim``) and, below float32, by what the chunked
+    backward's casts add beyond the chunk buffers (tests/unit/test_fit_xcheck.py)."""
     rows = t * (1 + getattr(args, "mtp_layers", 0))
-    saving = chunked_loss_saving_bytes(rows, args.vocab_size, args.dim, chunk_tokens, tp=tp, compute_bytes=a)
-    return saving - 8 * rows * -(-args.vocab_size // tp)
+    v = -(-args.vocab_size // tp)
+    return (12 + a) * rows * v - chunked_head_bytes(args, t, tp, a, chunk_tokens)
 
 
-def option_memory(job: Job, d, choice, rank: int, options: tuple, chunk_tokens: int) -> dict:
-    """:func:`memory_for_rank` of ``rank`` with ``options`` on (bytes per term, ``total``)."""
-    mem = dict(memory_for_rank(job, d, choice, rank))
+def chunked_head_bytes(args, t: int, tp: int, a: int, chunk_tokens: int) -> int:
+    """The most the chunked head's backward (models/common/chunked_loss.py ``_ChunkedHeadCE``)
+    holds at once on one micro-batch of ``t`` local tokens per pass (``rows`` with the MTP
+    depths, ``c = min(C, rows)``): the input gradient (``a rows dim``) and the float32
+    weight-gradient accumulator (``4 v dim``) throughout, plus the largest of: one chunk's
+    float32 logits buffer and, below float32, its cast (``(4 + low) c v``, ``low`` = ``a`` below
+    float32, else 0: the cast and ``addmm_`` make no copy in float32); below float32, the
+    chunk's cast gradient with its weight-gradient product and that product's float32 copy
+    (``a c v + (a + 4) v dim``), and the accumulator's final cast (``a v dim``)."""
+    rows = t * (1 + getattr(args, "mtp_layers", 0))
+    v = -(-args.vocab_size // tp)
+    c = min(chunk_tokens, rows)
+    low = a if a != 4 else 0
+    moments = [(4 + low) * c * v]
+    if low:
+        moments += [low * c * v + (low + 4) * v * args.dim, low * v * args.dim]
+    return a * rows * args.dim + 4 * v * args.dim + max(moments)
+
+
+def option_parts(job: Job, d, choice, rank: int, options: tuple, chunk_tokens: int):
+    """:func:`tools.planner.rank_memory.memory_parts` of ``rank`` with ``options`` on."""
+    from .rank_memory import memory_parts, rank_context
+
+    ctx = rank_context(job, d, choice, rank)
+    parts = memory_parts(job, d, choice, ctx)
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
-    stages, plan = stage_layers(args, d, choice, rank, cached_layout(d))
-    m = choice.n_microbatches if d.pp > 1 else 1
-    mb = choice.local_batch // m
+    stages = ctx.stages
+    mb = ctx.mb
     a = DTYPE_BYTES[choice.param_dtype]
-    layers_factor, logits_held = _in_flight(choice, d.pp, plan)
+    _, logits_held = _in_flight(choice, d.pp, ctx.plan)
     has_head = any(head for _, _, head in stages)
     if "loss_chunk_tokens" in options and has_head:
-        mem["activations"] -= logits_held * chunked_loss_saving(args, mb * (job.seq_len // d.cp), d.tp, a, chunk_tokens)
+        t = mb * (job.seq_len // d.cp)
+        rows = t * (1 + getattr(args, "mtp_layers", 0))
+        v = -(-args.vocab_size // d.tp)
+        # no logits or log-softmax held per micro-batch, no loss gradients: one chunk at a time
+        parts.head -= logits_held * (a + 4) * rows * v
+        parts.loss_grads = chunked_head_bytes(args, t, d.tp, a, chunk_tokens)
+        parts.logits_kept = 0  # the trainer holds the per-token losses instead
     if "activation_offload" in options:
         from .choice import selective_every
         from .estimate import _activations
@@ -106,13 +138,20 @@ def option_memory(job: Job, d, choice, rank: int, options: tuple, chunk_tokens: 
             held += est.layers
             n_layers += len(layers)
         kept = 2 * held / n_layers if n_layers else 0
-        mem["activations"] -= max(0.0, held * layers_factor - kept)
+        parts.layers = min(parts.layers, kept)
     if "state_dtype" in options:
-        mem["optimizer"] = mem["optimizer"] / 2
+        parts.optimizer = parts.optimizer / 2
     if "cpu_offload" in options:
-        mem["params"] = mem["grads"] = mem["optimizer"] = 0
-    mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    return mem
+        parts.params = parts.grads = parts.optimizer = parts.head_grads = 0
+        if not parts.accumulated_unsharded:  # without sharding the accumulated gradients are the host's
+            parts.accumulated = 0
+    return parts
+
+
+def option_memory(job: Job, d, choice, rank: int, options: tuple, chunk_tokens: int) -> dict:
+    """:func:`memory_for_rank` of ``rank`` with ``options`` on (the peak phase's bytes per term,
+    ``total``, each phase's total: :func:`tools.planner.phases.peak`)."""
+    return peak(option_parts(job, d, choice, rank, options, chunk_tokens))
 
 
 def _host_seconds(job: Job, d, choice, rank: int, options: tuple, busy: float) -> float:
@@ -130,9 +169,9 @@ def _host_seconds(job: Job, d, choice, rank: int, options: tuple, busy: float) -
         gathers = forwards * (2 if choice.reshard == "default" and d.pp == 1 else 1)
         total += padded_bytes * (gathers + syncs) / link
     if "activation_offload" in options:
-        mem = option_memory(job, d, choice, rank, (), 0)
-        off = option_memory(job, d, choice, rank, ("activation_offload",), 0)
-        moved = (mem["activations"] - off["activations"]) * forwards * 2
+        held = option_parts(job, d, choice, rank, (), 0).layers
+        kept = option_parts(job, d, choice, rank, ("activation_offload",), 0).layers
+        moved = (held - kept) * forwards * 2
         total += max(0.0, moved / link - busy)
     return total
 

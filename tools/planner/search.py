@@ -183,8 +183,9 @@ def plan_layouts(
         if not reference:
             pricer.start(degrees)
         stride_pp = degrees.world_size // degrees.pp
+        # the optimizer step's phase: parameters + gradients + optimizer state, a floor of the peak
         static = max(
-            sum(pricer.memory(job, degrees, choices[0], r)[k] for k in ("params", "grads", "optimizer"))
+            pricer.memory(job, degrees, choices[0], r)["phase_optimizer"]
             for r in sorted({0, (degrees.pp - 1) * stride_pp})
         )
         if static > usable and prune_state:
