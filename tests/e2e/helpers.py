@@ -53,6 +53,9 @@ def train_cmd(nproc: int, *args: str) -> list[str]:
 
 
 def run_train(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    from tools.forkserver import log_run
+
+    log_run("torchrun", nproc, "train.py", list(args), _env())
     return subprocess.run(
         train_cmd(nproc, *args), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env()
     )
@@ -175,7 +178,10 @@ class Job:
     thread, and its worker processes visible, so that a test can crash it for real."""
 
     def __init__(self, nproc: int, *args: str, env: dict | None = None):
+        from tools.forkserver import log_run
+
         self.nproc = nproc
+        log_run("torchrun", nproc, "train.py", list(args), env or _env())
         self.proc = subprocess.Popen(
             train_cmd(nproc, *args),
             cwd=ROOT,
