@@ -57,8 +57,10 @@ RUN_LOG = "MESHTRAIN_RUN_LOG"  # a JSON-lines file: every launch's script, argv 
 def log_run(kind: str, nproc: int, script: str, argv: list[str], env: dict[str, str] | None) -> None:
     """Append one launch to the file ``MESHTRAIN_RUN_LOG`` names, if set: the launcher kind, the
     test running it (pytest's ``PYTEST_CURRENT_TEST``), ``nproc``, the script, its argv and the
-    environment entries that differ from this process's own. How identical runs across tests
-    were found (docs/testing.md, "The budget"); no effect without the variable."""
+    environment entries that differ from this process's own; each forked train.py rank adds, at
+    its exit, the modules it imported after the fork (``kind`` "rank_imports"). How identical
+    runs across tests were looked for (docs/testing.md, "The budget"); no effect without the
+    variable."""
     path = os.environ.get(RUN_LOG)
     if not path:
         return
@@ -250,12 +252,32 @@ def _train_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, std
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [script, *argv]
+    if env.get(RUN_LOG):
+        _log_imports_at_exit(env[RUN_LOG], argv)
     from trainer.lifecycle.shutdown import run_and_exit
 
     def main() -> None:
         runpy.run_path(script, run_name="__main__")
 
     run_and_exit(main)
+
+
+def _log_imports_at_exit(path: str, argv: list[str]) -> None:
+    """At this rank's exit (train.py runs the atexit handlers before ``os._exit``), append the
+    modules it imported after the fork to the run log: what tools/forkserver_preload.py could
+    import once instead (how the float8 ranks' imports were found, issue 49)."""
+    import atexit
+    import json
+
+    before = set(sys.modules)
+
+    def write() -> None:
+        record = {"kind": "rank_imports", "rank": os.environ.get("RANK"), "argv": argv}
+        record["modules"] = sorted(set(sys.modules) - before)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    atexit.register(write)
 
 
 class ForkedTrain:

@@ -82,15 +82,19 @@ Cost, and why the shapes are NOT smaller (issue 37). Both comparisons run with `
 --launcher fork`` (each layout's ranks forked from a server that imported torch once, instead of
 a torchrun launch per layout; bitwise the same metrics) and the controls on forked ranks
 (helpers.run_forked): about 52 CPU s each on 2 cores (34 s wall), from 100 and 77 under
-torchrun. The llama3 matrix runs as two launches, one per class of layout (as one it took up
-to 61 s on a loaded host, over the 60 s budget), both from one seed checkpoint and judged
-against one single-process run, a module fixture's (issue 49: each launch made its own before,
-bitwise the same; the tool's own verdict in a class's launch is then against the class's first
-layout, at twice the float8 tolerances, and the test's against the single process). The
-deepseek_v3 matrix runs as two tests sharing one launch's seed checkpoint and single-process run
-(a module fixture): its tp x ep x etp layout alone took 74 s of the 139 s one launch took on the
-loaded Intel AMX host (most of it DTensor's first-step sharding propagation for the float8
-subclasses over that mesh, measured with cProfile), so it is judged in a test of its own. The
+torchrun. The llama3 matrix runs as three launches, each a test (as one it took up to 61 s on
+a loaded host, over the 60 s budget; the three scale-equal layouts with the control 90 s in a
+fresh-clone run on the Intel AMX host): fsdp and dp_replicate x fsdp with the control, tp x
+fsdp alone (its float8 casts all-reduce their amax over tp: about as costly as the other two),
+cp and pp; all from one seed checkpoint and judged against one single-process run, a module
+fixture's (issue 49: each launch made its own before, bitwise the same; the tool's own verdict
+in a launch is then against the launch's first layout, at twice the float8 tolerances, and the
+test's against the single process). The deepseek_v3 matrix runs as three tests sharing one
+launch's seed checkpoint and single-process run (a module fixture, with fsdp x ep): its tp x ep
+x etp layout alone took 74 s of the 139 s one launch took on the loaded Intel AMX host (most of
+it DTensor's first-step sharding propagation for the float8 subclasses over that mesh, measured
+with cProfile), and single, ep and cp x ep 64 s in a fresh-clone run there, so cp x ep and tp x
+ep x etp are each judged in a test of their own. The
 models keep their 6 blocks because fewer blocks break the margins above, which
 come from the float8 roundings of every block: measured with 2 blocks, llama3's run without
 float8 is only 1.2x / 1.7x beyond the float8 tolerances (stated: 2.3x / 4.3x); deepseek_v3's
@@ -114,7 +118,7 @@ F8_RTOL, F8_GNORM_RTOL = 1e-4, 3.5e-4
 STEP1_RTOL = 1e-6
 # every float8 scale is the single process's at step 1: only fp32 summation order differs
 SCALE_EQUAL = ["fsdp=4", "tp=2,fsdp=2", "dp_replicate=2,fsdp=2"]
-SCALE_EQUAL_DP, SCALE_EQUAL_TP = ["fsdp=4", "dp_replicate=2,fsdp=2"], ["tp=2,fsdp=2"]  # two launches (below)
+SCALE_EQUAL_DP, SCALE_EQUAL_TP = ["fsdp=4", "dp_replicate=2,fsdp=2"], ["tp=2,fsdp=2"]  # two tests (below)
 # tensorwise activation / grad-output scales per rank's local tokens (cp) or micro-batch (pp)
 SCALE_LOCAL = ["cp=2,fsdp=2", "pp=2,fsdp=2"]
 
