@@ -75,15 +75,21 @@ def run_compare_loss(*args: str) -> subprocess.CompletedProcess:
     worker's launcher server (started here if there is none, and left running for the next
     forked run). That saves the tool's own interpreter, torch import and server (~5 CPU s a
     call). For the comparisons whose claim is the math; tests/e2e/test_compare_loss.py proves
-    the tool as a process (its entry point, exit codes, torchrun launcher)."""
+    the tool as a process (its entry point, exit codes, torchrun launcher). With
+    ``--comm-mode local_tensor`` the tool starts each layout's one ``python train.py`` itself
+    (it refuses ``--launcher fork`` there), and no server is needed."""
     import contextlib
     import io
 
     from tools.compare_loss.cli import main
     from tools.forkserver import server_running, start_server
 
-    assert "--launcher" in args and args[args.index("--launcher") + 1] == "fork", "in-process runs fork their ranks"
-    start_server()
+    local = "--comm-mode" in args and args[args.index("--comm-mode") + 1] == "local_tensor"
+    fork = "--launcher" in args and args[args.index("--launcher") + 1] == "fork"
+    assert fork or local, "in-process runs fork their ranks (or simulate them in one train.py)"
+    if fork:
+        start_server()
+    running = server_running()
     out, err = io.StringIO(), io.StringIO()
     cwd = os.getcwd()
     os.chdir(ROOT)  # the tool resolves its paths as `python -m` from the repository does
@@ -95,7 +101,7 @@ def run_compare_loss(*args: str) -> subprocess.CompletedProcess:
                 code = exc.code if isinstance(exc.code, int) else 2
     finally:
         os.chdir(cwd)
-    assert server_running(), "the tool stopped its caller's launcher server"  # it stops only its own
+    assert server_running() == running, "the tool stopped its caller's launcher server"  # it stops only its own
     return subprocess.CompletedProcess(["tools.compare_loss", *args], code, out.getvalue(), err.getvalue())
 
 
