@@ -68,6 +68,10 @@ RANK_IMPORTS = (
     "torch._dynamo.repro.after_aot",
     "torchao.float8.float8_ops",
     "torchao.float8._inductor_patch",
+    # a run_distributed rank unpickles its function, so imports the test module it comes from,
+    # and so pytest (measured: 0.10 -> 0.03 CPU s a rank with it here; skipped where pytest is
+    # not installed)
+    "pytest",
 )
 
 
