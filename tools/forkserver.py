@@ -51,6 +51,34 @@ TRAIN_PY = ROOT / "train.py"
 
 _CTX = None
 RANKS_STARTED = 0  # processes this launcher forked, for the test suite's cost table (tests/suite_budget.py)
+RUN_LOG = "MESHTRAIN_RUN_LOG"  # a JSON-lines file: every launch's script, argv and environment (log_run)
+
+
+def log_run(kind: str, nproc: int, script: str, argv: list[str], env: dict[str, str] | None) -> None:
+    """Append one launch to the file ``MESHTRAIN_RUN_LOG`` names, if set: the launcher kind, the
+    test running it (pytest's ``PYTEST_CURRENT_TEST``), ``nproc``, the script, its argv and the
+    environment entries that differ from this process's own; each forked train.py rank adds, at
+    its exit, the modules it imported after the fork (``kind`` "rank_imports"). How identical
+    runs across tests were looked for (docs/testing.md, "The budget"); no effect without the
+    variable."""
+    path = os.environ.get(RUN_LOG)
+    if not path:
+        return
+    import json
+
+    env = dict(os.environ if env is None else env)
+    diff = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    diff.update({k: None for k in os.environ if k not in env})
+    record = {
+        "kind": kind,
+        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+        "nproc": nproc,
+        "script": str(script),
+        "argv": [str(a) for a in argv],
+        "env": diff,
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _context():
@@ -151,6 +179,7 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank
     results in rank order. ``fn`` and ``args`` must be picklable (module-level function)."""
+    log_run("distributed", world_size, f"{fn.__module__}.{fn.__qualname__}", [repr(a) for a in args], env)
     ctx = _context()
     queue = ctx.Queue()
     store = _job_store(world_size, timeout)
@@ -223,12 +252,32 @@ def _train_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, std
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [script, *argv]
+    if env.get(RUN_LOG):
+        _log_imports_at_exit(env[RUN_LOG], argv)
     from trainer.lifecycle.shutdown import run_and_exit
 
     def main() -> None:
         runpy.run_path(script, run_name="__main__")
 
     run_and_exit(main)
+
+
+def _log_imports_at_exit(path: str, argv: list[str]) -> None:
+    """At this rank's exit (train.py runs the atexit handlers before ``os._exit``), append the
+    modules it imported after the fork to the run log: what tools/forkserver_preload.py could
+    import once instead (how the float8 ranks' imports were found, issue 49)."""
+    import atexit
+    import json
+
+    before = set(sys.modules)
+
+    def write() -> None:
+        record = {"kind": "rank_imports", "rank": os.environ.get("RANK"), "argv": argv}
+        record["modules"] = sorted(set(sys.modules) - before)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    atexit.register(write)
 
 
 class ForkedTrain:
@@ -248,6 +297,7 @@ class ForkedTrain:
         script: str | os.PathLike = TRAIN_PY,
     ):
         global RANKS_STARTED
+        log_run("fork", nproc, str(script), list(argv), env)
         ctx = _context()
         base = dict(os.environ if env is None else env)
         if nproc > 1:

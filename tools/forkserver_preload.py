@@ -21,6 +21,15 @@ of compilation (the optimizer's step and zero_grad among them). The last lines a
 library and torch's serialization config, about 20 modules). A module that cannot be imported
 here is skipped, as the forkserver skips a preload module it cannot import: the rank then
 imports it itself and meets the same error where it would have without a server.
+
+The float8 lines (issue 49): a rank with ``model.converters`` float8 imported torchao and, at
+its first step, functorch's compile package and part of inductor (about 570 modules) after the
+fork. Measured on the Intel Xeon AMX host, old and new server side by side, one step, 2
+layers: a 1-rank llama3 float8 run 1.1-1.3 -> 0.5 CPU s, a 2-rank tp=2 one 3.8-4.7 -> 2.6, a
+1-rank deepseek_v3 run with float8 experts 1.4-1.7 -> 0.8 (metrics bitwise the same); the
+server's start 2.1 -> 2.6 CPU s. Only imports: torchao's inductor patch is applied by
+``convert_to_float8_training``, in the rank, as before; inductor's and dynamo's configs are
+unchanged by these imports (checked), and the server still starts no thread.
 """
 
 from __future__ import annotations
@@ -46,6 +55,23 @@ RANK_IMPORTS = (
     "trainer.instruments.profiler",
     "torch.utils.serialization",
     "tokenizers",
+    # what a float8 rank imports after the fork (issue 49): torchao's float8 and MoE training
+    # packages, and what its first step pulls in (functorch's compile package: the partitioner,
+    # networkx, inductor's code cache)
+    "torchao.float8",
+    "torchao.prototype.moe_training",
+    "functorch.compile",
+    "torch._dynamo.backends.debugging",
+    "torch._inductor.async_compile",
+    "torch._inductor.scheduler",
+    "torch._inductor.codegen.triton",
+    "torch._dynamo.repro.after_aot",
+    "torchao.float8.float8_ops",
+    "torchao.float8._inductor_patch",
+    # a run_distributed rank unpickles its function, so imports the test module it comes from,
+    # and so pytest (measured: 0.10 -> 0.03 CPU s a rank with it here; skipped where pytest is
+    # not installed)
+    "pytest",
 )
 
 

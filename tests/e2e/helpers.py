@@ -53,6 +53,9 @@ def train_cmd(nproc: int, *args: str) -> list[str]:
 
 
 def run_train(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    from tools.forkserver import log_run
+
+    log_run("torchrun", nproc, "train.py", list(args), _env())
     return subprocess.run(
         train_cmd(nproc, *args), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env()
     )
@@ -72,15 +75,21 @@ def run_compare_loss(*args: str) -> subprocess.CompletedProcess:
     worker's launcher server (started here if there is none, and left running for the next
     forked run). That saves the tool's own interpreter, torch import and server (~5 CPU s a
     call). For the comparisons whose claim is the math; tests/e2e/test_compare_loss.py proves
-    the tool as a process (its entry point, exit codes, torchrun launcher)."""
+    the tool as a process (its entry point, exit codes, torchrun launcher). With
+    ``--comm-mode local_tensor`` the tool starts each layout's one ``python train.py`` itself
+    (it refuses ``--launcher fork`` there), and no server is needed."""
     import contextlib
     import io
 
     from tools.compare_loss.cli import main
     from tools.forkserver import server_running, start_server
 
-    assert "--launcher" in args and args[args.index("--launcher") + 1] == "fork", "in-process runs fork their ranks"
-    start_server()
+    local = "--comm-mode" in args and args[args.index("--comm-mode") + 1] == "local_tensor"
+    fork = "--launcher" in args and args[args.index("--launcher") + 1] == "fork"
+    assert fork or local, "in-process runs fork their ranks (or simulate them in one train.py)"
+    if fork:
+        start_server()
+    running = server_running()
     out, err = io.StringIO(), io.StringIO()
     cwd = os.getcwd()
     os.chdir(ROOT)  # the tool resolves its paths as `python -m` from the repository does
@@ -92,7 +101,7 @@ def run_compare_loss(*args: str) -> subprocess.CompletedProcess:
                 code = exc.code if isinstance(exc.code, int) else 2
     finally:
         os.chdir(cwd)
-    assert server_running(), "the tool stopped its caller's launcher server"  # it stops only its own
+    assert server_running() == running, "the tool stopped its caller's launcher server"  # it stops only its own
     return subprocess.CompletedProcess(["tools.compare_loss", *args], code, out.getvalue(), err.getvalue())
 
 
@@ -175,7 +184,10 @@ class Job:
     thread, and its worker processes visible, so that a test can crash it for real."""
 
     def __init__(self, nproc: int, *args: str, env: dict | None = None):
+        from tools.forkserver import log_run
+
         self.nproc = nproc
+        log_run("torchrun", nproc, "train.py", list(args), env or _env())
         self.proc = subprocess.Popen(
             train_cmd(nproc, *args),
             cwd=ROOT,

@@ -433,7 +433,8 @@ def test_comm_mode_local_tensor_reproduces_the_real_runs(llama3_comparison, tmp_
 
     _, real_out = llama3_comparison
     out = tmp_path / "lt"
-    proc = compare_loss(
+    # the tool in this process (its entry point as a process: the bad-layout test above)
+    proc = run_compare_loss(
         "--config",
         "train_configs/llama3.toml",
         "--steps",

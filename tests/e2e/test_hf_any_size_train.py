@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 from tests.hf_models import hf_model
 
-from .helpers import FAST, ROOT, _env, read_metrics, run_forked
+from .helpers import FAST, read_metrics, run_forked
 
 RTOL = 1e-5
 LLAMA = ["--config", "llama3.toml", *FAST]
@@ -85,9 +84,11 @@ def test_export_has_the_folder_sizes(hf_dir, hf_run):
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "train.py", *LLAMA, *args], cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=300
-    )
+    """train.py on LLAMA + args in one forked process (the bad-input cases: their claim is the
+    line and the exit code, which a forked rank gives through the same exit path,
+    trainer/lifecycle/shutdown.py; a fresh ``python train.py`` stopping on bad input is
+    tests/e2e/test_exit.py's; issue 49)."""
+    return run_forked(1, *LLAMA, *args, timeout=300)
 
 
 def _one_clean_line(res, *needles) -> None:

@@ -355,18 +355,22 @@ def test_bad_hf_folder_through_train_py(hf_dir, tmp_path, how, needles):
 
 
 def test_bad_input_through_convert_script(hf_dir, tmp_path):
+    """Bad input to scripts/convert_hf.py: one line, exit 2, nothing written. The first case runs
+    ``python scripts/convert_hf.py`` as a user types it (the entry point's own exit); the others
+    the same script's ``__main__`` in a forked process (``_convert_forked``: the same exit path,
+    SystemExit's code, without an interpreter and a torch import each; issue 49)."""
     out = tmp_path / "out"
     res = _convert("to-dcp", str(tmp_path / "nope"), str(out), "--model", "llama3")
     _one_clean_line(res, str(tmp_path / "nope"), "does not exist")
-    res = _convert("to-hf", str(hf_dir), str(out), "--model", "llama3")  # not a DCP folder
+    res = _convert_forked("to-hf", str(hf_dir), str(out), "--model", "llama3")  # not a DCP folder
     _one_clean_line(res, "is not a complete checkpoint (no .metadata)")
-    res = _convert("to-dcp", str(hf_dir), str(out), "--model", "deepseek_v3")
+    res = _convert_forked("to-dcp", str(hf_dir), str(out), "--model", "deepseek_v3")
     _one_clean_line(res, "LlamaForCausalLM", "DeepseekV3ForCausalLM")
-    res = _convert("to-dcp", str(hf_dir), str(out), "--model", "llama3", "--flavor", "8B")
+    res = _convert_forked("to-dcp", str(hf_dir), str(out), "--model", "llama3", "--flavor", "8B")
     _one_clean_line(res, "hidden_size=256 in config.json vs 4096")
     assert not out.exists() and not (tmp_path / "out.tmp").exists()
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    res = _convert("to-dcp", str(hf_dir), str(out), "--model", "llama3")
+    res = _convert_forked("to-dcp", str(hf_dir), str(out), "--model", "llama3")
     _one_clean_line(res, "already exists and is not empty")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]

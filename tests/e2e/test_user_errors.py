@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import subprocess
-import sys
 
 import pytest
 
@@ -250,6 +248,7 @@ def test_convert_hf_corrupt_tensor_data_is_one_line(tmp_path):
     """A safetensors header that parses and fits its file but that safetensors refuses once the
     tensor data is read (a negative data offset): inside dcp.save, which wraps the failure."""
     from tests.hf_models import hf_model, llama_config
+    from tools.forkserver import run_train as run_script
 
     src = tmp_path / "hf"
     hf_model(llama_config(vocab_size=512, num_hidden_layers=2)).save_pretrained(src)
@@ -265,13 +264,9 @@ def test_convert_hf_corrupt_tensor_data_is_one_line(tmp_path):
 
     out = tmp_path / "out"
     flags = ["--model", "llama3", "--flavor", "debugmodel", "--n-layers", "2", "--vocab-size", "512"]
-    res = subprocess.run(
-        [sys.executable, "scripts/convert_hf.py", "to-dcp", str(src), str(out), *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-    )
+    # the script's __main__ in a forked process (its exit path as `python scripts/convert_hf.py`'s,
+    # which tests/e2e/test_hf_train.py's bad-input test runs as a user types it; issue 49)
+    argv = ["to-dcp", str(src), str(out), *flags]
+    res = run_script(1, argv, env=_env(), cwd=ROOT, timeout=300, script=ROOT / "scripts" / "convert_hf.py")
     _one_clean_line(res, str(weights), "cannot be read", ": download it again")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no OUT_DIR, no OUT_DIR.tmp

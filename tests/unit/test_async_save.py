@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import sys
 import threading
 import types
 from pathlib import Path
@@ -375,21 +373,19 @@ def test_async_with_pinned_mem_on_cpu_is_a_config_error():
 
 
 def test_bad_async_options_exit_2_with_one_line(tmp_path):
+    """train.py in one process forked from the launcher's server (tools/forkserver.py): the
+    line and the exit code come through the same exit path as ``python train.py``'s
+    (trainer/lifecycle/shutdown.py; a fresh interpreter stopping on bad input is
+    tests/e2e/test_exit.py's), without an interpreter and a torch import per case (issue 49)."""
+    from tools.forkserver import run_train
+
     for args, message in [
         (["--checkpoint.async_mode", "async_with_pinned_mem"], "async_with_pinned_mem' copies from CUDA"),
         (["--checkpoint.save_in_hf_every", "-1"], "checkpoint.save_in_hf_every must be >= 0"),
         (["--checkpoint.async_mode", "background"], "async_mode"),
     ]:
-        cmd = [sys.executable, "train.py", "--config", "llama3.toml", "--job.dump_folder", str(tmp_path),
-               "--checkpoint.enable", "true", *args]  # fmt: skip
-        res = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            timeout=120,
-        )
+        argv = ["--config", "llama3.toml", "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "true", *args]
+        res = run_train(1, argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=120)
         assert res.returncode == 2, (args, res.stderr[-2000:])
         assert message in res.stderr and "Traceback" not in res.stderr, (args, res.stderr[-2000:])
         assert len([ln for ln in res.stderr.splitlines() if ln.startswith("error")]) == 1, res.stderr

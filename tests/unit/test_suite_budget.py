@@ -82,3 +82,26 @@ def test_costly_files_run_first():
         "tests/unit/test_not_measured_yet.py"
     )
     assert [file_cost(f) for f in ordered] == sorted((file_cost(f) for f in names), reverse=True)
+
+
+def test_run_log_records_each_launch_and_what_a_rank_imported(tmp_path, monkeypatch):
+    """``MESHTRAIN_RUN_LOG`` (tools/forkserver.py, docs/testing.md "The budget"): a launch's
+    record holds its argv and the environment entries that differ from the caller's; a rank's
+    record, written at its exit, the modules it imported after it started logging."""
+    from tools.forkserver import RUN_LOG, log_run
+
+    log = tmp_path / "runs.jsonl"
+    log_run("fork", 2, "train.py", ["--x", "1"], {**os.environ, "EXTRA": "y"})  # unset: nothing written
+    assert not log.exists()
+    monkeypatch.setenv(RUN_LOG, str(log))
+    monkeypatch.setenv("GONE", "z")
+    env = {k: v for k, v in os.environ.items() if k != "GONE"}
+    log_run("fork", 2, "train.py", ["--x", "1"], {**env, "EXTRA": "y"})
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["kind"] == "fork" and record["nproc"] == 2 and record["argv"] == ["--x", "1"]
+    assert record["env"] == {"EXTRA": "y", "GONE": None}
+
+    code = f"from tools.forkserver import _log_imports_at_exit as f; f({str(log)!r}, ['a']); import colorsys"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+    rank = json.loads(log.read_text().splitlines()[1])
+    assert rank["kind"] == "rank_imports" and rank["argv"] == ["a"] and "colorsys" in rank["modules"]
