@@ -21,6 +21,18 @@ from benchmarks.gpu_measure import ROOT
 from benchmarks.gpu_torchtitan import torchtitan_skip
 
 
+@pytest.fixture(autouse=True)
+def _restore_measurement_settings(monkeypatch):
+    """``benchmarks.gpu.main`` sets the module-wide ``--timeout`` and ``--launcher`` of
+    benchmarks/gpu_measure.py; each test gets them back as they were, so a test's 0.5 s timeout
+    never reaches a later test (which then killed its torchrun under load when run without the
+    test between them that happened to reset it)."""
+    import benchmarks.gpu_measure as gpu_measure
+
+    monkeypatch.setattr(gpu_measure, "TIMEOUT_S", gpu_measure.TIMEOUT_S)
+    monkeypatch.setattr(gpu_measure, "LAUNCHER", gpu_measure.LAUNCHER)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path and the no-GPU error")
 def test_bench_gpu_refuses_without_a_gpu():
     res = subprocess.run([sys.executable, "-m", "benchmarks.gpu"], cwd=ROOT, capture_output=True, text=True)
