@@ -24,7 +24,8 @@ the two paths).
 from __future__ import annotations
 
 from .choice import LayoutChoice, grad_accum_steps
-from .estimate import Job, Pricer, _elementwise_bytes
+from .collectives import collective_template, template_key
+from .estimate import FSDP_OVERLAPPED, Job, Pricer, _elementwise_bytes, _mesh_sizes
 from .hardware import collective_seconds
 from .rank_memory import activation_sums, context_activations, memory_from_context, rank_context
 
@@ -47,6 +48,8 @@ class BatchPricer(Pricer):
         self._activations: dict = {}
         self._flops: dict = {}
         self._elementwise: dict = {}
+        self._comm: dict = {}
+        self._one: dict = {}  # one collective's seconds by (kind, mesh, bytes)
 
     def _context(self, choice: LayoutChoice, rank: int):
         k = (rank, choice.schedule, choice.n_microbatches, choice.local_batch)
@@ -88,3 +91,43 @@ class BatchPricer(Pricer):
         if hit is None:
             hit = self._seconds[k] = collective_seconds(kind, nbytes, size, crosses, hw, per_node)
         return hit
+
+    def comm(self, job: Job, d, choice: LayoutChoice, ranks: list, crossing: dict, per_node: dict) -> tuple:
+        """:meth:`Pricer.comm` from the ranks' collective templates (priced once per schedule,
+        AC and reshard choice; :class:`tools.planner.collectives.CollectiveTemplate`) scaled
+        to the choice's batch split: the records :func:`predict_collectives` gives, in its
+        order, so the same sums."""
+        m = choice.n_microbatches if d.pp > 1 else 1
+        accum = grad_accum_steps(choice, d)
+        mb = choice.local_batch // m
+        okey = tuple(sorted(job.overrides.items()))
+        tkeys = [template_key(job.model, job.flavor, okey, d, choice, r) for r in ranks]
+        ck = (tkeys[0], accum, m, mb)
+        hit = self._comm.get(ck)
+        if hit is None:
+            best = best_bytes = None
+            for r, tkey in zip(ranks, tkeys):
+                recs = collective_template(job.model, job.flavor, d, choice, r, okey, tkey=tkey).records(accum, m, mb)
+                nbytes = sum(k[2] * c for k, c in recs)
+                if best is None or nbytes > best_bytes:  # the first of equals, as max()
+                    best, best_bytes = recs, nbytes
+            comm: dict[str, float] = {}
+            fsdp_total = fsdp_first = 0.0
+            for k, count in best:
+                one = self._one.get(k)
+                if one is None:
+                    mesh, kind, nbytes = k
+                    crosses = crossing.get(mesh, False)
+                    one = self._one[k] = self.collective_seconds(
+                        kind, nbytes, _mesh_sizes(d)[mesh], crosses, job.hardware,
+                        per_node.get(mesh, 1) if crosses else 1,
+                    )  # fmt: skip
+                total = one * count
+                mesh = k[0]
+                if mesh in FSDP_OVERLAPPED:
+                    fsdp_total += total
+                    fsdp_first = max(fsdp_first, one)
+                comm[mesh] = comm.get(mesh, 0.0) + total
+            hit = self._comm[ck] = (comm, fsdp_total, fsdp_first)
+        comm, fsdp_total, fsdp_first = hit
+        return dict(comm), fsdp_total, fsdp_first
