@@ -107,13 +107,13 @@ class BatchPricer(Pricer):
         if hit is None:
             best = best_bytes = None
             for r, tkey in zip(ranks, tkeys):
-                recs = collective_template(job.model, job.flavor, d, choice, r, okey, tkey=tkey).records(accum, m, mb)
-                nbytes = sum(k[2] * c for k, c in recs)
+                tmpl = collective_template(job.model, job.flavor, d, choice, r, okey, tkey=tkey)
+                nbytes = tmpl.total_bytes(accum, m, mb) if len(ranks) > 1 else 0
                 if best is None or nbytes > best_bytes:  # the first of equals, as max()
-                    best, best_bytes = recs, nbytes
+                    best, best_bytes = tmpl, nbytes
             comm: dict[str, float] = {}
             fsdp_total = fsdp_first = 0.0
-            for k, count in best:
+            for k, count in best.records(accum, m, mb):
                 one = self._one.get(k)
                 if one is None:
                     mesh, kind, nbytes = k

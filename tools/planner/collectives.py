@@ -139,23 +139,45 @@ class CollectiveTemplate:
     pp_degree: int
     stages_per_rank: int
     pp_rank: int
+    # the terms' bytes x counts summed per (bytes type, stage id): ((type, stage id, per forward,
+    # per sync, per resharded gather, per gather, per step), ...), for :meth:`total_bytes`
+    weights: tuple = ()
 
-    def records(self, accum: int, m: int, mb: int) -> list:
-        """``[((mesh, kind, bytes), count)]`` sorted, counts > 0, for ``accum`` accumulation
-        steps of ``m`` micro-batches (1 without pp) of ``mb`` sequences."""
+    def _numbers(self, accum: int, m: int, mb: int) -> tuple:
+        """(count multipliers: per forward, sync, resharded gather, gather, step; byte scales
+        per type; the gradient dtype's bytes or None; the split-backward casts or None)."""
         pp = self.pp
-        per_forward, per_gather = accum * m, accum
-        per_sync = accum if pp else 1  # gradient reductions per FSDP group per step
-        # pipelined, a group resharded after forward is gathered m + 1 times per accumulation
-        # step; without pp for the forward and again for the backward
-        per_flag = accum * (m + 1) if pp else accum * 2
+        # gradient reductions per FSDP group per step: per accumulation step pipelined; a group
+        # resharded after forward is gathered m + 1 times per accumulation step pipelined,
+        # without pp for the forward and again for the backward
+        counts = (accum * m, accum if pp else 1, accum * (m + 1) if pp else accum * 2, accum, 1)
         t = mb * self.s_local
-        scale = (1, t, t // self.shards)
         gb = casts = None
         if self.gb_rule == "accum":
             gb = self.rb if accum > 1 else self.pb
         elif self.gb_rule == "casts":
             casts = rank_split_backward_casts(self.schedule, self.pp_degree, self.stages_per_rank, m, self.pp_rank)
+        return counts, (1, t, t // self.shards), gb, casts
+
+    def total_bytes(self, accum: int, m: int, mb: int) -> int:
+        """``sum(count * bytes)`` of :meth:`records` (the search's busiest-rank test), from
+        :attr:`weights` without building the records."""
+        (cf, cs, cflag, cg, c1), scale, gb, casts = self._numbers(accum, m, mb)
+        total = 0
+        for typ, sid, f, s, flag, g, one in self.weights:
+            if typ != _GB:
+                unit = scale[typ]
+            elif gb is not None:
+                unit = gb
+            else:
+                unit = self.rb if casts is None or casts[sid] else self.pb
+            total += unit * (f * cf + s * cs + flag * cflag + g * cg + one * c1)
+        return total
+
+    def records(self, accum: int, m: int, mb: int) -> list:
+        """``[((mesh, kind, bytes), count)]`` sorted, counts > 0, for ``accum`` accumulation
+        steps of ``m`` micro-batches (1 without pp) of ``mb`` sequences."""
+        (per_forward, per_sync, per_flag, per_gather, _), scale, gb, casts = self._numbers(accum, m, mb)
         rec: dict = {}
         for kind, mesh, typ, b, sid, f, s, flag, g, one in self.terms:
             if typ != _GB:
@@ -432,10 +454,16 @@ def _build_template(model: str, flavor: str, d, choice: LayoutChoice, rank: int,
             for mesh, size in (("loss", loss_size), ("tp", d.tp)):
                 if size > 1:
                     add("all_reduce", mesh, counts, step=1)
+    weights: dict = {}
+    for (_kind, _mesh, typ, b, sid), c in terms.items():
+        w = weights.setdefault((typ, sid), [0, 0, 0, 0, 0])
+        for i in range(5):
+            w[i] += b * c[i]
     return CollectiveTemplate(
         tuple((*k, *c) for k, c in terms.items()), pp, choice.seq_len // d.cp,
         d.tp if choice.sequence_parallel and d.tp > 1 else 1, pb, rb, gb_rule,
         plan.schedule if plan is not None else None, d.pp, plan.stages_per_rank if plan is not None else 1, pp_rank,
+        tuple((*k, *w) for k, w in weights.items()),
     )  # fmt: skip
 
 
