@@ -68,6 +68,28 @@ class BatchPricer(Pricer):
             sums = self._activations[ak] = activation_sums(job, d, choice, ctx.stages, ctx.mb)
         return memory_from_context(job, d, choice, ctx, context_activations(job, d, choice, ctx, sums))
 
+    def memories(self, choices: list, ranks: list) -> list:
+        """``[[memory of each of ranks] for each choice]``: :meth:`memory` of every choice of
+        these degrees, the choices sharing a context (consecutive in
+        :func:`tools.planner.search.enumerate_choices`' order) looked up once."""
+        job, d = self.job, self.d
+        per_rank = []
+        for rank in ranks:
+            out = []
+            last = None
+            for choice in choices:
+                k = (rank, choice.schedule, choice.n_microbatches, choice.local_batch)
+                if k != last:
+                    _, ctx, stages_key = self._context(choice, rank)
+                    last = k
+                ak = (rank, stages_key, ctx.mb, choice.ac, choice.selective_ac_option)
+                sums = self._activations.get(ak)
+                if sums is None:
+                    sums = self._activations[ak] = activation_sums(job, d, choice, ctx.stages, ctx.mb)
+                out.append(memory_from_context(job, d, choice, ctx, context_activations(job, d, choice, ctx, sums)))
+            per_rank.append(out)
+        return [list(mems) for mems in zip(*per_rank)]
+
     def flops(self, job: Job, d, choice: LayoutChoice, rank: int) -> dict:
         _, ctx, stages_key = self._context(choice, rank)
         forwards = ctx.accum * ctx.m if job.lora is not None else 0

@@ -153,10 +153,21 @@ def _inventory(model: str, flavor: str, overrides: tuple) -> tuple[tuple[ParamIn
     return tuple(infos), args
 
 
+_INVENTORIES: dict = {}
+
+
 def model_inventory(model: str, flavor: str, **overrides):
     """``(params, args)``: the model's parameters as :class:`ParamInfo` (meta build, cached)
     and its args with ``overrides`` (e.g. ``max_seq_len``, ``vocab_size``, ``n_layers``)."""
-    return _inventory(model, flavor, tuple(sorted(overrides.items())))
+    # (the planner asks for it per layout and rank: looked up by the overrides as passed
+    # before sorting them)
+    k = (model, flavor, *overrides.items())
+    hit = _INVENTORIES.get(k)
+    if hit is None:
+        if len(_INVENTORIES) >= 64:
+            _INVENTORIES.clear()
+        hit = _INVENTORIES[k] = _inventory(model, flavor, tuple(sorted(overrides.items())))
+    return hit
 
 
 def fsdp_meshes(degrees, has_moe: bool, mixed: bool) -> tuple[int | None, int | None, bool]:

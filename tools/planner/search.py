@@ -190,7 +190,12 @@ def plan_layouts(
         if static > usable and prune_state:
             pruned += len(choices)
             continue
-        ests.extend(estimate(job, degrees, c, time_if_oom=False, pricer=pricer) for c in choices)
+        if reference:
+            ests.extend(estimate(job, degrees, c, time_if_oom=False, pricer=pricer) for c in choices)
+        else:
+            ranks = sorted({0, (degrees.pp - 1) * stride_pp})  # as estimate() takes them
+            mems = pricer.memories(choices, ranks)
+            ests.extend(estimate(job, degrees, c, False, pricer, m) for c, m in zip(choices, mems))
     ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
     return PlanResult(ests, pruned)
 
