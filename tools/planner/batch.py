@@ -76,16 +76,18 @@ class BatchPricer(Pricer):
         per_rank = []
         for rank in ranks:
             out = []
-            last = None
+            last = last_ak = None
             for choice in choices:
                 k = (rank, choice.schedule, choice.n_microbatches, choice.local_batch)
                 if k != last:
                     _, ctx, stages_key = self._context(choice, rank)
                     last = k
                 ak = (rank, stages_key, ctx.mb, choice.ac, choice.selective_ac_option)
-                sums = self._activations.get(ak)
-                if sums is None:
-                    sums = self._activations[ak] = activation_sums(job, d, choice, ctx.stages, ctx.mb)
+                if ak != last_ak:
+                    sums = self._activations.get(ak)
+                    if sums is None:
+                        sums = self._activations[ak] = activation_sums(job, d, choice, ctx.stages, ctx.mb)
+                    last_ak = ak
                 out.append(memory_from_context(job, d, choice, ctx, context_activations(job, d, choice, ctx, sums)))
             per_rank.append(out)
         return [list(mems) for mems in zip(*per_rank)]
