@@ -124,11 +124,16 @@ class BatchPricer(Pricer):
         m = choice.n_microbatches if d.pp > 1 else 1
         accum = grad_accum_steps(choice, d)
         mb = choice.local_batch // m
-        okey = tuple(sorted(job.overrides.items()))
-        tkeys = [template_key(job.model, job.flavor, okey, d, choice, r) for r in ranks]
-        ck = (tkeys[0], accum, m, mb)
+        c = choice
+        # (the job and the degrees are this pricer's: the rest of template_key and the split)
+        ck = (
+            c.schedule, c.ac, c.selective_ac_option, c.reshard, c.seq_len, c.param_dtype, c.reduce_dtype,
+            c.sequence_parallel, c.loss_parallel, c.float8, c.lora, accum, m, mb,
+        )  # fmt: skip
         hit = self._comm.get(ck)
         if hit is None:
+            okey = tuple(sorted(job.overrides.items()))
+            tkeys = [template_key(job.model, job.flavor, okey, d, choice, r) for r in ranks]
             best = best_bytes = None
             for r, tkey in zip(ranks, tkeys):
                 tmpl = collective_template(job.model, job.flavor, d, choice, r, okey, tkey=tkey)

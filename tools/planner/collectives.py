@@ -263,7 +263,7 @@ def _build_template(model: str, flavor: str, d, choice: LayoutChoice, rank: int,
     has_moe = args.has_experts
     dense_size, expert_size, separate = fsdp_meshes(d, has_moe, choice.mixed)
     # the dtype of the TP-replicated weights' Partial gradients (below)
-    gb_rule = ("casts" if pp else "accum") if choice.mixed and rb != pb else ""
+    gb_rule = ("casts" if pp else "accum") if choice.mixed and rb != pb and d.tp > 1 else ""
     pp_rank = layout.coordinate("pp", rank)
     stage_ids = plan.rank_stages[pp_rank] if plan is not None else (0,)
     for stage_id, (layers, embed, head) in zip(stage_ids, stages):
