@@ -14,7 +14,16 @@ converters and LoRA are the same for every choice the search makes):
   batch x accumulation, are the same for every batch split; with LoRA also the forwards per
   step);
 * its elementwise bytes: its stages, micro-batch size, forwards per step and AC choice;
+* its collectives: its stages, the schedule, AC and reshard choices, and the batch split only
+  through the split's numbers (micro-batch tokens, forwards, gradient syncs, FSDP gathers):
+  one :class:`tools.planner.collective_template.CollectiveTemplate` per (rank, schedule, AC,
+  reshard) gives every split's records (:func:`tools.planner.collectives.predict_collectives`
+  itself is that template's records of one split);
 * one collective's time: (kind, bytes, group size, whether it crosses nodes, members per node).
+
+The memory of every choice of a set of degrees is priced in one pass per rank
+(:meth:`BatchPricer.memories`), the consecutive choices that share a context and activation
+sums looked up once; ``memory_from_context`` is still called once per (choice, rank).
 
 Every cached value is what the same function returns for the same inputs, so the estimates
 are those of pricing each layout alone, to the bit (tests/unit/test_planner_fast.py compares
