@@ -289,6 +289,15 @@ class Pricer:
 DIRECT = Pricer()
 
 
+def unpriced(degrees, choice: LayoutChoice, mem: dict) -> Estimate:
+    """The estimate of a layout that does not fit, unpriced (what :func:`estimate` returns
+    with ``time_if_oom=False``): its memory, no step time, 0 tokens/s."""
+    return Estimate(
+        degrees=degrees, choice=choice, memory=mem, fits=False, time=None, tokens_per_s_per_gpu=0.0,
+        crosses_nodes=[], bubble_fraction=0.0, grad_accum=grad_accum_steps(choice, degrees),
+    )  # fmt: skip
+
+
 def estimate(
     job: Job, degrees, choice: LayoutChoice, time_if_oom: bool = True, pricer: Pricer = DIRECT, mems=None
 ) -> Estimate:
@@ -305,10 +314,7 @@ def estimate(
     mem = max(mems, key=lambda x: x["total"])
     fits = mem["total"] <= hw.usable_gib * GIB
     if not fits and not time_if_oom:
-        return Estimate(
-            degrees=d, choice=choice, memory=mem, fits=False, time=None, tokens_per_s_per_gpu=0.0,
-            crosses_nodes=[], bubble_fraction=0.0, grad_accum=grad_accum_steps(choice, d),
-        )  # fmt: skip
+        return unpriced(d, choice, mem)
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     layout = cached_layout(d)
     # the per-parameter work (casts, norm, clipping, AdamW) of the rank with the most local

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .choice import LayoutChoice
-from .estimate import DIRECT, FSDP_OVERLAPPED, Estimate, Job, estimate
+from .estimate import DIRECT, FSDP_OVERLAPPED, Estimate, Job, estimate, unpriced
 from .float8 import float8_experts_refusal
 from .hardware import GIB
 from .inventory import model_inventory
@@ -215,8 +215,13 @@ def plan_layouts(
             ests.extend(estimate(job, degrees, c, time_if_oom=False, pricer=pricer) for c in choices)
         else:
             ranks = sorted({0, (degrees.pp - 1) * stride_pp})  # as estimate() takes them
-            mems = pricer.memories(choices, ranks)
-            ests.extend(estimate(job, degrees, c, False, pricer, m) for c, m in zip(choices, mems))
+            for c, mems in zip(choices, pricer.memories(choices, ranks)):
+                # estimate()'s busiest rank (max(): the first of equals) and its test of fit
+                mem = mems[1] if len(mems) > 1 and mems[1]["total"] > mems[0]["total"] else mems[0]
+                if mem["total"] <= usable:
+                    ests.append(estimate(job, degrees, c, False, pricer, mems))
+                else:
+                    ests.append(unpriced(degrees, c, mem))
     ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
     return PlanResult(ests, pruned)
 
