@@ -51,13 +51,14 @@ PREVIOUS = {
 }
 # the second round (collective templates priced once per (degrees, rank, schedule, AC, reshard)
 # and scaled to each batch split, stage weights and summaries cached on what they read of a
-# layout, the memory of a degrees set's choices in one pass per rank): the search at 240b122
-# (before it) and after it, each in its own process, alternated, two rounds, 2026-12-07 ~20:20
-# UTC on the Intel host (load average 3.4-5.5), CPU s; digests identical
+# layout, the memory of a degrees set's choices in one pass per rank, unpriced layouts built
+# without estimate()): the search at 240b122 (before it) and after it, each in its own process,
+# alternated, two rounds, 2026-12-07 20:26-20:29 UTC on the Intel host (load average 4.7-7.9),
+# CPU s; digests identical
 PREVIOUS_2 = {
     "commit": "240b122",
-    "alternated_cpu_s": {"405B before": [17.07, 16.18], "405B after": [10.73, 10.69], "70B before": [6.76, 6.39],
-                         "70B after": [4.09, 4.24]},
+    "alternated_cpu_s": {"405B before": [15.45, 15.58], "405B after": [9.14, 9.65], "70B before": [6.64, 6.27],
+                         "70B after": [5.04, 4.09]},
 }  # fmt: skip
 
 
