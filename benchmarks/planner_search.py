@@ -49,6 +49,17 @@ PREVIOUS = {
     "search_cpu_s": 27.78,
     "same_process_cpu_s": {"405B before": 69.48, "405B after": 38.44, "70B before": 32.8, "70B after": 15.49},
 }
+# the second round (collective templates priced once per (degrees, rank, schedule, AC, reshard)
+# and scaled to each batch split, stage weights and summaries cached on what they read of a
+# layout, the memory of a degrees set's choices in one pass per rank, unpriced layouts built
+# without estimate()): the search at 240b122 (before it) and after it, each in its own process,
+# alternated, two rounds, 2026-12-07 20:26-20:29 UTC on the Intel host (load average 4.7-7.9),
+# CPU s; digests identical
+PREVIOUS_2 = {
+    "commit": "240b122",
+    "alternated_cpu_s": {"405B before": [15.45, 15.58], "405B after": [9.14, 9.65], "70B before": [6.64, 6.27],
+                         "70B after": [5.04, 4.09]},
+}  # fmt: skip
 
 
 def _row(e) -> dict:
@@ -91,6 +102,7 @@ def run() -> dict:
         # None: no digest of the earlier search recorded
         "same_ranking_as_before": None if BEFORE["ranking_sha256"] is None else digest == BEFORE["ranking_sha256"],
         "previous": PREVIOUS,
+        "previous_2": PREVIOUS_2,
         "70B": {
             "command": "python -m tools.planner " + " ".join(COMMAND_70B),
             "search_s": round(wall70, 2),

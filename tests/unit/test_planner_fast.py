@@ -94,19 +94,20 @@ def test_batch_pricing_equals_pricing_each_layout(name):
         assert any(r.options for r in got)  # the budget needs options for some layouts
         assert [repr(r) for r in got] == [repr(r) for r in fit_layouts(job, old.estimates)]
         return
-    memory = BatchPricer.memory
+    memories = BatchPricer.memories
 
-    def off_by_one(self, job, d, choice, rank):
-        mem = memory(self, job, d, choice, rank)
-        if d.tp > 1 and choice.ac == "full":
-            mem = {**mem, "total": mem["total"] + 1}
-        return mem
+    def off_by_one(self, choices, ranks):
+        out = memories(self, choices, ranks)
+        if self.d.tp == 1:
+            return out
+        return [[{**m, "total": m["total"] + 1} for m in mems] if c.ac == "full" else mems
+                for c, mems in zip(choices, out)]  # fmt: skip
 
     try:
-        BatchPricer.memory = off_by_one
+        BatchPricer.memories = off_by_one
         assert ranking_digest(plan_layouts(job)) != ranking_digest(old)
     finally:
-        BatchPricer.memory = memory
+        BatchPricer.memories = memories
 
 
 def test_rank_split_backward_casts_match_the_whole_schedule():
@@ -192,3 +193,37 @@ def test_fit_cli_prints_config_lines_and_refuses_bad_input(capsys, tmp_path):
         assert main([*base, *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("name", ["llama3_8B_16", "qwen3_moe_8_f8"])
+def test_collective_template_serves_every_batch_split(name):
+    """A rank's collective template (tools/planner/collective_template.py) built from one batch
+    split gives, for every other split of the same (degrees, rank, schedule, AC, reshard), the
+    records a template built from that split gives (what the search's cache by
+    ``template_key`` assumes), and its byte total without the records equals theirs (the
+    busiest-rank test). Not vacuous: the splits' records differ."""
+    from tools.planner.collectives import _build_template, template_key
+    from tools.planner.inventory import cached_layout
+    from tools.planner.search import enumerate_layouts
+
+    job = _cases()[name]
+    key = tuple(sorted(job.overrides.items()))
+    groups: dict = {}
+    for d, c in enumerate_layouts(job):
+        for r in sorted({0, (d.pp - 1) * (d.world_size // d.pp)}):
+            groups.setdefault(template_key(job.model, job.flavor, key, d, c, r), []).append((d, c, r))
+    differ = checked = 0
+    for members in list(groups.values())[::7]:
+        d, first, r = members[0]
+        shared = _build_template(job.model, job.flavor, d, first, r, cached_layout(d), key)
+        seen = set()
+        for _, c, _ in members:
+            m = c.n_microbatches if d.pp > 1 else 1
+            split = (c.global_batch // (d.dp_replicate * d.dp_shard * c.local_batch), m, c.local_batch // m)
+            own = _build_template(job.model, job.flavor, d, c, r, cached_layout(d), key).records(*split)
+            assert shared.records(*split) == own, (d, c, r)
+            assert shared.total_bytes(*split) == sum(k[2] * n for k, n in own)
+            seen.add(tuple(own))
+            checked += 1
+        differ += len(seen) > 1
+    assert checked > 100 and differ > 10, (checked, differ)

@@ -99,11 +99,11 @@ from collections import Counter
 from functools import lru_cache
 
 from .choice import DTYPE_BYTES, LayoutChoice, fully_checkpointed, grad_accum_steps, stage_layers
+from .collective_template import _CONST, _GB, _T, _TN, CollectiveTemplate
 from .float8 import float8_all_gather, float8_gathered_numel
 from .param_groups import grad_norm_all_reduces, tp_colwise_modules, tp_partial_adapter_grads, tp_partial_grads
-from .schedule_order import rank_split_backward_casts
 
-__all__ = ["predict_collectives"]
+__all__ = ["CollectiveTemplate", "collective_template", "predict_collectives", "template_key"]
 
 
 @lru_cache(maxsize=256)
@@ -117,53 +117,97 @@ def predict_collectives(
     model: str, flavor: str, degrees, choice: LayoutChoice, rank: int = 0, layout=None, **overrides
 ):
     """Collectives ``rank`` issues in one optimizer step (see the module docstring), as a list
-    of records sorted by mesh, kind and bytes."""
-    from .inventory import cached_layout, fsdp_meshes, model_inventory
-
-    _, args = model_inventory(model, flavor, **overrides)
-    layout = layout or cached_layout(degrees)
+    of records sorted by mesh, kind and bytes (:func:`collective_template`'s records of the
+    choice's batch split)."""
     d = degrees
+    tmpl = collective_template(model, flavor, d, choice, rank, tuple(sorted(overrides.items())), layout)
+    m = choice.n_microbatches if d.pp > 1 else 1
+    return [
+        {"kind": kind, "mesh": mesh, "count": c, "bytes": int(b)}
+        for (mesh, kind, b), c in tmpl.records(grad_accum_steps(choice, d), m, choice.local_batch // m)
+    ]
+
+
+def template_key(model: str, flavor: str, key: tuple, degrees, choice: LayoutChoice, rank: int) -> tuple:
+    """What :func:`collective_template` depends on: everything but the batch split (global
+    and local batch, micro-batches)."""
+    c = choice
+    return (
+        model, flavor, key, degrees, rank, c.schedule, c.ac, c.selective_ac_option, c.reshard, c.seq_len,
+        c.param_dtype, c.reduce_dtype, c.sequence_parallel, c.loss_parallel, c.float8, c.lora,
+    )  # fmt: skip
+
+
+_TEMPLATES: dict = {}
+
+
+def collective_template(
+    model: str, flavor: str, degrees, choice: LayoutChoice, rank: int, key: tuple, layout=None, tkey=None
+) -> CollectiveTemplate:
+    """The collectives of ``rank`` under ``choice``'s schedule, AC and reshard choices, for any
+    batch split (cached by :func:`template_key`, ``tkey`` when the caller has it; ``key``: the
+    model overrides, sorted)."""
+    tkey = tkey or template_key(model, flavor, key, degrees, choice, rank)
+    hit = _TEMPLATES.get(tkey)
+    if hit is None:
+        from .inventory import cached_layout
+
+        if len(_TEMPLATES) >= 65536:
+            _TEMPLATES.clear()
+        hit = _TEMPLATES[tkey] = _build_template(
+            model, flavor, degrees, choice, rank, layout or cached_layout(degrees), key
+        )
+    return hit
+
+
+def _build_template(model: str, flavor: str, d, choice: LayoutChoice, rank: int, layout, key: tuple):
+    from .inventory import fsdp_meshes, model_inventory
+
+    _, args = model_inventory(model, flavor, **dict(key))
     pb, rb = DTYPE_BYTES[choice.param_dtype], DTYPE_BYTES[choice.reduce_dtype]
     a = pb  # activations are in the compute dtype
-    accum = grad_accum_steps(choice, d)
+    # (the batch split does not change the stages: plan_stages' layer ranges and rank stages
+    # depend on the schedule alone)
     stages, plan = stage_layers(args, d, choice, rank, layout)
     pp = d.pp > 1
-    m = choice.n_microbatches if pp else 1
-    mb = choice.local_batch // m  # sequences per forward
-    forwards = accum * m  # forward passes per stage per step
-    syncs = accum if pp else 1  # gradient reductions per FSDP group per step
-    rec: Counter = Counter()
+    terms: dict = {}
+
+    def add(kind, mesh, b, typ=_CONST, sid=0, *, fwd=0, sync=0, flag=0, gather=0, step=0):
+        """``rec[(kind, mesh, bytes)] += count``, the count per forward, gradient sync,
+        resharded gather, other gather and step"""
+        c = terms.setdefault((kind, mesh, typ, b, sid), [0, 0, 0, 0, 0])
+        c[0] += fwd
+        c[1] += sync
+        c[2] += flag
+        c[3] += gather
+        c[4] += step
+
     has_moe = args.has_experts
     dense_size, expert_size, separate = fsdp_meshes(d, has_moe, choice.mixed)
-
-    key = tuple(sorted(overrides.items()))
-    stage_ids = plan.rank_stages[layout.coordinate("pp", rank)] if plan is not None else (0,)
+    # the dtype of the TP-replicated weights' Partial gradients (below)
+    gb_rule = ("casts" if pp else "accum") if choice.mixed and rb != pb and d.tp > 1 else ""
+    pp_rank = layout.coordinate("pp", rank)
+    stage_ids = plan.rank_stages[pp_rank] if plan is not None else (0,)
     for stage_id, (layers, embed, head) in zip(stage_ids, stages):
         # DeepSeek-V3's MTP depths on this stage (with the head): each embeds like the first
         # stage, and the head (its input all-gather, the loss) runs on 1 + D times the tokens
         mtp = sum(1 for i in layers if i >= args.n_layers)
         ckpt = fully_checkpointed(choice, layers)  # their forward collectives run twice
         # FSDP's collectives of the stage's groups, summed per (kind, mesh, bytes) (cached: no
-        # batch split or AC choice changes them): resharded groups gather ``gathers_flag``
-        # times, the others ``gathers``
-        if pp:
-            gathers_flag, gathers = accum * (m + 1), accum
-        else:
-            gathers_flag, gathers = accum * 2, accum
-        for k, n_flag, n_plain, n_sync in _stage_fsdp(
+        # batch split or AC choice changes them): resharded groups gather ``per_flag`` times
+        # per step, the others ``per_gather`` (CollectiveTemplate.records)
+        for (kind, mesh, b), n_flag, n_plain, n_sync in _stage_fsdp(
             model, flavor, key, d, rank, choice.mixed, layers, embed, head, choice.reshard, pp, pb, rb, choice.float8,
             choice.lora,
         ):  # fmt: skip
-            rec[k] += n_flag * gathers_flag + n_plain * gathers + n_sync * syncs
+            add(kind, mesh, b, flag=n_flag, gather=n_plain, sync=n_sync)
 
         if d.tp > 1:
             # LoRA: the frozen embedding's stage computes no input gradient of layer 0's
             # attention projections that read the block's input (as tools/planner/compute.py)
             lora_on = choice.lora is not None
             frozen_entry = lora_on and embed
-            s_local = choice.seq_len // d.cp
-            t = mb * s_local
-            full = a * t * args.dim
+            full = a * args.dim  # bytes per token of the micro-batch's CP-local tokens (x t)
             n, r = len(layers), len(ckpt)
             if choice.sequence_parallel:
                 # forward: AG attn input, AG mlp/shared-expert input, RS of both outputs;
@@ -177,30 +221,30 @@ def predict_collectives(
                 # Partial input gradients are summed and reduce-scattered once; a module with
                 # replicated weights (MLA) takes it as a local tensor, so every column-wise
                 # projection's input gradient is all-reduced on its own
-                rec[("all_gather", "tp", full)] += forwards * (4 * n + 2 * r)
-                rec[("reduce_scatter", "tp", full)] += forwards * (2 * n + r)
+                add("all_gather", "tp", full, _T, fwd=4 * n + 2 * r)
+                add("reduce_scatter", "tp", full, _T, fwd=2 * n + r)
                 stays, widths = _tp_input_grads(model, flavor, key, layers, frozen_entry)
-                rec[("reduce_scatter", "tp", full)] += forwards * stays
+                add("reduce_scatter", "tp", full, _T, fwd=stays)
                 for width, count in widths:
-                    rec[("all_reduce", "tp", a * t * width)] += forwards * count
+                    add("all_reduce", "tp", a * width, _T, fwd=count)
                 # MLA's rope key: computed by replicated weights, its gradient all-reduced
                 # (attention.tp_grad_syncs, models/parallel/tensor_parallel.py)
                 if hasattr(args, "qk_rope_head_dim"):
-                    rec[("all_reduce", "tp", a * t * args.qk_rope_head_dim)] += forwards * len(layers)
+                    add("all_reduce", "tp", a * args.qk_rope_head_dim, _T, fwd=len(layers))
                 if embed or mtp:  # Rowwise embedding (and MTP's copies): RS forward, AG backward
-                    rec[("reduce_scatter", "tp", full)] += forwards * (int(embed) + mtp)
+                    add("reduce_scatter", "tp", full, _T, fwd=int(embed) + mtp)
                     # (a frozen embedding's output needs no gradient: LoRA)
-                    rec[("all_gather", "tp", full)] += 0 if lora_on else forwards * (int(embed) + mtp)
+                    add("all_gather", "tp", full, _T, fwd=0 if lora_on else int(embed) + mtp)
                 if head and not mtp:  # Colwise output on sequence-sharded input: AG forward, RS backward
-                    rec[("all_gather", "tp", full)] += forwards
-                    rec[("reduce_scatter", "tp", full)] += forwards
+                    add("all_gather", "tp", full, _T, fwd=1)
+                    add("reduce_scatter", "tp", full, _T, fwd=1)
                 elif head:
                     # MTP: the main and each depth's normed states, sequence-sharded DTensors,
                     # are concatenated along the sequence (DeepSeekV3.forward): DTensor gathers
                     # each one (forward), and the head's replicated input gets its Partial
                     # gradient all-reduced (backward; the gathers' backward is a local slice)
-                    rec[("all_gather", "tp", full)] += forwards * (1 + mtp)
-                    rec[("all_reduce", "tp", full * (1 + mtp))] += forwards
+                    add("all_gather", "tp", full, _T, fwd=1 + mtp)
+                    add("all_reduce", "tp", full * (1 + mtp), _T, fwd=1)
                 # pipeline stage boundaries carry each tp rank's own sequence shard (sent to
                 # the same tp rank of the next stage): no tp collective there
             else:
@@ -208,83 +252,78 @@ def predict_collectives(
                 # attention's, not the block's last, as above); backward: of their input
                 # gradients, once per module whose input stays a DTensor, else once per
                 # column-wise projection (as above)
-                rec[("all_reduce", "tp", full)] += forwards * (2 * n + r)
+                add("all_reduce", "tp", full, _T, fwd=2 * n + r)
                 stays, widths = _tp_input_grads(model, flavor, key, layers, frozen_entry)
-                rec[("all_reduce", "tp", full)] += forwards * stays
+                add("all_reduce", "tp", full, _T, fwd=stays)
                 for width, count in widths:
-                    rec[("all_reduce", "tp", a * t * width)] += forwards * count
+                    add("all_reduce", "tp", a * width, _T, fwd=count)
                 if embed or mtp:  # Rowwise embedding (and MTP's copies): Partial output all-reduced forward
-                    rec[("all_reduce", "tp", full)] += forwards * (int(embed) + mtp)
+                    add("all_reduce", "tp", full, _T, fwd=int(embed) + mtp)
                 if head:  # Colwise output on a replicated input: its input gradient all-reduced
-                    rec[("all_reduce", "tp", full * (1 + mtp))] += forwards
+                    add("all_reduce", "tp", full * (1 + mtp), _T, fwd=1)
             if head and not choice.loss_parallel:
                 # the vocab-sharded logits all-gathered forward (backward takes a local chunk)
-                rec[("all_gather", "tp", a * t * (1 + mtp) * args.vocab_size)] += forwards
+                add("all_gather", "tp", a * (1 + mtp) * args.vocab_size, _T, fwd=1)
             if head and choice.loss_parallel:
                 # loss parallel: max, sum-exp and target-logit all-reduces over [tokens] fp32,
                 # per cross entropy (the main one and each MTP depth's, trainer/mtp.py)
-                rec[("all_reduce", "tp", 4 * t)] += forwards * 3 * (1 + mtp)
+                add("all_reduce", "tp", 4, _T, fwd=3 * (1 + mtp))
             # replicated weights fed sequence-sharded tokens (SP norms, the MoE router gate):
             # their Partial gradients are all-reduced once per gradient sync (FSDP2's
             # post-backward redistributes them before reducing; without FSDP finalize_grads
             # does, once per step), in the dtype the gradient is held in then: the reduce dtype
             # once FSDP2 moved it into its accumulator (a backward with gradient sync off found
-            # it: without pipelining every micro-batch's but the last; pipelined, torch's stage
-            # turns sync off for every backward and reduces at the end of the step, so any m;
-            # a zero-bubble stage's input half finds only what an earlier weight half of the
-            # stage left, so only where one of its I actions follows one of its W actions, and
-            # the weight halves otherwise sum the micro-batches in the compute dtype)
-            gb = pb
-            if choice.mixed and rb != pb:
-                if not pp:
-                    gb = rb if accum > 1 else pb
-                else:
-                    casts = rank_split_backward_casts(
-                        plan.schedule, d.pp, plan.stages_per_rank, m, layout.coordinate("pp", rank)
-                    )
-                    gb = rb if casts is None or casts[stage_id] else pb
-            partial_syncs = syncs if dense_size is not None else 1
+            # it: without pipelining every micro-batch's but the last, so with accumulation
+            # (gb_rule "accum"); pipelined, torch's stage turns sync off for every backward and
+            # reduces at the end of the step, so any m; a zero-bubble stage's input half finds
+            # only what an earlier weight half of the stage left, so only where one of its I
+            # actions follows one of its W actions (gb_rule "casts": rank_split_backward_casts
+            # of the micro-batch count), and the weight halves otherwise sum the micro-batches
+            # in the compute dtype)
             partial = (
                 tp_partial_adapter_grads(model, flavor, key, tuple(layers), choice.lora)
                 if lora_on
                 else tp_partial_grads(model, flavor, key, layers, head, choice.sequence_parallel)
             )
+            per = {"sync": 1} if dense_size is not None else {"step": 1}
             for numel in partial:
-                rec[("all_reduce", "tp", gb * numel)] += partial_syncs
+                if gb_rule:
+                    add("all_reduce", "tp", numel, _GB, stage_id if gb_rule == "casts" else 0, **per)
+                else:
+                    add("all_reduce", "tp", pb * numel, **per)
 
         if d.cp > 1:
-            s_local = choice.seq_len // d.cp
-            t = mb * s_local
-            kv = _kv_bytes_per_token(args, d.tp) * a * t * d.cp  # gathered packed K and V
+            # gathered packed K and V (x t)
+            kv = _kv_bytes_per_token(args, d.tp) * a * d.cp
             n = len(layers)
-            rec[("all_gather", "cp", kv)] += forwards * (n + len(ckpt))
-            rec[("reduce_scatter", "cp", kv)] += forwards * n
+            add("all_gather", "cp", kv, _T, fwd=n + len(ckpt))
+            add("reduce_scatter", "cp", kv, _T, fwd=n)
             if args.needs_documents:
                 # block-causal masking / document positions: every stage module gathers the
                 # micro-batch's int64 token ids over cp once per forward (its document ids are
                 # defined on the whole row; models/parallel/context_parallel.SequenceGather),
                 # outside the blocks, so no checkpoint re-issues it
-                rec[("all_gather", "cp", 8 * t * d.cp)] += forwards
+                add("all_gather", "cp", 8 * d.cp, _T, fwd=1)
 
         moe_layers = [i for i in layers if i >= getattr(args, "n_dense_layers", 0)] if has_moe else []
-        tn = mb * (choice.seq_len // d.cp) // (d.tp if choice.sequence_parallel and d.tp > 1 else 1)
+        # (the routed tokens: x tn, the sequence-parallel shard of the CP-local tokens)
         # the int64 routing-count exchanges are functional collectives (models/parallel/
         # expert_parallel.py): a fully checkpointed block (full AC, selective AC's every N-th)
         # re-issues them in the recomputation, selective AC's op policy saves their outputs
         # (models/parallel/activation_checkpoint.py)
         n, r = len(moe_layers), len(set(moe_layers) & set(ckpt)) if moe_layers else 0
         if moe_layers and d.ep > 1:
-            rows = tn * args.n_activated_experts * a * args.dim  # balanced routing assumed
-            rec[("all_to_all", "ep", 8 * args.n_routed_experts)] += forwards * (n + r)
+            rows = args.n_activated_experts * a * args.dim  # balanced routing assumed
+            add("all_to_all", "ep", 8 * args.n_routed_experts, fwd=n + r)
             # dispatch + combine forward, their backward all-to-alls
-            rec[("all_to_all", "ep", rows)] += forwards * (4 * n + 2 * r)
+            add("all_to_all", "ep", rows, _TN, fwd=4 * n + 2 * r)
         if moe_layers and d.etp > 1:
             # the received counts gathered over etp (int64 [etp * n_routed_experts])
-            rec[("all_gather", "etp", 8 * d.etp * args.n_routed_experts)] += forwards * (n + r)
+            add("all_gather", "etp", 8 * d.etp * args.n_routed_experts, fwd=n + r)
             # the rows repeated to / gathered back from the etp peers, forward and backward
             # (sizes depend on routing; ``etp`` x the rows this rank received over ep)
-            etp_rows = d.etp * tn * args.n_activated_experts * a * args.dim
-            rec[("all_to_all", "etp", etp_rows)] += forwards * (4 * n + 2 * r)
+            etp_rows = d.etp * args.n_activated_experts * a * args.dim
+            add("all_to_all", "etp", etp_rows, _TN, fwd=4 * n + 2 * r)
             if choice.lora is not None and choice.lora.experts:
                 # LoRA expert adapters: the factor replicated over etp (w1/w3's A, w2's B) gets
                 # its partial gradient all-reduced over etp by each backward, in the compute dtype
@@ -292,19 +331,17 @@ def predict_collectives(
                 from .lora import etp_replicated_factors
 
                 for numel in etp_replicated_factors(model, flavor, key, d, rank, tuple(moe_layers), choice.lora):
-                    rec[("all_reduce", "etp", pb * numel)] += forwards
+                    add("all_reduce", "etp", pb * numel, fwd=1)
 
         if pp and plan is not None:
             # the activations between stages: this tp rank's sequence shard under SP (sent to
-            # the same tp rank of the next stage), the cp-local sequence otherwise
-            boundary_shards = d.tp if choice.sequence_parallel and d.tp > 1 else 1
-            t = mb * (choice.seq_len // d.cp) // boundary_shards
-            msg = a * t * args.dim
+            # the same tp rank of the next stage), the cp-local sequence otherwise (x tn)
+            msg = a * args.dim
             # a neighbouring stage on this rank (ZBVZeroBubble's V turn) gets it in memory
             if not embed and stage_id - 1 not in stage_ids:
-                rec[("send_recv", "pp", msg)] += forwards * 2  # recv activation, send its grad
+                add("send_recv", "pp", msg, _TN, fwd=2)  # recv activation, send its grad
             if not head and stage_id + 1 not in stage_ids:
-                rec[("send_recv", "pp", msg)] += forwards * 2  # send activation, recv grad
+                add("send_recv", "pp", msg, _TN, fwd=2)  # send activation, recv grad
 
     # once per step
     loss_size = d.dp_replicate * d.dp_shard * d.cp
@@ -318,32 +355,38 @@ def predict_collectives(
         if holds_embed != holds_copies:
             from .inventory import rank_shards
 
-            params, _ = model_inventory(model, flavor, **overrides)
+            params, _ = model_inventory(model, flavor, **dict(key))
             emb = [s for s in rank_shards(params, d, layout, rank, choice.mixed, (), True, False)
                    if s.info.group == "tok_embeddings"]  # fmt: skip
-            rec[("all_reduce", "pp", 4 * emb[0].local_numel)] += 1
+            add("all_reduce", "pp", 4 * emb[0].local_numel, step=1)
     # (with MTP depths the loss travels with the MTP loss: two float32, trainer/trainer.py)
     loss_bytes = 8 if getattr(args, "mtp_layers", 0) else 4
     if loss_size > 1:
-        rec[("all_reduce", "loss", loss_bytes)] += 1
+        add("all_reduce", "loss", loss_bytes, step=1)
     # the grad norm's sums of squares are float64 (trainer/optim/grad_clip.py), the loss float32
     if pp:
-        rec[("all_reduce", "pp", 8)] += 1  # grad-norm squares over stages
-        rec[("all_reduce", "pp", loss_bytes)] += 1  # loss sum over stages
+        add("all_reduce", "pp", 8, step=1)  # grad-norm squares over stages
+        add("all_reduce", "pp", loss_bytes, step=1)  # loss sum over stages
     for mesh in _grad_norm(model, flavor, key, d, tuple(stages), dense_size, expert_size, separate, rank):
-        rec[("all_reduce", mesh, 8)] += 1
+        add("all_reduce", mesh, 8, step=1)
     if has_moe:
         n_moe = sum(1 for layers, _, _ in stages for i in layers if i >= getattr(args, "n_dense_layers", 0))
         if n_moe:
             counts = 4 * n_moe * args.n_routed_experts
             for mesh, size in (("loss", loss_size), ("tp", d.tp)):
                 if size > 1:
-                    rec[("all_reduce", mesh, counts)] += 1
-    return [
-        {"kind": k, "mesh": mesh, "count": c, "bytes": int(b)}
-        for (k, mesh, b), c in sorted(rec.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))
-        if c
-    ]
+                    add("all_reduce", mesh, counts, step=1)
+    weights: dict = {}
+    for (_kind, _mesh, typ, b, sid), c in terms.items():
+        w = weights.setdefault((typ, sid), [0, 0, 0, 0, 0])
+        for i in range(5):
+            w[i] += b * c[i]
+    return CollectiveTemplate(
+        tuple((*k, *c) for k, c in terms.items()), pp, choice.seq_len // d.cp,
+        d.tp if choice.sequence_parallel and d.tp > 1 else 1, pb, rb, gb_rule,
+        plan.schedule if plan is not None else None, d.pp, plan.stages_per_rank if plan is not None else 1, pp_rank,
+        tuple((*k, *w) for k, w in weights.items()),
+    )  # fmt: skip
 
 
 @lru_cache(maxsize=65536)

@@ -121,8 +121,31 @@ def rank_matmul_flops(
     return dict(_rank_flops(model, flavor, degrees, choice, rank, key, lora))
 
 
-@lru_cache(maxsize=65536)
+_STAGE_WEIGHTS: dict = {}
+
+
 def _stage_weights(
+    model, flavor, key: tuple, degrees, rank: int, layers: range, embed: bool, head: bool,
+    f8: tuple | None = None, f8_experts: tuple | None = None,
+) -> tuple:  # fmt: skip
+    """:func:`_stage_weights_of`, cached on what it reads of the layout: the TP-, EP- and
+    ETP-local shapes (:func:`tools.planner.inventory.rank_shards`' ``local_shape``) are fixed by
+    those three degrees and the rank's coordinates on them, not by the data-parallel, CP or PP
+    degrees (the search asks for the same stage under many of those)."""
+    layout = cached_layout(degrees)
+    d = degrees
+    k = (model, flavor, key, d.tp, d.ep, d.etp, *(layout.coordinate(n, rank) for n in ("tp", "ep", "etp")),
+         layers, embed, head, f8, f8_experts)  # fmt: skip
+    hit = _STAGE_WEIGHTS.get(k)
+    if hit is None:
+        if len(_STAGE_WEIGHTS) >= 65536:
+            _STAGE_WEIGHTS.clear()
+        hit = _STAGE_WEIGHTS[k] = _stage_weights_of(model, flavor, key, degrees, rank, layers, embed, head, f8,
+                                                    f8_experts)  # fmt: skip
+    return hit
+
+
+def _stage_weights_of(
     model, flavor, key: tuple, degrees, rank: int, layers: range, embed: bool, head: bool,
     f8: tuple | None = None, f8_experts: tuple | None = None,
 ) -> tuple:  # fmt: skip

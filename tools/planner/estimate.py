@@ -266,8 +266,41 @@ class Pricer:
     def collective_seconds(self, kind: str, nbytes, size: int, crosses: bool, hw: Hardware, per_node: int) -> float:
         return collective_seconds(kind, nbytes, size, crosses, hw, per_node)
 
+    def comm(self, job: Job, d, choice: LayoutChoice, ranks: list, crossing: dict, per_node: dict) -> tuple:
+        """(seconds per mesh, FSDP's total and its largest single collective) of the busiest
+        rank's collectives (the most bytes) of ``ranks``."""
+        key = tuple(sorted(job.overrides.items()))
+        records = max(
+            (self.collectives(job, d, choice, r, key) for r in ranks),
+            key=lambda recs: sum(x["count"] * x["bytes"] for x in recs),
+        )
+        comm: dict[str, float] = {}
+        fsdp_total = fsdp_first = 0.0
+        sizes = _mesh_sizes(d)
+        for r in records:
+            crosses = crossing.get(r["mesh"], False)
+            one = self.collective_seconds(
+                r["kind"], r["bytes"], sizes[r["mesh"]], crosses, job.hardware,
+                per_node.get(r["mesh"], 1) if crosses else 1,
+            )  # fmt: skip
+            total = one * r["count"]
+            if r["mesh"] in FSDP_OVERLAPPED:
+                fsdp_total += total
+                fsdp_first = max(fsdp_first, one)
+            comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
+        return comm, fsdp_total, fsdp_first
+
 
 DIRECT = Pricer()
+
+
+def unpriced(degrees, choice: LayoutChoice, mem: dict) -> Estimate:
+    """The estimate of a layout that does not fit, unpriced (what :func:`estimate` returns
+    with ``time_if_oom=False``): its memory, no step time, 0 tokens/s."""
+    return Estimate(
+        degrees=degrees, choice=choice, memory=mem, fits=False, time=None, tokens_per_s_per_gpu=0.0,
+        crosses_nodes=[], bubble_fraction=0.0, grad_accum=grad_accum_steps(choice, degrees),
+    )  # fmt: skip
 
 
 def estimate(
@@ -286,10 +319,7 @@ def estimate(
     mem = max(mems, key=lambda x: x["total"])
     fits = mem["total"] <= hw.usable_gib * GIB
     if not fits and not time_if_oom:
-        return Estimate(
-            degrees=d, choice=choice, memory=mem, fits=False, time=None, tokens_per_s_per_gpu=0.0,
-            crosses_nodes=[], bubble_fraction=0.0, grad_accum=grad_accum_steps(choice, d),
-        )  # fmt: skip
+        return unpriced(d, choice, mem)
     _, args = model_inventory(job.model, job.flavor, **job.overrides)
     layout = cached_layout(d)
     # the per-parameter work (casts, norm, clipping, AdamW) of the rank with the most local
@@ -325,31 +355,12 @@ def estimate(
     # communication, from the busiest stage's rank
     crossing = _crossing(d, job.gpus_per_node)
     per_node = _per_node(d, job.gpus_per_node) if any(crossing.values()) else {}
-    comm: dict[str, float] = {}
-    fsdp_total = fsdp_first = 0.0
     # selective AC's per-op policy re-runs no collective: its records are no AC's (one
     # prediction serves both choices)
     same = (
         dataclasses.replace(choice, ac="none") if choice.ac == "selective" and not selective_every(choice) else choice
     )
-    key = tuple(sorted(job.overrides.items()))
-    records = max(
-        (pricer.collectives(job, d, same, r, key) for r in ranks),
-        key=lambda recs: sum(x["count"] * x["bytes"] for x in recs),
-    )
-    for r in records:
-        size = _mesh_sizes(d)[r["mesh"]]
-        crosses = crossing.get(r["mesh"], False)
-        one = pricer.collective_seconds(
-            r["kind"], r["bytes"], size, crosses, hw, per_node.get(r["mesh"], 1) if crosses else 1
-        )
-        total = one * r["count"]
-        if r["mesh"] in FSDP_OVERLAPPED:
-            fsdp_total += total
-            fsdp_first = max(fsdp_first, one)
-            comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
-        else:
-            comm[r["mesh"]] = comm.get(r["mesh"], 0.0) + total
+    comm, fsdp_total, fsdp_first = pricer.comm(job, d, same, ranks, crossing, per_node)
     if muons:  # Muon's exchange (exposed: after the backward), the busiest rank's
         comm["muon"] = max(_muon_comm_seconds(m, crossing, per_node, hw) for m in muons)
     if not hw.comm_overlap:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 __all__ = [
     "GPUS",
@@ -140,6 +141,7 @@ STEP_BYTES_PER_PARAM = {
 CAST_KEYS = ("param_cast", "grad_cast")
 
 
+@lru_cache(maxsize=64)
 def step_bytes_per_param(param_dtype: str = "bfloat16", reduce_dtype: str = "float32") -> int:
     """Bytes per local parameter element of the step's per-parameter work: the whole
     :data:`STEP_BYTES_PER_PARAM` recipe, without the casts when parameters compute in float32

@@ -153,10 +153,21 @@ def _inventory(model: str, flavor: str, overrides: tuple) -> tuple[tuple[ParamIn
     return tuple(infos), args
 
 
+_INVENTORIES: dict = {}
+
+
 def model_inventory(model: str, flavor: str, **overrides):
     """``(params, args)``: the model's parameters as :class:`ParamInfo` (meta build, cached)
     and its args with ``overrides`` (e.g. ``max_seq_len``, ``vocab_size``, ``n_layers``)."""
-    return _inventory(model, flavor, tuple(sorted(overrides.items())))
+    # (the planner asks for it per layout and rank: looked up by the overrides as passed
+    # before sorting them)
+    k = (model, flavor, *overrides.items())
+    hit = _INVENTORIES.get(k)
+    if hit is None:
+        if len(_INVENTORIES) >= 64:
+            _INVENTORIES.clear()
+        hit = _INVENTORIES[k] = _inventory(model, flavor, tuple(sorted(overrides.items())))
+    return hit
 
 
 def fsdp_meshes(degrees, has_moe: bool, mixed: bool) -> tuple[int | None, int | None, bool]:
@@ -257,11 +268,44 @@ class GroupSummary:
 
 
 @lru_cache(maxsize=65536)
+def shard_key(model, flavor, overrides: tuple, degrees, rank: int, mixed: bool) -> tuple:
+    """What :func:`rank_shards` reads of a layout and a rank: the FSDP meshes
+    (:func:`fsdp_meshes`), the tp, ep and etp degrees and the rank's coordinates on tp, fsdp,
+    ep, etp and efsdp. Two (degrees, rank) with the same key get the same shards (the
+    data-parallel, CP and PP degrees matter only through it)."""
+    layout = cached_layout(degrees)
+    d = degrees
+    meshes = fsdp_meshes(d, _has_moe(model, flavor, overrides), mixed)
+    coords = tuple(layout.coordinate(n, rank) for n in ("tp", "fsdp", "ep", "etp", "efsdp"))
+    return meshes, d.tp, d.ep, d.etp, coords
+
+
+@lru_cache(maxsize=16)
+def _has_moe(model: str, flavor: str, overrides: tuple) -> bool:
+    return any(p.expert for p in _inventory(model, flavor, overrides)[0])
+
+
+_SUMMARIES: dict = {}
+
+
+@lru_cache(maxsize=65536)
 def stage_summary(model, flavor, overrides: tuple, degrees, rank, mixed, layers, embed, head) -> tuple:
     """:func:`rank_shards` summed per FSDP group (cached: planning asks for the same stage of
-    the same degrees many times). Blocks of one kind (the same parameters, names, shapes and
-    roles under their own prefix) are sharded alike: each kind is summed once per (degrees,
-    rank) and the sums added block by block, in the inventory's order (:func:`_blocks`)."""
+    the same degrees many times, and of many degrees with the same :func:`shard_key`). Blocks
+    of one kind (the same parameters, names, shapes and roles under their own prefix) are
+    sharded alike: each kind is summed once per shard key and the sums added block by block,
+    in the inventory's order (:func:`_blocks`)."""
+    skey = shard_key(model, flavor, overrides, degrees, rank, mixed)
+    k = (model, flavor, overrides, skey, layers, embed, head)
+    hit = _SUMMARIES.get(k)
+    if hit is None:
+        if len(_SUMMARIES) >= 65536:
+            _SUMMARIES.clear()
+        hit = _SUMMARIES[k] = _stage_summary(model, flavor, overrides, degrees, rank, mixed, layers, embed, head, skey)
+    return hit
+
+
+def _stage_summary(model, flavor, overrides: tuple, degrees, rank, mixed, layers, embed, head, skey) -> tuple:
     params, _ = _inventory(model, flavor, overrides)
     blocks = _blocks(model, flavor, overrides)
     groups: dict = {}
@@ -286,7 +330,7 @@ def stage_summary(model, flavor, overrides: tuple, degrees, rank, mixed, layers,
                 s.tp_local_numel)  # fmt: skip
         for layer in sorted((i for i in layers if i in spans), key=lambda i: spans[i][0]):
             prefix = spans[layer][2]
-            for rel, *vals in _kind_summary(model, flavor, overrides, kinds[layer], degrees, rank, mixed):
+            for rel, *vals in _kind_summary(model, flavor, overrides, kinds[layer], degrees, rank, mixed, skey):
                 add(None if rel is None else prefix + rel, *vals)
         for s in rank_shards(outer, degrees, layout, rank, mixed, (), False, head, has_moe):
             add(s.fsdp_group, s.fsdp_mesh, s.fsdp_size, s.padded_unsharded_numel, s.padded_numel, s.local_numel,
@@ -329,10 +373,23 @@ def _blocks(model: str, flavor: str, overrides: tuple):
     return out, kinds, any(p.expert for p in params)
 
 
-@lru_cache(maxsize=65536)
-def _kind_summary(model, flavor, overrides: tuple, kind: int, degrees, rank, mixed) -> tuple:
+_KINDS: dict = {}
+
+
+def _kind_summary(model, flavor, overrides: tuple, kind: int, degrees, rank, mixed, skey) -> tuple:
     """:func:`stage_summary`'s per-group sums of block ``kind`` alone (group names relative to
-    the block's prefix), in the order its parameters first name each group."""
+    the block's prefix), in the order its parameters first name each group (cached by the
+    shard key ``skey``)."""
+    k = (model, flavor, overrides, kind, skey)
+    hit = _KINDS.get(k)
+    if hit is None:
+        if len(_KINDS) >= 65536:
+            _KINDS.clear()
+        hit = _KINDS[k] = _kind_summary_of(model, flavor, overrides, kind, degrees, rank, mixed)
+    return hit
+
+
+def _kind_summary_of(model, flavor, overrides: tuple, kind: int, degrees, rank, mixed) -> tuple:
     params, _ = _inventory(model, flavor, overrides)
     spans, _, has_moe = _blocks(model, flavor, overrides)
     a, b, prefix = spans[kind]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .choice import LayoutChoice
-from .estimate import DIRECT, FSDP_OVERLAPPED, Estimate, Job, estimate
+from .estimate import DIRECT, FSDP_OVERLAPPED, Estimate, Job, estimate, unpriced
 from .float8 import float8_experts_refusal
 from .hardware import GIB
 from .inventory import model_inventory
@@ -120,6 +120,7 @@ def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHE
     if not _check(lambda: check_model_layout(d, ModelRules(global_batch_size=job.global_batch))):
         return
     per_rank = job.global_batch // batch
+    base = _base_choice(job)
     for lb in _divisors(per_rank):
         if not _valid_accum(job.global_batch, lb, batch):
             continue
@@ -134,11 +135,31 @@ def enumerate_choices(job: Job, degrees, args, ac_modes=AC_MODES, schedules=SCHE
         for sched, m in pipe:
             for ac in ac_modes:
                 for reshard in reshards:
-                    yield LayoutChoice(
-                        global_batch=job.global_batch, local_batch=lb, seq_len=job.seq_len, schedule=sched,
-                        n_microbatches=m, ac=ac, reshard=reshard, param_dtype=job.param_dtype,
-                        reduce_dtype=job.reduce_dtype, float8=job.float8, lora=job.lora,
-                    )  # fmt: skip
+                    yield _choice(base, lb, sched, m, ac, reshard)
+
+
+def _base_choice(job: Job) -> dict:
+    """The fields every choice of ``job`` shares, as a :class:`LayoutChoice`'s ``__dict__``."""
+    return dict(
+        LayoutChoice(
+            global_batch=job.global_batch,
+            local_batch=1,
+            seq_len=job.seq_len,
+            param_dtype=job.param_dtype,
+            reduce_dtype=job.reduce_dtype,
+            float8=job.float8,
+            lora=job.lora,
+        ).__dict__
+    )
+
+
+def _choice(base: dict, lb: int, sched, m, ac: str, reshard: str) -> LayoutChoice:
+    """``LayoutChoice(**base, local_batch=lb, ...)`` (the same object: equal, same hash and
+    repr) without the frozen dataclass's ``__init__``, which sets its 13 fields one by one
+    through ``object.__setattr__`` (the search builds a choice per layout)."""
+    c = object.__new__(LayoutChoice)
+    c.__dict__.update(base, local_batch=lb, schedule=sched, n_microbatches=m, ac=ac, reshard=reshard)
+    return c
 
 
 def enumerate_layouts(job: Job, ac_modes=AC_MODES, schedules=SCHEDULES):
@@ -191,7 +212,17 @@ def plan_layouts(
         if static > usable and prune_state:
             pruned += len(choices)
             continue
-        ests.extend(estimate(job, degrees, c, time_if_oom=False, pricer=pricer) for c in choices)
+        if reference:
+            ests.extend(estimate(job, degrees, c, time_if_oom=False, pricer=pricer) for c in choices)
+        else:
+            ranks = sorted({0, (degrees.pp - 1) * stride_pp})  # as estimate() takes them
+            for c, mems in zip(choices, pricer.memories(choices, ranks)):
+                # estimate()'s busiest rank (max(): the first of equals) and its test of fit
+                mem = mems[1] if len(mems) > 1 and mems[1]["total"] > mems[0]["total"] else mems[0]
+                if mem["total"] <= usable:
+                    ests.append(estimate(job, degrees, c, False, pricer, mems))
+                else:
+                    ests.append(unpriced(degrees, c, mem))
     ests.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"]))
     return PlanResult(ests, pruned)
 
