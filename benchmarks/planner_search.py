@@ -6,8 +6,9 @@ The search is the one ``python -m tools.planner --model llama3 --flavor 405B --w
 --gpus-per-node 8 --gpu h100 --seq-len 8192 --global-batch 2048`` runs (its ``plan_layouts``,
 timed in process as the command's "searched in" line times it), wall and CPU seconds. Its full
 ranking is hashed (:func:`tools.planner.search.ranking_digest`) and compared with the digest of
-the search before issue 53's speed-up (commit f4617db: 324 s on the Intel host, one thread),
-recorded below with that run's top layout. The search of the 70B example of docs/planner.md
+the per-layout reference search (each layout priced alone, as before issue 53's speed-up: commit
+f4617db took 324 s on the Intel host, one thread) under the current memory model, recorded below
+with that run's top layout. The search of the 70B example of docs/planner.md
 (``--flavor 70B --world-size 256 --global-batch 512``) is timed too, its digest compared with the
 one the per-layout search gave (the batched pricing, tools/planner/batch.py, must not change a
 bit of either ranking).
@@ -27,10 +28,16 @@ COMMAND = [
 # shared with 7 other jobs; the search now: 34.1 CPU s in the same conditions). Its winner:
 # dp_replicate 8 x dp_shard 2 x cp 16 x tp 2 x pp 32, InterleavedZeroBubble/128, selective AC,
 # 154.7 tokens/s per GPU; 221,463 layouts, 43,873 fit.
+# The phase-aware memory model (tools/planner/phases.py, e2c57d4) changed which layouts fit, by
+# design (the additive model's ranking, f4617db's, was 7f3841cefd0c...a5923 with 43,873 fitting):
+# the digest compared now is the per-layout reference search's (``plan_layouts(job,
+# reference=True)``, each layout priced alone, no batching) under the phase model, recorded on
+# the merged tree (2026-12-07 20:45 UTC, 18.9 CPU s): 37,228 layouts fit, the same winner.
 BEFORE = {
     "commit": "f4617db",
     "search_s": 324,
-    "ranking_sha256": "7f3841cefd0c1189b9a0edde8b915880355fc11957350ef2f29129ff716a5923",
+    "ranking_sha256": "38f7964cb2261d9bc79501b02d6f7aa61f4773222304271c6041c768f3f79bb0",
+    "ranking_of": "plan_layouts(reference=True) under the phase-aware memory model",
 }
 
 
@@ -38,8 +45,9 @@ COMMAND_70B = [
     "--model", "llama3", "--flavor", "70B", "--world-size", "256", "--gpus-per-node", "8", "--gpu", "h100",
     "--seq-len", "8192", "--global-batch", "512",
 ]  # fmt: skip
-# the per-layout search's ranking of the 70B example (db67b62, before the batched pricing)
-BEFORE_70B_SHA256 = "eb5e947da006a45c5274045abac135002b4c3eb0392ab4df6274f2accd2a01fa"
+# the per-layout reference search's ranking of the 70B example under the phase-aware memory
+# model (recorded as BEFORE's; 20,564 fit; the additive model's, db67b62: eb5e947da006...01fa)
+BEFORE_70B_SHA256 = "5d260b077a29149dcf1d5cd36ce145519bcf5b7e68d5bda3025125b3db92330d"
 # the search before the batched pricing (db67b62): 27.78 CPU s for 405B in its own run
 # (2026-12-07 14:50); CPU seconds on this shared host swing with its load, so both searches were
 # also timed in one process, one after the other (2026-12-07 ~18:00, load average 15-24), with
