@@ -21,10 +21,11 @@ functions, which their tests measure exact (issue 53):
   (tests/unit/test_memory_options_bench.py).
 - activation offload under full AC: what the fit takes off the blocks' activations is the option's ``block_input_bytes`` of the
   rank's blocks (models/parallel/activation_offload.py, what the hooks move and the e2e test
-  counts) less two blocks' worth, which the fit keeps on the GPU (the block being saved and the
-  one in transit); the RoPE rows (``attention_input_bytes``, offloaded once per forward) are
-  not in the planner's estimate and not in its saving. Exact on one rank, tp=2 with sequence
-  parallelism, cp=2, in bf16 and float32. Negative control: the whole moved amount is not it.
+  counts), all of it at the loss backward, and in the blocks' backward all but one block's
+  worth, the block whose saved tensors came back for its backward; the RoPE rows
+  (``attention_input_bytes``, offloaded once per forward) are not in the planner's estimate and
+  not in its saving. Exact on one rank, tp=2 with sequence parallelism, cp=2, in bf16 and
+  float32. Negative control: the former rule (two blocks kept in both phases) is not it.
 - bf16 optimizer state and CPU offload: one rank of dp_shard=3 (FSDP2 pads dim 0) and of
   tp=2 x dp_shard=2, the model parallelized by the real code on the meta device under the fake
   backend (in one forked process, tools/forkserver.py): the planner's ``optimizer / 2`` equals
@@ -125,14 +126,17 @@ def test_fit_activation_offload_saving_is_the_options_own(degrees, dtype):
     c = LayoutChoice(global_batch=2, local_batch=2, seq_len=128, ac="full", param_dtype=dtype)
     job = _job("llama3", world)
     _, args = model_inventory("llama3", "debugmodel")
-    on = option_parts(job, d, c, 0, ("activation_offload",), 32).layers
-    fit = option_parts(job, d, c, 0, (), 32).layers - on
+    on = option_parts(job, d, c, 0, ("activation_offload",), 32)
+    held = option_parts(job, d, c, 0, (), 32).layers
+    fit_loss, fit_backward = held - on.layers, held - on.layers_backward
 
     def moved(n: int) -> int:
         return block_input_bytes(n, 2, 128, args.dim, cp=d.cp, tp=d.tp, sp=c.sequence_parallel, a=DTYPE_BYTES[dtype])
 
-    assert fit == moved(args.n_layers) - moved(2) > 0, (fit, moved(args.n_layers))
-    assert fit != moved(args.n_layers)  # negative control: what the hooks move, all of it
+    assert fit_loss == moved(args.n_layers) > 0, (fit_loss, moved(args.n_layers))
+    assert fit_backward == moved(args.n_layers) - moved(1) > 0, (fit_backward, moved(args.n_layers))
+    # negative control: the former rule, two blocks' worth kept on the device in every phase
+    assert fit_loss != moved(args.n_layers) - moved(2) and fit_backward != moved(args.n_layers) - moved(2)
 
 
 def rank_option_bytes(degrees: dict, rank: int) -> dict:

@@ -147,9 +147,9 @@ def test_fit_picks_the_option_a_case_needs():
     7.83 = 33.86 (no parameter gradient exists yet); the blocks' backward peaks at 27.08, the
     optimizer step at 22.33. Chunked loss (1024-token chunks) moves the peak to the end of the
     backward (25.12: it saves 8.74, not the 11.47 it takes off the loss phase), bf16 state saves
-    5.58, activation offload 0.44, CPU offload 16.75 (params and state: the gradients, 5.58,
+    5.58, activation offload 0.50 (every block's input off the device at the loss backward), CPU offload 16.75 (params and state: the gradients, 5.58,
     are not alive at the peak). At 32,768 tokens the plain peak is 76.83; chunked loss alone
-    26.02, CPU offload alone 60.09, bf16 state + activation offload 69.50.
+    26.02, CPU offload alone 60.09, bf16 state + activation offload 69.25.
 
     * 80 GiB: fits as it is, no option;
     * 18 GiB at 8192: only CPU offload can (17.12; every set without it peaks at 19.54 or more:

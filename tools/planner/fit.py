@@ -20,9 +20,11 @@ The options and the config fields that turn them on (issue 53):
   exposed; the optimizer step runs on the CPU at the host memory bandwidth instead of the GPU's;
 * activation offload, ``activation_checkpoint.offload = true``: the saved activations of the
   transformer blocks go to the host in the forward and come back in the backward; the GPU keeps
-  two blocks' worth (the one being saved and the one in transit), the head's buffers and the
-  recomputation; cost: those bytes twice over the host link per forward, hidden behind the
-  rank's compute except what exceeds it;
+  none of them at the loss backward (the copies run on the compute stream: a block's device
+  memory is free for the next kernels once its forward is done) and one block's worth in the
+  blocks' backward (a block's saved tensors come back when its backward unpacks them and go
+  with it), besides the head's buffers and the recomputation; cost: those bytes twice over the
+  host link per forward, hidden behind the rank's compute except what exceeds it;
 * bf16 optimizer state, ``optimizer.state_dtype = "bfloat16"``: AdamW's moments and Muon's
   momentum in bf16, half the state bytes; time: AdamW's step reads and writes 8 bytes fewer per
   parameter (the two states at 2 instead of 4 bytes, read and written).
@@ -137,8 +139,13 @@ def option_parts(job: Job, d, choice, rank: int, options: tuple, chunk_tokens: i
             )  # fmt: skip
             held += est.layers
             n_layers += len(layers)
-        kept = 2 * held / n_layers if n_layers else 0
-        parts.layers = min(parts.layers, kept)
+        # none at the loss backward: every block's saved tensors went to the host in its forward
+        # (on the compute stream, so the device copy is free for the next kernels once the
+        # block's forward is done); in the blocks' backward one block's come back at a time
+        # (brought back when its backward unpacks them, released after it): one block of one
+        # micro-batch (models/parallel/activation_offload.py)
+        parts.layers_backward = min(parts.layers, held / n_layers if n_layers else 0)
+        parts.layers = 0
     if "state_dtype" in options:
         parts.optimizer = parts.optimizer / 2
     if "cpu_offload" in options:

@@ -30,7 +30,8 @@ The options act on these parts (:mod:`tools.planner.fit`): CPU offload takes the
 shards, gradients and optimizer state off the device in every phase, so it lowers the peak
 by what the peak phase holds of them; the chunked loss replaces the head's vocabulary buffers
 and the loss gradients by one chunk's buffer and the weight-gradient accumulator; activation
-offload keeps two blocks' worth of the activations; bf16 state halves the optimizer state.
+offload keeps none of the blocks' activations at the loss backward and one block's in the
+blocks' backward; bf16 state halves the optimizer state.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class MemoryParts:
     loss_grads: float  # transient at the loss backward's start: its gradients, or the chunked head's buffers
     recompute: float  # full AC: one block's activations recomputed in the backward
     logits_kept: float  # what the trainer holds from the forward until the backward returns
+    # the blocks' activations on the device at the blocks' backward start when not ``layers``
+    # (activation offload: the one block whose saved tensors were brought back)
+    layers_backward: float | None = None
 
 
 def peak(p: MemoryParts) -> dict[str, float]:
@@ -72,6 +76,7 @@ def peak(p: MemoryParts) -> dict[str, float]:
     ``phase_optimizer``) and the peak phase's index in :data:`PHASES` (``peak_phase``; the
     first on a tie). Called for every layout the search prices: plain arithmetic."""
     acc = p.accumulated
+    layers_back = p.layers if p.layers_backward is None else p.layers_backward
     if p.accumulated_unsharded:
         loss = (p.params, 0.0, p.optimizer, p.gathered_loss, 0.0 + acc, p.layers + p.head, p.loss_grads)
         start_grads, start_unsharded = p.head_grads, p.unsharded_start + acc
@@ -79,7 +84,7 @@ def peak(p: MemoryParts) -> dict[str, float]:
         loss = (p.params, 0.0 + acc, p.optimizer, p.gathered_loss, 0.0, p.layers + p.head, p.loss_grads)
         start_grads, start_unsharded = max(p.head_grads, acc), p.unsharded_start
     start = (p.params, start_grads, p.optimizer, p.gathered_start, start_unsharded,
-             p.layers + p.recompute + p.logits_kept, 0.0)  # fmt: skip
+             layers_back + p.recompute + p.logits_kept, 0.0)  # fmt: skip
     end = (p.params, p.grads, p.optimizer, p.gathered_end, p.unsharded_end, p.logits_kept, 0.0)
     opt = (p.params, p.grads, p.optimizer, 0.0, 0.0, 0.0, 0.0)
     t_loss, t_start, t_end, t_opt = sum(loss), sum(start), sum(end), sum(opt)
