@@ -32,6 +32,8 @@ the two paths).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .choice import LayoutChoice, grad_accum_steps
 from .collectives import collective_template, template_key
 from .estimate import FSDP_OVERLAPPED, Job, Pricer, _elementwise_bytes, _mesh_sizes
@@ -53,6 +55,7 @@ class BatchPricer(Pricer):
     def start(self, degrees) -> None:
         self.d = degrees
         self._contexts: dict = {}
+        self._bases: dict = {}  # (rank, schedule, micro-batches): a context and its stages' key
         self._shares: dict = {}
         self._activations: dict = {}
         self._flops: dict = {}
@@ -64,8 +67,17 @@ class BatchPricer(Pricer):
         k = (rank, choice.schedule, choice.n_microbatches, choice.local_batch)
         hit = self._contexts.get(k)
         if hit is None:
-            ctx = rank_context(self.job, self.d, choice, rank, self._shares)
-            stages_key = tuple((layers.start, layers.stop, embed, head) for layers, embed, head in ctx.stages)
+            # the stages and their shards do not depend on the local batch (the pipeline plan
+            # reads it only to check the micro-batch count, which the enumerated choices pass):
+            # one context per (rank, schedule, micro-batches), the batch split's fields set
+            base = self._bases.get(k[:3])
+            if base is None:
+                ctx = rank_context(self.job, self.d, choice, rank, self._shares)
+                stages_key = tuple((layers.start, layers.stop, embed, head) for layers, embed, head in ctx.stages)
+                self._bases[k[:3]] = (ctx, stages_key)
+            else:
+                ctx, stages_key = base
+                ctx = dataclasses.replace(ctx, accum=grad_accum_steps(choice, self.d), mb=choice.local_batch // ctx.m)
             hit = self._contexts[k] = (k, ctx, stages_key)
         return hit
 
@@ -99,7 +111,7 @@ class BatchPricer(Pricer):
                     last_ak = ak
                 out.append(memory_from_context(job, d, choice, ctx, context_activations(job, d, choice, ctx, sums)))
             per_rank.append(out)
-        return [list(mems) for mems in zip(*per_rank)]
+        return list(zip(*per_rank))  # a tuple of the ranks' memories per choice
 
     def flops(self, job: Job, d, choice: LayoutChoice, rank: int) -> dict:
         _, ctx, stages_key = self._context(choice, rank)
