@@ -99,10 +99,10 @@ LONG_NAMES = PARALLELISM_ALIASES  # short layout key -> [parallelism] key
 LLAMA3_LAYOUTS = [
     "single",
     "fsdp=4",
-    "dp_replicate=2,fsdp=2",
     "tp=2,fsdp=2",
+    "cp=2,fsdp=2",
 ]
-LLAMA3_LAYOUTS_2 = ["cp=2,fsdp=2", "cp=2,tp=2", "dp_replicate=4", "pp=2,fsdp=2"]  # a second launch (below)
+LLAMA3_LAYOUTS_2 = ["dp_replicate=2,fsdp=2", "cp=2,tp=2", "dp_replicate=4", "pp=2,fsdp=2"]  # a second launch
 REPEATED = "fsdp=4,ep=2"
 DEEPSEEK_LAYOUTS = [
     "fsdp=4",
@@ -285,14 +285,14 @@ def _seed(comparison: tuple) -> Path:
 
 
 def test_llama3_layouts_agree(llama3_comparison):
-    """1 process, FSDP, HSDP and TP+FSDP, with block-causal attention (CP+FSDP, CP+TP, pure
+    """1 process, FSDP, TP+FSDP and CP+FSDP, with block-causal attention (HSDP, CP+TP, pure
     replication and PP+FSDP: the next test)."""
     proc, out = llama3_comparison
     _check_data_has_documents(_assert_all_agree(proc, out, LLAMA3_LAYOUTS))
 
 
-def test_llama3_cp_dp_pp_layouts_agree(llama3_comparison, tmp_path):
-    """CP+FSDP, CP+TP, pure replication (DDP-like) and PP+FSDP, with block-causal attention,
+def test_llama3_hsdp_cp_tp_ddp_pp_layouts_agree(llama3_comparison, tmp_path):
+    """HSDP, CP+TP, pure replication (DDP-like) and PP+FSDP, with block-causal attention,
     from the previous test's seed checkpoint and judged against its single-process run."""
     out = tmp_path / "cmp"
     proc = launch_layouts("llama3.toml", LLAMA3_LAYOUTS_2, out, MATRIX, seed=_seed(llama3_comparison))
