@@ -55,7 +55,8 @@ which ``_check_data_has_documents`` asserts (>= 2) on the runs' own data. Measur
 block-causal and 2 blocks (CPU, 2 cores): loss within 1.2e-7, grad norm within 9.7e-8 of the
 baseline on every layout (6 blocks: 1.2e-7 and 1.9e-7); the repeated fsdp=4 x ep=2 bitwise
 equal to the first. About 25 CPU s for the llama3 matrix (8 layouts) and 30 for the deepseek
-one (7 runs) with forked ranks, against about 100 each under torchrun with 6 blocks.
+one (7 runs) with forked ranks, against about 100 each under torchrun with 6 blocks (at issue
+49 on the loaded Intel AMX host: 43 and 50 in one launch, 20 + 25 and 23 + 26 in two).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ max rel loss diff 9.5e-8 on every layout against the tolerance's 1e-5, mtp_loss 
 tp=2 and the 4-rank layout 9.5e-8 too; tp=2 x pp=2 bitwise equal loss and grad norm
 over the 3 steps (mtp_loss within 6.5e-8); the whole comparison about 34 CPU s (pytest's
 accounting; 23.5 s wall on the 2-core host at load 1.9), of which tp=2 x pp=2 about 4 s wall
-and 6 CPU s. Negative controls, by hand (not kept: more launches):
+and 6 CPU s (at issue 49 on the loaded Intel AMX host: 58 CPU s in one launch, 19 + 20 + 17
+in the three). Negative controls, by hand (not kept: more launches):
 with the all-reduce of the embedding copies' gradients removed, pp=2 leaves the tolerance at
 step 2 (max rel loss diff 4.2e-5, grad norm 7.0e-5), while one process is unchanged; with the
 main and MTP normed states concatenated rank-locally under tp=2 (``to_local()`` before the cat:
