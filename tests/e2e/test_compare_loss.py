@@ -3,8 +3,10 @@ docs/design.md section 5 must give the same loss curve (within the tool's DEFAUL
 loosened here) from one seed checkpoint.
 
 Cost on 2 CPU cores is almost all process start-up, so the runs are tiny (3 steps, seq_len 64,
-global batch 8, 2 transformer blocks) and grouped: one compare_loss call per model, its seed
-checkpoint shared with the gradient-dump and local_tensor tests, the reproducibility check a
+global batch 8, 2 transformer blocks) and grouped: two compare_loss calls per model, each a test
+(one call took over 60 s wall on a loaded 2-core host, issue 49), the second from the first's
+seed checkpoint and judged against its baseline run (``judge_against_reference``); the first's
+seed checkpoint shared with the gradient-dump and local_tensor tests, the reproducibility check a
 repeated layout of the deepseek matrix. The matrices run with ``--launcher fork``: each layout's
 ranks forked from one server that imported torch and the trainer once, instead of a torchrun
 launch per layout that starts an interpreter per rank (~1.5 CPU s each); the launcher is not
@@ -53,7 +55,8 @@ which ``_check_data_has_documents`` asserts (>= 2) on the runs' own data. Measur
 block-causal and 2 blocks (CPU, 2 cores): loss within 1.2e-7, grad norm within 9.7e-8 of the
 baseline on every layout (6 blocks: 1.2e-7 and 1.9e-7); the repeated fsdp=4 x ep=2 bitwise
 equal to the first. About 25 CPU s for the llama3 matrix (8 layouts) and 30 for the deepseek
-one (7 runs) with forked ranks, against about 100 each under torchrun with 6 blocks.
+one (7 runs) with forked ranks, against about 100 each under torchrun with 6 blocks (at issue
+49 on the loaded Intel AMX host: 43 and 50 in one launch, 20 + 25 and 23 + 26 in two).
 """
 
 from __future__ import annotations
@@ -97,23 +100,18 @@ LONG_NAMES = PARALLELISM_ALIASES  # short layout key -> [parallelism] key
 LLAMA3_LAYOUTS = [
     "single",
     "fsdp=4",
-    "dp_replicate=2,fsdp=2",
     "tp=2,fsdp=2",
     "cp=2,fsdp=2",
-    "cp=2,tp=2",
-    "dp_replicate=4",
-    "pp=2,fsdp=2",
 ]
+LLAMA3_LAYOUTS_2 = ["dp_replicate=2,fsdp=2", "cp=2,tp=2", "dp_replicate=4", "pp=2,fsdp=2"]  # a second launch
 REPEATED = "fsdp=4,ep=2"
 DEEPSEEK_LAYOUTS = [
     "fsdp=4",
     REPEATED,
     "fsdp=2,cp=2,ep=4",
-    "fsdp=2,tp=2,ep=2,etp=2",
-    "dp_replicate=2,fsdp=2,ep=2",
-    "pp=2,fsdp=2,ep=2",
     REPEATED,  # run twice: the repeat, named REPEATED#2, must be bitwise the first run
 ]
+DEEPSEEK_LAYOUTS_2 = ["fsdp=2,tp=2,ep=2,etp=2", "dp_replicate=2,fsdp=2,ep=2", "pp=2,fsdp=2,ep=2"]  # a second launch
 
 
 def _env() -> dict[str, str]:
@@ -222,64 +220,103 @@ def _assert_all_agree(proc: subprocess.CompletedProcess, out: Path, layouts: lis
     return summary
 
 
+def launch_layouts(config: str, layouts: list[str], out: Path, extra: list[str], steps: int = STEPS, seed=None):
+    """compare_loss over ``layouts`` with ranks forked and its DEFAULT tolerance, in this process
+    (``helpers.run_compare_loss``), from ``seed`` (a step-0 folder) when given."""
+    seeded = ("--seed-checkpoint", str(seed)) if seed else ()
+    return run_compare_loss(
+        *("--config", f"train_configs/{config}", "--steps", str(steps), "--out", str(out), "--timeout", "300"),
+        *("--launcher", "fork", *seeded, "--layouts", *layouts, "--", *extra),
+    )  # fmt: skip
+
+
+def judge_against_reference(summary: dict, reference: dict, steps: int = STEPS) -> None:
+    """A layout group launched apart from its file's reference launch (issue 49: one launch of
+    the whole matrix took over 60 s on a loaded 2-core host): it trained the same config with the
+    same overrides from the reference launch's seed checkpoint, and each of its runs is within
+    the tool's DEFAULT tolerance of the reference launch's baseline run on every step, judged by
+    the tool's own rule (``tools.compare_loss.compare.compare``) as the tool judges a layout in
+    one launch. The group's own launch judges its runs against its first layout at the same
+    DEFAULT tolerance (``summary["passed"]``, asserted by the callers): stricter than this claim
+    needs (two layouts each within it of the baseline may be up to twice it apart), met with
+    ample room (the measured gaps are 1e-7 against 1e-5)."""
+    from tools.compare_loss.compare import DEFAULT_ATOL, DEFAULT_GRAD_NORM_RTOL, DEFAULT_RTOL, compare, load_metrics
+
+    for key in ("config", "extra_overrides", "seed_checkpoint", "steps"):
+        assert summary[key] == reference[key], key
+    (base_run,) = [r for r in reference["runs"] if r["baseline"]]
+    base = load_metrics(str(Path(base_run["folder"]) / "metrics.jsonl"))
+    tol = dict(rtol=DEFAULT_RTOL, atol=DEFAULT_ATOL, grad_norm_rtol=DEFAULT_GRAD_NORM_RTOL, expected_steps=steps)
+    for run in summary["runs"]:
+        judged = compare(base, load_metrics(str(Path(run["folder"]) / "metrics.jsonl")), **tol)
+        print(
+            f"{run['layout']:<28} vs {base_run['layout']}: max rel loss diff {judged.max_rel:.2e}  "
+            f"grad-norm rel diff {judged.grad_norm_max_rel:.2e}"
+        )
+        assert judged.within and judged.steps == list(range(1, steps + 1)), (run["layout"], judged)
+
+
+def assert_group_agrees(proc, out: Path, layouts: list[str], reference: tuple) -> dict:
+    """``_assert_all_agree`` over a group launched apart (its runs, launcher, progress, plot and
+    the tool's verdict within the group), and every run against ``reference`` (the module
+    fixture's (proc, out) launch: its seed checkpoint and baseline run): judge_against_reference."""
+    summary = _assert_all_agree(proc, out, layouts)
+    _, ref_out = reference
+    judge_against_reference(summary, json.loads((ref_out / "summary.json").read_text()))
+    return summary
+
+
+# The module fixtures' launches (seed checkpoint, baseline run, first layouts); the second
+# groups: their own tests. llama3's keeps tp=2 x fsdp=2, whose run the local_tensor comparison
+# reproduces; deepseek's keeps fsdp=4 x ep=2 and its repeat (bitwise equal within one launch).
 @pytest.fixture(scope="module")
 def llama3_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama3") / "cmp"
-    proc = run_compare_loss(
-        "--config",
-        "train_configs/llama3.toml",
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(out),
-        "--timeout",
-        "300",
-        "--launcher",
-        "fork",
-        "--layouts",
-        *LLAMA3_LAYOUTS,
-        "--",
-        *MATRIX,
-    )
-    return proc, out
+    return launch_layouts("llama3.toml", LLAMA3_LAYOUTS, out, MATRIX), out
 
 
 @pytest.fixture(scope="module")
 def deepseek_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepseek") / "cmp"
-    proc = run_compare_loss(
-        "--config",
-        "train_configs/deepseek_v3.toml",
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(out),
-        "--timeout",
-        "300",
-        "--launcher",
-        "fork",
-        "--layouts",
-        *DEEPSEEK_LAYOUTS,
-        "--",
-        *MATRIX,
-    )
-    return proc, out
+    return launch_layouts("deepseek_v3.toml", DEEPSEEK_LAYOUTS, out, MATRIX), out
+
+
+def _seed(comparison: tuple) -> Path:
+    return comparison[1] / "seed" / "checkpoint" / "step-0"
 
 
 def test_llama3_layouts_agree(llama3_comparison):
-    """1 process, FSDP, HSDP, TP+FSDP, CP+FSDP, CP+TP, pure replication (DDP-like) and PP+FSDP,
-    with block-causal attention."""
+    """1 process, FSDP, TP+FSDP and CP+FSDP, with block-causal attention (HSDP, CP+TP, pure
+    replication and PP+FSDP: the next test)."""
     proc, out = llama3_comparison
     _check_data_has_documents(_assert_all_agree(proc, out, LLAMA3_LAYOUTS))
 
 
+def test_llama3_hsdp_cp_tp_ddp_pp_layouts_agree(llama3_comparison, tmp_path):
+    """HSDP, CP+TP, pure replication (DDP-like) and PP+FSDP, with block-causal attention,
+    from the previous test's seed checkpoint and judged against its single-process run."""
+    out = tmp_path / "cmp"
+    proc = launch_layouts("llama3.toml", LLAMA3_LAYOUTS_2, out, MATRIX, seed=_seed(llama3_comparison))
+    _check_data_has_documents(assert_group_agrees(proc, out, LLAMA3_LAYOUTS_2, llama3_comparison))
+
+
 def test_deepseek_v3_layouts_agree(deepseek_comparison):
-    """MoE: EP over FSDP ranks, EP folded over dp_shard x cp, EP with expert TP, EP under HSDP,
-    PP+FSDP+EP, with block-causal attention; 1 dense + 1 MoE block (module docstring). The
-    matrix also runs fsdp=4 x ep=2 twice, for test_same_layout_twice_is_bitwise_equal."""
+    """MoE: EP over FSDP ranks and EP folded over dp_shard x cp, with block-causal attention; 1
+    dense + 1 MoE block (module docstring). The launch also runs fsdp=4 x ep=2 twice, for
+    test_same_layout_twice_is_bitwise_equal (EP with expert TP, EP under HSDP, PP+FSDP+EP: the
+    next test)."""
     proc, out = deepseek_comparison
     _check_data_has_documents(_assert_all_agree(proc, out, DEEPSEEK_LAYOUTS))
     _check_moe_block(out)
+
+
+def test_deepseek_v3_etp_hsdp_pp_layouts_agree(deepseek_comparison, tmp_path):
+    """MoE: EP with expert TP, EP under HSDP and PP+FSDP+EP, with block-causal attention, from
+    the previous test's seed checkpoint (its MoE block checked there) and judged against its
+    fsdp=4 baseline run."""
+    out = tmp_path / "cmp"
+    proc = launch_layouts("deepseek_v3.toml", DEEPSEEK_LAYOUTS_2, out, MATRIX, seed=_seed(deepseek_comparison))
+    _check_data_has_documents(assert_group_agrees(proc, out, DEEPSEEK_LAYOUTS_2, deepseek_comparison))
 
 
 def test_same_layout_twice_is_bitwise_equal(deepseek_comparison):

@@ -2,7 +2,8 @@
 flavors train in one process, and Qwen3-MoE, with its load-balancing aux loss on (the debug
 flavor's published coefficient 0.001), gives the one-process loss curve over fsdp=2, tp=2, cp=2,
 fsdp=2 x ep=2, fsdp=2 x tp=2 x ep=2 x etp=2 and pp=2 x fsdp=2 x ep=2 (``tools.compare_loss``, its
-DEFAULT tolerance, block-causal attention, one launch).
+DEFAULT tolerance, block-causal attention; two launches from one seed checkpoint, the second judged
+against the first's one-process run).
 
 Shapes as tests/e2e/test_compare_loss.py's matrices (its docstring says why they suffice): 2
 blocks (with Qwen3-MoE every block is routed, so both carry the router and the experts that
@@ -25,18 +26,23 @@ import math
 
 import pytest
 
-from .helpers import FAST, read_metrics, run_compare_loss, run_forked
-from .test_compare_loss import MATRIX, STEPS, _assert_all_agree
+from .helpers import FAST, read_metrics, run_forked
+from .test_compare_loss import MATRIX, _assert_all_agree, assert_group_agrees, launch_layouts
 
-QWEN3_MOE_LAYOUTS = [
-    "single",
-    "fsdp=2",
-    "tp=2",
-    "cp=2",
-    "fsdp=2,ep=2",
-    "fsdp=2,tp=2,ep=2,etp=2",
-    "pp=2,fsdp=2,ep=2",
-]
+# two launches, each a test (issue 49: one of all seven runs took over 60 s wall on a loaded
+# 2-core host): the module fixture's makes the seed checkpoint and the one-process run the
+# second starts from and is judged against
+QWEN3_MOE_LAYOUTS = ["single", "fsdp=2", "tp=2", "cp=2", "fsdp=2,ep=2"]
+QWEN3_MOE_EXPERT_LAYOUTS = ["fsdp=2,tp=2,ep=2,etp=2", "pp=2,fsdp=2,ep=2"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_comparison(tmp_path_factory):
+    from models.qwen3 import qwen3_flavors
+
+    assert qwen3_flavors["debugmodel_moe"].aux_loss_coeff > 0  # the runs train with the aux loss
+    out = tmp_path_factory.mktemp("qwen3_moe") / "cmp"
+    return launch_layouts("qwen3_moe.toml", QWEN3_MOE_LAYOUTS, out, MATRIX), out
 
 
 @pytest.mark.parametrize("config", ["qwen3.toml", "qwen3_moe.toml"])
@@ -67,27 +73,18 @@ def test_debug_flavor_trains_in_one_process(tmp_path, config):
     assert m[6]["loss"] < m[1]["loss"] - 0.1, (m[1]["loss"], m[6]["loss"])
 
 
-def test_qwen3_moe_layouts_match_one_process(tmp_path):
-    """fsdp, tp, cp, ep, ep x etp and pp (with fsdp x ep) give the one-process loss (cross
-    entropy + aux loss) and grad norm within compare_loss's default tolerance on every step."""
-    from models.qwen3 import qwen3_flavors
-
-    assert qwen3_flavors["debugmodel_moe"].aux_loss_coeff > 0  # the runs train with the aux loss
-    out = tmp_path / "cmp"
-    proc = run_compare_loss(
-        "--config",
-        "train_configs/qwen3_moe.toml",
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(out),
-        "--timeout",
-        "300",
-        "--launcher",
-        "fork",
-        "--layouts",
-        *QWEN3_MOE_LAYOUTS,
-        "--",
-        *MATRIX,
-    )
+def test_qwen3_moe_layouts_match_one_process(qwen3_moe_comparison):
+    """fsdp, tp, cp and ep give the one-process loss (cross entropy + aux loss) and grad norm
+    within compare_loss's default tolerance on every step (ep x etp and pp: the next test)."""
+    proc, out = qwen3_moe_comparison
     _assert_all_agree(proc, out, QWEN3_MOE_LAYOUTS)
+
+
+def test_qwen3_moe_expert_tp_and_pp_layouts_match_one_process(qwen3_moe_comparison, tmp_path):
+    """ep x etp (with fsdp x tp) and pp (with fsdp x ep), from the previous test's seed
+    checkpoint: its one-process loss (cross entropy + aux loss) and grad norm within
+    compare_loss's default tolerance on every step."""
+    out = tmp_path / "cmp"
+    seed = qwen3_moe_comparison[1] / "seed" / "checkpoint" / "step-0"
+    proc = launch_layouts("qwen3_moe.toml", QWEN3_MOE_EXPERT_LAYOUTS, out, MATRIX, seed=seed)
+    assert_group_agrees(proc, out, QWEN3_MOE_EXPERT_LAYOUTS, qwen3_moe_comparison)
