@@ -97,19 +97,22 @@ class BatchPricer(Pricer):
         per_rank = []
         for rank in ranks:
             out = []
-            last = last_ak = None
+            last = last_ak = acts = None
             for choice in choices:
                 k = (rank, choice.schedule, choice.n_microbatches, choice.local_batch)
                 if k != last:
                     _, ctx, stages_key = self._context(choice, rank)
-                    last = k
+                    last, acts = k, None
                 ak = (rank, stages_key, ctx.mb, choice.ac, choice.selective_ac_option)
-                if ak != last_ak:
+                if ak != last_ak or acts is None:
                     sums = self._activations.get(ak)
                     if sums is None:
                         sums = self._activations[ak] = activation_sums(job, d, choice, ctx.stages, ctx.mb)
                     last_ak = ak
-                out.append(memory_from_context(job, d, choice, ctx, context_activations(job, d, choice, ctx, sums)))
+                    # what the micro-batches in flight hold: the same for every choice of one
+                    # context (schedule, micro-batches) and activation key
+                    acts = context_activations(job, d, choice, ctx, sums)
+                out.append(memory_from_context(job, d, choice, ctx, acts))
             per_rank.append(out)
         return list(zip(*per_rank))  # a tuple of the ranks' memories per choice
 
