@@ -103,7 +103,20 @@ def _trl(setup, loss_type: str, beta: float):
     loss.backward()
     metrics = {name: trainer._metrics["train"][name][-1] for name in METRIC_NAMES}
     grads = {n: p.grad.detach().clone() for n, p in policy_hf.named_parameters()}
+    _forget_accelerate_state()
     return loss.item(), metrics, grads, batch
+
+
+def _forget_accelerate_state() -> None:
+    """The ``DPOTrainer`` made, through accelerate, a gloo process group of one in this pytest
+    process and a state singleton that points at it: both go, so the next test here starts
+    without a default group (tests/conftest.py fails a test that leaves one)."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _our_rows(batch, swap: bool = False):
