@@ -69,15 +69,20 @@ $(STAMP): pyproject.toml
 	fi
 	@echo "== installing meshtrain and its dev/test dependencies (pytest, hypothesis, matplotlib, ruff, torchtitan for comparisons)"
 	@$(PY) -m pip install --quiet --no-compile -e ".[dev,peer]"
-	@echo "== compiling the installed packages' bytecode on every core"
-	@$(PY) -m compileall -q -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+	@echo "== compiling the bytecode of what a training process imports"
+	@env -u PYTHONDONTWRITEBYTECODE $(PY) -c "import tools.forkserver_preload" 2>/dev/null || true
 	@touch $(STAMP)
 	@echo "== $(VENV) is ready; run tools with $(VENV)/bin/python, $(VENV)/bin/torchrun (or: source $(VENV)/bin/activate)"
 endif
-# pip compiles every installed module's bytecode on one core (about 45 CPU s for torch and the
-# dev extras); --no-compile and one compileall over both cores do the same work in about half
-# the wall time of a fresh clone's setup (a file a package ships that does not compile, as
-# pip's own compile step tolerates, makes compileall exit 1: that is not a setup failure).
+# pip compiles every installed module's bytecode on one core (about 45 CPU s for the 19,000
+# files of torch and the dev extras), most of which no process ever imports. pip installs with
+# --no-compile instead, and one import of what a training rank imports
+# (tools/forkserver_preload.py: torch, its distributed and compile packages, torchao's float8,
+# the trainer; about 2,900 files) writes their bytecode before the tests' processes all start at
+# once and would each compile it again; what else a test imports is compiled at its first
+# import (`make test` writes bytecode even where PYTHONDONTWRITEBYTECODE is set). Measured on a
+# 2-core Intel Xeon host: that import 8.8 s wall, where compileall over all of site-packages on
+# both cores took 26 s (setup 65 -> about 48 s wall; docs/testing.md).
 
 # Is $(PYTHON)'s (then the venv's) torch importable and supported? Run by SYSTEM_TORCH=1 setup.
 define SYSTEM_TORCH_CHECK
@@ -108,11 +113,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# pytest-xdist workers for `make test`: 2 without a GPU. Many tests wait on one process at a
-# time (torchrun start-up, a 1-process run, a deliberate timeout) while a core sits idle; two
-# workers keep both cores busy. Each worker runs whole files (--dist loadfile): a module's
-# shared fixtures (one launch for several tests) run once. TEST_WORKERS=1 runs in one process.
-TEST_WORKERS ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 2)
+# pytest-xdist workers for `make test`: one more than the cores on a host without a GPU (at
+# most 8). Many tests wait on one process at a time (torchrun start-up, a rendezvous, a
+# deliberate timeout, a rank stopped after another failed) while a core sits idle: with two
+# workers on a 2-core Intel Xeon host the main suite took 1010 s wall for 1634 CPU s of tests
+# (386 core-seconds idle or in pytest itself), with three 855 s for 1622 CPU s (docs/testing.md).
+# Each worker runs whole files (--dist loadfile): a module's shared fixtures (one launch for
+# several tests) run once. TEST_WORKERS=1 runs in one process; a GPU host defaults to one.
+TEST_WORKERS ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || { n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 8 ] && echo $$((n + 1)) || echo 8; })
 XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The numerics-sensitive tests run twice: on this CPU's own kernels, then in the second lane
