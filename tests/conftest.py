@@ -61,11 +61,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if refusal and item.get_closest_marker("fake_backend"):
             item.add_marker(pytest.mark.skip(reason=refusal))
-    # Run order: `make test` runs the files on two pytest-xdist workers (--dist loadfile
+    # Run order: `make test` runs the files on pytest-xdist workers (--dist loadfile
     # --no-loadscope-reorder), which take the files in collection order, each worker the next file
     # as it runs out of work. Ordered by their measured cost, most costly first (tests/test_costs.json;
     # a file not in it by its tier's default), the long files start first and the seconds-long unit
-    # files fill in at the end, so the two workers finish together instead of one long file starting
+    # files fill in at the end, so the workers finish together instead of one long file starting
     # last and running alone.
     order = {name: i for i, name in enumerate(run_order({_repo_path(item) for item in items}))}
     items.sort(key=lambda item: order[_repo_path(item)])

@@ -5,7 +5,7 @@ portable mesh builder.
     python -m tests.kernel_lane [pytest args]      # what `make test` runs after the main suite
 
 One pytest session for both (pytest's start-up and collection paid once, both file sets shared
-by the two workers): the whole lane runs with ``MESHTRAIN_MESH_BUILDER=portable`` (the builder
+by the workers): the whole lane runs with ``MESHTRAIN_MESH_BUILDER=portable`` (the builder
 only decides how the meshes are made, and both builders make the same groups: test_fake_build,
 test_parallel_dims_gloo), so the mesh, scale and parity tests also run on the other kernels,
 and the numerics tests' meshes come from the portable builder.

@@ -6,16 +6,16 @@ test that first used it):
 * wall seconds;
 * CPU seconds: this process and its threads, every child process it waited for (``subprocess``
   runs, torchrun with its workers) and the ranks the forkserver of ``tools/forkserver.py`` forked
-  for it. On a 2-core host running two xdist workers, the suite's wall time is about its CPU
+  for it. On a 2-core host running three xdist workers, the suite's wall time is about its CPU
   seconds / 2: CPU is what a test takes from the others, and it barely depends on what else
   runs beside it;
 * processes started (``subprocess`` launches and gloo ranks forked), where start-up goes.
 
-The per-file wall seconds of a full run (on two workers) are kept in tests/test_costs.json, which orders the files
-(tests/conftest.py: most costly first, so the two xdist workers finish together). After changing
+The per-file wall seconds of a full run (on `make test`'s workers) are kept in tests/test_costs.json, which orders the files
+(tests/conftest.py: most costly first, so the xdist workers finish together). After changing
 what a file costs, refresh it from a full run:
 
-    MESHTRAIN_TEST_TIMES=/tmp/times.json .venv/bin/python -m pytest -q -n 2 --dist loadfile tests
+    MESHTRAIN_TEST_TIMES=/tmp/times.json .venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
     .venv/bin/python tests/suite_budget.py /tmp/times.json      # rewrites tests/test_costs.json
 
 At the end of the session (on the xdist controller) it prints the total, the host (CPU model and
