@@ -233,6 +233,18 @@ class _InheritedFd:
         return dup.detach()
 
 
+def whole_lines(stream) -> None:
+    """Make a rank's text stream hand each line to its file descriptor in one write. The ranks
+    of a job share one pipe per stream, so a line written in two pieces can have another rank's
+    line land between them. That is what an interpreter started with ``PYTHONUNBUFFERED=1`` (set
+    in CI environments, and inherited by the server) does: its streams write through to an
+    unbuffered file, and ``print`` writes the text and the newline separately (seen: a
+    ``"rank 0 on stderr"`` line torn by rank 1's under load). Buffered up to each newline
+    instead, a line reaches the pipe in one ``write`` (atomic on a pipe up to ``PIPE_BUF``, 4096
+    bytes; longer lines can still interleave)."""
+    stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def _train_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, stdout_fd: int, stderr_fd: int) -> None:
     """One rank: the caller's environment and directory, its output on the given descriptors,
     then ``script`` as ``python script argv`` runs it (train.py ends the process itself,
@@ -242,8 +254,8 @@ def _train_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, std
     os.dup2(stderr_fd, 2)
     for fd in {stdout_fd, stderr_fd} - {1, 2}:
         os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    whole_lines(sys.stdout)
+    whole_lines(sys.stderr)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
