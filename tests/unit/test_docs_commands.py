@@ -7,8 +7,8 @@ the lines after a ``$`` prompt) are checked without doing their work:
   module or script resolves, and its own argparse parser accepts the options: the command runs
   in this process until its parser returns, then stops (``argparse.ArgumentParser.parse_args``
   is wrapped to raise), so nothing after parsing runs. A module whose source has neither
-  ``argparse`` nor a ``main(`` is refused rather than run. ``pytest``, ``tests.kernel_lane``
-  and ``tests.both_sessions`` (which hand their arguments to pytest): the paths exist and ``-m`` names a declared marker.
+  ``argparse`` nor a ``main(`` is refused rather than run. ``pytest`` and ``tests.kernel_lane``
+  (which hands its arguments to pytest): the paths exist and ``-m`` names a declared marker.
   ``python -c CODE``: the code compiles. ``python -m tools.compare_loss ... -- OVERRIDES``: the
   overrides after ``--`` go to every run's train.py, so the config loader checks them.
 * ``train.py ...`` (with python or through ``torchrun``): the trainer's config loader parses the
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 PYTHONS = {"python", "python3", ".venv/bin/python", "$(PY)"}
-PYTEST_LIKE = {"pytest", "tests.kernel_lane", "tests.both_sessions"}
+PYTEST_LIKE = {"pytest", "tests.kernel_lane"}
 
 
 @dataclass

@@ -93,26 +93,3 @@ def test_this_process_runs_the_lane_kernels_when_in_the_lane():
 def test_lane_files_exist():
     missing = [p for p in NUMERICS_TESTS + PORTABLE_BUILDER_TESTS if not os.path.isfile(os.path.join(ROOT, p))]
     assert not missing, missing
-
-
-def _py(code: str) -> list[str]:
-    return [sys.executable, "-c", code]
-
-
-def test_both_sessions_run_to_their_end_and_the_first_failure_decides(capfd):
-    """`make test` runs the main suite and this lane side by side (tests/both_sessions.py): the
-    lane's output comes after the main suite's, both run to their end whatever the other did, the
-    exit code is the main suite's when it failed, else the lane's, and the lane really runs at a
-    lower priority (it prints its own niceness)."""
-    from tests.both_sessions import LANE_NICE, main
-
-    lane = _py("import os, sys; print('lane nice', os.nice(0)); sys.exit(3)")
-    ok = _py("print('main ran')")
-    assert main([], main_cmd=ok, lane_cmd=lane) == 3  # the lane's failure fails the run
-    out = capfd.readouterr().out
-    assert out.index("main ran") < out.index("== second lane") < out.index("lane nice")
-    assert f"lane nice {min(19, os.nice(0) + LANE_NICE)}" in out  # 19: the most; the lane runs this test niced
-    failing = _py("import sys; sys.exit(5)")  # pytest's "no tests collected"
-    assert main([], main_cmd=failing, lane_cmd=_py("pass")) == 5
-    assert main([], main_cmd=failing, lane_cmd=lane) == 5  # the main suite's code first
-    assert main([], main_cmd=ok, lane_cmd=_py("pass")) == 0
