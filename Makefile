@@ -82,7 +82,7 @@ endif
 # once and would each compile it again; what else a test imports is compiled at its first
 # import (`make test` writes bytecode even where PYTHONDONTWRITEBYTECODE is set). Measured on a
 # 2-core Intel Xeon host: that import 8.8 s wall, where compileall over all of site-packages on
-# both cores took 26 s (setup 65 -> about 48 s wall; docs/testing.md).
+# both cores took 26 s (fresh-clone setup 65-70 -> 41-46 s wall; docs/testing.md).
 
 # Is $(PYTHON)'s (then the venv's) torch importable and supported? Run by SYSTEM_TORCH=1 setup.
 define SYSTEM_TORCH_CHECK

@@ -237,7 +237,7 @@ def whole_lines(stream) -> None:
     """Make a rank's text stream hand each line to its file descriptor in one write. The ranks
     of a job share one pipe per stream, so a line written in two pieces can have another rank's
     line land between them. That is what an interpreter started with ``PYTHONUNBUFFERED=1`` (set
-    in CI environments, and inherited by the server) does: its streams write through to an
+    in the environment this project's CI runs in, and inherited by the server) does: its streams write through to an
     unbuffered file, and ``print`` writes the text and the newline separately (seen: a
     ``"rank 0 on stderr"`` line torn by rank 1's under load). Buffered up to each newline
     instead, a line reaches the pipe in one ``write`` (atomic on a pipe up to ``PIPE_BUF``, 4096
