@@ -126,13 +126,14 @@ XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfi
 # The numerics-sensitive tests run twice: on this CPU's own kernels, then in the second lane
 # (tests/kernel_lane.py: ATen's scalar kernels and MKL's compatible GEMMs), so a test that
 # holds only for one machine's kernels fails here rather than on another CPU; the same session
-# runs the mesh tests again under the portable mesh builder. The lane runs after the main suite,
-# not beside it: started beside it at nice 10 (measured on the 2-core Intel host), the main
-# suite took 1908 CPU s instead of 1686 and the lane 124 instead of about 75, about 2.5 minutes
-# more in all. Bytecode caching is on for the tests even where the environment sets
-# PYTHONDONTWRITEBYTECODE: without it every collecting process rewrites the ~200 test
-# modules' asserts again, about 3 CPU s each (the caches go to the gitignored __pycache__
-# folders).
+# runs the mesh tests again under the portable mesh builder. The lane runs after the main suite:
+# started beside it at nice 10, the two sessions took 1098 s wall for 2032 CPU s (1.08x CPU s /
+# 2 on 2 cores), one after the other 1185 s for 2181 CPU s (1.09x), fresh clones of the same
+# tests on the same host half an hour apart (its speed drifts): no gain, as three workers leave
+# the cores little idle time (docs/testing.md). Bytecode caching is on for the tests even where
+# the environment sets PYTHONDONTWRITEBYTECODE: without it every collecting process rewrites
+# the ~200 test modules' asserts again, about 3 CPU s each (the caches go to the gitignored
+# __pycache__ folders).
 test: lint
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q $(XDIST) tests
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m tests.kernel_lane -q $(XDIST)
