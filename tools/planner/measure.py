@@ -220,11 +220,14 @@ def forget_sharding_caches() -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
+    from trainer.optim import foreach_strategy
+
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
     _gen_transform_infos.cache_clear()
+    foreach_strategy.forget()
 
 
 def census_of_runs(argvs: list[list[str]]) -> list[dict]:

@@ -38,6 +38,7 @@ from models.parallel.float8 import plain_state_dict
 from models.parallel.pipeline.tied import checkpoint_optim_key, head_only
 from trainer.config import JobConfig
 from trainer.config import Optimizer as OptimizerConfig
+from trainer.optim import foreach_strategy
 from trainer.optim.groups import GROUPING_KEY, check_grouping, check_patterns, choose, grouping_signature, summary_lines
 from trainer.optim.low_precision import STATE_DTYPES, AdamWLowPrecision
 from trainer.optim.lr_schedule import LRSchedulers, build_lr_scheduler, lr_multiplier
@@ -281,6 +282,7 @@ def build_optimizer(
 ) -> Optimizers:
     if isinstance(model_parts, nn.Module):
         raise TypeError("build_optimizer expects a list of model parts, e.g. [model]")
+    foreach_strategy.install()  # DTensor prices a foreach op once per kind of parameter
     opt_cfg = cfg.optimizer if isinstance(cfg, JobConfig) else cfg
     local = isinstance(cfg, JobConfig) and RunMode.from_config(cfg).local
     if local and opt_cfg.name == "Muon" and opt_cfg.muon_distribution == "round_robin":

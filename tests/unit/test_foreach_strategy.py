@@ -1,0 +1,124 @@
+"""The per-element sharding memo (trainer/optim/foreach_strategy.py): AdamW's foreach step over
+FSDP x TP DTensors is bitwise the same with and without it, and DTensor's strategy expansions
+no longer grow with the number of blocks.
+
+One process on torch's fake backend (rank 0 of a 2 x 2 dp_shard x tp world): the parameters are
+placed exactly as a 4-rank job places them (TP colwise/rowwise, then FSDP per block, so the
+colwise weights are ``_StridedShard`` on dp_shard, the specs the propagator writes a flag to
+after the expansion), and the optimizer's update is local arithmetic, which the fake backend
+leaves real. Each run starts from empty caches (DTensor's and the memo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from tools.planner.measure import forget_sharding_caches
+from trainer.optim import foreach_strategy
+
+pytestmark = pytest.mark.unit
+
+DIM = 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(DIM))
+        self.wq = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.wo = nn.Linear(2 * DIM, DIM, bias=False)
+
+
+@pytest.fixture
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    finally:
+        foreach_strategy.uninstall()
+        forget_sharding_caches()
+        dist.destroy_process_group()
+
+
+def _first_step(mesh, n_blocks: int, memo: bool) -> dict:
+    """One AdamW (foreach) step of a fresh ``n_blocks`` model: the parameters' local shards before
+    and after it, their placements, how many full-mesh expansions DTensor ran, and the memo's
+    counters."""
+    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._ops import utils
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    foreach_strategy.uninstall()
+    forget_sharding_caches()
+    torch.manual_seed(0)
+    model = nn.ModuleList(Block() for _ in range(n_blocks))
+    for block in model:
+        parallelize_module(block, mesh["tp"], {"wq": ColwiseParallel(), "wo": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp_shard"])
+    params = list(model.parameters())
+    assert all(isinstance(p, DTensor) for p in params)
+    before = [p.to_local().detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(1)
+    for p in params:
+        local = torch.randn(p.to_local().shape, generator=gen)
+        p.grad = DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+
+    expansions = [0]
+    torch_expand = utils.expand_to_full_mesh_op_strategy
+
+    def counting(*args, **kwargs):
+        expansions[0] += 1
+        return torch_expand(*args, **kwargs)
+
+    utils.expand_to_full_mesh_op_strategy = counting
+    try:
+        if memo:
+            assert foreach_strategy.install()
+        torch.optim.AdamW(params, lr=1e-2, foreach=True).step()
+        stats = foreach_strategy.stats()
+    finally:
+        foreach_strategy.uninstall()
+        utils.expand_to_full_mesh_op_strategy = torch_expand
+    after = [p.to_local().detach().clone() for p in params]
+    placements = [p.placements for p in params]
+    return dict(before=before, after=after, placements=placements, expansions=expansions[0], stats=stats)
+
+
+def test_the_update_is_bitwise_and_expansions_stop_growing_with_the_blocks(mesh):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    plain_1, plain_4 = _first_step(mesh, 1, memo=False), _first_step(mesh, 4, memo=False)
+    memo_1, memo_4 = _first_step(mesh, 1, memo=True), _first_step(mesh, 4, memo=True)
+
+    # the specs the propagator writes a flag to after the expansion are among them
+    assert any(isinstance(p, _StridedShard) for pl in memo_4["placements"] for p in pl)
+    # the same kernels on the same shards: bitwise; and the step did change every parameter
+    for plain, memo in ((plain_1, memo_1), (plain_4, memo_4)):
+        assert len(memo["after"]) == len(plain["after"])
+        for a, b in zip(memo["after"], plain["after"]):
+            assert torch.equal(a, b)
+        for a, b in zip(memo["after"], memo["before"]):
+            assert not torch.equal(a, b)
+    assert len(memo_4["after"]) == 12
+
+    # without the memo every block is priced again (the control: the count does grow) ...
+    assert plain_4["expansions"] >= plain_1["expansions"] + 3 * 3, (plain_1["expansions"], plain_4["expansions"])
+    # ... with it, once per kind of parameter, whatever the number of blocks
+    assert memo_4["expansions"] == memo_1["expansions"] <= plain_1["expansions"]
+    assert memo_4["stats"]["misses"] == memo_4["expansions"] and memo_4["stats"]["hits"] > 0
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(foreach_strategy.ENV, "0")
+    assert foreach_strategy.install() is False
+    from torch.distributed.tensor._ops import utils
+
+    assert utils.expand_to_full_mesh_op_strategy.__module__ == utils.__name__
