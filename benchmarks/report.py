@@ -168,6 +168,15 @@ SECTIONS: list[tuple[str, str, str]] = [
         "round_robin (the default: one owner rank per matrix) and gather (every rank every matrix)",
     ),
     (
+        "first_step",
+        "First optimizer step: DTensor's pricing of the foreach ops",
+        "`make bench` section `first_step` (also `python -m benchmarks.run --only first_step --out "
+        "bench_results/first_step.json`): the process CPU time of AdamW's (foreach) first step on rank 0 of a "
+        "tp=2 x fsdp=2 fake-backend job, llama3 debug model (dim 256) with 2, 8 and 32 blocks, where DTensor "
+        "prices every foreach op, with the per-element memo (trainer/optim/foreach_strategy.py) and without it, "
+        "alternating, median of 3; reference: a later step (every cache warm) in the same process",
+    ),
+    (
         "muon_lr",
         "Muon at AdamW's learning rate",
         "`make bench` section `muon_lr` (also `python -m benchmarks.muon_lr --out bench_results/muon_lr.json`): "

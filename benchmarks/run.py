@@ -26,6 +26,7 @@ SECTIONS = [
     "checkpoint",
     "local_tensor",
     "optimizer",
+    "first_step",
     "muon_lr",
     "bf16_state",
     "lora",

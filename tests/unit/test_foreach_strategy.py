@@ -122,3 +122,62 @@ def test_switched_off_by_the_environment(monkeypatch):
     from torch.distributed.tensor._ops import utils
 
     assert utils.expand_to_full_mesh_op_strategy.__module__ == utils.__name__
+
+
+def _strategy(mesh, flag):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    meta = TensorMeta(torch.Size([8, 8]), (8, 1), torch.float32)
+
+    def spec(strided: bool):
+        placements = (_StridedShard(0, split_factor=2), Shard(0)) if strided else (Replicate(), Shard(1))
+        return DTensorSpec(mesh, placements, tensor_meta=meta, use_strided_shard_as_shard_order=flag)
+
+    return OpStrategy(
+        [
+            OpSpec(spec(True), [spec(True), spec(False)], [[0.0], [0.0]]),
+            OpSpec((spec(True), None), [spec(False), spec(True)], [[0.0], [0.0]]),
+            OpSpec(spec(False), [spec(False), spec(False)], [[0.0], [0.0]]),
+        ]
+    )
+
+
+def _specs(strategy) -> list:
+    out = []
+    for s in strategy.strategies:
+        outs = s.output_specs if isinstance(s.output_specs, tuple) else (s.output_specs,)
+        for spec in (*outs, *s.input_specs):
+            out.append(None if spec is None else (spec.use_strided_shard_as_shard_order, spec.shard_order))
+    return out
+
+
+@pytest.mark.parametrize("arg_flags", [(False, False), (True, False), (False, None), (None, None)])
+def test_the_strided_flag_is_torchs_and_the_memos_specs_stay_as_expanded(mesh, arg_flags):
+    """The flag fix-up (worked out once per op, on copies) leaves every spec as torch's own
+    ``_propagate_use_strided_shard_flag`` does, and the OpSpecs it was handed unedited."""
+    from torch.distributed.tensor import _sharding_prop
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    args = tuple(_strategy(mesh, f).strategies[0].output_specs for f in arg_flags)
+    schema = OpSchema(torch.ops.aten.mul.Tensor, args, {})
+    changes = []
+    for strategy_flag in (True, False):
+        torch_side, ours = _strategy(mesh, strategy_flag), _strategy(mesh, strategy_flag)
+        handed = list(ours.strategies)
+        before = _specs(ours)
+        _sharding_prop._propagate_use_strided_shard_flag(torch_side, schema)
+        foreach_strategy._flag_once_per_op(ours, schema)
+        assert _specs(ours) == _specs(torch_side)
+        # the OpSpecs handed in (the memo's) kept their flags: a changed one was replaced
+        assert _specs(type(ours)(handed)) == before
+        changed = _specs(torch_side) != before
+        assert changed == any(a is not b for a, b in zip(ours.strategies, handed))
+        changes.append(changed)
+    # the inputs' flag (None reads as True) differs from one of the two expansions' flags
+    assert any(changes)
+    # the negative control: with the inputs' flags False, torch does change specs expanded as True
+    torch_side = _strategy(mesh, True)
+    _sharding_prop._propagate_use_strided_shard_flag(torch_side, OpSchema(torch.ops.aten.mul.Tensor, args[:1], {}))
+    assert (_specs(torch_side) != _specs(_strategy(mesh, True))) == (arg_flags[0] is False)

@@ -1,34 +1,44 @@
-"""One DTensor sharding expansion per distinct tensor of a foreach op, not one per tensor.
+"""DTensor's pricing of a foreach op, linear in the length of its list and once per kind of tensor.
 
 The first time DTensor (torch 2.13) meets a foreach op over DTensors (AdamW's
-``_foreach_lerp_``, ``_foreach_addcdiv_``, ... and clipping's ``_foreach_norm`` and
-``_foreach_mul_``, trainer/optim/grad_clip.py), it prices the op element by element:
-``single_dim_strategy``'s ``expanded_foreach_strategy`` turns each element into its own op
-schema and calls ``expand_to_full_mesh_op_strategy`` for it, which enumerates every combination
-of the op's single-dimension strategies over the mesh dimensions and the redistribution cost of
-each. The propagator caches the result for the whole list (its LRU on the list's op schema), but
-not per element, so the first step expands every parameter separately, although a model's
-parameters come in a handful of kinds: every block's ``wq`` has the same shape and placements as
-every other block's, and the same per-element schema gives the same strategy.
+``_foreach_lerp_``, ``_foreach_addcdiv_``, ...: every optimizer step op of the CPU default,
+foreach), it prices the op element by element: ``single_dim_strategy``'s
+``expanded_foreach_strategy`` turns each element into its own op schema and calls
+``expand_to_full_mesh_op_strategy`` for it, which enumerates every combination of the op's
+single-dimension strategies over the mesh dimensions and the redistribution cost of each. The
+propagator caches the result for the whole list (its LRU on the list's op schema), but not per
+element, so the first step expands every parameter separately, although a model's parameters
+come in a handful of kinds: every block's ``wq`` has the same shape and placements as every
+other block's, and the same per-element schema gives the same strategy. Then, for every element,
+``_propagate_use_strided_shard_flag`` reads every input spec of the whole list again
+(quadratic in the list's length). Every rank pays both at its first step (a GPU rank too: it is
+host work); the tests pay them in every one of their ~1,000 forked ranks.
 
-:func:`install` wraps ``expand_to_full_mesh_op_strategy`` in a memo keyed on its arguments: the
-element's op schema (the op, and the mesh, placements, shard order, shape, stride and dtype of
-every input: what DTensor's own caches key on), the single-dimension strategies and the flags.
-A call with a validity callback is not memoized (a callable is no key). Each hit returns a fresh
-copy of the cached strategy's specs: after the expansion the propagator sets
-``use_strided_shard_as_shard_order`` on the specs it selects (``_propagate_use_strided_shard_flag``,
-from the whole list's inputs), a field spec equality ignores, so two elements must not share a
-spec object.
+:func:`install` (trainer/optim/optimizers.py ``build_optimizer`` calls it) changes two things:
 
-The wrapper reaches the element path because ``single_dim_strategy`` (and the decomposition
-path, ``_decompositions``) import the function from its module at each call; op strategies that
+* ``expand_to_full_mesh_op_strategy`` gets a memo keyed on its arguments: the element's op
+  schema (the op, and the mesh, placements, shard order, shape, stride and dtype of every input:
+  what DTensor's own caches key on), the single-dimension strategies and the flags, and the
+  mesh object's identity (meshes compare by value; a process that runs one job after another
+  must not get specs that hold an earlier job's mesh and process groups). A call with a validity
+  callback, or with arguments that cannot be hashed (SymInt shapes under tracing), runs as before.
+  Each call gets the cached strategy in a list of its own; the OpSpecs in it are shared, as
+  DTensor's own caches share theirs.
+* ``_propagate_use_strided_shard_flag`` (after a strategy is produced, every ``_StridedShard``
+  spec in it gets the flag the op's ``_StridedShard`` inputs carry) works the flag out once per
+  op instead of once per element, and replaces an OpSpec whose specs need another flag with a
+  copy instead of editing it, so the memo's OpSpecs stay as expanded.
+
+The memo reaches the element path because ``single_dim_strategy`` (and the decomposition path,
+``_decompositions``) import the function from its module at each call; op strategies that
 imported it at their own import keep the original, and the propagator's per-op caches already
-serve them. Measured (Intel Xeon AMX host, forked 4-rank llama3 tp=2 x fsdp=2, 2 blocks, 3
-steps, CPU seconds per rank): 1.56 -> 1.39, 93 expansions and 98 hits; docs/optimizers.md has
-the scaling with the number of blocks. ``MESHTRAIN_FOREACH_STRATEGY_MEMO=0`` leaves torch as it
-is (to rule the memo out when a sharding question comes up);
+serve them. Measured (``make bench`` section ``first_step``, docs/benchmarks.md): AdamW's first
+step on a tp=2 x fsdp=2 rank, 32 blocks, 3.0 -> 1.0 CPU s; a forked 4-rank llama3 tp=2 x fsdp=2
+run of 2 blocks and 3 steps, 1.56 -> 1.39 CPU s a rank. ``MESHTRAIN_FOREACH_STRATEGY_MEMO=0``
+leaves torch as it is (to rule this out when a sharding question comes up).
 tests/unit/test_foreach_strategy.py proves that the optimizer's update is bitwise the same with
-and without it and that the number of expansions no longer grows with the number of blocks.
+and without it, that the number of expansions no longer grows with the number of blocks, and
+that the flag comes out as torch's own function sets it.
 """
 
 from __future__ import annotations
@@ -43,13 +53,20 @@ ENV = "MESHTRAIN_FOREACH_STRATEGY_MEMO"
 MAX_ENTRIES = 8192  # distinct (op, element schema) pairs; a model has tens of parameter kinds
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"original": None, "memo": OrderedDict(), "hits": 0, "misses": 0}
+_state: dict[str, Any] = {"original": None, "memo": OrderedDict(), "hits": 0, "misses": 0, "flag_original": None}
+_last_flag: list = [None, None]  # [the op schema of the last flag call, its flag]
 
 
 def _utils():
     from torch.distributed.tensor._ops import utils
 
     return utils
+
+
+def _sharding_prop():
+    from torch.distributed.tensor import _sharding_prop
+
+    return _sharding_prop
 
 
 def _key(mesh, op_schema, strategies, kwargs: dict) -> tuple | None:
@@ -69,44 +86,13 @@ def _key(mesh, op_schema, strategies, kwargs: dict) -> tuple | None:
     return key
 
 
-def _strided(spec) -> bool:
-    if spec is None:
-        return False
-    if isinstance(spec, (tuple, list)):
-        return any(_strided(s) for s in spec)
-    from torch.distributed.tensor.placement_types import _StridedShard
+def _fresh(strategy):
+    """The cached strategy in a list of its own: the OpSpecs are shared, as DTensor's own caches
+    share theirs between calls, and :func:`_flag_once_per_op` replaces, never edits, one whose
+    specs need another flag."""
+    from torch.distributed.tensor._op_schema import OpStrategy
 
-    return any(isinstance(p, _StridedShard) for p in spec.placements)
-
-
-def _spec_copy(spec):
-    if spec is None:
-        return None
-    if isinstance(spec, (tuple, list)):
-        return type(spec)(_spec_copy(s) for s in spec)
-    return copy(spec)
-
-
-def _entry(strategy) -> tuple:
-    """What the memo keeps: the strategy, and which of its OpSpecs hold a ``_StridedShard`` spec
-    (the only specs the propagator writes to afterwards, ``_propagate_use_strided_shard_flag``)."""
-    return strategy, [_strided(s.output_specs) or _strided(s.input_specs) for s in strategy.strategies]
-
-
-def _fresh(entry):
-    """The cached strategy, with its own copies of the specs the propagator may write to; the
-    rest is shared, as DTensor's own caches share their specs between calls."""
-    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
-
-    strategy, written = entry
-    if not any(written):
-        return strategy
-    return OpStrategy(
-        [
-            OpSpec(_spec_copy(s.output_specs), _spec_copy(s.input_specs), s.redistribute_cost) if w else s
-            for s, w in zip(strategy.strategies, written)
-        ]
-    )
+    return OpStrategy(list(strategy.strategies))
 
 
 def _memoized(mesh, op_schema, single_mesh_dim_strategies, **kwargs):
@@ -121,7 +107,7 @@ def _memoized(mesh, op_schema, single_mesh_dim_strategies, **kwargs):
             memo.move_to_end(key)
             _state["hits"] += 1
     if cached is None:
-        cached = _entry(original(mesh, op_schema, single_mesh_dim_strategies, **kwargs))
+        cached = original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
         with _lock:
             memo[key] = cached
             _state["misses"] += 1
@@ -130,9 +116,67 @@ def _memoized(mesh, op_schema, single_mesh_dim_strategies, **kwargs):
     return _fresh(cached)
 
 
+def _strided_flag(op_schema) -> bool | None:
+    """The ``use_strided_shard_as_shard_order`` the op's ``_StridedShard`` inputs ask of the specs
+    it selects (None: no such input), by torch's rule: their common flag, True where they differ."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    flag = None
+    for spec in op_schema.args_spec:
+        if any(isinstance(p, _StridedShard) for p in spec.placements):
+            value = spec.use_strided_shard_as_shard_order
+            flag = True if flag is not None and flag != value else value
+    return flag
+
+
+def _flagged(spec, flag: bool):
+    """``spec``, or a copy of it with ``flag`` where it has a ``_StridedShard`` placement and
+    another flag (torch's fix-up, on a copy)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if spec is None or spec.use_strided_shard_as_shard_order == flag:
+        return spec
+    if not any(isinstance(p, _StridedShard) for p in spec.placements):
+        return spec
+    spec = copy(spec)
+    spec.use_strided_shard_as_shard_order = flag
+    spec.shard_order = None if flag else DTensorSpec.compute_default_shard_order(spec.placements)
+    return spec
+
+
+def _flag_once_per_op(op_strategy, op_schema) -> None:
+    """torch's ``_propagate_use_strided_shard_flag`` (after a strategy is produced, every
+    ``_StridedShard`` spec in it gets the flag the op's ``_StridedShard`` inputs carry), with two
+    changes. The flag is worked out once per op: the propagator calls this for every element of
+    a foreach op with the whole op's schema, and torch reads every input spec of the list each
+    time (quadratic in the list's length: at 32 blocks, 291 parameters, half of the first step's
+    pricing left with the memo); within one op the input specs do not change, and the flag is a
+    function of them. And an OpSpec whose specs need another flag is replaced in the strategy's
+    list by a copy, not edited, so the memo's OpSpecs stay as expanded."""
+    from torch.distributed.tensor._op_schema import OpSpec
+
+    if _last_flag[0] is not op_schema:
+        _last_flag[0], _last_flag[1] = op_schema, _strided_flag(op_schema)
+    flag = _last_flag[1]
+    if flag is None:
+        return
+    for i, op_spec in enumerate(op_strategy.strategies):
+        out, ins = op_spec.output_specs, op_spec.input_specs
+        several = isinstance(out, (tuple, list))
+        new_out = type(out)(_flagged(s, flag) for s in out) if several else _flagged(out, flag)
+        new_ins = None if ins is None else [_flagged(s, flag) for s in ins]
+        olds = [*(out if several else [out]), *(ins or ())]
+        news = [*(new_out if several else [new_out]), *(new_ins or ())]
+        if any(a is not b for a, b in zip(olds, news)):
+            op_strategy.strategies[i] = OpSpec(new_out, new_ins, op_spec.redistribute_cost)
+
+
 def install() -> bool:
-    """Wrap DTensor's per-element strategy expansion (once per process; idempotent). False when
-    ``MESHTRAIN_FOREACH_STRATEGY_MEMO=0`` or this torch has no such function."""
+    """Put the memo and the once-per-op flag in DTensor's propagation (once per process;
+    idempotent). False when ``MESHTRAIN_FOREACH_STRATEGY_MEMO=0`` or this torch has no
+    ``expand_to_full_mesh_op_strategy``; without ``_propagate_use_strided_shard_flag`` the memo
+    alone."""
     if os.environ.get(ENV, "1") == "0":
         return False
     utils = _utils()
@@ -144,6 +188,10 @@ def install() -> bool:
             return False
         _state["original"] = original
         utils.expand_to_full_mesh_op_strategy = _memoized
+        prop = _sharding_prop()
+        if callable(getattr(prop, "_propagate_use_strided_shard_flag", None)):
+            _state["flag_original"] = prop._propagate_use_strided_shard_flag
+            prop._propagate_use_strided_shard_flag = _flag_once_per_op
     return True
 
 
@@ -152,6 +200,7 @@ def forget() -> None:
     its entries hold meshes, and so their process groups, alive."""
     with _lock:
         _state["memo"].clear()
+        _last_flag[0] = _last_flag[1] = None
 
 
 def uninstall() -> None:
@@ -160,7 +209,10 @@ def uninstall() -> None:
     with _lock:
         if _state["original"] is not None:
             utils.expand_to_full_mesh_op_strategy = _state["original"]
-        _state.update(original=None, memo=OrderedDict(), hits=0, misses=0)
+        if _state["flag_original"] is not None:
+            _sharding_prop()._propagate_use_strided_shard_flag = _state["flag_original"]
+        _state.update(original=None, memo=OrderedDict(), hits=0, misses=0, flag_original=None)
+        _last_flag[0] = _last_flag[1] = None
 
 
 def stats() -> dict[str, int]:
