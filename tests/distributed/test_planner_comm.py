@@ -287,9 +287,12 @@ def _forget_mesh_caches() -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
+    from trainer.optim import foreach_strategy
+
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
     _gen_transform_infos.cache_clear()
+    foreach_strategy.forget()  # its entries hold meshes too (keyed by the mesh object: no stale hit)
 
 
 def _argv(layout: Layout, folder: str) -> list[str]:
