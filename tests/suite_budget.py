@@ -19,7 +19,8 @@ what a file costs, refresh it from a full run:
     .venv/bin/python tests/suite_budget.py /tmp/times.json      # rewrites tests/test_costs.json
 
 At the end of the session (on the xdist controller) it prints the total, the host (CPU model and
-the flags that pick torch's CPU kernels: ``host_line``) and the 25 most costly tests, and flags
+the flags that pick torch's CPU kernels: ``host_line``), the host's speed (``speed_gauge``, at
+the start and at the end) and the 25 most costly tests, and flags
 every test over the per-test budget (``PER_TEST_BUDGET_S``, wall). It does not fail the run on
 time: wall time depends on the host and what else runs on it, and a red suite
 for a busy neighbour would teach people to ignore it. ``MESHTRAIN_TEST_TIMES=path.json`` also
@@ -133,6 +134,7 @@ class _Collector:
         self.config = config
         self.tests: dict[str, dict] = {}
         self.session_start = time.monotonic()
+        self.gauge_start = speed_gauge()  # before the workers start: the cores are idle
 
     def pytest_runtest_logreport(self, report):
         row = self.tests.setdefault(report.nodeid, {"wall_s": 0.0, "cpu_s": 0.0, "processes": 0})
@@ -155,7 +157,12 @@ class _Collector:
             f"CPU {cpu:.0f} s, {procs} processes started (budget: make test <= {SUITE_BUDGET_S // 60} min "
             f"on an idle 2-core host, no test over {PER_TEST_BUDGET_S:.0f} s)"
         )
+        gauge = (self.gauge_start, speed_gauge())
         tr.write_line(f"host: {host_line()}")
+        tr.write_line(
+            f"host speed: the fixed workload of tests/suite_budget.py speed_gauge took {gauge[0]:.2f} CPU s at the "
+            f"start and {gauge[1]:.2f} at the end (CPU figures of two runs compare after dividing by it)"
+        )
         tr.write_line(f"the {min(SHOWN, len(rows))} slowest (setup + call + teardown; a module fixture counts once):")
         tr.write_line(f"{'wall s':>7} {'CPU s':>7} {'procs':>5}  test")
         for nodeid, r in rows[:SHOWN]:
@@ -166,7 +173,11 @@ class _Collector:
         out = os.environ.get("MESHTRAIN_TEST_TIMES")
         if out:
             Path(out).write_text(
-                json.dumps({"wall_s": round(wall, 1), "host": host_line(), "tests": dict(rows)}, indent=1) + "\n"
+                json.dumps(
+                    {"wall_s": round(wall, 1), "host": host_line(), "speed_gauge_s": gauge, "tests": dict(rows)},
+                    indent=1,
+                )
+                + "\n"
             )
 
 
@@ -184,6 +195,34 @@ def host_line() -> str:
         f"{describe_cpu()}, {os.cpu_count()} cores; torch {torch.__version__}, CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}" + (f" ({', '.join(lane)})" if lane else "")
     )
+
+
+def speed_gauge() -> float:
+    """CPU seconds of a fixed workload shaped like the suite's (interpreter work and small torch
+    ops through the dispatcher; one thread): 0.13-0.15 s on the 2-core Intel Xeon AMX host on
+    2026-12-08 (``import torch`` 1.5 CPU s then). That host's speed drifted by up to 2x within a
+    session (docs/testing.md), and every CPU figure of a run moves with it: a run's CPU seconds
+    divided by its gauge compare with another run's, where the raw figures do not. Median of
+    three tries."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tries = []
+    try:
+        for _ in range(3):
+            t0 = time.process_time()
+            table: dict[int, str] = {}
+            for i in range(200_000):
+                table[i * 7919 % 65_521] = str(i)
+            sorted(table.items(), key=lambda kv: kv[1])
+            x = torch.ones(8, 8)
+            for _ in range(20_000):
+                x = torch.add(x, 1.0).mul_(0.5)
+            tries.append(time.process_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return round(sorted(tries)[1], 3)
 
 
 _costs: dict[str, float] | None = None

@@ -63,6 +63,10 @@ def test_the_table_counts_children_and_forked_ranks_and_flags_slow_tests(tmp_pat
 
     host = json.loads(times.read_text())["host"]
     assert f"host: {host}" in proc.stdout and host.startswith(cpu_model()) and "CPU capability" in host
+    # and its speed: the fixed workload, timed before and after the tests (a positive CPU time)
+    gauge = json.loads(times.read_text())["speed_gauge_s"]
+    assert len(gauge) == 2 and all(g > 0 for g in gauge)
+    assert f"took {gauge[0]:.2f} CPU s at the start and {gauge[1]:.2f} at the end" in proc.stdout
     assert "over budget: test_sample.py::test_sleeps" in proc.stdout  # 0.3 s > the 0.25 s budget here
 
 
