@@ -10,6 +10,8 @@ leaves real. Each run starts from empty caches (DTensor's and the memo)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +21,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from tools.planner.measure import forget_sharding_caches
 from trainer.optim import foreach_strategy
 
-pytestmark = pytest.mark.unit
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(
+        not foreach_strategy.supported(), reason="this torch's DTensor propagation is not torch 2.13's form"
+    ),
+]
 
 DIM = 8
 
@@ -74,6 +81,7 @@ def _first_step(mesh, n_blocks: int, memo: bool) -> dict:
     expansions = [0]
     torch_expand = utils.expand_to_full_mesh_op_strategy
 
+    @functools.wraps(torch_expand)  # torch's signature, which install checks
     def counting(*args, **kwargs):
         expansions[0] += 1
         return torch_expand(*args, **kwargs)
@@ -181,3 +189,15 @@ def test_the_strided_flag_is_torchs_and_the_memos_specs_stay_as_expanded(mesh, a
     torch_side = _strategy(mesh, True)
     _sharding_prop._propagate_use_strided_shard_flag(torch_side, OpSchema(torch.ops.aten.mul.Tensor, args[:1], {}))
     assert (_specs(torch_side) != _specs(_strategy(mesh, True))) == (arg_flags[0] is False)
+
+
+def test_another_torchs_fix_up_leaves_torch_as_it_is(monkeypatch):
+    """A torch whose flag fix-up has another form (one the memo's shared OpSpecs could be edited
+    by) gets neither change."""
+    from torch.distributed.tensor import _sharding_prop
+    from torch.distributed.tensor._ops import utils
+
+    torch_expand = utils.expand_to_full_mesh_op_strategy
+    monkeypatch.setattr(_sharding_prop, "_propagate_use_strided_shard_flag", lambda strategy, schema, mesh: None)
+    assert foreach_strategy.supported() is False and foreach_strategy.install() is False
+    assert utils.expand_to_full_mesh_op_strategy is torch_expand

@@ -35,7 +35,8 @@ imported it at their own import keep the original, and the propagator's per-op c
 serve them. Measured (``make bench`` section ``first_step``, docs/benchmarks.md): AdamW's first
 step on a tp=2 x fsdp=2 rank, 32 blocks, 3.0 -> 1.0 CPU s; a forked 4-rank llama3 tp=2 x fsdp=2
 run of 2 blocks and 3 steps, 1.56 -> 1.39 CPU s a rank. ``MESHTRAIN_FOREACH_STRATEGY_MEMO=0``
-leaves torch as it is (to rule this out when a sharding question comes up).
+leaves torch as it is (to rule this out when a sharding question comes up), as does a torch whose
+two functions have another form than 2.13's (:func:`supported`).
 tests/unit/test_foreach_strategy.py proves that the optimizer's update is bitwise the same with
 and without it, that the number of expansions no longer grows with the number of blocks, and
 that the flag comes out as torch's own function sets it.
@@ -54,7 +55,8 @@ MAX_ENTRIES = 8192  # distinct (op, element schema) pairs; a model has tens of p
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"original": None, "memo": OrderedDict(), "hits": 0, "misses": 0, "flag_original": None}
-_last_flag: list = [None, None]  # [the op schema of the last flag call, its flag]
+# per thread (DTensor's own caches are per thread too): the op schema of the last flag call, its flag
+_last_flag = threading.local()
 
 
 def _utils():
@@ -95,11 +97,11 @@ def _fresh(strategy):
     return OpStrategy(list(strategy.strategies))
 
 
-def _memoized(mesh, op_schema, single_mesh_dim_strategies, **kwargs):
+def _memoized(*args, **kwargs):
     original = _state["original"]
-    key = _key(mesh, op_schema, single_mesh_dim_strategies, kwargs)
+    key = _key(*args, kwargs) if len(args) == 3 else None  # torch 2.13's (mesh, op_schema, strategies)
     if key is None:
-        return original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
+        return original(*args, **kwargs)
     memo: OrderedDict = _state["memo"]
     with _lock:
         cached = memo.get(key)
@@ -107,7 +109,7 @@ def _memoized(mesh, op_schema, single_mesh_dim_strategies, **kwargs):
             memo.move_to_end(key)
             _state["hits"] += 1
     if cached is None:
-        cached = original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
+        cached = original(*args, **kwargs)
         with _lock:
             memo[key] = cached
             _state["misses"] += 1
@@ -156,9 +158,9 @@ def _flag_once_per_op(op_strategy, op_schema) -> None:
     list by a copy, not edited, so the memo's OpSpecs stay as expanded."""
     from torch.distributed.tensor._op_schema import OpSpec
 
-    if _last_flag[0] is not op_schema:
-        _last_flag[0], _last_flag[1] = op_schema, _strided_flag(op_schema)
-    flag = _last_flag[1]
+    if getattr(_last_flag, "schema", None) is not op_schema:
+        _last_flag.schema, _last_flag.flag = op_schema, _strided_flag(op_schema)
+    flag = _last_flag.flag
     if flag is None:
         return
     for i, op_spec in enumerate(op_strategy.strategies):
@@ -172,26 +174,47 @@ def _flag_once_per_op(op_strategy, op_schema) -> None:
             op_strategy.strategies[i] = OpSpec(new_out, new_ins, op_spec.redistribute_cost)
 
 
+def _takes(fn, names: list[str], prefix: bool = False) -> bool:
+    """``fn`` is a function of exactly these parameters (or, with ``prefix``, of these first): the
+    torch 2.13 functions this module wraps or stands in for."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters) if callable(fn) else []
+    except (TypeError, ValueError):
+        return False
+    return (params[: len(names)] if prefix else params) == names
+
+
+def supported() -> bool:
+    """This torch has both functions in torch 2.13's form (only the pair: the memo shares OpSpecs,
+    which another torch's fix-up might edit in place)."""
+    utils, prop = _utils(), _sharding_prop()
+    return _takes(
+        getattr(utils, "expand_to_full_mesh_op_strategy", None),
+        ["mesh", "op_schema", "single_mesh_dim_strategies"],
+        prefix=True,
+    ) and _takes(getattr(prop, "_propagate_use_strided_shard_flag", None), ["op_strategy", "op_schema"])
+
+
 def install() -> bool:
     """Put the memo and the once-per-op flag in DTensor's propagation (once per process;
-    idempotent). False when ``MESHTRAIN_FOREACH_STRATEGY_MEMO=0`` or this torch has no
-    ``expand_to_full_mesh_op_strategy``; without ``_propagate_use_strided_shard_flag`` the memo
-    alone."""
+    idempotent). False, and torch left as it is, when ``MESHTRAIN_FOREACH_STRATEGY_MEMO=0`` or
+    this torch lacks either function in torch 2.13's form."""
     if os.environ.get(ENV, "1") == "0":
         return False
     utils = _utils()
     with _lock:
         if _state["original"] is not None:
             return True
-        original = getattr(utils, "expand_to_full_mesh_op_strategy", None)
-        if original is None:
+        if not supported():
             return False
-        _state["original"] = original
-        utils.expand_to_full_mesh_op_strategy = _memoized
+        original = utils.expand_to_full_mesh_op_strategy
         prop = _sharding_prop()
-        if callable(getattr(prop, "_propagate_use_strided_shard_flag", None)):
-            _state["flag_original"] = prop._propagate_use_strided_shard_flag
-            prop._propagate_use_strided_shard_flag = _flag_once_per_op
+        flag = prop._propagate_use_strided_shard_flag
+        _state["original"], _state["flag_original"] = original, flag
+        utils.expand_to_full_mesh_op_strategy = _memoized
+        prop._propagate_use_strided_shard_flag = _flag_once_per_op
     return True
 
 
@@ -200,7 +223,7 @@ def forget() -> None:
     its entries hold meshes, and so their process groups, alive."""
     with _lock:
         _state["memo"].clear()
-        _last_flag[0] = _last_flag[1] = None
+        _last_flag.schema = _last_flag.flag = None
 
 
 def uninstall() -> None:
@@ -212,7 +235,7 @@ def uninstall() -> None:
         if _state["flag_original"] is not None:
             _sharding_prop()._propagate_use_strided_shard_flag = _state["flag_original"]
         _state.update(original=None, memo=OrderedDict(), hits=0, misses=0, flag_original=None)
-        _last_flag[0] = _last_flag[1] = None
+        _last_flag.schema = _last_flag.flag = None
 
 
 def stats() -> dict[str, int]:
