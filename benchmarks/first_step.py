@@ -24,28 +24,13 @@ N_LAYERS = (2, 8, 32)
 
 
 def _model_and_grads(n_layers: int):
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from models.parallelize import parallelize_model
+    from benchmarks.optimizer import model_with_random_grads
     from trainer.config import load_config
-    from trainer.plan import plan_job
 
     argv = ["--config", "llama3.toml", "--training.seq_len", "64", "--training.global_batch_size", "2"]
     argv += ["--training.local_batch_size", "1", "--parallelism.tp", "2", "--model.n_layers", str(n_layers)]
     cfg = load_config(argv)
-    plan = plan_job(cfg, 4, tokenizer_vocab=2048, tokenizer_eos=0)
-    plan.parallel_dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = plan.model.model_cls(plan.model.args)
-    parallelize_model(model, plan.parallel_dims, plan.parallelize)
-    model.to_empty(device="cpu")
-    model.init_weights(0)
-    torch.manual_seed(1)
-    for p in model.parameters():
-        local = torch.randn(p.to_local().shape)
-        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-    return model, cfg
+    return model_with_random_grads(cfg, 4), cfg
 
 
 def _first_and_second_step(model, cfg, memo: bool) -> tuple[float, float]:

@@ -23,15 +23,38 @@ SCHEMES = ("gather", "round_robin")
 LAYOUTS = {"fsdp=2": {"dp_shard": 2}, "tp=2": {"dp_shard": 1, "tp": 2}}
 
 
-def _worker(rank: int, world_size: int, degrees: dict, reps: int) -> dict:
+def model_with_random_grads(cfg, world_size: int):
+    """The config's model built from the trainer's job plan on this rank (the process group of
+    ``world_size`` ranks already up), parallelized, initialized, with random gradients laid out
+    like the parameters (also benchmarks/first_step.py)."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from models.parallelize import parallelize_model
+    from trainer.plan import plan_job
+
+    plan = plan_job(cfg, world_size, tokenizer_vocab=2048, tokenizer_eos=0)
+    plan.parallel_dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = plan.model.model_cls(plan.model.args)
+    parallelize_model(model, plan.parallel_dims, plan.parallelize)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    torch.manual_seed(1)
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            local = torch.randn(p.to_local().shape)
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        else:
+            p.grad = torch.randn(p.shape)
+    return model
+
+
+def _worker(rank: int, world_size: int, degrees: dict, reps: int) -> dict:
+    import torch.distributed as dist
+
     from trainer.config import load_config
     from trainer.optim.optimizers import build_optimizer
-    from trainer.plan import plan_job
 
     argv = ["--config", "llama3.toml", "--training.seq_len", "64", "--training.global_batch_size", "2"]
     argv += ["--training.local_batch_size", "1"] + [f"--parallelism.{k}={v}" for k, v in degrees.items()]
@@ -40,20 +63,7 @@ def _worker(rank: int, world_size: int, degrees: dict, reps: int) -> dict:
         cfgs[f"Muon_{scheme}"] = load_config(
             [*argv, "--optimizer.name", "Muon", "--optimizer.muon_distribution", scheme]
         )
-    plan = plan_job(cfgs["AdamW"], world_size, tokenizer_vocab=2048, tokenizer_eos=0)
-    plan.parallel_dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = plan.model.model_cls(plan.model.args)
-    parallelize_model(model, plan.parallel_dims, plan.parallelize)
-    model.to_empty(device="cpu")
-    model.init_weights(0)
-    torch.manual_seed(1)
-    for p in model.parameters():  # random gradients laid out like the parameters
-        if isinstance(p, DTensor):
-            local = torch.randn(p.to_local().shape)
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        else:
-            p.grad = torch.randn(p.shape)
+    model = model_with_random_grads(cfgs["AdamW"], world_size)
     opts = {name: build_optimizer([model], c) for name, c in cfgs.items()}
     times: dict[str, list[float]] = {name: [] for name in opts}
     for opt in opts.values():
