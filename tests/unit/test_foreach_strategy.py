@@ -21,12 +21,18 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from tools.planner.measure import forget_sharding_caches
 from trainer.optim import foreach_strategy
 
-pytestmark = [
-    pytest.mark.unit,
-    pytest.mark.skipif(
-        not foreach_strategy.supported(), reason="this torch's DTensor propagation is not torch 2.13's form"
-    ),
-]
+pytestmark = pytest.mark.unit
+needs_it = pytest.mark.skipif(
+    not foreach_strategy.supported(), reason="this torch's DTensor propagation is not torch 2.13's form"
+)
+
+
+def test_the_pinned_torch_gets_it():
+    """The skip below is for other torch versions only: on the torch this project pins, both
+    functions have the form the module wraps."""
+    if torch.__version__.split("+")[0].startswith("2.13."):
+        assert foreach_strategy.supported()
+
 
 DIM = 8
 
@@ -100,6 +106,7 @@ def _first_step(mesh, n_blocks: int, memo: bool) -> dict:
     return dict(before=before, after=after, placements=placements, expansions=expansions[0], stats=stats)
 
 
+@needs_it
 def test_the_update_is_bitwise_and_expansions_stop_growing_with_the_blocks(mesh):
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -124,7 +131,16 @@ def test_the_update_is_bitwise_and_expansions_stop_growing_with_the_blocks(mesh)
     assert memo_4["stats"]["misses"] == memo_4["expansions"] and memo_4["stats"]["hits"] > 0
 
 
-def test_switched_off_by_the_environment(monkeypatch):
+@pytest.fixture
+def torch_as_is():
+    """An earlier test in this process may have built an optimizer, which installed it."""
+    foreach_strategy.uninstall()
+    yield
+    foreach_strategy.uninstall()
+
+
+@needs_it
+def test_switched_off_by_the_environment(monkeypatch, torch_as_is):
     monkeypatch.setenv(foreach_strategy.ENV, "0")
     assert foreach_strategy.install() is False
     from torch.distributed.tensor._ops import utils
@@ -161,6 +177,7 @@ def _specs(strategy) -> list:
     return out
 
 
+@needs_it
 @pytest.mark.parametrize("arg_flags", [(False, False), (True, False), (False, None), (None, None)])
 def test_the_strided_flag_is_torchs_and_the_memos_specs_stay_as_expanded(mesh, arg_flags):
     """The flag fix-up (worked out once per op, on copies) leaves every spec as torch's own
@@ -191,7 +208,8 @@ def test_the_strided_flag_is_torchs_and_the_memos_specs_stay_as_expanded(mesh, a
     assert (_specs(torch_side) != _specs(_strategy(mesh, True))) == (arg_flags[0] is False)
 
 
-def test_another_torchs_fix_up_leaves_torch_as_it_is(monkeypatch):
+@needs_it
+def test_another_torchs_fix_up_leaves_torch_as_it_is(monkeypatch, torch_as_is):
     """A torch whose flag fix-up has another form (one the memo's shared OpSpecs could be edited
     by) gets neither change."""
     from torch.distributed.tensor import _sharding_prop

@@ -189,6 +189,8 @@ def _takes(fn, names: list[str], prefix: bool = False) -> bool:
 def supported() -> bool:
     """This torch has both functions in torch 2.13's form (only the pair: the memo shares OpSpecs,
     which another torch's fix-up might edit in place)."""
+    if _state["original"] is not None:  # installed: torch's own were checked then
+        return True
     utils, prop = _utils(), _sharding_prop()
     return _takes(
         getattr(utils, "expand_to_full_mesh_op_strategy", None),
